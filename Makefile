@@ -1,0 +1,36 @@
+# Two commands, each usable on a fresh clone with only Python 3.10+ installed:
+#   make tour   set up .venv and run the chapter tour (writes ./selfattn-report)
+#   make test   set up .venv with the dev extras and run the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned here (users of the library bring their own; pyproject keeps a range).
+TORCH := torch==2.13.0
+
+.PHONY: tour test bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+
+$(VENV)/.tour-installed: $(VENV)/bin/python pyproject.toml
+	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -e '.[plot]'
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/bin/python pyproject.toml
+	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -e '.[dev]'
+	touch $@
+
+tour: $(VENV)/.tour-installed
+	$(VENV)/bin/selfattn tour
+
+test: $(VENV)/.dev-installed
+	$(PY) -m pytest -n 2
+
+bench: $(VENV)/.dev-installed
+	$(PY) benchmarks/attention.py
+
+clean:
+	rm -rf $(VENV) selfattn-report .pytest_cache

@@ -1,0 +1,1 @@
+"""Command-line interface: one module per subcommand, dispatched by :func:`selfattn.cli.main.main`."""

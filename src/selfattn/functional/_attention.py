@@ -1,0 +1,178 @@
+"""Scaled dot-product attention: a fused path and an explicit path that agree.
+
+Shape legend:
+    b: batch size, h: number of heads, lq: queries, lk: keys, d: head size, dv: value size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from selfattn._validation import require_probability
+
+__all__ = ["attention", "attention_weights", "causal_mask", "valid_lens_mask"]
+
+
+def causal_mask(num_queries: int, num_keys: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean ``(lq, lk)`` mask, True where query ``i`` may attend key ``j``.
+
+    The queries are taken to be the *last* ``lq`` positions of the ``lk`` keys (lower-right
+    alignment), so query ``i`` sees keys ``j <= i + lk - lq``. With ``lq == lk`` this is the
+    usual lower-triangular mask; with fewer queries than keys (decoding against cached keys)
+    the newest query sees every key.
+    """
+    rows = torch.arange(num_queries, device=device).unsqueeze(-1)  # (lq, 1)
+    cols = torch.arange(num_keys, device=device)  # (lk,)
+    return cols <= rows + (num_keys - num_queries)
+
+
+def valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Boolean mask from the chapter's ``valid_lens``: key ``j`` is visible iff ``j < valid_len``.
+
+    Args:
+        valid_lens: ``(b,)`` one length per sequence, or ``(b, lq)`` one per query.
+        num_keys: ``lk``.
+
+    Returns:
+        ``(b, 1, 1, lk)`` for ``(b,)`` lengths, ``(b, 1, lq, lk)`` for ``(b, lq)`` lengths.
+    """
+    keys = torch.arange(num_keys, device=valid_lens.device)
+    if valid_lens.dim() == 1:
+        return (keys < valid_lens[:, None])[:, None, None, :]  # (b, 1, 1, lk)
+    return (keys < valid_lens[..., None])[:, None, :, :]  # (b, 1, lq, lk)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            raise ValueError(f"{name} must be a tensor of shape (..., length, features), got {getattr(t, 'shape', t)!r}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share their last dimension, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same number of keys, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    fused: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, bool, float]:
+    """Validate, fold ``causal`` into ``mask`` unless the fused kernel can take it, and free empty rows.
+
+    Returns ``(mask, empty_rows, use_is_causal, scale)``; ``empty_rows`` is a bool
+    ``(..., lq, 1)`` of the queries that see no key, or None when there are none.
+    """
+    _check_shapes(q, k, v)
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+        raise ValueError(f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+    use_is_causal = fused and causal and mask is None and bias is None and num_queries == num_keys
+    if causal and not use_is_causal:
+        lower_right = causal_mask(num_queries, num_keys, device=q.device)  # (lq, lk)
+        mask = lower_right if mask is None else mask & lower_right
+
+    # Rows with no visible key: let them see every key (so softmax stays finite in the forward
+    # and the backward pass), and zero their output and weights afterwards.
+    empty_rows = None
+    if mask is not None:
+        empty_rows = ~mask.any(dim=-1, keepdim=True)  # (..., lq, 1)
+        if bool(empty_rows.any()):
+            mask = mask | empty_rows
+        else:
+            empty_rows = None
+    return mask, empty_rows, use_is_causal, scale
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The weights ``softmax(q k^T * scale + bias)``, ``(b, h, lq, lk)``; see :func:`attention`.
+
+    Rows whose keys are all masked are zeros.
+    """
+    mask, empty_rows, _, scale = _prepare(q, k, k, mask, bias, causal, scale, fused=False)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (b, h, lq, lk)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return weights if empty_rows is None else weights.masked_fill(empty_rows, 0.0)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention ``softmax(q k^T * scale + bias) v`` with masking.
+
+    Without ``return_weights`` this calls ``torch.nn.functional.scaled_dot_product_attention``
+    (fused kernels; O(lq + lk) memory when no dense mask or bias is given); with it, an explicit
+    matmul-softmax-matmul that also returns the weights. Both paths give the same result.
+
+    A query that may attend to no key (every key masked) gets an output row of zeros and
+    weights of zeros. The textbook instead spreads it uniformly over the masked keys, and a
+    plain softmax gives NaN; neither is an answer anyone asked for.
+
+    Note: ``dropout_p > 0`` makes the fused kernel fall back to PyTorch's O(lq * lk)-memory
+    math path.
+
+    Args:
+        q: ``(b, h, lq, d)`` queries (any leading dimensions are allowed).
+        k: ``(b, h, lk, d)`` keys.
+        v: ``(b, h, lk, dv)`` values.
+        mask: bool, True = attend, broadcastable to ``(b, h, lq, lk)``.
+        bias: float, broadcastable to ``(b, h, lq, lk)``, added to the *scaled* scores.
+        causal: query ``i`` attends keys ``j <= i + lk - lq`` (lower-right aligned, see
+            :func:`causal_mask`).
+        dropout_p: dropout on the attention weights; pass 0 in evaluation.
+        scale: score scale, default ``1 / sqrt(d)``.
+        return_weights: also return the ``(b, h, lq, lk)`` weights (before dropout).
+
+    Returns:
+        ``(b, h, lq, dv)`` output, or ``(output, weights)``.
+    """
+    dropout_p = require_probability("dropout_p", dropout_p)
+    if return_weights:
+        _check_shapes(q, k, v)
+        weights = attention_weights(q, k, mask=mask, bias=bias, causal=causal, scale=scale)
+        dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+        return torch.matmul(dropped, v), weights  # (b, h, lq, dv), (b, h, lq, lk)
+
+    mask, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)
+    attn_mask = mask
+    if bias is not None:
+        bias = bias.to(q.dtype)
+        attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale
+    )
+    return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)

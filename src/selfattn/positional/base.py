@@ -1,0 +1,82 @@
+"""Where a positional encoding acts: the three kinds every encoding belongs to.
+
+* :class:`InputEncoding` is added to the token representations before attention
+  (sinusoidal, learned). Call it on the input: ``x = encoding(x, offset=...)``.
+* :class:`QueryKeyEncoding` transforms the per-head queries and keys at their positions
+  (rotary). :class:`~selfattn.MultiHeadAttention` applies it when given as ``position=``.
+* :class:`ScoreEncoding` adds a term to the attention scores, and possibly to the values
+  (ALiBi, T5, Shaw). :class:`~selfattn.MultiHeadAttention` applies it when given as ``position=``.
+
+Positions are absolute integer positions, ``(l,)`` int64 tensors. In self-attention the
+queries are the last ``lq`` of the ``lk`` keys, so with ``offset`` the position of the first
+query, key ``j`` sits at ``offset + lq - lk + j``.
+
+Shape legend: b batch, h heads, lq queries, lk keys, dh head size, d model size.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["InputEncoding", "PositionalEncoding", "QueryKeyEncoding", "ScoreEncoding"]
+
+
+class PositionalEncoding(nn.Module):
+    """Base class of every encoding.
+
+    Attributes:
+        acts_on: ``"input"``, ``"query_key"`` or ``"scores"``.
+        is_relative: True when attention outputs do not change if every position shifts by
+            the same amount (rotary and every score term); False for absolute encodings.
+    """
+
+    acts_on: ClassVar[Literal["input", "query_key", "scores"]]
+    is_relative: ClassVar[bool]
+
+
+class InputEncoding(PositionalEncoding):
+    """Added to the input: ``forward(x, offset=0)`` with x ``(..., l, d)`` returns ``(..., l, d)``."""
+
+    acts_on = "input"
+    is_relative = False
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class QueryKeyEncoding(PositionalEncoding):
+    """Applied to queries and keys: ``forward(x, positions)`` with x ``(b, h, l, dh)``, positions ``(l,)``."""
+
+    acts_on = "query_key"
+    is_relative = True
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class ScoreEncoding(PositionalEncoding):
+    """A term in the attention scores, and optionally in the values.
+
+    ``forward(q, *, q_positions, k_positions)`` returns a float bias broadcastable to
+    ``(b, h, lq, lk)`` that is added to the *scaled* scores (it may depend on the queries, as
+    Shaw's key term does). Encodings that also add to the values set ``uses_weights = True``
+    and implement :meth:`value_term`; attention then takes its explicit path.
+    """
+
+    acts_on = "scores"
+    is_relative = True
+    uses_weights: ClassVar[bool] = False
+
+    def forward(
+        self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def value_term(
+        self, weights: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> torch.Tensor:
+        """``(b, h, lq, dh)`` added to the attention output, from the ``(b, h, lq, lk)`` weights."""
+        raise NotImplementedError(f"{type(self).__name__} adds nothing to the values")

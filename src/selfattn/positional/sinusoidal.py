@@ -1,0 +1,73 @@
+"""The chapter's fixed sinusoidal encoding, added to the input."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from selfattn._validation import require_floating, require_non_negative_int, require_positive_int, require_probability
+from selfattn.functional import sinusoidal_table
+from selfattn.positional.base import InputEncoding
+
+__all__ = ["SinusoidalPositionalEncoding"]
+
+
+class SinusoidalPositionalEncoding(InputEncoding):
+    """``dropout(X + P[offset : offset + l])`` with the chapter's table ``P``.
+
+    Unlike the textbook's class, ``max_len`` is only the size of the table built up front:
+    longer sequences and any ``offset`` work (the table grows, or far-away rows are computed on
+    demand). ``P`` is a non-persistent buffer, so it follows ``.to()`` and stays out of the
+    ``state_dict``; the output has the input's dtype.
+
+    Args:
+        num_hiddens: model size ``d`` (odd sizes work).
+        dropout: dropout probability on the sum.
+        max_len: rows to build up front.
+        base: the 10000 of the formula.
+
+    Shape:
+        X ``(..., l, d)`` -> ``(..., l, d)``.
+    """
+
+    P: torch.Tensor
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *, base: float = 10000.0):
+        super().__init__()
+        self.num_hiddens = require_positive_int("num_hiddens", num_hiddens)
+        self.max_len = require_positive_int("max_len", max_len)
+        self.base = float(base)
+        self.dropout = nn.Dropout(require_probability("dropout", dropout))
+        # (1, max_len, d), as in the chapter, so `pe.P[0, :n, 6:10]` reads the same.
+        self.register_buffer("P", sinusoidal_table(self.max_len, self.num_hiddens, base=self.base)[None], persistent=False)
+
+    def _build_table(self, num_positions: int) -> None:
+        """(Re)build the cached ``P`` with ``num_positions`` rows, keeping its device and dtype."""
+        self.P = sinusoidal_table(
+            num_positions, self.num_hiddens, base=self.base, dtype=self.P.dtype, device=self.P.device
+        )[None]
+
+    def table(self, num_positions: int, offset: int = 0) -> torch.Tensor:
+        """Rows ``offset .. offset + num_positions - 1`` of ``P``, ``(num_positions, d)``."""
+        num_positions = require_positive_int("num_positions", num_positions)
+        offset = require_non_negative_int("offset", offset)
+        end, cached = offset + num_positions, self.P.shape[1]
+        if cached < end and offset <= cached:
+            # A longer sequence than seen so far: grow geometrically so growth is amortized.
+            self._build_table(max(end, 2 * cached))
+        if end <= self.P.shape[1]:
+            return self.P[0, offset:end]
+        # Far past the cache (decoding at a large offset): compute just these rows.
+        return sinusoidal_table(
+            num_positions, self.num_hiddens, base=self.base, offset=offset, dtype=self.P.dtype, device=self.P.device
+        )
+
+    def forward(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        require_floating("X", X)
+        if X.dim() < 2 or X.shape[-1] != self.num_hiddens:
+            raise ValueError(f"X must have shape (..., length, {self.num_hiddens}), got {tuple(X.shape)}")
+        rows = self.table(X.shape[-2], offset)  # (l, d)
+        return self.dropout(X + rows.to(X.dtype))
+
+    def extra_repr(self) -> str:
+        return f"num_hiddens={self.num_hiddens}, max_len={self.max_len}, base={self.base:g}"

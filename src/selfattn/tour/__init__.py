@@ -1,0 +1,1 @@
+"""The chapter, reproduced and checked: each section computes its numbers, renderers show them."""
