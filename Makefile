@@ -11,7 +11,6 @@ TORCH := torch==2.13.0
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 
 $(VENV)/.tour-installed: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install $(TORCH)
