@@ -92,6 +92,8 @@ def test_module_buffer_is_non_persistent_and_moves():
     assert pe.state_dict() == {}
     pe.to(torch.float64)
     assert pe.P.dtype == torch.float64
+    # Rebuilt in float64, not the float32 table upcast (which is ~1e-8 off).
+    np.testing.assert_allclose(pe.P[0].numpy(), sinusoidal_numpy(np.arange(16), 8), atol=1e-15)
     pe(torch.zeros(1, 40, 8, dtype=torch.float64))  # growth keeps the moved dtype
     assert pe.P.dtype == torch.float64 and pe.P.shape[1] >= 40
 

@@ -1,13 +1,22 @@
 """Pure functions: attention and the tables that positional encodings are built from."""
 
 from selfattn.functional._attention import attention, attention_weights, causal_mask, valid_lens_mask
+from selfattn.functional._relative import alibi_slopes, relative_distances, relative_shift, t5_relative_bucket
+from selfattn.functional._rotary import apply_rotary, rotary_angles, rotary_frequencies
 from selfattn.functional._sinusoidal import sinusoidal_frequencies, sinusoidal_table
 
 __all__ = [
+    "alibi_slopes",
+    "apply_rotary",
     "attention",
     "attention_weights",
     "causal_mask",
+    "relative_distances",
+    "relative_shift",
+    "rotary_angles",
+    "rotary_frequencies",
     "sinusoidal_frequencies",
     "sinusoidal_table",
+    "t5_relative_bucket",
     "valid_lens_mask",
 ]

@@ -1,12 +1,44 @@
-"""Positional encodings, grouped by where they act (see :mod:`selfattn.positional.base`)."""
+"""Positional encodings, grouped by where they act (see :mod:`selfattn.positional.base`).
 
+* added to the input: :class:`SinusoidalPositionalEncoding`, :class:`LearnedPositionalEncoding`,
+  :class:`SinusoidalPositionalEncoding2D` / ``3D`` / ``ND``, :class:`NoPositionalEncoding`;
+* rotating queries and keys: :class:`RotaryPositionalEncoding`;
+* terms in the attention scores: :class:`ALiBiPositionalBias`, :class:`T5RelativePositionBias`,
+  :class:`ShawRelativePositionEncoding` (which also adds a term to the values).
+
+:func:`build` makes any of them by name (:data:`NAMES`) from the model size and head count.
+"""
+
+from selfattn.positional.alibi import ALiBiPositionalBias
 from selfattn.positional.base import InputEncoding, PositionalEncoding, QueryKeyEncoding, ScoreEncoding
+from selfattn.positional.identity import NoPositionalEncoding
+from selfattn.positional.learned import LearnedPositionalEncoding
+from selfattn.positional.registry import NAMES, build
+from selfattn.positional.rotary import RotaryPositionalEncoding
+from selfattn.positional.shaw import ShawRelativePositionEncoding
 from selfattn.positional.sinusoidal import SinusoidalPositionalEncoding
+from selfattn.positional.sinusoidal_nd import (
+    SinusoidalPositionalEncoding2D,
+    SinusoidalPositionalEncoding3D,
+    SinusoidalPositionalEncodingND,
+)
+from selfattn.positional.t5 import T5RelativePositionBias
 
 __all__ = [
+    "NAMES",
+    "ALiBiPositionalBias",
     "InputEncoding",
+    "LearnedPositionalEncoding",
+    "NoPositionalEncoding",
     "PositionalEncoding",
     "QueryKeyEncoding",
+    "RotaryPositionalEncoding",
     "ScoreEncoding",
+    "ShawRelativePositionEncoding",
     "SinusoidalPositionalEncoding",
+    "SinusoidalPositionalEncoding2D",
+    "SinusoidalPositionalEncoding3D",
+    "SinusoidalPositionalEncodingND",
+    "T5RelativePositionBias",
+    "build",
 ]

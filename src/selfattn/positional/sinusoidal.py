@@ -47,6 +47,14 @@ class SinusoidalPositionalEncoding(InputEncoding):
             num_positions, self.num_hiddens, base=self.base, dtype=self.P.dtype, device=self.P.device
         )[None]
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # A dtype cast would round the float32 table; rebuild it from float64 angles instead.
+        dtype_before = self.P.dtype
+        super()._apply(fn, recurse)
+        if self.P.dtype != dtype_before:
+            self._build_table(self.P.shape[1])
+        return self
+
     def table(self, num_positions: int, offset: int = 0) -> torch.Tensor:
         """Rows ``offset .. offset + num_positions - 1`` of ``P``, ``(num_positions, d)``."""
         num_positions = require_positive_int("num_positions", num_positions)

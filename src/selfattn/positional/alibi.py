@@ -1,0 +1,63 @@
+"""ALiBi (Press et al. 2022): a per-head linear penalty on the distance between query and key."""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn._validation import require_positive_int
+from selfattn.functional import alibi_slopes, relative_distances
+from selfattn.positional._tables import KeepsTablePrecision
+from selfattn.positional.base import ScoreEncoding
+
+__all__ = ["ALiBiPositionalBias"]
+
+
+class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
+    """Adds ``-m_h * (i - j)`` (causal) or ``-m_h * |i - j|`` (bidirectional) to the scores.
+
+    ``i`` is the query's position, ``j`` the key's, ``m_h`` the fixed slope of head ``h``
+    (:func:`~selfattn.functional.alibi_slopes`). The bias is not scaled by ``1 / sqrt(dh)``.
+    In the causal form keys in the future get a positive bias, which does not matter because
+    causal attention masks them; use ``causal=False`` whenever attention may look ahead.
+    Nothing is learned, and it goes to the fused attention kernel as a float mask.
+
+    The slopes are a float64 non-persistent buffer that follows ``.to(device)`` but not
+    ``.to(dtype)``; the bias is computed in float32 (float64 for float64 queries) and
+    returned in the queries' dtype.
+
+    Args:
+        num_heads: number of heads ``h``.
+        causal: ``-m (i - j)`` if True, ``-m |i - j|`` if False.
+
+    Shape:
+        bias ``(1, h, lq, lk)``.
+    """
+
+    exact_tables = ("slopes",)
+    slopes: torch.Tensor
+
+    def __init__(self, num_heads: int, causal: bool = True):
+        super().__init__()
+        self.num_heads = require_positive_int("num_heads", num_heads)
+        self.causal = bool(causal)
+        self.register_buffer("slopes", torch.empty(0, dtype=torch.float64), persistent=False)
+        self._build_tables()
+
+    def _build_tables(self) -> None:
+        """(Re)compute the ``(h,)`` slopes in float64 on the buffer's device."""
+        self.slopes = alibi_slopes(self.num_heads).to(self.slopes.device)
+
+    def forward(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        if q.dim() != 4 or q.shape[1] != self.num_heads:
+            raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # Integer differences first: the bias is then exactly the same under any shift of positions.
+        distance = -relative_distances(q_positions, k_positions)  # (lq, lk): i - j
+        if not self.causal:
+            distance = distance.abs()
+        slopes = self.slopes.to(compute_dtype)[:, None, None]  # (h, 1, 1)
+        bias = -slopes * distance.to(compute_dtype)  # (h, lq, lk)
+        return bias.to(q.dtype)[None]  # (1, h, lq, lk)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, causal={self.causal}"
