@@ -25,7 +25,10 @@ $(VENV)/.dev-installed: $(VENV)/bin/python pyproject.toml
 tour: $(VENV)/.tour-installed
 	$(VENV)/bin/selfattn tour
 
+# The report test opens the tour's HTML in headless Chromium (Debian package `chromium`).
 test: $(VENV)/.dev-installed
+	@command -v chromium >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
+		|| echo "warning: could not install chromium; tests/test_report_browser.py fails under CI=true"
 	$(PY) -m pytest -n 2
 
 bench: $(VENV)/.dev-installed

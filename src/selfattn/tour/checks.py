@@ -1,18 +1,31 @@
-"""Numerical checks of the chapter's claims; each returns plain numbers for the report.
+"""Numerical checks of the chapter's cells and claims; each returns plain numbers or arrays.
 
-Shape legend: n positions, d columns of P.
+Sections 1 (self-attention), 2 (permutation), 4 (the table P) and 6 (relative positions).
+Shape legend: b batch, h heads, n positions, d columns of P (or model size).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from selfattn.attention import MultiHeadAttention
 from selfattn.functional import sinusoidal_frequencies, sinusoidal_table
+from selfattn.tour._common import seeded
 
-__all__ = ["binary_representations", "rotation_max_error", "self_attention_shape", "table_columns"]
+__all__ = [
+    "binary_representations",
+    "bit_matrix",
+    "column_periods",
+    "masked_attention_weights",
+    "offset_similarity",
+    "permutation_check",
+    "rotation_max_error",
+    "self_attention_shape",
+    "table_columns",
+]
 
 
 def self_attention_shape(
@@ -28,15 +41,81 @@ def self_attention_shape(
     return {"shape": list(shape), "expected": list(expected), "ok": shape == expected}
 
 
+def masked_attention_weights(
+    num_hiddens: int = 16, num_heads: int = 2, num_steps: int = 8, valid_lens: tuple[int, ...] = (5, 3), seed: int = 0
+) -> dict[str, object]:
+    """Self-attention weights of a small random input with the chapter's ``valid_lens``.
+
+    Returns the ``(b, h, n, n)`` weights, the largest weight on a masked key (0 when masking
+    works) and the largest deviation of a row sum from 1.
+    """
+    with seeded(seed):
+        mha = MultiHeadAttention(num_hiddens, num_heads).eval()
+        X = torch.randn(len(valid_lens), num_steps, num_hiddens)
+    lens = torch.tensor(valid_lens)
+    with torch.no_grad():
+        _, weights = mha(X, X, X, lens, return_weights=True)  # (b, h, n, n)
+    masked = torch.arange(num_steps)[None, :] >= lens[:, None]  # (b, n): key j is padding
+    masked_weights = weights.masked_select(masked[:, None, None, :].expand_as(weights))
+    return {
+        "weights": weights.numpy(),
+        "valid_lens": list(valid_lens),
+        "masked_weight_max": float(masked_weights.abs().max()) if masked_weights.numel() else 0.0,
+        "row_sum_error": float((weights.sum(-1) - 1).abs().max()),
+    }
+
+
+def permutation_check(
+    num_hiddens: int = 32, num_heads: int = 4, num_steps: int = 10, seed: int = 0
+) -> dict[str, object]:
+    """Self-attention commutes with permuting the tokens, until P is added to the input.
+
+    Computed in float64. ``without_pe_error`` is ``max |f(X)[perm] - f(X[perm])|`` for plain
+    self-attention f (rounding only); ``with_pe_change`` is the same for ``f(X + P)``, where
+    the permuted tokens meet different rows of P.
+    """
+    with seeded(seed):
+        mha = MultiHeadAttention(num_hiddens, num_heads).double().eval()
+        X = torch.randn(1, num_steps, num_hiddens, dtype=torch.float64)
+        perm = torch.randperm(num_steps)
+    P = sinusoidal_table(num_steps, num_hiddens, dtype=torch.float64)  # (n, d)
+
+    def attend(Z: torch.Tensor) -> torch.Tensor:
+        return mha(Z, Z, Z)
+
+    with torch.no_grad():
+        without = (attend(X)[:, perm] - attend(X[:, perm])).abs().max()
+        with_pe = attend(X + P)
+        with_change = (with_pe[:, perm] - attend(X[:, perm] + P)).abs().max()
+    return {
+        "num_steps": num_steps,
+        "permutation": perm.tolist(),
+        "without_pe_error": float(without),
+        "with_pe_change": float(with_change),
+        "output_scale": float(with_pe.abs().max()),
+    }
+
+
 def table_columns(num_positions: int = 60, num_hiddens: int = 32, columns: tuple[int, ...] = (6, 7, 8, 9)):
     """Columns of P as in the chapter's plot: ``(n, len(columns))``."""
     return sinusoidal_table(num_positions, num_hiddens)[:, list(columns)]
+
+
+def column_periods(num_hiddens: int = 32, columns: tuple[int, ...] = (6, 7, 8, 9)) -> list[float]:
+    """Period in positions of each column: ``2 pi / w_j`` for columns ``2j`` and ``2j + 1``."""
+    freqs = sinusoidal_frequencies(num_hiddens)
+    return [float(2 * math.pi / freqs[c // 2]) for c in columns]
 
 
 def binary_representations(count: int = 8) -> list[str]:
     """``i`` in binary for ``i < count``, padded to a common width."""
     width = max(1, math.ceil(math.log2(count)))
     return [f"{i:0{width}b}" for i in range(count)]
+
+
+def bit_matrix(count: int = 8) -> np.ndarray:
+    """The bits of ``0 .. count - 1`` as a ``(count, width)`` 0/1 array, highest bit first."""
+    return np.array([[int(bit) for bit in bits] for bits in binary_representations(count)])
 
 
 def rotation_max_error(num_positions: int = 60, num_hiddens: int = 32, max_delta: int = 60) -> float:
@@ -59,3 +138,28 @@ def rotation_max_error(num_positions: int = 60, num_hiddens: int = 32, max_delta
         err = torch.maximum((rotated_sin - sines[i + delta]).abs(), (rotated_cos - cosines[i + delta]).abs())
         worst = max(worst, float(err.max()))
     return worst
+
+
+def offset_similarity(
+    num_hiddens: int = 32, starts: tuple[int, ...] = (0, 10, 25, 50), max_delta: int = 60
+) -> dict[str, object]:
+    """``P[i] . P[i + delta]`` for several starting positions i, against delta.
+
+    For even d it equals ``sum_j cos(delta w_j)`` whatever i is: ``spread`` is the largest
+    difference between starting positions at one delta, ``closed_form_error`` the largest
+    distance to that sum (both rounding only). Computed in float64.
+    """
+    table = sinusoidal_table(max(starts) + max_delta + 1, num_hiddens, dtype=torch.float64)  # (n, d)
+    deltas = torch.arange(max_delta + 1)
+    curves = torch.stack([table[start + deltas] @ table[start] for start in starts])  # (starts, D + 1)
+    freqs = sinusoidal_frequencies(num_hiddens)[: num_hiddens // 2]
+    closed_form = torch.cos(torch.outer(deltas.double(), freqs)).sum(-1)  # (D + 1,)
+    result: dict[str, object] = {
+        "deltas": deltas.tolist(),
+        "starts": list(starts),
+        "similarity": curves.numpy(),
+        "spread": float((curves.max(0).values - curves.min(0).values).max()),
+    }
+    if num_hiddens % 2 == 0:
+        result["closed_form_error"] = float((curves - closed_form).abs().max())
+    return result

@@ -1,0 +1,91 @@
+"""Argument types and the one-line-error parser shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+__all__ = [
+    "ExamplesFormatter",
+    "OneLineErrorParser",
+    "kind_names",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "require_output",
+    "stderr_line",
+]
+
+
+class ExamplesFormatter(argparse.HelpFormatter):
+    """Wraps descriptions to the terminal but keeps an ``examples:`` epilog line by line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are a single line on stderr (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def kind_names() -> tuple[str, ...]:
+    """Encodings :func:`selfattn.positional.build` knows; just the chapter's while the registry is absent."""
+    try:
+        from selfattn.positional import NAMES
+    except ImportError:
+        return ("sinusoidal",)
+    return tuple(NAMES)
+
+
+def stderr_line(message: str) -> None:
+    """Print one line to stderr (newlines in the message are folded)."""
+    print(" ".join(str(message).split()), file=sys.stderr)
+
+
+def require_output(flag: str, path: Path, suffixes: tuple[str, ...]) -> Path:
+    """Check an output path before any work: a known extension and an existing folder."""
+    if path.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} must end in {' or '.join(suffixes)}, got {str(path)!r}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {str(path)!r}: the folder {str(folder)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a folder, not a file")
+    return path

@@ -1,0 +1,78 @@
+"""``selfattn encode``: write a positional encoding's table to .npy, .csv or .pt."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from selfattn.cli._args import (
+    ExamplesFormatter,
+    kind_names,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    require_output,
+)
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_FORMATS = (".npy", ".csv", ".pt")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "encode",
+        help="write an encoding's table (P, rotated heads or biases) to a file",
+        description=(
+            "Write what an encoding contributes at positions OFFSET .. OFFSET+N-1: for encodings added to the input "
+            "the rows of P (N, D); for rotary an all-ones head after rotation (N, D/HEADS); for score encodings "
+            "(alibi, t5, shaw) the bias of every head (HEADS, N, N). The format follows the extension of -o: "
+            ".npy (numpy.save), .csv (2-D tables only) or .pt (torch.save)."
+        ),
+        epilog="examples:\n  selfattn encode --kind sinusoidal -n 60 -d 32 -o P.npy\n"
+        "  selfattn encode --kind sinusoidal -n 8 -d 6 --offset 1000 --base 100 --dtype float64 -o P.csv\n"
+        "  selfattn encode --kind alibi -n 16 -d 32 --heads 8 -o alibi.pt",
+        formatter_class=ExamplesFormatter,
+    )
+    parser.add_argument("--kind", choices=kind_names(), default="sinusoidal", help="the encoding (default: sinusoidal)")
+    parser.add_argument("-n", "--num-steps", type=positive_int, default=60, metavar="N", help="positions (default 60)")
+    parser.add_argument(
+        "-d", "--num-hiddens", type=positive_int, default=32, metavar="D", help="model size (default 32)"
+    )
+    parser.add_argument("--heads", type=positive_int, default=1, help="attention heads (default 1)")
+    parser.add_argument("--offset", type=non_negative_int, default=0, help="position of the first row (default 0)")
+    parser.add_argument("--base", type=positive_float, default=None, help="the 10000 of sinusoidal and rotary")
+    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32", help="default float32")
+    parser.add_argument(
+        "-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.npy, FILE.csv or FILE.pt"
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from selfattn.tour.family import encoding_table
+
+    suffix = require_output("--output", args.output, _FORMATS).suffix.lower()
+    options = {} if args.base is None else {"base": args.base}
+    table = encoding_table(
+        args.kind,
+        num_steps=args.num_steps,
+        num_hiddens=args.num_hiddens,
+        num_heads=args.heads,
+        offset=args.offset,
+        dtype=_DTYPES[args.dtype],
+        **options,
+    )
+    if suffix == ".csv" and table.dim() != 2:
+        raise ValueError(f"CSV holds 2-D tables; {args.kind} gives a {tuple(table.shape)} array: use .npy or .pt")
+    if suffix == ".npy":
+        np.save(args.output, table.numpy())
+    elif suffix == ".csv":
+        np.savetxt(args.output, table.numpy(), delimiter=",", fmt="%.17g" if args.dtype == "float64" else "%.9g")
+    else:
+        with open(args.output, "wb") as file:  # an unwritable path raises OSError here, not deep in torch.save
+            torch.save(table, file)
+    print(f"wrote {args.kind} {tuple(table.shape)} {args.dtype} to {args.output}")
+    return 0

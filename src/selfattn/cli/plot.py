@@ -1,0 +1,115 @@
+"""``selfattn plot``: one of the tour's figures for any encoding and size."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from selfattn.cli._args import ExamplesFormatter, kind_names, positive_int, require_output
+
+FIGURES = ("panel", "scores", "similarity", "attention", "table", "columns")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plot",
+        help="draw a figure of the tour for any encoding and size",
+        description=(
+            "Draw one figure for the encoding KIND on N positions with model size D and HEADS heads. "
+            "Figures: panel (the tour's section 7 row: the three below side by side); scores (the attention score "
+            "positions alone contribute); similarity (that score against the offset between key and query); "
+            "attention (a self-attention layer's weights on one random input); table (what the encoding adds: "
+            "the rows of P, rotated heads or each head's bias); columns (chosen columns of P against the position, "
+            "the chapter's plot; encodings added to the input only). The format follows the extension: .png or .svg."
+        ),
+        epilog="examples:\n  selfattn plot --kind sinusoidal --figure columns -n 60 -d 32 --columns 6 7 8 9 -o cols.png\n"
+        "  selfattn plot --kind sinusoidal --figure table -n 60 -d 32 -o P.svg\n"
+        "  selfattn plot --kind alibi --figure panel -n 32 -d 64 --heads 8 -o alibi.png",
+        formatter_class=ExamplesFormatter,
+    )
+    parser.add_argument("--kind", choices=kind_names(), default="sinusoidal", help="the encoding (default: sinusoidal)")
+    parser.add_argument("--figure", choices=FIGURES, default="panel", help="which figure (default: panel)")
+    parser.add_argument("-n", "--num-steps", type=positive_int, default=32, metavar="N", help="positions (default 32)")
+    parser.add_argument(
+        "-d", "--num-hiddens", type=positive_int, default=32, metavar="D", help="model size (default 32)"
+    )
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
+    parser.add_argument(
+        "--columns",
+        type=int,
+        nargs="+",
+        default=[6, 7, 8, 9],
+        metavar="C",
+        help="columns for --figure columns (default 6 7 8 9)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="FILE.png or FILE.svg (default: KIND-FIGURE.png)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def _draw(args: argparse.Namespace):
+    from selfattn.tour import figures
+    from selfattn.tour.family import encoding_diagnostics, encoding_table
+
+    n, d, heads = args.num_steps, args.num_hiddens, args.heads
+    if args.figure in ("table", "columns"):
+        table = encoding_table(args.kind, num_steps=n, num_hiddens=d, num_heads=heads).numpy()
+        if args.figure == "columns":
+            if table.ndim != 2 or table.shape[1] != d:
+                raise ValueError(f"--figure columns needs an encoding added to the input; {args.kind} is not")
+            bad = [c for c in args.columns if not 0 <= c < d]
+            if bad:
+                raise ValueError(f"--columns must lie in [0, {d - 1}] for -d {d}, got {bad}")
+            return figures.pe_columns_figure(table[:, args.columns], args.columns)
+        if table.ndim == 3:  # one bias per head: show the first
+            return figures.heatmap_figure(
+                table[0],
+                title=f"{args.kind}: bias of head 0",
+                xlabel="Key position",
+                ylabel="Query position",
+                colorbar="bias",
+            )
+        xlabel = "Column (encoding dimension)" if table.shape[1] == d else "Feature of a rotated head"
+        return figures.heatmap_figure(
+            table, title=f"{args.kind}: n={n}, d={d}", xlabel=xlabel, ylabel="Row (position)", colorbar="value"
+        )
+    diagnostics = encoding_diagnostics(args.kind, num_hiddens=d, num_heads=heads, num_steps=n)
+    if args.figure == "panel":
+        return figures.encoding_panel_figure(diagnostics)
+    if args.figure == "similarity":
+        return figures.profile_figure(diagnostics)
+    if args.figure == "scores":
+        return figures.heatmap_figure(
+            diagnostics["position_scores"],
+            title=f"{args.kind}: score from positions alone",
+            xlabel="Key position",
+            ylabel="Query position",
+            colorbar="score",
+        )
+    return figures.heatmap_figure(
+        diagnostics["attention"],
+        title=f"{args.kind}: attention on one input (head 0)",
+        xlabel="Key position",
+        ylabel="Query position",
+        colorbar="attention weight",
+        cmap="Blues",
+        symmetric=False,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    output = require_output("--output", args.output or Path(f"{args.kind}-{args.figure}.png"), (".png", ".svg"))
+    if args.num_hiddens % args.heads:
+        raise ValueError(f"-d {args.num_hiddens} is not divisible by --heads {args.heads}")
+    figure = _draw(args)
+    figure.savefig(output, dpi=110)
+    print(
+        f"wrote {args.figure} of {args.kind} (n={args.num_steps}, d={args.num_hiddens}, heads={args.heads}) to {output}"
+    )
+    return 0

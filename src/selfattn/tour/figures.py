@@ -1,0 +1,324 @@
+"""The tour's figures: each function draws numbers computed elsewhere and returns a Figure.
+
+Figures are built on :class:`matplotlib.figure.Figure` with the Agg canvas, never through
+``pyplot``, so nothing here touches a global backend or needs a display. matplotlib is an
+optional dependency (``pip install selfattn[plot]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("the figures need matplotlib: pip install 'selfattn[plot]'") from error
+
+__all__ = [
+    "absolute_figure",
+    "attention_weights_figure",
+    "comparison_figure",
+    "depth_figure",
+    "encoding_panel_figure",
+    "heatmap_figure",
+    "pe_columns_figure",
+    "pe_heatmap_figure",
+    "permutation_figure",
+    "profile_figure",
+    "relative_figure",
+    "save_figure",
+]
+
+_LAYER_STYLE = {
+    "cnn": ("CNN", "tab:blue", "o"),
+    "rnn": ("RNN", "tab:orange", "s"),
+    "self_attention": ("Self-attention", "tab:green", "^"),
+}
+
+
+def _figure(width: float, height: float, columns: int = 1, rows: int = 1):
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, columns, squeeze=False)
+    return fig, axes.ravel()
+
+
+def save_figure(fig: Figure, directory: Path | str, name: str) -> list[Path]:
+    """Write ``name.png`` and ``name.svg`` into ``directory``; returns both paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"{name}.png", directory / f"{name}.svg"]
+    fig.savefig(paths[0], dpi=110)
+    fig.savefig(paths[1])
+    return paths
+
+
+def _heatmap(
+    fig: Figure,
+    ax,
+    values: np.ndarray,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    cmap: str = "Blues",
+    colorbar: str | None = None,
+    symmetric: bool = False,
+    **imshow_options,
+) -> None:
+    values = np.asarray(values, dtype=float)
+    if symmetric:
+        bound = float(np.abs(values).max()) or 1.0
+        imshow_options.update(vmin=-bound, vmax=bound)
+    image = ax.imshow(values, cmap=cmap, aspect="auto", interpolation="nearest", **imshow_options)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label=colorbar, shrink=0.9)
+
+
+def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> Figure:
+    """Section 1: one heat map per sequence of the batch, masked keys at exactly 0."""
+    fig, axes = _figure(4.2 * len(valid_lens), 3.6, columns=len(valid_lens))
+    for ax, sequence, valid_len in zip(axes, weights, valid_lens):
+        _heatmap(
+            fig,
+            ax,
+            sequence[head],
+            xlabel="Key position",
+            ylabel="Query position",
+            title=f"valid_len = {valid_len} (head {head})",
+            colorbar="attention weight",
+            vmin=0.0,
+            vmax=1.0,
+        )
+        ax.axvline(valid_len - 0.5, color="tab:red", linestyle="--", linewidth=1.2, label="masked keys start")
+        ax.legend(loc="lower left", fontsize=8)
+    return fig
+
+
+def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure:
+    """Section 2: how far f(X[perm]) is from f(X)[perm], without and with P (log scale)."""
+    fig, (ax,) = _figure(6.4, 2.8)
+    labels = ["f = self-attention", "f = self-attention of X + P"]
+    values = [max(without_pe_error, 1e-18), with_pe_change]
+    bars = ax.barh(labels, values, color=["tab:green", "tab:orange"])
+    ax.set_xscale("log")
+    ax.set_xlabel("max |f(X)[perm] - f(X[perm])|")
+    ax.set_title("Permuting tokens permutes outputs, until P is added")
+    ax.bar_label(bars, labels=[f"{v:.1e}" for v in values], padding=3)
+    ax.set_xlim(1e-18, 10)
+    return fig
+
+
+def comparison_figure(results: dict) -> Figure:
+    """Section 3: measured FLOPs against n and d, path lengths and wall-clock time (log-log)."""
+    sweep = results["sweep"]
+    ns, ds = sweep["n"], sweep["d"]
+    fig, axes = _figure(10.5, 7.6, columns=2, rows=2)
+    panels = [
+        (axes[0], ns, "flops_by_n", "flops_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "FLOPs (counted)"),
+        (axes[1], ds, "flops_by_d", "flops_exponent_d", f"d (features), n = {sweep['fixed_n']}", "FLOPs (counted)"),
+        (axes[2], ns, "path_length_by_n", "path_length_exponent_n", "n (tokens)", "maximum path length (steps)"),
+        (axes[3], ns, "seconds_by_n", "time_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "forward time (s)"),
+    ]
+    for ax, xs, key, exponent_key, xlabel, ylabel in panels:
+        for kind, (label, colour, marker) in _LAYER_STYLE.items():
+            entry = results[kind]
+            ax.plot(xs, entry[key], marker=marker, color=colour, label=f"{label}: slope {entry[exponent_key]:.2f}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("Compute against n (attention: score and value matmuls)")
+    axes[1].set_title("Compute against d")
+    axes[2].set_title(f"Shortest path from input 1 to output n (CNN k = {sweep['fixed_k']})")
+    axes[3].set_title(f"Wall-clock time, 1 thread (slopes from n = {results['cnn']['time_fit_from_n']})")
+    return fig
+
+
+def pe_columns_figure(columns: np.ndarray, column_ids: Sequence[int], periods: Sequence[float] | None = None) -> Figure:
+    """Section 4: the chapter's plot of columns of P against the position."""
+    fig, (ax,) = _figure(7.0, 3.0)
+    positions = np.arange(columns.shape[0])
+    for index, column in enumerate(column_ids):
+        label = f"Col {column}" + ("" if periods is None else f" (period {periods[index]:.1f})")
+        ax.plot(positions, columns[:, index], label=label)
+    ax.set_xlabel("Row (position)")
+    ax.set_ylabel("P[row, col]")
+    ax.set_title("Columns of P: lower columns oscillate faster")
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    return fig
+
+
+def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figure:
+    """Section 4: the heat map of P, and the binary representations of 0..7 beside it."""
+    if bits is None:
+        fig, axes = _figure(4.6, 4.4)
+    else:
+        fig, axes = _figure(8.2, 4.4, columns=2)
+    _heatmap(
+        fig,
+        axes[0],
+        table,
+        xlabel="Column (encoding dimension)",
+        ylabel="Row (position)",
+        title="P: frequency falls along the columns",
+        colorbar="value",
+        cmap="RdBu_r",
+        symmetric=True,
+    )
+    if bits is not None:
+        width = bits.shape[1]
+        _heatmap(
+            fig,
+            axes[1],
+            bits,
+            xlabel="Bit",
+            ylabel="Number",
+            title="0..7 in binary: higher bits flip slower",
+            colorbar="bit value",
+            vmin=0,
+            vmax=1,
+        )
+        axes[1].set_xticks(range(width), [f"2^{width - 1 - b}" for b in range(width)])
+        for row in range(bits.shape[0]):
+            for col in range(width):
+                axes[1].text(
+                    col,
+                    row,
+                    str(bits[row, col]),
+                    ha="center",
+                    va="center",
+                    color="white" if bits[row, col] else "black",
+                )
+    return fig
+
+
+def absolute_figure(curves: dict, precision: dict) -> Figure:
+    """Section 5: distance between positions i and i + delta along i, and float32 drift far out."""
+    fig, axes = _figure(10.5, 3.6, columns=2)
+    for delta, gaps in zip(curves["deltas"], curves["distances"]):
+        axes[0].plot(np.arange(len(gaps)), gaps, label=f"delta = {delta}")
+    axes[0].set_xlabel("position i")
+    axes[0].set_ylabel("|P[i] - P[i + delta]|")
+    axes[0].set_title("The distance depends on delta, not on i")
+    axes[0].legend(fontsize=8, ncol=2)
+    axes[1].plot(precision["lengths"], precision["textbook_error"], marker="o", label="textbook (float32 angles)")
+    axes[1].plot(precision["lengths"], precision["selfattn_error"], marker="s", label="selfattn (float64 angles)")
+    axes[1].set_xscale("log")
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("sequence length")
+    axes[1].set_ylabel("max error against float64 formula")
+    axes[1].set_title("Far positions: float32 angles drift")
+    axes[1].legend(fontsize=8)
+    axes[1].grid(True, which="both", alpha=0.3)
+    return fig
+
+
+def relative_figure(similarity: dict) -> Figure:
+    """Section 6: ``P[i] . P[i + delta]`` against delta, one curve per starting position i."""
+    fig, (ax,) = _figure(7.0, 3.2)
+    styles = ["-", "--", "-.", ":"]
+    for index, (start, curve) in enumerate(zip(similarity["starts"], similarity["similarity"])):
+        ax.plot(
+            similarity["deltas"],
+            curve,
+            linestyle=styles[index % len(styles)],
+            linewidth=2.2 - 0.4 * index,
+            label=f"i = {start}",
+        )
+    ax.set_xlabel("offset delta")
+    ax.set_ylabel("P[i] . P[i + delta]")
+    ax.set_title(f"The similarity depends on delta only (spread over i: {similarity['spread']:.1e})")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def heatmap_figure(
+    values: np.ndarray,
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    colorbar: str,
+    cmap: str = "RdBu_r",
+    symmetric: bool = True,
+) -> Figure:
+    """One labelled heat map with a colour bar (used by ``selfattn plot``)."""
+    fig, (ax,) = _figure(5.0, 4.2)
+    _heatmap(
+        fig, ax, values, xlabel=xlabel, ylabel=ylabel, title=title, colorbar=colorbar, cmap=cmap, symmetric=symmetric
+    )
+    return fig
+
+
+def _draw_profile(ax, deltas: Sequence[int], scores: Sequence[float], spread: float, name: str) -> None:
+    ax.plot(deltas, scores, color="tab:purple", label=f"mean over i (spread {spread:.1e})")
+    ax.axvline(0, color="grey", linewidth=0.8)
+    ax.set_xlabel("delta = key position - query position")
+    ax.set_ylabel("position score")
+    ax.set_title(f"{name}: score against offset")
+    ax.legend(fontsize=8)
+
+
+def profile_figure(diagnostics: dict) -> Figure:
+    """The position score against the offset delta (used by ``selfattn plot``)."""
+    fig, (ax,) = _figure(6.0, 3.2)
+    _draw_profile(
+        ax, diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], diagnostics["name"]
+    )
+    return fig
+
+
+def encoding_panel_figure(diagnostics: dict) -> Figure:
+    """Section 7: one encoding's position scores, offset profile and attention pattern."""
+    name = diagnostics["name"]
+    fig, axes = _figure(13.0, 3.7, columns=3)
+    _heatmap(
+        fig,
+        axes[0],
+        diagnostics["position_scores"],
+        xlabel="Key position",
+        ylabel="Query position",
+        title=f"{name}: score from positions alone",
+        colorbar="score",
+        cmap="RdBu_r",
+        symmetric=True,
+    )
+    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], name)
+    _heatmap(
+        fig,
+        axes[2],
+        diagnostics["attention"],
+        xlabel="Key position",
+        ylabel="Query position",
+        title=f"{name}: attention on one input (head 0)",
+        colorbar="attention weight",
+        vmin=0.0,
+    )
+    return fig
+
+
+def depth_figure(depth: dict) -> Figure:
+    """Section 8: position signal after each layer of a deep stack, with and without residuals."""
+    fig, (ax,) = _figure(6.5, 3.4)
+    floor = 1e-17
+    ax.plot(depth["depth"], np.maximum(depth["without_residual"], floor), marker="o", label="LayerNorm(attention(h))")
+    ax.plot(depth["depth"], np.maximum(depth["with_residual"], floor), marker="s", label="LayerNorm(h + attention(h))")
+    ax.set_yscale("log")
+    ax.set_xlabel("layers of self-attention")
+    ax.set_ylabel("position signal |h - mean| / |h|")
+    ax.set_title("Without residual connections the positions collapse")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig

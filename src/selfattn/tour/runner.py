@@ -1,0 +1,455 @@
+"""Run the whole tour: compute every section, check it, draw it, and write the report.
+
+``run_tour(out_dir)`` writes ``report.html``, ``figures/*.png`` and ``*.svg`` and
+``results.json`` (every number the report shows) and returns the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from selfattn.functional import sinusoidal_table
+from selfattn.tour import checks, comparison, depth, family, qualities
+
+__all__ = ["FULL", "QUICK", "TourSizes", "comparison_lines", "progress_bar", "run_tour", "summary_lines", "verdicts"]
+
+
+@dataclass(frozen=True)
+class TourSizes:
+    """How big each measurement is; ``QUICK`` keeps the tour under a minute on 2 cores.
+
+    Attributes:
+        comparison: keyword arguments of :func:`selfattn.tour.comparison.compare` (the sweeps).
+        absolute_positions: positions examined for the qualities of section 5.
+        depth: layers of the deep stacks of section 8.
+        family_steps: positions of section 7's diagnostics.
+    """
+
+    comparison: dict
+    absolute_positions: int
+    depth: int
+    family_steps: int
+
+
+FULL = TourSizes(
+    comparison={
+        "num_steps": (32, 64, 128, 256, 512, 1024, 2048),
+        "num_hiddens": (16, 32, 64, 128, 256),
+        "kernel_sizes": (3, 5, 7, 9),
+        "fixed_hiddens": 64,
+        "fixed_steps": 256,
+        "repeats": 5,
+    },
+    absolute_positions=4000,
+    depth=16,
+    family_steps=32,
+)
+QUICK = TourSizes(
+    comparison={
+        "num_steps": (16, 32, 64, 128),
+        "num_hiddens": (8, 16, 32, 64),
+        "kernel_sizes": (3, 5, 7),
+        "fixed_hiddens": 32,
+        "fixed_steps": 64,
+        "repeats": 3,
+    },
+    absolute_positions=1000,
+    depth=8,
+    family_steps=16,
+)
+
+# The chapter's numbers for section 4 and 6.
+_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS = 60, 32, (6, 7, 8, 9)
+_ROUNDING, _EXPONENT_TOLERANCE = 1e-9, 0.1
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr (rich, else tqdm, else none); yields ``advance(description)``.
+
+    Callers usually pass ``enabled=sys.stderr.isatty()``: a bar is noise in a log file.
+    """
+    if enabled:
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            pass
+        else:
+            columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+                task = bar.add_task("selfattn tour", total=total)
+                yield lambda description: bar.update(task, advance=1, description=description[:48])
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            with tqdm(total=total, file=sys.stderr, desc="selfattn tour") as bar:
+
+                def advance(description: str) -> None:
+                    bar.set_description(description[:48])
+                    bar.update(1)
+
+                yield advance
+            return
+    yield lambda description: None
+
+
+def _family(sizes: TourSizes, advance: Callable[[str], None]) -> dict[str, object]:
+    try:
+        names = family.family_names()
+    except ImportError as error:
+        return {"available": False, "note": f"selfattn.positional has no registry yet ({error})", "encodings": {}}
+    encodings = {}
+    for name in names:
+        encodings[name] = family.encoding_diagnostics(name, num_steps=sizes.family_steps)
+        advance(f"7. family: {name}")
+    return {"available": True, "encodings": encodings}
+
+
+def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> dict[str, object]:
+    """Every section's numbers (arrays as numpy), in the chapter's order."""
+    tick = advance or (lambda description: None)
+    results: dict[str, object] = {}
+    results["self_attention"] = {"shape": checks.self_attention_shape(), "masked": checks.masked_attention_weights()}
+    tick("1. self-attention")
+    results["permutation"] = checks.permutation_check()
+    tick("2. permutation")
+    results["comparison"] = comparison.compare(**sizes.comparison, progress=lambda d: tick(f"3. {d}"))
+    results["positional_encoding"] = {
+        "num_steps": _PLOT_STEPS,
+        "num_hiddens": _PLOT_HIDDENS,
+        "columns": list(_PLOT_COLUMNS),
+        "column_values": checks.table_columns(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS).numpy(),
+        "column_periods": checks.column_periods(_PLOT_HIDDENS, _PLOT_COLUMNS),
+        "table": sinusoidal_table(_PLOT_STEPS, _PLOT_HIDDENS).numpy(),
+        "binary": checks.binary_representations(8),
+    }
+    tick("4. positional encoding")
+    results["absolute"] = {
+        "qualities": qualities.absolute_position_qualities(
+            _PLOT_HIDDENS, num_seen=_PLOT_STEPS, num_positions=sizes.absolute_positions
+        ),
+        "precision": qualities.table_precision(_PLOT_HIDDENS),
+        "curves": qualities.offset_distance_curves(_PLOT_HIDDENS, num_positions=4 * _PLOT_STEPS),
+    }
+    tick("5. absolute position")
+    results["rotation_max_error"] = checks.rotation_max_error(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_STEPS)
+    results["relative"] = {"similarity": checks.offset_similarity(_PLOT_HIDDENS, max_delta=_PLOT_STEPS)}
+    tick("6. relative position")
+    results["family"] = _family(sizes, tick)
+    results["depth"] = depth.position_signal_by_depth(depth=sizes.depth)
+    tick("8. deep stacks")
+    return results
+
+
+def _check(name: str, measured: object, expected: str, ok: bool) -> dict[str, object]:
+    return {"name": name, "measured": measured, "expected": expected, "ok": bool(ok)}
+
+
+def verdicts(results: dict) -> list[dict[str, object]]:
+    """Each claim of the chapter against its measured value: ``name, measured, expected, ok``."""
+    out = []
+    shape = results["self_attention"]["shape"]
+    out.append(_check("1. self-attention keeps the shape", shape["shape"], str(shape["expected"]), shape["ok"]))
+    masked = results["self_attention"]["masked"]["masked_weight_max"]
+    out.append(_check("1. masked keys get zero weight", masked, "0", masked == 0.0))
+    perm = results["permutation"]
+    out.append(
+        _check(
+            "2. without P, permuting tokens permutes outputs",
+            perm["without_pe_error"],
+            "rounding (< 1e-9)",
+            perm["without_pe_error"] < _ROUNDING,
+        )
+    )
+    out.append(
+        _check(
+            "2. with P, it does not", perm["with_pe_change"], "clearly nonzero (> 1e-3)", perm["with_pe_change"] > 1e-3
+        )
+    )
+    comp = results["comparison"]
+    for kind in comparison.KINDS:
+        entry, claim = comp[kind], comparison.CHAPTER[kind]
+        label = claim["label"]
+        for axis in ("n", "d"):
+            value = entry[f"flops_exponent_{axis}"]
+            want = claim[f"exponent_{axis}"]
+            out.append(
+                _check(
+                    f"3. {label}: FLOPs grow as {axis}^{want}",
+                    round(value, 4),
+                    f"{want} +- 0.1",
+                    abs(value - want) <= _EXPONENT_TOLERANCE,
+                )
+            )
+        chain_exponent = entry["sequential_ops_exponent_n"]
+        want = 1 if kind == "rnn" else 0
+        out.append(
+            _check(
+                f"3. {label}: sequential operations {claim['sequential_ops']}",
+                entry["sequential_ops_by_n"],
+                f"grows as n^{want}",
+                abs(chain_exponent - want) <= _EXPONENT_TOLERANCE,
+            )
+        )
+        out.append(
+            _check(
+                f"3. {label}: maximum path length {claim['max_path_length']}",
+                entry["path_length_by_n"],
+                str(entry["expected_path_length_by_n"]),
+                entry["path_length_by_n"] == entry["expected_path_length_by_n"],
+            )
+        )
+    cnn = comp["cnn"]
+    out.append(
+        _check(
+            "3. CNN: FLOPs grow as k^1",
+            round(cnn["flops_exponent_k"], 4),
+            "1 +- 0.1",
+            abs(cnn["flops_exponent_k"] - 1) <= _EXPONENT_TOLERANCE,
+        )
+    )
+    out.append(
+        _check(
+            f"3. CNN: path length ceil((n-1)/(k-1)) at n={cnn['n']}",
+            cnn["path_length_by_k"],
+            str(cnn["expected_path_length_by_k"]),
+            cnn["path_length_by_k"] == cnn["expected_path_length_by_k"],
+        )
+    )
+    pe = results["positional_encoding"]
+    periods = pe["column_periods"]
+    out.append(
+        _check(
+            "4. columns 6-7 oscillate faster than 8-9",
+            [round(p, 2) for p in periods],
+            "periods of 6, 7 < periods of 8, 9",
+            max(periods[:2]) < min(periods[2:]),
+        )
+    )
+    q = results["absolute"]["qualities"]
+    out.append(
+        _check(
+            f"5. every position has its own row (n={q['num_positions']})",
+            q["min_row_distance"],
+            "smallest distance > 0",
+            q["min_row_distance"] > 1e-6,
+        )
+    )
+    out.append(_check("5. values are bounded", q["max_abs_value"], "<= 1", q["max_abs_value"] <= 1.0 + 1e-12))
+    out.append(
+        _check(
+            "5. |P[i] - P[i+delta]| does not depend on i",
+            q["offset_distance_spread_max"],
+            "rounding (< 1e-9)",
+            q["offset_distance_spread_max"] < _ROUNDING,
+        )
+    )
+    out.append(
+        _check(
+            f"5. positions past {q['num_seen']} get new rows",
+            q["unseen_nearest_distance"],
+            "distance to seen rows > 0",
+            q["unseen_nearest_distance"] > 1e-6,
+        )
+    )
+    out.append(
+        _check(
+            "6. M_delta P[i] = P[i+delta]",
+            results["rotation_max_error"],
+            "rounding (< 1e-9)",
+            results["rotation_max_error"] < _ROUNDING,
+        )
+    )
+    spread = results["relative"]["similarity"]["spread"]
+    out.append(_check("6. P[i] . P[i+delta] depends on delta only", spread, "rounding (< 1e-9)", spread < _ROUNDING))
+    for name, diag in results["family"]["encodings"].items():
+        claim = "relative" if diag["is_relative"] else "absolute"
+        out.append(
+            _check(
+                f"7. {name}: is {claim} (outputs under a shift of {diag['shift']})",
+                diag["shift_change"],
+                "0" if diag["is_relative"] else "> 0",
+                diag["measured_relative"] == diag["is_relative"],
+            )
+        )
+    deep = results["depth"]
+    without, with_res = deep["without_residual"], deep["with_residual"]
+    out.append(
+        _check(
+            f"8. without residuals, position collapses in {deep['depth'][-1]} layers",
+            without[-1] / without[0],
+            "ratio < 1e-3",
+            without[-1] / without[0] < 1e-3,
+        )
+    )
+    out.append(
+        _check(
+            "8. with residuals, it survives",
+            with_res[-1] / with_res[0],
+            "ratio > 0.05",
+            with_res[-1] / with_res[0] > 0.05,
+        )
+    )
+    return out
+
+
+def _round_array(values: np.ndarray) -> list:
+    """Arrays go to JSON with 6 significant digits: enough for any figure, a fraction of the size."""
+    return np.vectorize(lambda v: float(f"{v:.6g}"), otypes=[float])(values).tolist() if values.size else []
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, np.ndarray):
+        return _round_array(value.astype(float)) if value.dtype.kind == "f" else value.tolist()
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, (np.floating, float)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _figures(results: dict, directory: Path, advance: Callable[[str], None]) -> dict[str, str]:
+    """Draw and save every figure; returns ``{name: path of the png relative to the report}``."""
+    from selfattn.tour import figures
+
+    masked = results["self_attention"]["masked"]
+    pe = results["positional_encoding"]
+    drawings = {
+        "attention_weights": lambda: figures.attention_weights_figure(masked["weights"], masked["valid_lens"]),
+        "permutation": lambda: figures.permutation_figure(
+            results["permutation"]["without_pe_error"], results["permutation"]["with_pe_change"]
+        ),
+        "comparison": lambda: figures.comparison_figure(results["comparison"]),
+        "pe_columns": lambda: figures.pe_columns_figure(pe["column_values"], pe["columns"], pe["column_periods"]),
+        "pe_heatmap": lambda: figures.pe_heatmap_figure(pe["table"], checks.bit_matrix(8)),
+        "absolute": lambda: figures.absolute_figure(results["absolute"]["curves"], results["absolute"]["precision"]),
+        "relative": lambda: figures.relative_figure(results["relative"]["similarity"]),
+    }
+    for name, diag in results["family"]["encodings"].items():
+        drawings[f"family_{name}"] = lambda diag=diag: figures.encoding_panel_figure(diag)
+    drawings["depth"] = lambda: figures.depth_figure(results["depth"])
+    paths = {}
+    for name, draw in drawings.items():
+        png, _svg = figures.save_figure(draw(), directory, name)
+        paths[name] = f"{directory.name}/{png.name}"
+        advance(f"figure {name}")
+    return paths
+
+
+def _prepare_output(out_dir: Path) -> Path:
+    """Create the output folder now, so an unwritable one fails before minutes of work."""
+    try:
+        (out_dir / "figures").mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".selfattn-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ValueError(f"cannot write the report to {str(out_dir)!r}: {reason}") from None
+    return out_dir
+
+
+def run_tour(out_dir: Path | str = "selfattn-report", *, quick: bool = False, progress: bool = True) -> dict:
+    """Run every section, write ``report.html``, ``figures/`` and ``results.json`` into ``out_dir``.
+
+    Returns the results as written to ``results.json``, with ``"checks"`` (the verdicts) added.
+    """
+    from selfattn.tour import figures  # noqa: F401  (fail now, not after the measurements, without matplotlib)
+    from selfattn.tour.report import render_report
+
+    out_dir = _prepare_output(Path(out_dir))
+    sizes = QUICK if quick else FULL
+    family_count = 0
+    with contextlib.suppress(ImportError):
+        family_count = len(family.family_names())
+    sweep = sizes.comparison
+    comparison_count = comparison.comparison_steps(sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"])
+    # Six section steps, the comparison's, two per encoding (measure, draw), eight figures, the report.
+    total = 6 + comparison_count + 2 * family_count + 8 + 1
+    with progress_bar(total, progress) as advance:
+        results = compute(sizes, advance)
+        results["quick"] = quick
+        results["checks"] = verdicts(results)
+        figure_paths = _figures(results, out_dir / "figures", advance)
+        serializable = _jsonable(results)
+        (out_dir / "results.json").write_text(json.dumps(serializable, indent=1, allow_nan=False))
+        (out_dir / "report.html").write_text(render_report(serializable, figure_paths), encoding="utf-8")
+        advance("report written")
+    return serializable
+
+
+def comparison_lines(comp: dict) -> list[str]:
+    """The measured comparison as a small text table beside the chapter's claims."""
+    n = comp["sweep"]["n"][-1]
+    lines = [
+        f"{'':<16}{'compute (FLOPs)':<29}{'sequential ops':<22}max path length (n={n}, k={comp['cnn']['k']})",
+        f"{'':<16}{'chapter  measured':<29}{'chapter  measured':<22}chapter  measured",
+    ]
+    for kind in comparison.KINDS:
+        e, claim = comp[kind], comparison.CHAPTER[kind]
+        flops = f"n^{e['flops_exponent_n']:.2f} d^{e['flops_exponent_d']:.2f}"
+        lines.append(
+            f"{claim['label']:<16}{claim['complexity']:<9}{flops:<20}{claim['sequential_ops']:<9}{e['sequential_ops']:<13}"
+            f"{claim['max_path_length']:<9}{e['max_path_length']}"
+        )
+    return lines
+
+
+def summary_lines(results: dict, out_dir: Path | str | None = None) -> list[str]:
+    """A short text summary of the results and checks."""
+    checks_ = results["checks"]
+    passed = sum(c["ok"] for c in checks_)
+    comp = results["comparison"]
+    perm = results["permutation"]
+    lines = [
+        f"selfattn tour: {passed}/{len(checks_)} checks pass" + ("" if out_dir is None else f", report in {out_dir}")
+    ]
+    lines.append(
+        f"  1. self-attention output shape {tuple(results['self_attention']['shape']['shape'])}; "
+        f"largest weight on a masked key {results['self_attention']['masked']['masked_weight_max']:.1e}"
+    )
+    lines.append(
+        f"  2. permutation: without P error {perm['without_pe_error']:.1e}, with P change {perm['with_pe_change']:.1e}"
+    )
+    lines.append("  3. CNN vs RNN vs self-attention, measured on real layers:")
+    lines.extend(f"     {line}" for line in comparison_lines(comp))
+    q = results["absolute"]["qualities"]
+    lines.append(
+        f"  4-5. P: smallest distance between rows {q['min_row_distance']:.3f}, |P| <= {q['max_abs_value']:.3f}, "
+        f"offset-distance spread {q['offset_distance_spread_max']:.1e}"
+    )
+    lines.append(
+        f"  6. rotation max error {results['rotation_max_error']:.1e}; "
+        f"similarity spread over i {results['relative']['similarity']['spread']:.1e}"
+    )
+    fam = results["family"]
+    if fam["available"]:
+        relative = [n for n, d in fam["encodings"].items() if d["measured_relative"]]
+        lines.append(f"  7. family: {len(fam['encodings'])} encodings; shift-invariant outputs: {', '.join(relative)}")
+    else:
+        lines.append(f"  7. family: skipped ({fam['note']})")
+    deep = results["depth"]
+    lines.append(
+        f"  8. position signal after {deep['depth'][-1]} layers: {deep['without_residual'][-1]:.1e} without "
+        f"residuals, {deep['with_residual'][-1]:.2f} with (from {deep['without_residual'][0]:.2f})"
+    )
+    for c in checks_:
+        if not c["ok"]:
+            lines.append(f"  FAILED: {c['name']}: measured {c['measured']}, expected {c['expected']}")
+    return lines

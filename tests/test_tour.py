@@ -1,0 +1,282 @@
+"""`selfattn tour --quick`: files written, the measured numbers, and each section's pure functions."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from reference import naive_attention, sinusoidal_numpy
+
+from selfattn.cli.main import main
+from selfattn.tour import checks, depth, family, qualities, runner
+from selfattn.tour.report import render_report
+
+SECTION_FIGURES = (
+    "attention_weights",
+    "permutation",
+    "comparison",
+    "pe_columns",
+    "pe_heatmap",
+    "absolute",
+    "relative",
+    "depth",
+)
+
+
+@pytest.fixture(scope="module")
+def tour(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tour") / "report"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = main(["tour", "--quick", "--out", str(out), "--no-progress"])
+    results = json.loads((out / "results.json").read_text())
+    return {"status": status, "stdout": stdout.getvalue(), "out": out, "results": results}
+
+
+def test_tour_passes_and_prints_a_summary(tour):
+    assert tour["status"] == 0
+    text = tour["stdout"]
+    passed, total = map(int, re.search(r"(\d+)/(\d+) checks pass", text).groups())
+    assert passed == total == len(tour["results"]["checks"])
+    assert "report.html" in text and "FAILED" not in text
+
+
+def test_every_figure_is_written_as_png_and_svg(tour):
+    folder = tour["out"] / "figures"
+    names = list(SECTION_FIGURES) + [f"family_{name}" for name in family.family_names()]
+    for name in names:
+        png, svg = folder / f"{name}.png", folder / f"{name}.svg"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert png.stat().st_size > 5000, name
+        assert "<svg" in svg.read_text()[:2000], name
+    assert len(list(folder.glob("*.png"))) == len(names)
+
+
+def test_results_hold_the_measured_comparison(tour):
+    comparison = tour["results"]["comparison"]
+    largest_n = comparison["sweep"]["n"][-1]
+    chapter = {"cnn": (1, 2), "rnn": (1, 2), "self_attention": (2, 1)}
+    for kind, (want_n, want_d) in chapter.items():
+        entry = comparison[kind]
+        assert abs(entry["flops_exponent_n"] - want_n) <= 0.1
+        assert abs(entry["flops_exponent_d"] - want_d) <= 0.1
+        assert entry["n"] == largest_n
+        assert isinstance(entry["sequential_ops"], int)
+    k = comparison["cnn"]["k"]
+    assert comparison["cnn"]["max_path_length"] == math.ceil((largest_n - 1) / (k - 1))
+    assert comparison["rnn"]["max_path_length"] == largest_n - 1
+    assert comparison["self_attention"]["max_path_length"] == 1
+    assert comparison["rnn"]["sequential_ops"] == largest_n
+    assert comparison["cnn"]["sequential_ops"] == 1
+
+
+def test_results_hold_rotation_and_permutation(tour):
+    results = tour["results"]
+    assert 0 <= results["rotation_max_error"] < 1e-12
+    assert results["permutation"]["without_pe_error"] < 1e-12
+    assert results["permutation"]["with_pe_change"] > 1e-2
+    assert results["family"]["available"] is True
+    assert all(check["ok"] for check in results["checks"])
+
+
+def test_report_shows_every_figure_and_needs_no_network(tour):
+    page = (tour["out"] / "report.html").read_text()
+    shown = set(re.findall(r'<img src="([^"]+)"', page))
+    written = {f"figures/{p.name}" for p in (tour["out"] / "figures").glob("*.png")}
+    assert shown == written
+    assert not re.search(r'(src|href)="(https?:)?//', page)
+    assert f"{len(tour['results']['checks'])} checks pass" in page
+    for section in range(1, 9):
+        assert f'id="s{section}"' in page
+
+
+def test_verdicts_fail_when_a_claim_is_broken(tour):
+    broken = copy.deepcopy(tour["results"])
+    broken["rotation_max_error"] = 1e-3
+    broken["comparison"]["self_attention"]["flops_exponent_n"] = 1.8
+    broken["comparison"]["rnn"]["path_length_by_n"][-1] += 1
+    failed = {c["name"] for c in runner.verdicts(broken) if not c["ok"]}
+    assert failed == {
+        "6. M_delta P[i] = P[i+delta]",
+        "3. Self-attention: FLOPs grow as n^2",
+        "3. RNN: maximum path length O(n)",
+    }
+    broken["checks"] = runner.verdicts(broken)
+    assert any(line.startswith("  FAILED: 6.") for line in runner.summary_lines(broken))
+
+
+def test_family_section_is_skipped_with_a_note_when_the_registry_is_missing(tour, monkeypatch):
+    def missing():
+        raise ImportError("cannot import name 'NAMES'")
+
+    monkeypatch.setattr(family, "family_names", missing)
+    section = runner._family(runner.QUICK, lambda description: None)
+    assert section == {"available": False, "note": section["note"], "encodings": {}}
+    results = copy.deepcopy(tour["results"])
+    results["family"] = section
+    page = render_report(results, {})
+    assert "Skipped" in page and "cannot import name" in page
+
+
+def test_unwritable_output_fails_before_any_work(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="cannot write the report"):
+        runner.run_tour(blocker / "report", quick=True, progress=False)
+
+
+def test_progress_bar_reports_on_stderr(capsys):
+    with runner.progress_bar(3, True) as advance:
+        for step in range(3):
+            advance(f"step {step}")
+    assert "3/3" in capsys.readouterr().err
+    with runner.progress_bar(3, False) as advance:
+        advance("silent")
+    assert capsys.readouterr().err == ""
+
+
+# Section 1 ------------------------------------------------------------------------------------
+
+
+def test_attention_weights_match_a_naive_masked_softmax():
+    from selfattn.attention import MultiHeadAttention
+    from selfattn.tour._common import seeded
+
+    data = checks.masked_attention_weights(num_hiddens=8, num_heads=2, num_steps=5, valid_lens=(4, 2), seed=3)
+    with seeded(3):  # the same draws as the function: the layer, then the input
+        mha = MultiHeadAttention(8, 2)
+        X = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        q = mha.W_q(X).view(2, 5, 2, 4).transpose(1, 2).numpy()
+        k = mha.W_k(X).view(2, 5, 2, 4).transpose(1, 2).numpy()
+    visible = np.zeros((2, 2, 5, 5), dtype=bool)
+    visible[0, ..., :4] = True
+    visible[1, ..., :2] = True
+    _, expected = naive_attention(q, k, k, visible)
+    np.testing.assert_allclose(data["weights"], expected, atol=1e-6)
+    assert data["masked_weight_max"] == 0.0
+    assert data["row_sum_error"] < 1e-6
+
+
+def test_self_attention_keeps_the_chapter_shape():
+    assert checks.self_attention_shape() == {"shape": [2, 4, 100], "expected": [2, 4, 100], "ok": True}
+
+
+# Section 2 ------------------------------------------------------------------------------------
+
+
+def test_permutation_check_separates_with_and_without_p():
+    data = checks.permutation_check(num_hiddens=16, num_heads=2, num_steps=7, seed=1)
+    assert sorted(data["permutation"]) == list(range(7))
+    assert data["without_pe_error"] < 1e-13
+    assert data["with_pe_change"] > 1e-3
+
+
+# Sections 4 and 6 -----------------------------------------------------------------------------
+
+
+def test_columns_and_periods_follow_the_formula():
+    columns = checks.table_columns(60, 32, (6, 7, 8, 9)).numpy()
+    np.testing.assert_allclose(columns, sinusoidal_numpy(np.arange(60), 32)[:, 6:10], atol=1e-6)
+    periods = checks.column_periods(32, (6, 7, 8, 9))
+    assert periods == pytest.approx([2 * math.pi * 10000 ** (6 / 32)] * 2 + [2 * math.pi * 10000 ** (8 / 32)] * 2)
+
+
+def test_binary_representations_of_0_to_7():
+    assert checks.binary_representations(8) == ["000", "001", "010", "011", "100", "101", "110", "111"]
+    assert checks.bit_matrix(8)[5].tolist() == [1, 0, 1]
+
+
+def test_offset_similarity_is_a_sum_of_cosines():
+    data = checks.offset_similarity(num_hiddens=16, starts=(0, 9), max_delta=20)
+    table = sinusoidal_numpy(np.arange(40), 16)
+    for row, start in enumerate((0, 9)):
+        expected = [table[start] @ table[start + delta] for delta in range(21)]
+        np.testing.assert_allclose(data["similarity"][row], expected, atol=1e-12)
+    assert data["spread"] < 1e-12 and data["closed_form_error"] < 1e-12
+
+
+def test_rotation_error_is_rounding_only():
+    assert checks.rotation_max_error(20, 16, 20) < 1e-12
+
+
+# Section 5 ------------------------------------------------------------------------------------
+
+
+def test_absolute_qualities_against_a_naive_loop():
+    data = qualities.absolute_position_qualities(num_hiddens=8, num_seen=10, num_positions=40, deltas=(1, 3))
+    table = sinusoidal_numpy(np.arange(40), 8)
+    naive_min = min(np.linalg.norm(table[i] - table[j]) for i in range(40) for j in range(40) if i != j)
+    assert data["min_row_distance"] == pytest.approx(naive_min, abs=1e-12)
+    unseen = min(np.linalg.norm(table[i] - table[j]) for i in range(10, 40) for j in range(10))
+    assert data["unseen_nearest_distance"] == pytest.approx(unseen, abs=1e-12)
+    assert data["max_abs_value"] <= 1.0
+    assert data["row_norm_min"] == pytest.approx(2.0) and data["row_norm_max"] == pytest.approx(2.0)  # sqrt(d / 2)
+    assert data["offset_distance_spread_max"] < 1e-12
+    with pytest.raises(ValueError, match="num_seen"):
+        qualities.absolute_position_qualities(num_seen=50, num_positions=50)
+
+
+def test_textbook_float32_angles_drift_and_ours_do_not():
+    data = qualities.table_precision(32, lengths=(60, 10000))
+    assert data["textbook_error"][1] > 1e-4
+    assert max(data["selfattn_error"]) < 1e-7
+    with pytest.raises(ValueError, match="even"):
+        qualities.table_precision(33)
+
+
+# Section 7 ------------------------------------------------------------------------------------
+
+
+def test_family_measurements_agree_with_each_declared_kind():
+    for name in family.family_names():
+        data = family.encoding_diagnostics(name, num_steps=10)
+        assert data["measured_relative"] == data["is_relative"], name
+        assert data["position_scores"].shape == (10, 10)
+        np.testing.assert_allclose(data["attention"].sum(-1), 1.0, atol=1e-12)
+        if data["is_relative"]:
+            assert data["shift_spread"] < 1e-9, name
+
+
+def test_sinusoidal_position_scores_are_scaled_dot_products():
+    data = family.encoding_diagnostics("sinusoidal", num_hiddens=16, num_heads=2, num_steps=12)
+    table = sinusoidal_numpy(np.arange(12), 16)
+    np.testing.assert_allclose(data["position_scores"], table @ table.T / 4.0, atol=1e-5)
+
+
+def test_learned_encoding_refuses_positions_past_its_table():
+    assert family.encoding_diagnostics("learned", num_steps=8)["far_positions"].startswith("positions 5000")
+
+
+def test_encoding_table_of_sinusoidal_honours_base_and_offset():
+    table = family.encoding_table("sinusoidal", num_steps=5, num_hiddens=6, offset=100, base=50.0, dtype=torch.float64)
+    np.testing.assert_allclose(table.numpy(), sinusoidal_numpy(np.arange(100, 105), 6, base=50.0), atol=1e-12)
+    assert family.encoding_table("alibi", num_steps=4, num_hiddens=8, num_heads=2).shape == (2, 4, 4)
+    with pytest.raises(ValueError, match="offset"):
+        family.encoding_table("sinusoidal", num_steps=3, num_hiddens=4, offset=-1)
+
+
+# Section 8 ------------------------------------------------------------------------------------
+
+
+def test_position_signal_collapses_without_residuals():
+    data = depth.position_signal_by_depth(depth=4, num_steps=12)
+    assert data["depth"] == [0, 1, 2, 3, 4]
+    assert data["without_residual"][-1] < 1e-6 * data["without_residual"][0]
+    assert data["with_residual"][-1] > 0.05 * data["with_residual"][0]
+    with pytest.raises(ValueError, match="depth"):
+        depth.position_signal_by_depth(depth=0)
+
+
+def test_position_signal_formula():
+    same = torch.ones(1, 5, 3)
+    assert depth.position_signal(same) == 0.0
+    h = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]])
+    assert depth.position_signal(h) == pytest.approx(1.0)  # rows are +-v: all of h is position
