@@ -162,3 +162,15 @@ def test_shape_errors():
         attention(q.long(), k, v)
     with pytest.raises(ValueError, match="k must be a tensor of shape"):
         attention(q, k[0, 0, 0], v)
+
+
+def test_long_sequences_from_head_split_views_agree_with_explicit_path():
+    # 2048 x 2048 pairs: the fused path re-lays the transposed head views out contiguously.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 1, 2048, 2 * 8, generator=g)  # (qkv, b, l, h * d)
+    q, k, v = (t.view(1, 2048, 2, 8).transpose(1, 2) for t in x)  # (b, h, l, d) views
+    assert not q.is_contiguous()
+    mask = torch.arange(2048) < 1500
+    fused = attention(q, k, v, mask=mask, causal=True)
+    explicit, _ = attention(q, k, v, mask=mask, causal=True, return_weights=True)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
