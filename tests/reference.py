@@ -80,3 +80,17 @@ class TextbookMultiHeadAttention(nn.Module):
         b = queries.shape[0]
         out = out.reshape(b, self.num_heads, out.shape[1], -1).permute(0, 2, 1, 3)  # (b, lq, h, dh)
         return self.W_o(out.reshape(b, out.shape[1], -1))
+
+
+def torch_multihead_copy(mha) -> nn.MultiheadAttention:
+    """``nn.MultiheadAttention`` (batch first, eval) holding the weights of a module with W_q/W_k/W_v/W_o."""
+    has_bias = mha.W_q.bias is not None
+    ref = nn.MultiheadAttention(mha.W_o.out_features, mha.num_heads, bias=has_bias, batch_first=True)
+    ref = ref.to(mha.W_q.weight.dtype).eval()
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([mha.W_q.weight, mha.W_k.weight, mha.W_v.weight]))
+        ref.out_proj.weight.copy_(mha.W_o.weight)
+        if has_bias:
+            ref.in_proj_bias.copy_(torch.cat([mha.W_q.bias, mha.W_k.bias, mha.W_v.bias]))
+            ref.out_proj.bias.copy_(mha.W_o.bias)
+    return ref

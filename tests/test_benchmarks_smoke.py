@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from reference import naive_attention
+from reference import naive_attention, torch_multihead_copy
 
 from selfattn import MultiHeadAttention
 
@@ -34,17 +34,6 @@ def _x(b=2, length=6, seed=1):
     return torch.randn(b, length, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _torch_mha(ours, bias):
-    mha = torch.nn.MultiheadAttention(D, H, bias=bias, batch_first=True).double()
-    with torch.no_grad():
-        mha.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
-        mha.out_proj.weight.copy_(ours.W_o.weight)
-        if bias:
-            mha.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
-            mha.out_proj.bias.copy_(ours.W_o.bias)
-    return mha
-
-
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lens", [None, [6, 6], [3, 5]])
 def test_matches_torch_multihead_attention(bias, lens):
@@ -52,7 +41,7 @@ def test_matches_torch_multihead_attention(bias, lens):
     x = _x()
     valid_lens = None if lens is None else torch.tensor(lens)
     padding = None if lens is None else torch.arange(6)[None, :] >= valid_lens[:, None]
-    expected, _ = _torch_mha(ours, bias)(x, x, x, key_padding_mask=padding, need_weights=False)
+    expected, _ = torch_multihead_copy(ours)(x, x, x, key_padding_mask=padding, need_weights=False)
     torch.testing.assert_close(baseline(x, x, x, valid_lens), expected, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ours(x, x, x, valid_lens), expected, rtol=1e-10, atol=1e-10)
 

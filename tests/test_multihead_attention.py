@@ -5,8 +5,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import TextbookMultiHeadAttention, naive_attention
-from torch import nn
+from reference import TextbookMultiHeadAttention, naive_attention, torch_multihead_copy
 
 from selfattn import KVCache, MultiHeadAttention, SinusoidalPositionalEncoding
 
@@ -14,18 +13,6 @@ from selfattn import KVCache, MultiHeadAttention, SinusoidalPositionalEncoding
 def _mha(num_hiddens=16, num_heads=4, seed=0, **kwargs):
     torch.manual_seed(seed)
     return MultiHeadAttention(num_hiddens, num_heads, **kwargs).eval()
-
-
-def _torch_copy(mha: MultiHeadAttention) -> nn.MultiheadAttention:
-    has_bias = mha.W_q.bias is not None
-    ref = nn.MultiheadAttention(mha.num_hiddens, mha.num_heads, bias=has_bias, batch_first=True).eval()
-    with torch.no_grad():
-        ref.in_proj_weight.copy_(torch.cat([mha.W_q.weight, mha.W_k.weight, mha.W_v.weight]))
-        ref.out_proj.weight.copy_(mha.W_o.weight)
-        if has_bias:
-            ref.in_proj_bias.copy_(torch.cat([mha.W_q.bias, mha.W_k.bias, mha.W_v.bias]))
-            ref.out_proj.bias.copy_(mha.W_o.bias)
-    return ref
 
 
 def _naive_mha(mha, queries, keys, values, visible):
@@ -55,7 +42,7 @@ def _visible(valid_lens, lq, lk, causal):
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_torch_multihead_attention(bias):
     mha = _mha(bias=bias)
-    ref = _torch_copy(mha)
+    ref = torch_multihead_copy(mha)
     x = torch.randn(3, 7, 16)
     valid_lens = torch.tensor([7, 4, 1])
     with torch.no_grad():

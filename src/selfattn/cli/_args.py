@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 __all__ = [
+    "add_progress_flag",
     "ExamplesFormatter",
     "OneLineErrorParser",
     "kind_names",
@@ -89,3 +90,13 @@ def require_output(flag: str, path: Path, suffixes: tuple[str, ...]) -> Path:
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a folder, not a file")
     return path
+
+
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    """``--no-progress``: the bar is drawn only when stderr is a terminal anyway."""
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (it is shown only when stderr is a terminal)",
+    )

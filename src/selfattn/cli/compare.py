@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from selfattn.cli._args import ExamplesFormatter, positive_int, require_output
+from selfattn.cli._args import ExamplesFormatter, add_progress_flag, positive_int, require_output
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,12 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--plot", type=Path, default=None, metavar="FILE", help="also draw the log-log figure (.png/.svg)"
     )
-    parser.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no progress bar (it is shown only when stderr is a terminal)",
-    )
+    add_progress_flag(parser)
     parser.set_defaults(handler=run)
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser
+from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, add_progress_flag
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,12 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="output folder (default: ./selfattn-report)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sweeps: under a minute on 2 cores")
-    parser.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no progress bar (it is shown only when stderr is a terminal)",
-    )
+    add_progress_flag(parser)
     parser.set_defaults(handler=run)
 
 
