@@ -245,9 +245,9 @@ def train_run(
             f"randomized positions apply to {', '.join(ABSOLUTE_OR_ROTARY)}, not {spec.encoding!r}"
         )
     rank, world = 0, 1
-    if data_parallel:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if data_parallel and dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         if config.batch_size % world:
             raise ValueError(f"batch_size={config.batch_size} must be divisible by the {world} data-parallel ranks")
@@ -287,8 +287,6 @@ def train_run(
         optimizer.zero_grad(set_to_none=True)
         total = loss_sum.detach()
         if world > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(total)
         loss = float(total) / count
         state.losses.append(loss)
