@@ -256,3 +256,23 @@ def test_measurement_errors_name_the_argument():
         measure_deep_stack(train_steps=-1)
     with pytest.raises(ValueError, match="ridge"):
         measure_deep_stack(ridge=-0.5)
+
+
+def test_probe_penalty_is_chosen_on_held_out_training_sequences(monkeypatch):
+    tried = []
+    fit = deep_stack.ridge_fit
+
+    def spy(features, targets, ridge=deep_stack.DEFAULT_RIDGE):
+        tried.append((features.shape[0], ridge))
+        return fit(features, targets, ridge)
+
+    monkeypatch.setattr(deep_stack, "ridge_fit", spy)
+    h = _position_states(8, 5, 3, seed=6)
+    position_r2(h[:8], h[:2], ridge=1e-6)
+    # Four penalties fitted on 6 of the 8 sequences (30 rows), then the winner on all 40 rows.
+    assert [rows for rows, _ in tried] == [30] * 4 + [40]
+    assert [r for _, r in tried[:4]] == pytest.approx([1e-6, 1e-4, 1e-2, 1.0])
+    assert tried[-1][1] == pytest.approx(1e-6)  # exact position: the smallest penalty predicts best
+    tried.clear()
+    position_r2(h[:3], h[3:], ridge=1e-6)  # too few sequences to hold some out
+    assert tried == [(15, 1e-6)]

@@ -15,7 +15,7 @@ import torch
 from reference import naive_attention, sinusoidal_numpy
 
 from selfattn.cli.main import main
-from selfattn.tour import checks, depth, family, qualities, runner
+from selfattn.tour import checks, family, qualities, runner
 from selfattn.tour.report import render_report
 
 SECTION_FIGURES = (
@@ -261,22 +261,3 @@ def test_encoding_table_of_sinusoidal_honours_base_and_offset():
     assert family.encoding_table("alibi", num_steps=4, num_hiddens=8, num_heads=2).shape == (2, 4, 4)
     with pytest.raises(ValueError, match="offset"):
         family.encoding_table("sinusoidal", num_steps=3, num_hiddens=4, offset=-1)
-
-
-# Section 8 ------------------------------------------------------------------------------------
-
-
-def test_position_signal_collapses_without_residuals():
-    data = depth.position_signal_by_depth(depth=4, num_steps=12)
-    assert data["depth"] == [0, 1, 2, 3, 4]
-    assert data["without_residual"][-1] < 1e-6 * data["without_residual"][0]
-    assert data["with_residual"][-1] > 0.05 * data["with_residual"][0]
-    with pytest.raises(ValueError, match="depth"):
-        depth.position_signal_by_depth(depth=0)
-
-
-def test_position_signal_formula():
-    same = torch.ones(1, 5, 3)
-    assert depth.position_signal(same) == 0.0
-    h = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]])
-    assert depth.position_signal(h) == pytest.approx(1.0)  # rows are +-v: all of h is position

@@ -31,6 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="output folder (default: ./selfattn-report)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sweeps: under a minute on 2 cores")
+    parser.add_argument(
+        "--study", metavar="DIR", type=Path, default=None,
+        help="a `selfattn study` output folder: section 8 also shows its trained deep stacks",
+    )  # fmt: skip
     add_progress_flag(parser)
     parser.set_defaults(handler=run)
 
@@ -38,6 +42,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from selfattn.tour.runner import run_tour, summary_lines
 
-    results = run_tour(args.out, quick=args.quick, progress=args.progress and sys.stderr.isatty())
+    results = run_tour(args.out, quick=args.quick, progress=args.progress and sys.stderr.isatty(), study=args.study)
     print("\n".join(summary_lines(results, args.out / "report.html")))
     return 0 if all(check["ok"] for check in results["checks"]) else 1

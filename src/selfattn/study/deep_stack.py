@@ -22,7 +22,9 @@ positions (predict the previous token).
 
 The probes are ridge-regularized relative to the hidden states' own size: a component whose
 amplitude is below about ``sqrt(ridge)`` of the hidden states' root mean square (1e-3 by
-default) counts as gone. Without that, a probe in float64 would read positions out of
+default) counts as gone; larger penalties (``RIDGE_STEPS``) are tried on a quarter of the
+training sequences held out from the fit, so a probe does not chase directions that do not
+carry over to new sequences. Without that, a probe in float64 would read positions out of
 differences of 1e-12 that no float32 network could use.
 
 Shape legend: b sequences, n positions, d model size, N probe samples, f probe features.
@@ -47,6 +49,7 @@ __all__ = [
     "ENCODINGS",
     "METRICS",
     "VARIANTS",
+    "RIDGE_STEPS",
     "DeepStack",
     "layer_metrics",
     "measure_deep_stack",
@@ -132,16 +135,41 @@ def ridge_fit(features: torch.Tensor, targets: torch.Tensor, ridge: float = DEFA
     return predict
 
 
+RIDGE_STEPS = (1.0, 1e2, 1e4, 1e6)
+"""The penalties a probe tries, as multiples of its ``ridge``: the one that predicts held-out training sequences best wins."""
+
+
+def _fit_probe(
+    features: torch.Tensor, targets: torch.Tensor, num_sequences: int, ridge: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Ridge fit whose penalty is chosen among ``ridge * RIDGE_STEPS`` on a split of the sequences.
+
+    ``features`` ``(N, f)`` hold ``num_sequences`` sequences' rows one after another. The last
+    quarter of the sequences (at least one) validates each penalty by mean squared error; the
+    winner is refitted on all of them. With fewer than 4 sequences, or ``ridge == 0``, ``ridge`` is used.
+    """
+    candidates = sorted({ridge * step for step in RIDGE_STEPS})
+    if num_sequences < 4 or len(candidates) == 1:
+        return ridge_fit(features, targets, ridge)
+    split = features.shape[0] // num_sequences * (num_sequences - max(1, num_sequences // 4))
+    errors = []
+    for candidate in candidates:
+        predict = ridge_fit(features[:split], targets[:split], candidate)
+        errors.append(float((predict(features[split:]) - targets[split:]).pow(2).mean()))
+    return ridge_fit(features, targets, candidates[errors.index(min(errors))])
+
+
 def position_r2(train: torch.Tensor, test: torch.Tensor, *, ridge: float = DEFAULT_RIDGE) -> float:
     """Held-out R^2 of a linear probe from a hidden state to its position.
 
     Fitted on every position of the ``train`` sequences, scored on every position of the
-    ``test`` sequences: ``1 - sum (i - pred)^2 / sum (i - mean i)^2``.
+    ``test`` sequences: ``1 - sum (i - pred)^2 / sum (i - mean i)^2``. The penalty is the best of
+    ``ridge * RIDGE_STEPS`` on a quarter of the ``train`` sequences held out from the fit.
 
     Args:
         train: ``(b_train, n, d)`` hidden states.
         test: ``(b_test, n, d)`` hidden states of other sequences.
-        ridge: relative penalty of :func:`ridge_fit`.
+        ridge: smallest relative penalty of :func:`ridge_fit`.
     """
     train, test = _check_hidden("train", train), _check_hidden("test", test)
     if train.shape[1:] != test.shape[1:]:
@@ -150,7 +178,7 @@ def position_r2(train: torch.Tensor, test: torch.Tensor, *, ridge: float = DEFAU
     if n < 2:
         raise ValueError(f"the position probe needs at least 2 positions, got {n}")
     positions = torch.arange(n, dtype=torch.float64)
-    predict = ridge_fit(train.reshape(-1, d), positions.repeat(train.shape[0]), ridge)  # (b * n, d)
+    predict = _fit_probe(train.reshape(-1, d), positions.repeat(train.shape[0]), train.shape[0], ridge)  # (b * n, d)
     target = positions.repeat(test.shape[0])
     residual = (target - predict(test.reshape(-1, d))).pow(2).sum()
     return float(1.0 - residual / (target - target.mean()).pow(2).sum())
@@ -180,13 +208,14 @@ def order_accuracy(
     """Held-out accuracy of a linear probe telling from ``[h_i, h_j]`` whether ``i < j``.
 
     Pairs are drawn within each sequence and used in both orders, so the two answers are
-    equally frequent and a probe that sees nothing scores 0.5.
+    equally frequent and a probe that sees nothing scores 0.5. The penalty is chosen as in
+    :func:`position_r2`.
 
     Args:
         train: ``(b_train, n, d)`` hidden states the probe is fitted on.
         test: ``(b_test, n, d)`` hidden states of other sequences it is scored on.
         pairs_per_sequence: pairs ``(i, j)`` drawn per sequence (each used in both orders).
-        ridge: relative penalty of :func:`ridge_fit`.
+        ridge: smallest relative penalty of :func:`ridge_fit`.
         seed: seed of the pair draw.
     """
     train, test = _check_hidden("train", train), _check_hidden("test", test)
@@ -198,7 +227,7 @@ def order_accuracy(
     generator = torch.Generator().manual_seed(seed)
     train_x, train_y = _pairs(train, pairs_per_sequence, generator)
     test_x, test_y = _pairs(test, pairs_per_sequence, generator)
-    predicted = torch.where(ridge_fit(train_x, train_y, ridge)(test_x) > 0, 1.0, -1.0)
+    predicted = torch.where(_fit_probe(train_x, train_y, train.shape[0], ridge)(test_x) > 0, 1.0, -1.0)
     return float((predicted == test_y).to(torch.float64).mean())
 
 

@@ -10,6 +10,7 @@ import html
 from collections.abc import Iterable, Sequence
 
 from selfattn import __version__
+from selfattn.tour import depth
 from selfattn.tour.comparison import CHAPTER, KINDS
 
 __all__ = ["render_report"]
@@ -360,7 +361,6 @@ because P is added to the content, not compared with itself alone.</p>
 
 
 def _section_depth(results: dict, figures: dict[str, str]) -> str:
-    deep = results["depth"]
     fam = results["family"]
     available = fam["encodings"] if fam["available"] else {}
     learned = (
@@ -375,15 +375,7 @@ def _section_depth(results: dict, figures: dict[str, str]) -> str:
     )
     return f"""
 <h2 id="s8">8. The exercises</h2>
-<p><b>Deep stacks of self-attention with positional encoding.</b> The input is the same token at every position
-plus P, so whatever tells the rows apart is position. Each attention output is a convex combination of the
-values, which pulls the rows together; the position signal |h - mean over positions| / |h| after
-{deep["depth"][-1]} random layers falls from {_e(_fmt(deep["without_residual"][0]))} to
-<b>{_e(_fmt(deep["without_residual"][-1]))}</b> without residual connections (the positions are lost: every row is
-the same), but stays at <b>{_e(_fmt(deep["with_residual"][-1]))}</b> with them, since each layer adds to its input
-instead of replacing it. Deep stacks also add P only once, at the bottom, so position has to survive every
-layer; relative encodings inside attention re-inject it at each layer.</p>
-{_figure(figures, "depth", "Position signal against depth, with and without residual connections")}
+{depth.section_html(results["depth"], figures, results.get("depth_study"))}
 <p><b>A learnable encoding</b>: {learned} (<code>selfattn.positional.LearnedPositionalEncoding</code>) learns one row
 per position; it has no row past its <code>max_len</code>, which is why it refuses positions far out in
 section 7. <b>Embeddings by offset</b> (Shaw et al. 2018; Huang et al. 2018) and their successors act inside

@@ -29,13 +29,13 @@ class TourSizes:
     Attributes:
         comparison: keyword arguments of :func:`selfattn.tour.comparison.compare` (the sweeps).
         absolute_positions: positions examined for the qualities of section 5.
-        depth: layers of the deep stacks of section 8.
+        depth: keyword arguments of :func:`selfattn.tour.depth.measure` (section 8's deep stacks).
         family_steps: positions of section 7's diagnostics.
     """
 
     comparison: dict
     absolute_positions: int
-    depth: int
+    depth: dict
     family_steps: int
 
 
@@ -49,7 +49,7 @@ FULL = TourSizes(
         "repeats": 5,
     },
     absolute_positions=4000,
-    depth=16,
+    depth={"depth": 16, "seeds": 5},
     family_steps=32,
 )
 QUICK = TourSizes(
@@ -62,7 +62,7 @@ QUICK = TourSizes(
         "repeats": 3,
     },
     absolute_positions=1000,
-    depth=8,
+    depth={"depth": 8, "seeds": 2, "quick": True},
     family_steps=16,
 )
 
@@ -148,7 +148,7 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     results["relative"] = {"similarity": checks.offset_similarity(_PLOT_HIDDENS, max_delta=_PLOT_STEPS)}
     tick("6. relative position")
     results["family"] = _family(sizes, tick)
-    results["depth"] = depth.position_signal_by_depth(depth=sizes.depth)
+    results["depth"] = depth.measure(**sizes.depth)
     tick("8. deep stacks")
     return results
 
@@ -284,22 +284,22 @@ def verdicts(results: dict) -> list[dict[str, object]]:
                 diag["measured_relative"] == diag["is_relative"],
             )
         )
-    deep = results["depth"]
-    without, with_res = deep["without_residual"], deep["with_residual"]
+    deep = depth.verdict_numbers(results["depth"])
+    layers = results["depth"]["layers"][-1]
     out.append(
         _check(
-            f"8. without residuals, position collapses in {deep['depth'][-1]} layers",
-            without[-1] / without[0],
-            "ratio < 1e-3",
-            without[-1] / without[0] < 1e-3,
+            f"8. without residuals, the rows of {layers} random attention layers collapse (sinusoidal)",
+            deep["collapse_ratio"],
+            "mean-row residual / input's < 1e-6",
+            deep["collapse_ratio"] < depth.COLLAPSED,
         )
     )
     out.append(
         _check(
-            "8. with residuals, it survives",
-            with_res[-1] / with_res[0],
-            "ratio > 0.05",
-            with_res[-1] / with_res[0] > 0.05,
+            f"8. with residuals, rows and position stay apart after {layers} layers (sinusoidal)",
+            [deep["residual_rows_min"], deep["residual_share_min"]],
+            "mean-row residual and position share > 1e-3 in every seed",
+            min(deep["residual_rows_min"], deep["residual_share_min"]) > 1e-3,
         )
     )
     return out
@@ -343,7 +343,9 @@ def _figures(results: dict, directory: Path, advance: Callable[[str], None]) -> 
     }
     for name, diag in results["family"]["encodings"].items():
         drawings[f"family_{name}"] = lambda diag=diag: figures.encoding_panel_figure(diag)
-    drawings["depth"] = lambda: figures.depth_figure(results["depth"])
+    drawings["depth"] = lambda: figures.deep_stack_figure(results["depth"])
+    if (results.get("depth_study") or {}).get("trained"):
+        drawings["depth_trained"] = lambda: figures.deep_stack_figure(results["depth_study"], "trained")
     paths = {}
     for name, draw in drawings.items():
         png, _svg = figures.save_figure(draw(), directory, name)
@@ -365,15 +367,20 @@ def _prepare_output(out_dir: Path) -> Path:
     return out_dir
 
 
-def run_tour(out_dir: Path | str = "selfattn-report", *, quick: bool = False, progress: bool = True) -> dict:
+def run_tour(
+    out_dir: Path | str = "selfattn-report", *, quick: bool = False, progress: bool = True, study: Path | str | None = None
+) -> dict:
     """Run every section, write ``report.html``, ``figures/`` and ``results.json`` into ``out_dir``.
 
-    Returns the results as written to ``results.json``, with ``"checks"`` (the verdicts) added.
+    ``study`` is a ``selfattn study`` output folder whose trained deep stacks section 8 shows
+    (``results["depth_study"]``). Returns the results as written to ``results.json``, with
+    ``"checks"`` (the verdicts) added.
     """
     from selfattn.tour import figures  # noqa: F401  (fail now, not after the measurements, without matplotlib)
     from selfattn.tour.report import render_report
 
     out_dir = _prepare_output(Path(out_dir))
+    depth_study = depth.study_deep_stack(study)  # fail now, not after the measurements
     sizes = QUICK if quick else FULL
     family_count = 0
     with contextlib.suppress(ImportError):
@@ -385,6 +392,7 @@ def run_tour(out_dir: Path | str = "selfattn-report", *, quick: bool = False, pr
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
+        results["depth_study"] = depth_study
         results["checks"] = verdicts(results)
         figure_paths = _figures(results, out_dir / "figures", advance)
         serializable = _jsonable(results)
@@ -444,11 +452,7 @@ def summary_lines(results: dict, out_dir: Path | str | None = None) -> list[str]
         lines.append(f"  7. family: {len(fam['encodings'])} encodings; shift-invariant outputs: {', '.join(relative)}")
     else:
         lines.append(f"  7. family: skipped ({fam['note']})")
-    deep = results["depth"]
-    lines.append(
-        f"  8. position signal after {deep['depth'][-1]} layers: {deep['without_residual'][-1]:.1e} without "
-        f"residuals, {deep['with_residual'][-1]:.2f} with (from {deep['without_residual'][0]:.2f})"
-    )
+    lines.append(depth.summary_line(results["depth"]))
     for c in checks_:
         if not c["ok"]:
             lines.append(f"  FAILED: {c['name']}: measured {c['measured']}, expected {c['expected']}")
