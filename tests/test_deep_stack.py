@@ -158,7 +158,9 @@ def test_deep_stack_returns_every_layer_and_puts_input_encodings_at_the_bottom()
     torch.manual_seed(0)
     tokens = torch.randint(0, 5, (2, 6))
     for encoding, inside in (("sinusoidal", False), ("rotary", True), ("t5", True), ("none", False)):
-        model = DeepStack(encoding=encoding, depth=3, num_hiddens=8, num_heads=2, ffn_hiddens=8, vocab_size=5, num_classes=6)
+        model = DeepStack(
+            encoding=encoding, depth=3, num_hiddens=8, num_heads=2, ffn_hiddens=8, vocab_size=5, num_classes=6
+        )
         states = model.hidden_states(tokens)
         assert len(states) == 4 and all(s.shape == (2, 6, 8) for s in states)
         assert model(tokens).shape == (2, 6, 6)
@@ -204,8 +206,8 @@ def test_measurement_has_every_encoding_variant_metric_and_layer(tiny):
     assert set(tiny["variants"]) == {"residual", "no_residual"}
     assert tiny["config"]["seeds"] == 2 and tiny["config"]["causal"] is False
     assert list(tiny["untrained"]) == list(deep_stack.ENCODINGS)
-    for encoding, by_variant in tiny["untrained"].items():
-        for variant, metrics in by_variant.items():
+    for by_variant in tiny["untrained"].values():
+        for metrics in by_variant.values():
             for metric in METRICS:
                 entry = metrics[metric]
                 assert len(entry["by_seed"]) == 2 and all(len(run) == 5 for run in entry["by_seed"])
@@ -220,7 +222,13 @@ def test_measurement_has_every_encoding_variant_metric_and_layer(tiny):
 
 def test_measurement_sees_sinusoidal_position_at_the_input_and_its_collapse_without_residuals(tiny):
     sinusoidal = tiny["untrained"]["sinusoidal"]
-    assert min(sinusoidal["residual"]["position_r2"]["by_seed"][0][:1] + sinusoidal["no_residual"]["position_r2"]["min"][:1]) > 0.9
+    assert (
+        min(
+            sinusoidal["residual"]["position_r2"]["by_seed"][0][:1]
+            + sinusoidal["no_residual"]["position_r2"]["min"][:1]
+        )
+        > 0.9
+    )
     assert sinusoidal["no_residual"]["mean_row_residual"]["max"][-1] < 1e-6
     assert sinusoidal["no_residual"]["position_share"]["max"][-1] < 1e-6
     assert sinusoidal["residual"]["position_share"]["min"][-1] > 1e-3

@@ -261,3 +261,15 @@ def test_encoding_table_of_sinusoidal_honours_base_and_offset():
     assert family.encoding_table("alibi", num_steps=4, num_hiddens=8, num_heads=2).shape == (2, 4, 4)
     with pytest.raises(ValueError, match="offset"):
         family.encoding_table("sinusoidal", num_steps=3, num_hiddens=4, offset=-1)
+
+
+def test_deep_stack_section_is_measured_for_every_encoding(tour):
+    page = (tour["out"] / "report.html").read_text()
+    section = page[page.index('id="s8"') :]
+    assert "re-inject" not in page and "untrained" in section
+    deep = tour["results"]["depth"]
+    assert set(deep["untrained"]) == {"none", "sinusoidal", "rotary", "alibi", "t5", "shaw"}
+    assert tour["results"]["depth_study"] is None
+    results = copy.deepcopy(tour["results"])
+    results["depth_study"] = {**deep, "trained": deep["untrained"], "config": {**deep["config"], "train_seeds": 2}}
+    assert "Trained stacks" in render_report(results, {})

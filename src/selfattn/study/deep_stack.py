@@ -36,6 +36,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,8 @@ from selfattn.positional import NAMES, InputEncoding, PositionalEncoding, build
 __all__ = [
     "ENCODINGS",
     "METRICS",
-    "VARIANTS",
     "RIDGE_STEPS",
+    "VARIANTS",
     "DeepStack",
     "layer_metrics",
     "measure_deep_stack",
@@ -81,7 +82,9 @@ DEFAULT_RIDGE = 1e-6
 
 def _check_hidden(name: str, h: torch.Tensor) -> torch.Tensor:
     if not isinstance(h, torch.Tensor) or h.dim() != 3:
-        raise ValueError(f"{name} must be a (sequences, positions, features) tensor, got {tuple(getattr(h, 'shape', ()))}")
+        raise ValueError(
+            f"{name} must be a (sequences, positions, features) tensor, got {tuple(getattr(h, 'shape', ()))}"
+        )
     if not h.is_floating_point():
         raise ValueError(f"{name} must be floating point, got dtype {h.dtype}")
     if not bool(torch.isfinite(h).all()):
@@ -95,7 +98,9 @@ def _check_ridge(ridge: float) -> float:
     return float(ridge)
 
 
-def ridge_fit(features: torch.Tensor, targets: torch.Tensor, ridge: float = DEFAULT_RIDGE) -> Callable[[torch.Tensor], torch.Tensor]:
+def ridge_fit(
+    features: torch.Tensor, targets: torch.Tensor, ridge: float = DEFAULT_RIDGE
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """Fit ``targets ~ features @ w + c`` by ridge least squares; returns the fitted predictor.
 
     The penalty is ``lambda |w|^2`` with ``lambda = ridge * N * mean(features^2)``: scaled by the
@@ -115,7 +120,9 @@ def ridge_fit(features: torch.Tensor, targets: torch.Tensor, ridge: float = DEFA
     x = features.to(torch.float64)
     y = targets.to(torch.float64)
     if x.dim() != 2 or y.shape[0] != x.shape[0] or y.dim() not in (1, 2):
-        raise ValueError(f"features (N, f) and targets (N,) or (N, k) must agree, got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise ValueError(
+            f"features (N, f) and targets (N,) or (N, k) must agree, got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
     x_mean, y_mean = x.mean(dim=0), y.mean(dim=0)
     xc = x - x_mean  # (N, f)
     yc = (y - y_mean).reshape(x.shape[0], -1)  # (N, k)
@@ -130,7 +137,8 @@ def ridge_fit(features: torch.Tensor, targets: torch.Tensor, ridge: float = DEFA
         weights = weights[:, 0]
 
     def predict(new: torch.Tensor) -> torch.Tensor:
-        return (new.to(torch.float64) - x_mean) @ weights + y_mean
+        predicted: torch.Tensor = (new.to(torch.float64) - x_mean) @ weights + y_mean
+        return predicted
 
     return predict
 
@@ -173,7 +181,9 @@ def position_r2(train: torch.Tensor, test: torch.Tensor, *, ridge: float = DEFAU
     """
     train, test = _check_hidden("train", train), _check_hidden("test", test)
     if train.shape[1:] != test.shape[1:]:
-        raise ValueError(f"train and test must share (positions, features), got {tuple(train.shape)} and {tuple(test.shape)}")
+        raise ValueError(
+            f"train and test must share (positions, features), got {tuple(train.shape)} and {tuple(test.shape)}"
+        )
     n, d = train.shape[1], train.shape[2]
     if n < 2:
         raise ValueError(f"the position probe needs at least 2 positions, got {n}")
@@ -221,7 +231,9 @@ def order_accuracy(
     train, test = _check_hidden("train", train), _check_hidden("test", test)
     pairs_per_sequence = require_positive_int("pairs_per_sequence", pairs_per_sequence)
     if train.shape[1:] != test.shape[1:]:
-        raise ValueError(f"train and test must share (positions, features), got {tuple(train.shape)} and {tuple(test.shape)}")
+        raise ValueError(
+            f"train and test must share (positions, features), got {tuple(train.shape)} and {tuple(test.shape)}"
+        )
     if train.shape[1] < 2:
         raise ValueError(f"the order probe needs at least 2 positions, got {train.shape[1]}")
     generator = torch.Generator().manual_seed(seed)
@@ -316,7 +328,9 @@ class DeepStack(nn.Module):
             raise ValueError(f"encoding must be one of {', '.join(NAMES)}; got {encoding!r}")
         self.depth = require_positive_int("depth", depth)
         self.causal = bool(causal)
-        options = {"alibi": {"causal": self.causal}, "t5": {"bidirectional": not self.causal}}.get(encoding, {})
+        options: dict[str, Any] = {"alibi": {"causal": self.causal}, "t5": {"bidirectional": not self.causal}}.get(
+            encoding, {}
+        )
         if encoding in ("sinusoidal", "learned"):
             options = {"max_len": max_len}
 
@@ -350,7 +364,8 @@ class DeepStack(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(b, n, num_classes)`` for int64 tokens ``(b, n)``."""
-        return self.head(self.norm(self.hidden_states(tokens)[-1]))
+        logits: torch.Tensor = self.head(self.norm(self.hidden_states(tokens)[-1]))
+        return logits
 
 
 # Training on a task that needs positions ---------------------------------------------------------
@@ -388,7 +403,7 @@ def train_previous_token(
         tokens, targets = previous_token_batch(batch_size, num_steps, vocab_size, generator)
         loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     model.eval()
@@ -408,7 +423,7 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _spread(by_seed: Sequence[Sequence[float]]) -> dict[str, list]:
+def _spread(by_seed: Sequence[Sequence[float]]) -> dict[str, list[Any]]:
     values = torch.tensor(by_seed, dtype=torch.float64)  # (seeds, layers)
     std = values.std(dim=0, correction=1) if values.shape[0] > 1 else torch.zeros(values.shape[1:], dtype=torch.float64)
     return {
@@ -425,7 +440,9 @@ def _scalar_spread(values: Sequence[float]) -> dict[str, object]:
     return {key: (value[0] if key != "by_seed" else [row[0] for row in value]) for key, value in spread.items()}
 
 
-def _probe_stack(model: DeepStack, tokens: torch.Tensor, num_train: int, ridge: float, seed: int) -> dict[str, list[float]]:
+def _probe_stack(
+    model: DeepStack, tokens: torch.Tensor, num_train: int, ridge: float, seed: int
+) -> dict[str, list[float]]:
     """Metrics per layer; ``tokens`` ``(b, n)``: train sequences, then held-out ones, then one of a repeated token."""
     model = model.double().eval()
     with torch.no_grad():
@@ -515,7 +532,7 @@ def measure_deep_stack(
     train_seeds = require_positive_int("train_seeds", train_seeds)
     ridge = _check_ridge(ridge)
     tick = progress or (lambda description: None)
-    sizes = {"num_hiddens": num_hiddens, "num_heads": num_heads, "ffn_hiddens": ffn_hiddens}
+    sizes: dict[str, Any] = {"num_hiddens": num_hiddens, "num_heads": num_heads, "ffn_hiddens": ffn_hiddens}
     num_train = num_sequences - test_sequences
     start = time.perf_counter()
 
@@ -536,7 +553,10 @@ def measure_deep_stack(
     for name in encodings:
         untrained[name] = {}
         for variant in variants:
-            runs = [_probe_stack(stack(name, variant, seed, vocab_size + 1), tokens_of(seed), num_train, ridge, seed) for seed in range(seeds)]
+            runs = [
+                _probe_stack(stack(name, variant, seed, vocab_size + 1), tokens_of(seed), num_train, ridge, seed)
+                for seed in range(seeds)
+            ]
             untrained[name][variant] = {m: _spread([run[m] for run in runs]) for m in METRICS}
             tick(f"deep stack: {name}, {variant}, untrained")
 
@@ -551,7 +571,12 @@ def measure_deep_stack(
                     model = stack(name, variant, seed, vocab_size + 1)
                     fits.append(
                         train_previous_token(
-                            model, steps=train_steps, num_steps=num_steps, vocab_size=vocab_size, seed=seed, batch_size=16
+                            model,
+                            steps=train_steps,
+                            num_steps=num_steps,
+                            vocab_size=vocab_size,
+                            seed=seed,
+                            batch_size=16,
                         )
                     )
                     runs.append(_probe_stack(model, tokens_of(seed), num_train, ridge, seed))

@@ -185,7 +185,9 @@ def _table(deep: dict[str, Any], which: str) -> str:
                 ("position_share", 1),
                 ("position_share", -1),
             ):
-                cells.append(f'<td class="num">{_e(_spread(_metric(deep, which, encoding, variant, metric), layer))}</td>')
+                cells.append(
+                    f'<td class="num">{_e(_spread(_metric(deep, which, encoding, variant, metric), layer))}</td>'
+                )
             rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<div class="table-scroll"><table><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
 
@@ -213,8 +215,8 @@ def _sentences(deep: dict[str, Any]) -> list[str]:
     collapsed = _collapsed(deep, "no_residual")
     kept = [e for e in deep["untrained"] if e not in collapsed and "no_residual" in deep["untrained"][e]]
     if collapsed:
-        r2 = max(_last(deep, "untrained", e, "no_residual", "position_r2", "max") for e in collapsed)
-        order = max(_last(deep, "untrained", e, "no_residual", "order_accuracy", "max") for e in collapsed)
+        r2_max = max(_last(deep, "untrained", e, "no_residual", "position_r2", "max") for e in collapsed)
+        order_max = max(_last(deep, "untrained", e, "no_residual", "order_accuracy", "max") for e in collapsed)
         inside = [e for e in collapsed if e not in ("none", "sinusoidal", "learned")]
         finals = []
         for e in collapsed:
@@ -226,7 +228,7 @@ def _sentences(deep: dict[str, Any]) -> list[str]:
         out.append(
             f"<b>Without residual connections</b> the rows collapse towards one vector: after {depth} layers the "
             f"largest mean-row residual over the seeds is {'; '.join(finals)}. The probes then read nothing "
-            f"(position R&sup2; at most {_num(r2)}, order accuracy at most {_num(order)}, over these encodings and "
+            f"(position R&sup2; at most {_num(r2_max)}, order accuracy at most {_num(order_max)}, over these encodings and "
             "seeds)."
             + (
                 f" Encodings inside attention ({', '.join(f'<code>{_e(e)}</code>' for e in inside)}) are given to "
@@ -260,30 +262,52 @@ def _sentences(deep: dict[str, Any]) -> list[str]:
         )
         r2 = _metric(deep, "untrained", "sinusoidal", "residual", "position_r2")
         if r2 is not None:
+            reads = "still reads" if min(r2["mean"]) > 0.5 else "reads less and less of"
             out.append(
-                f"A linear probe still reads the absolute position from those rows: held-out R&sup2; "
+                f"A linear probe {reads} the absolute position from those rows: held-out R&sup2; "
                 f"{_num(r2['mean'][0])} at the input, {_spread(r2)} after {depth} layers."
             )
     relative = [e for e in deep["untrained"] if e not in ("none", "sinusoidal")]
     if relative and "residual" in deep["untrained"][relative[0]]:
         best = max(relative, key=lambda e: _last(deep, "untrained", e, "residual", "order_accuracy"))
+        at_input = _metric(deep, "untrained", relative[0], "residual", "position_r2")
         out.append(
             "Encodings inside attention add nothing to the input rows (position R&sup2; at the input "
-            f"{_num(_metric(deep, 'untrained', relative[0], 'residual', 'position_r2')['mean'][0])}). With residuals, "
+            f"{_num(float('nan') if at_input is None else at_input['mean'][0])}). With residuals, "
             f"after {depth} layers: position R&sup2; "
-            + ", ".join(f"<code>{_e(e)}</code> {_num(_last(deep, 'untrained', e, 'residual', 'position_r2'))}" for e in relative)
+            + ", ".join(
+                f"<code>{_e(e)}</code> {_num(_last(deep, 'untrained', e, 'residual', 'position_r2'))}" for e in relative
+            )
             + "; order accuracy "
-            + ", ".join(f"<code>{_e(e)}</code> {_num(_last(deep, 'untrained', e, 'residual', 'order_accuracy'))}" for e in relative)
+            + ", ".join(
+                f"<code>{_e(e)}</code> {_num(_last(deep, 'untrained', e, 'residual', 'order_accuracy'))}"
+                for e in relative
+            )
             + f" (0.5 is chance; highest: <code>{_e(best)}</code>)."
         )
+    blind = []
+    for encoding in relative:
+        share = _metric(deep, "untrained", encoding, "residual", "position_share")
+        if share is not None and max(share["max"]) < 1e-9:
+            blind.append((encoding, max(share["max"])))
+    if blind:
+        out.append(
+            "On a sequence of one repeated token, "
+            + ", ".join(f"<code>{_e(e)}</code>" for e, _ in blind)
+            + f" leave every row the same at every layer (position share at most {_num(max(v for _, v in blind))}): "
+            "they change only the attention weights, and here every value is the same vector."
+        )
     if "none" in deep["untrained"]:
-        r2 = _metric(deep, "untrained", "none", "residual", "position_r2") or _metric(
+        nope = _metric(deep, "untrained", "none", "residual", "position_r2") or _metric(
             deep, "untrained", "none", "no_residual", "position_r2"
         )
-        out.append(
-            "Without any encoding (<code>none</code>) bidirectional attention is permutation-equivariant: position R&sup2; "
-            f"after {depth} layers is {_spread(r2)}, no better than guessing the mean position."
-        )
+        if nope is not None:
+            verdict = "no better than guessing the mean position" if max(nope["max"]) < 0.05 else "measured, not zero"
+            causal = "causal" if deep["config"]["causal"] else "bidirectional"
+            out.append(
+                f"Without any encoding (<code>none</code>), {causal} attention: position R&sup2; after {depth} layers "
+                f"is {_spread(nope)} ({verdict}; at most {_num(max(nope['max']))} at any layer)."
+            )
     return out
 
 
@@ -328,10 +352,9 @@ def section_html(deep: dict[str, Any], figures: dict[str, str], trained: dict[st
         parts.append(_table(trained, "trained"))
     else:
         parts.append(
-            "<p class=\"note\">These are untrained stacks: they show what stacking does to position before any "
+            '<p class="note">These are untrained stacks: they show what stacking does to position before any '
             "learning, not what a trained model keeps. <code>selfattn study</code> also trains these stacks on a "
             "task that needs positions and probes them again; <code>selfattn tour --study DIR</code> shows those "
             "results here.</p>"
         )
     return "\n".join(p for p in parts if p)
-
