@@ -90,3 +90,15 @@ def test_deep_stack_figure_has_a_panel_per_metric_and_variant(tmp_path, measured
     assert [line.get_label() for line in fig.axes[0].lines] == list(measured["untrained"])
     png, svg = figures.save_figure(figures.deep_stack_figure(measured, "trained"), tmp_path, "depth_trained")
     assert png.stat().st_size > 5000 and "<svg" in svg.read_text()[:2000]
+
+
+def test_tour_with_a_missing_study_fails_at_once_with_one_line(tmp_path, capsys):
+    from selfattn.cli.main import main
+
+    status = main(
+        ["tour", "--quick", "--out", str(tmp_path / "report"), "--study", str(tmp_path / "nowhere"), "--no-progress"]
+    )
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("selfattn tour: error: study_dir=") and "\n" not in err
+    assert not (tmp_path / "report" / "results.json").exists()

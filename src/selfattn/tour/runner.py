@@ -387,8 +387,8 @@ def run_tour(
         family_count = len(family.family_names())
     sweep = sizes.comparison
     comparison_count = comparison.comparison_steps(sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"])
-    # Six section steps, the comparison's, two per encoding (measure, draw), eight figures, the report.
-    total = 6 + comparison_count + 2 * family_count + 8 + 1
+    # Six section steps, the comparison's, two per encoding (measure, draw), eight figures (nine with a study), the report.
+    total = 6 + comparison_count + 2 * family_count + 8 + bool((depth_study or {}).get("trained")) + 1
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
