@@ -33,7 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sweeps: under a minute on 2 cores")
     parser.add_argument(
         "--study", metavar="DIR", type=Path, default=None,
-        help="a `selfattn study` output folder: section 8 also shows its trained deep stacks",
+        help="a `selfattn study` output folder: section 8 also shows its trained deep stacks "
+        "(default: $SELFATTN_STUDY or ./selfattn-study, if there)",
     )  # fmt: skip
     add_progress_flag(parser)
     parser.set_defaults(handler=run)

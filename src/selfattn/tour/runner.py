@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -373,13 +374,17 @@ def run_tour(
     """Run every section, write ``report.html``, ``figures/`` and ``results.json`` into ``out_dir``.
 
     ``study`` is a ``selfattn study`` output folder whose trained deep stacks section 8 shows
-    (``results["depth_study"]``). Returns the results as written to ``results.json``, with
+    (``results["depth_study"]``); by default ``$SELFATTN_STUDY`` or ``./selfattn-study`` when it
+    holds a ``results.json``. Returns the results as written to ``results.json``, with
     ``"checks"`` (the verdicts) added.
     """
     from selfattn.tour import figures  # noqa: F401  (fail now, not after the measurements, without matplotlib)
     from selfattn.tour.report import render_report
 
     out_dir = _prepare_output(Path(out_dir))
+    if study is None:  # the study's own default folder, as the report's study section looks for it
+        default = Path(os.environ.get("SELFATTN_STUDY", "selfattn-study"))
+        study = default if (default / "results.json").is_file() else None
     depth_study = depth.study_deep_stack(study)  # fail now, not after the measurements
     sizes = QUICK if quick else FULL
     family_count = 0
