@@ -47,6 +47,10 @@ def test_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     summary = load_study(out)
     assert summary is not None and summary.runs == 4 and len(summary.figures) == 3
     assert load_study(tmp_path / "nothing") is None
+    from selfattn.study.summary import study_section_html
+
+    section = study_section_html(out)
+    assert "4 trained runs" in section and section.count("data:image/png;base64,") == 3 and "<td>learned</td>" in section
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen[str]:
@@ -118,3 +122,13 @@ def test_bad_combination_is_a_one_line_error(tmp_path: Path, capsys: pytest.Capt
     assert main(["study", "--quick", "--encodings", "alibi", "--randomized-positions", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "selfattn study: error: randomized positions need one of" in err and err.count("\n") == 1
+
+
+def test_tour_section_shows_a_study_or_says_how_to_make_one(tmp_path: Path) -> None:
+    from selfattn.study.summary import study_section_html
+
+    missing = study_section_html(tmp_path / "none")
+    assert "No study found" in missing and "selfattn study" in missing
+    from selfattn.tour.report import render_report  # the tour report calls it
+
+    assert "study_section_html" in render_report.__code__.co_names
