@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
-from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, add_progress_flag, positive_int
+from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, add_progress_flag, positive_float, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="output folder (default: ./selfattn-study)")
     parser.add_argument("--quick", action="store_true", help="a small grid and short runs: a smoke test")
     parser.add_argument("--resume", action="store_true", help="keep finished runs and continue from checkpoints")
+    parser.add_argument("--checkpoint-seconds", type=positive_float, default=5.0, metavar="S",
+                        help="save each run's state after every S seconds of work (default 5)")
     parser.add_argument("--no-deep-stack", dest="deep_stack", action="store_false",
                         help="skip the deep-stack measurements")
     add_progress_flag(parser)
@@ -63,11 +65,18 @@ def run(args: argparse.Namespace) -> int:
         tasks=args.tasks, encodings=args.encodings, seeds=args.seeds, steps=args.steps,
         train_len=args.train_len, randomized_positions=args.randomized_positions, quick=args.quick,
     )
+    import os
+
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        # These models are too small to gain from intra-op threads; use ranks for more cores (torchrun).
+        torch.set_num_threads(1)
     previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         results = run_study(
             args.out, grid, config, resume=args.resume, quick=args.quick, data_parallel=args.data_parallel,
-            deep_stack=args.deep_stack, progress=grid_progress if args.progress and sys.stderr.isatty() else None,
+            deep_stack=args.deep_stack, checkpoint_seconds=args.checkpoint_seconds, progress=grid_progress if args.progress and sys.stderr.isatty() else None,
         )
     except KeyboardInterrupt:
         print(f"selfattn study: interrupted; rerun with --resume --out {args.out} to continue", file=sys.stderr)

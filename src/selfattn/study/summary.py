@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StudySummary", "load_study", "summary_lines"]
+__all__ = ["StudySummary", "load_study", "study_section_html", "summary_lines"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +65,43 @@ def summary_lines(results: dict[str, Any], folder: Path) -> list[str]:
     report = folder / "study.html"
     lines.append(f"report: {report}" if report.exists() else f"results: {folder / 'results.json'}")
     return lines
+
+
+def study_section_html(folder: Path | None = None) -> str:
+    """An HTML section for the tour's report: the study's numbers and figures, or how to make them.
+
+    ``folder`` defaults to ``$SELFATTN_STUDY`` or ``./selfattn-study`` (``selfattn study``'s
+    default ``--out``). Figures are inlined, so the tour's report stays one self-contained file.
+    """
+    import base64
+    import html
+    import os
+
+    folder = Path(folder or os.environ.get("SELFATTN_STUDY", "selfattn-study"))
+    study = load_study(folder)
+    head = '<h2 id="study">Trained models: the study</h2>'
+    if study is None:
+        return (
+            f"{head}<p>No study found in <code>{html.escape(str(folder))}</code>. The exercises are answered with "
+            "trained models by <code>selfattn study</code> (about an hour on 2 CPU cores: "
+            "<code>torchrun --standalone --nproc_per_node 2 -m selfattn study</code>; <code>selfattn study --quick</code> "
+            "for a smoke test); rerun the tour afterwards, or point <code>SELFATTN_STUDY</code> at its folder.</p>"
+        )
+    rows = "".join(
+        f"<tr><td>{html.escape(task)}</td><td>{html.escape(label)}</td><td>{100 * inside:.1f}%</td>"
+        f"<td>{'n/a' if beyond is None else f'{100 * beyond:.1f}%'}</td><td>{'never' if half is None else half}</td></tr>"
+        for task, label, inside, beyond, half in study.rows
+    )
+    images = "".join(
+        f'<img style="max-width:100%" alt="{html.escape(path.stem)}" '
+        f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}">'
+        for path in study.figures
+    )
+    link = f' Full report: <a href="{html.escape(str(study.report.resolve()))}">study.html</a>.' if study.report else ""
+    return (
+        f"{head}<p>{study.runs} trained runs from <code>{html.escape(str(folder))}</code>: exact match of the answer "
+        f"at the training lengths 1..{study.train_len} (in) and beyond them, and the first length where the mean "
+        f"over seeds falls below 50%.{link}</p>"
+        "<table><tr><th>task</th><th>encoding</th><th>in</th><th>beyond</th><th>&lt;50% at</th></tr>"
+        f"{rows}</table>{images}"
+    )

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from selfattn import __version__
 from selfattn.tour import depth
 from selfattn.tour.comparison import CHAPTER, KINDS
+from selfattn.study.summary import study_section_html
 
 __all__ = ["render_report"]
 
@@ -396,6 +397,7 @@ def render_report(results: dict, figures: dict[str, str]) -> str:
         _section_relative(results, figures),
         _section_family(results, figures),
         _section_depth(results, figures),
+        study_section_html(),
     ]
     return f"""<!DOCTYPE html>
 <html lang="en">
