@@ -269,7 +269,6 @@ def test_deep_stack_section_is_measured_for_every_encoding(tour):
     assert "re-inject" not in page and "untrained" in section
     deep = tour["results"]["depth"]
     assert set(deep["untrained"]) == {"none", "sinusoidal", "rotary", "alibi", "t5", "shaw"}
-    assert tour["results"]["depth_study"] is None
     results = copy.deepcopy(tour["results"])
     results["depth_study"] = {**deep, "trained": deep["untrained"], "config": {**deep["config"], "train_seeds": 2}}
     assert "Trained stacks" in render_report(results, {})
