@@ -284,3 +284,18 @@ def test_probe_penalty_is_chosen_on_held_out_training_sequences(monkeypatch):
     tried.clear()
     position_r2(h[:3], h[3:], ridge=1e-6)  # too few sequences to hold some out
     assert tried == [(15, 1e-6)]
+
+
+def test_causal_stacks_use_the_causal_forms_of_alibi_and_t5():
+    sizes = {"depth": 2, "num_hiddens": 8, "num_heads": 2, "ffn_hiddens": 8, "vocab_size": 5, "num_classes": 6}
+    for causal in (False, True):
+        alibi = DeepStack(encoding="alibi", causal=causal, **sizes).blocks[1].attention.position
+        t5 = DeepStack(encoding="t5", causal=causal, **sizes).blocks[0].attention.position
+        assert alibi.causal is causal and t5.bidirectional is not causal
+    small = {**TINY, "depth": 2, "seeds": 1}
+    result = measure_deep_stack(
+        **small, encodings=("none", "alibi"), variants=("residual",), causal=True, train_steps=0
+    )
+    assert result["config"]["causal"] is True
+    # NoPE input rows carry no position.
+    assert result["untrained"]["none"]["residual"]["position_r2"]["mean"][0] < 0.1
