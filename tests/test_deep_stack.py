@@ -268,34 +268,25 @@ def test_measurement_errors_name_the_argument():
 
 def test_probe_penalty_is_chosen_on_held_out_training_sequences(monkeypatch):
     tried = []
-    fit = deep_stack.ridge_fit
+    weights = deep_stack._ridge_weights
 
-    def spy(features, targets, ridge=deep_stack.DEFAULT_RIDGE):
-        tried.append((features.shape[0], ridge))
-        return fit(features, targets, ridge)
+    def spy(features, targets, ridges):
+        tried.append((features.shape[0], list(ridges)))
+        return weights(features, targets, ridges)
 
-    monkeypatch.setattr(deep_stack, "ridge_fit", spy)
+    monkeypatch.setattr(deep_stack, "_ridge_weights", spy)
     h = _position_states(8, 5, 3, seed=6)
     position_r2(h[:8], h[:2], ridge=1e-6)
     # Four penalties fitted on 6 of the 8 sequences (30 rows), then the winner on all 40 rows.
-    assert [rows for rows, _ in tried] == [30] * 4 + [40]
-    assert [r for _, r in tried[:4]] == pytest.approx([1e-6, 1e-4, 1e-2, 1.0])
-    assert tried[-1][1] == pytest.approx(1e-6)  # exact position: the smallest penalty predicts best
+    assert [rows for rows, _ in tried] == [30, 40]
+    assert tried[0][1] == pytest.approx([1e-6, 1e-4, 1e-2, 1.0])
+    assert tried[1][1] == pytest.approx([1e-6])  # exact position: the smallest penalty predicts best
+    tried.clear()
+    noise = torch.randn(
+        8, 5, 20, generator=torch.Generator().manual_seed(7), dtype=torch.float64
+    )  # 20 features, 30 rows
+    position_r2(noise, noise[:2], ridge=1e-6)
+    assert tried[1][1][0] > 1e-6  # nothing to read: a larger penalty predicts the held-out sequences better
     tried.clear()
     position_r2(h[:3], h[3:], ridge=1e-6)  # too few sequences to hold some out
-    assert tried == [(15, 1e-6)]
-
-
-def test_causal_stacks_use_the_causal_forms_of_alibi_and_t5():
-    sizes = {"depth": 2, "num_hiddens": 8, "num_heads": 2, "ffn_hiddens": 8, "vocab_size": 5, "num_classes": 6}
-    for causal in (False, True):
-        alibi = DeepStack(encoding="alibi", causal=causal, **sizes).blocks[1].attention.position
-        t5 = DeepStack(encoding="t5", causal=causal, **sizes).blocks[0].attention.position
-        assert alibi.causal is causal and t5.bidirectional is not causal
-    small = {**TINY, "depth": 2, "seeds": 1}
-    result = measure_deep_stack(
-        **small, encodings=("none", "alibi"), variants=("residual",), causal=True, train_steps=0
-    )
-    assert result["config"]["causal"] is True
-    # NoPE input rows carry no position.
-    assert result["untrained"]["none"]["residual"]["position_r2"]["mean"][0] < 0.1
+    assert tried == [(15, [1e-6])]

@@ -117,28 +117,52 @@ def ridge_fit(
         A function mapping ``(M, f)`` features to ``(M,)`` (or ``(M, k)``) predictions.
     """
     ridge = _check_ridge(ridge)
+    x_mean, y_mean, weights = _ridge_weights(features, targets, [ridge])
+    return _predictor(x_mean, y_mean, weights[0], targets.dim())
+
+
+def _ridge_weights(
+    features: torch.Tensor, targets: torch.Tensor, ridges: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Means of ``features`` ``(f,)`` and ``targets`` ``(k,)``, and the weights ``(c, f, k)`` for each ridge."""
     x = features.to(torch.float64)
     y = targets.to(torch.float64)
     if x.dim() != 2 or y.shape[0] != x.shape[0] or y.dim() not in (1, 2):
         raise ValueError(
             f"features (N, f) and targets (N,) or (N, k) must agree, got {tuple(x.shape)} and {tuple(y.shape)}"
         )
-    x_mean, y_mean = x.mean(dim=0), y.mean(dim=0)
-    xc = x - x_mean  # (N, f)
-    yc = (y - y_mean).reshape(x.shape[0], -1)  # (N, k)
-    penalty = ridge * x.shape[0] * float(x.pow(2).mean())
-    if penalty > 0:
+    x_mean = x.mean(dim=0)
+    y = y.reshape(x.shape[0], -1)  # (N, k)
+    y_mean = y.mean(dim=0)
+    xc, yc = x - x_mean, y - y_mean  # (N, f), (N, k)
+    scale = x.shape[0] * float(x.pow(2).mean())
+    penalties = torch.tensor([r * scale for r in ridges], dtype=torch.float64)  # (c,)
+    if bool((penalties > 0).all()):
         # The penalty bounds the condition number, so the normal equations are safe in float64 (and fast).
-        gram = xc.T @ xc + penalty * torch.eye(x.shape[1], dtype=x.dtype)  # (f, f)
-        weights = torch.linalg.solve(gram, xc.T @ yc)  # (f, k)
+        eye = torch.eye(x.shape[1], dtype=torch.float64)
+        gram = xc.T @ xc + penalties[:, None, None] * eye  # (c, f, f)
+        weights = torch.linalg.solve(gram, (xc.T @ yc).expand(len(ridges), -1, -1))  # (c, f, k)
     else:
-        weights = torch.linalg.lstsq(xc, yc, driver="gelsd").solution  # (f, k)
-    if y.dim() == 1:
-        weights = weights[:, 0]
+        weights = torch.stack([_one_ridge(xc, yc, float(p)) for p in penalties])  # (c, f, k)
+    return x_mean, y_mean, weights
 
+
+def _one_ridge(xc: torch.Tensor, yc: torch.Tensor, penalty: float) -> torch.Tensor:
+    if penalty > 0:
+        gram = xc.T @ xc + penalty * torch.eye(xc.shape[1], dtype=xc.dtype)  # (f, f)
+        solved: torch.Tensor = torch.linalg.solve(gram, xc.T @ yc)  # (f, k)
+        return solved
+    # Plain least squares, minimum-norm where the features are rank deficient.
+    fitted: torch.Tensor = torch.linalg.lstsq(xc, yc, driver="gelsd").solution  # (f, k)
+    return fitted
+
+
+def _predictor(
+    x_mean: torch.Tensor, y_mean: torch.Tensor, weights: torch.Tensor, target_dims: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
     def predict(new: torch.Tensor) -> torch.Tensor:
-        predicted: torch.Tensor = (new.to(torch.float64) - x_mean) @ weights + y_mean
-        return predicted
+        predicted: torch.Tensor = (new.to(torch.float64) - x_mean) @ weights + y_mean  # (M, k)
+        return predicted[:, 0] if target_dims == 1 else predicted
 
     return predict
 
@@ -160,11 +184,11 @@ def _fit_probe(
     if num_sequences < 4 or len(candidates) == 1:
         return ridge_fit(features, targets, ridge)
     split = features.shape[0] // num_sequences * (num_sequences - max(1, num_sequences // 4))
-    errors = []
-    for candidate in candidates:
-        predict = ridge_fit(features[:split], targets[:split], candidate)
-        errors.append(float((predict(features[split:]) - targets[split:]).pow(2).mean()))
-    return ridge_fit(features, targets, candidates[errors.index(min(errors))])
+    x_mean, y_mean, weights = _ridge_weights(features[:split], targets[:split], candidates)  # (c, f, k)
+    held_out = features[split:].to(torch.float64) - x_mean  # (M, f)
+    predicted = held_out @ weights + y_mean  # (c, M, k)
+    errors = (predicted - targets[split:].to(torch.float64).reshape(held_out.shape[0], -1)).pow(2).mean(dim=(1, 2))
+    return ridge_fit(features, targets, candidates[int(errors.argmin())])
 
 
 def position_r2(train: torch.Tensor, test: torch.Tensor, *, ridge: float = DEFAULT_RIDGE) -> float:
