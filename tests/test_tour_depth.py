@@ -102,3 +102,10 @@ def test_tour_with_a_missing_study_fails_at_once_with_one_line(tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert err.startswith("selfattn tour: error: study_dir=") and "\n" not in err
     assert not (tmp_path / "report" / "results.json").exists()
+
+
+def test_trained_sentences_quote_the_study_numbers(measured):
+    page = depth.section_html(measured, {}, trained=measured)
+    accuracy = measured["trained"]["rotary"]["residual"]["task_accuracy"]["mean"]
+    assert f"<code>rotary</code> {depth._num(accuracy)}" in page
+    assert "Held-out task accuracy, residual + MLP" in page and "After training, no residual + MLP" in page

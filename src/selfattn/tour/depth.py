@@ -311,6 +311,33 @@ def _sentences(deep: dict[str, Any]) -> list[str]:
     return out
 
 
+def _trained_sentences(trained: dict[str, Any]) -> list[str]:
+    """What the study's trained stacks measured: task accuracy, then what the probes read after training."""
+    data = trained["trained"]
+    depth = trained["layers"][-1]
+    out = []
+    variants = list(next(iter(data.values())))
+    for variant in variants:
+        accuracies = []
+        for encoding, by_variant in data.items():
+            entry = by_variant.get(variant, {}).get("task_accuracy")
+            if entry is not None:
+                accuracies.append(f"<code>{_e(encoding)}</code> {_num(float(entry['mean']))}")
+        out.append(f"Held-out task accuracy, {_e(_VARIANT_LABELS.get(variant, variant))}: {', '.join(accuracies)}.")
+    for variant in variants:
+        parts = []
+        for encoding in data:
+            r2 = _last(trained, "trained", encoding, variant, "position_r2")
+            order = _last(trained, "trained", encoding, variant, "order_accuracy")
+            rows = _last(trained, "trained", encoding, variant, "mean_row_residual", "max")
+            parts.append(f"<code>{_e(encoding)}</code> {_num(r2)} / {_num(order)} / {_num(rows)}")
+        out.append(
+            f"After training, {_e(_VARIANT_LABELS.get(variant, variant))}, layer {depth}: position R&sup2; / order "
+            f"accuracy / largest mean-row residual: {'; '.join(parts)}."
+        )
+    return out
+
+
 def section_html(deep: dict[str, Any], figures: dict[str, str], trained: dict[str, Any] | None = None) -> str:
     """The deep-stack part of section 8, written from the measured numbers.
 
@@ -348,6 +375,7 @@ def section_html(deep: dict[str, Any], figures: dict[str, str], trained: dict[st
             f"token ({tconf['train_seeds']} seeds), then probed the same way. The task accuracy says whether a stack "
             "learnt the task at all; a stack that did not has learnt nothing about position either.</p>"
         )
+        parts.append("".join(f"<p>{sentence}</p>" for sentence in _trained_sentences(trained)))
         parts.append(_figure(figures, "depth_trained", "Trained stacks: the same measurements after training"))
         parts.append(_table(trained, "trained"))
     else:
