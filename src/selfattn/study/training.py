@@ -164,14 +164,16 @@ def evaluate(
     """Exact-match accuracy at every input length 1 .. ``config.eval_len``, ``{"1": acc, ...}``."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     accuracy: dict[str, float] = {}
     for n in range(1, config.eval_len + 1):
         generator = _generator("eval", spec.seed, spec.task, n)
         tokens, targets, _ = make_batch(task, [n] * config.eval_samples, generator)
+        tokens, targets = tokens.to(device), targets.to(device)
         positions = None
         if spec.randomized_positions:
             assert isinstance(model, TransformerLM)
-            positions = _random_positions(tokens.shape[1], model, generator)
+            positions = _random_positions(tokens.shape[1], model, generator).to(device)
         per_chunk = max(1, chunk_tokens // tokens.shape[1])
         hits = []
         for start in range(0, tokens.shape[0], per_chunk):
