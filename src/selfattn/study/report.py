@@ -36,7 +36,10 @@ img { max-width: 100%; height: auto; }
 Each run trains a {{ config.num_layers }}-layer causal transformer (d={{ config.num_hiddens }}, {{ config.num_heads }} heads)
 for {{ config.steps }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }},
 then measures exact match of the answer at every input length 1..{{ config.eval_len }} ({{ config.eval_samples }} samples each).
-Training took {{ "%.0f"|format(total_seconds) }} s in all (sum over runs).</p>
+Training took {{ "%.0f"|format(total_seconds) }} s of wall-clock time in all (sum over runs){% if cpu_seconds %}; training and
+evaluation used {{ "%.0f"|format(cpu_seconds) }} s of CPU time ({{ "%.0f"|format(cpu_seconds / runs|length) }} s per run), so on
+two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|format(cpu_seconds / 120) }} minutes
+(an estimate from CPU time, which a busy machine inflates less than wall-clock time){% endif %}.</p>
 
 {% if shortfalls %}<p class="bad">Below 95% exact match at the training lengths (copy and reverse should reach it):
 {% for s in shortfalls %}{{ s }}{% if not loop.last %}; {% endif %}{% endfor %}. A model that did not learn the task
@@ -152,6 +155,7 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
         config=config,
         runs=results["runs"],
         total_seconds=sum(float(r["train_seconds"]) for r in results["runs"]),
+        cpu_seconds=sum(float(r.get("train_cpu_seconds", 0.0)) + float(r.get("eval_cpu_seconds", 0.0)) for r in results["runs"]),
         shortfalls=shortfalls,
         checked_budget=bool({"copy", "reverse"} & set(summary)),
         tables=summary,
