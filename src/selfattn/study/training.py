@@ -58,7 +58,7 @@ class StudyConfig:
             longest evaluated sequence)``.
     """
 
-    steps: int = 1500
+    steps: int = 2000
     batch_size: int = 32
     lr: float = 3e-3
     warmup: int = 100
