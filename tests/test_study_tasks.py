@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfattn.study.tasks import ALPHABET, DIGIT0, PAD, PLUS, SEP, TASKS, VOCAB_SIZE, WRITE0, decode, get_task, make_batch
+from selfattn.study.tasks import (
+    ALPHABET,
+    DIGIT0,
+    PAD,
+    PLUS,
+    SEP,
+    TASKS,
+    VOCAB_SIZE,
+    WRITE0,
+    decode,
+    get_task,
+    make_batch,
+)
 from selfattn.study.training import exact_match
 
 
@@ -78,7 +90,7 @@ def test_generators_are_seeded() -> None:
 
 
 def test_exact_match_always_right_and_always_wrong() -> None:
-    tokens, targets, _ = make_batch(get_task("reverse"), [1, 4, 6], torch.Generator().manual_seed(1))
+    _, targets, _ = make_batch(get_task("reverse"), [1, 4, 6], torch.Generator().manual_seed(1))
     answer_only = targets.clamp(min=0)
     right = torch.nn.functional.one_hot(answer_only, VOCAB_SIZE).float()  # (b, l, v): argmax is the target everywhere
     assert exact_match(right, targets).tolist() == [1.0, 1.0, 1.0]

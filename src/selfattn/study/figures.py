@@ -69,7 +69,8 @@ def accuracy_figure(results: dict[str, Any], task: str, folder: Path) -> list[st
 def cosine_similarity(table: np.ndarray) -> np.ndarray:
     """``(n, n)`` cosine similarity of the rows of an ``(n, d)`` table."""
     rows = table / np.maximum(np.linalg.norm(table, axis=1, keepdims=True), 1e-12)
-    return rows @ rows.T
+    similarity: np.ndarray = rows @ rows.T
+    return similarity
 
 
 def learned_table_figure(

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
+from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.study._io import write_text
 from selfattn.study.figures import accuracy_figure, learned_table_figure
 from selfattn.study.tasks import get_task
@@ -96,8 +97,8 @@ def learned_table_analysis(out: Path, results: dict[str, Any], figures: Path) ->
         initial = build_model(spec, config)
         model = build_model(spec, config)
         model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["model"])
-        table = model.encoding.weight.detach().double().numpy()  # type: ignore[union-attr]
-        start = initial.encoding.weight.detach().double().numpy()  # type: ignore[union-attr]
+        table = cast(LearnedPositionalEncoding, model.encoding).weight.detach().double().numpy()
+        start = cast(LearnedPositionalEncoding, initial.encoding).weight.detach().double().numpy()
         from selfattn.functional import sinusoidal_table
 
         sinusoid = sinusoidal_table(table.shape[0], table.shape[1], dtype=torch.float64).numpy()

@@ -19,7 +19,7 @@ import torch
 
 from selfattn._validation import require_positive_int
 
-__all__ = ["ALPHABET", "PAD", "SEP", "PLUS", "VOCAB_SIZE", "TASKS", "Task", "get_task", "make_batch", "decode"]
+__all__ = ["ALPHABET", "PAD", "PLUS", "SEP", "TASKS", "VOCAB_SIZE", "Task", "decode", "get_task", "make_batch"]
 
 PAD, SEP, PLUS = 0, 1, 2
 WRITE0, WRITE1, IGNORE0, IGNORE1 = 3, 4, 5, 6

@@ -287,7 +287,7 @@ def train_run(
             logits.reshape(-1, logits.shape[-1]), targets.to(device).reshape(-1), ignore_index=-100, reduction="sum"
         )
         # DDP averages gradients over ranks, so scale each rank's sum to make the mean over the global batch.
-        (loss_sum * world / count).backward()
+        (loss_sum * world / count).backward()  # type: ignore[no-untyped-call]
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
