@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from _common import (  # noqa: E402
+from _common import (
     BENCHMARKS_MD,
     emit,
     load_average,
@@ -35,8 +35,8 @@ from _common import (  # noqa: E402
     table,
 )
 
-from selfattn.study.tasks import get_task, make_batch  # noqa: E402
-from selfattn.study.training import ENCODINGS, RunSpec, StudyConfig, build_model  # noqa: E402
+from selfattn.study.tasks import get_task, make_batch
+from selfattn.study.training import ENCODINGS, RunSpec, StudyConfig, build_model
 
 
 def training_step(encoding: str, config: StudyConfig, length: int, device: torch.device):  # type: ignore[no-untyped-def]
@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *header,
         f"- load average at end: {load_average()}; wall time {time.perf_counter() - started:.0f} s",
-        f"- model: {config.num_layers} layers, d={config.num_hiddens}, {config.num_heads} heads, MLP {config.ffn_hiddens}; "
-        f"batch {config.batch_size} copy samples; one step = forward, backward, clipping, AdamW",
+        (
+            f"- model: {config.num_layers} layers, d={config.num_hiddens}, {config.num_heads} heads, MLP {config.ffn_hiddens}; "
+            f"batch {config.batch_size} copy samples; one step = forward, backward, clipping, AdamW"
+        ),
         "",
         table(columns, rows),
         "",

@@ -7,9 +7,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from study_settings import TINY
 
 from selfattn.study.training import RunSpec, train_run
-from study_settings import TINY
 
 
 def main() -> None:

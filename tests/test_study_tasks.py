@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfattn.study.tasks import DIGIT0, PAD, PLUS, SEP, TASKS, WRITE0, decode, get_task, make_batch
+from selfattn.study.tasks import (
+    ALPHABET,
+    DIGIT0,
+    PAD,
+    PLUS,
+    SEP,
+    TASKS,
+    VOCAB_SIZE,
+    WRITE0,
+    decode,
+    get_task,
+    make_batch,
+)
 from selfattn.study.training import exact_match
 
 
@@ -19,6 +31,7 @@ def test_tasks_on_hand_written_examples(monkeypatch: pytest.MonkeyPatch) -> None
     y = torch.tensor([[9, 2, 6, 5, 3]])
     draws = iter([x, y])
     monkeypatch.setattr("selfattn.study.tasks._digits", lambda b, n, g: next(draws))
+    monkeypatch.setattr("selfattn.study.tasks._symbols", lambda b, n, g: next(draws))
     g = torch.Generator()
     inputs, answer = TASKS["copy"].draw(1, 5, g)
     assert decode(torch.cat([inputs[0], torch.tensor([SEP]), answer[0]])) == "3 1 4 1 5 | 3 1 4 1 5"
@@ -43,6 +56,9 @@ def test_addition_and_sort_agree_with_python_on_random_draws() -> None:
         assert int("".join(map(str, out.flip(0).tolist()))) == a + b
     inputs, answer = TASKS["sort"].draw(20, 9, g)
     assert all(sorted(i.tolist()) == a.tolist() for i, a in zip(inputs, answer))
+    assert int(inputs.max()) == DIGIT0 + ALPHABET - 1  # the whole alphabet
+    inputs, _ = TASKS["addition"].draw(20, 9, g)
+    assert int(inputs[:, :9].max()) <= DIGIT0 + 9
 
 
 def test_flip_flop_hand_written_and_random() -> None:
@@ -74,11 +90,11 @@ def test_generators_are_seeded() -> None:
 
 
 def test_exact_match_always_right_and_always_wrong() -> None:
-    tokens, targets, _ = make_batch(get_task("reverse"), [1, 4, 6], torch.Generator().manual_seed(1))
+    _, targets, _ = make_batch(get_task("reverse"), [1, 4, 6], torch.Generator().manual_seed(1))
     answer_only = targets.clamp(min=0)
-    right = torch.nn.functional.one_hot(answer_only, 17).float()  # (b, l, v): argmax is the target everywhere
+    right = torch.nn.functional.one_hot(answer_only, VOCAB_SIZE).float()  # (b, l, v): argmax is the target everywhere
     assert exact_match(right, targets).tolist() == [1.0, 1.0, 1.0]
-    wrong = torch.nn.functional.one_hot((answer_only + 1) % 17, 17).float()
+    wrong = torch.nn.functional.one_hot((answer_only + 1) % VOCAB_SIZE, VOCAB_SIZE).float()
     assert exact_match(wrong, targets).tolist() == [0.0, 0.0, 0.0]
     # One wrong token spoils its sample only; positions outside the answer do not count.
     one_off = right.clone()

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from study_settings import TINY
 
 from selfattn.study.runner import Grid, run_study, summarize
 from selfattn.study.training import RunSpec, train_run
-from study_settings import TINY
 
 SHORT = replace(TINY, steps=12)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, add_progress_flag, positive_float, positive_int
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
     from selfattn.study.tasks import TASKS
     from selfattn.study.training import ENCODINGS
 

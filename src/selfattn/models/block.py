@@ -5,6 +5,8 @@ Shape legend: b batch, l positions, d model size (num_hiddens).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -83,7 +85,7 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         out = self.attention(x, x, x, valid_lens, causal=causal, offset=offset, cache=cache)
         assert isinstance(out, torch.Tensor)
-        return self.dropout(out)
+        return cast(torch.Tensor, self.dropout(out))
 
     def forward(
         self,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ class _MappedPositions(QueryKeyEncoding):
         self.map: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.inner(x, positions if self.map is None else self.map[positions])
+        return cast(torch.Tensor, self.inner(x, positions if self.map is None else self.map[positions]))
 
 
 class TransformerLM(nn.Module):
@@ -247,7 +247,7 @@ class TransformerLM(nn.Module):
             next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (b, 1)
             out.append(next_token)
             if step + 1 < max_new_tokens:
-                logits = self(next_token, caches=caches)  # type: ignore[assignment]
+                logits = self(next_token, caches=caches)
         return torch.cat(out, dim=1)
 
     def extra_repr(self) -> str:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_json", "write_text", "temporary_name"]
+__all__ = ["temporary_name", "write_json", "write_text"]
 
 
 def temporary_name(path: Path) -> Path:

@@ -55,7 +55,7 @@ def accuracy_figure(results: dict[str, Any], task: str, folder: Path) -> list[st
         table = np.array([[run["accuracy_by_length"][str(n)] for n in lengths] for run in members])  # (seeds, n)
         style = "--" if label.endswith("+rand") else "-"
         color = f"C{index % 10}"
-        ax.plot(lengths, table.mean(axis=0), style, color=color, label=f"{label} ({len(members)} seeds)")
+        ax.plot(lengths, table.mean(axis=0), style, color=color, label=f"{label} ({len(members)} seed{'s' if len(members) > 1 else ''})")
         ax.fill_between(lengths, table.min(axis=0), table.max(axis=0), color=color, alpha=0.15, linewidth=0)
     limit = int(results["config"]["train_len"])
     ax.axvline(limit, color="black", linewidth=0.8)
@@ -69,7 +69,8 @@ def accuracy_figure(results: dict[str, Any], task: str, folder: Path) -> list[st
 def cosine_similarity(table: np.ndarray) -> np.ndarray:
     """``(n, n)`` cosine similarity of the rows of an ``(n, d)`` table."""
     rows = table / np.maximum(np.linalg.norm(table, axis=1, keepdims=True), 1e-12)
-    return rows @ rows.T
+    similarity: np.ndarray = rows @ rows.T
+    return similarity
 
 
 def learned_table_figure(
@@ -81,22 +82,22 @@ def learned_table_figure(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.0), gridspec_kw={"width_ratios": [1, 1, 1.2]})
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), layout="constrained", gridspec_kw={"width_ratios": [1, 1, 1.3]})
     for ax, table, title in (
-        (axes[0], learned, "learned table after training"),
-        (axes[1], sinusoid, "sinusoidal table"),
+        (axes[0], learned, "learned P after training"),
+        (axes[1], sinusoid, "sinusoidal P"),
     ):
         image = ax.imshow(cosine_similarity(table), cmap="RdBu_r", vmin=-1, vmax=1)
         ax.axvline(trained_rows - 0.5, color="black", linewidth=0.8)
         ax.axhline(trained_rows - 0.5, color="black", linewidth=0.8)
-        ax.set(title=f"{title}: cosine similarity", xlabel="position", ylabel="position")
-    fig.colorbar(image, ax=axes[:2], fraction=0.025)
+        ax.set(title=f"{title}: cosine similarity of rows", xlabel="position", ylabel="position")
+    fig.colorbar(image, ax=axes[1], fraction=0.046, pad=0.02)
     moved = np.linalg.norm(learned - initial, axis=1) / np.maximum(np.linalg.norm(initial, axis=1), 1e-12)
     axes[2].plot(np.arange(len(moved)), moved)
     axes[2].axvline(trained_rows - 0.5, color="black", linewidth=0.8)
     axes[2].set(
-        title="how far each learned row moved from its initial value",
-        xlabel="position",
+        title="learned rows: distance moved in training",
+        xlabel="position (line: longest training sequence)",
         ylabel="|P_trained - P_init| / |P_init|",
     )
     return save_figure(fig, folder, "learned_vs_sinusoidal")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -19,14 +18,16 @@ class GridProgress:
         self.progress, self.steps = progress, steps
         self.grid = progress.add_task(f"grid ({len(specs)} runs)", total=len(specs) * steps)
         self.run: Any = None
+        self.key = ""
         self.done = 0
 
     def start_run(self, spec: RunSpec, done_steps: int) -> None:
+        self.key = spec.key
         self.run = self.progress.add_task(spec.key, total=self.steps, completed=done_steps)
         self.progress.update(self.grid, completed=self.done * self.steps + done_steps)
 
     def step(self, step: int, loss: float) -> None:
-        self.progress.update(self.run, completed=step, description=f"loss {loss:.3f}")
+        self.progress.update(self.run, completed=step, description=f"{self.key} loss {loss:.3f}")
         self.progress.update(self.grid, completed=self.done * self.steps + step)
 
     def end_run(self) -> None:
@@ -37,7 +38,15 @@ class GridProgress:
 
 @contextmanager
 def grid_progress(specs: Sequence[RunSpec], steps: int) -> Iterator[GridProgress]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     with Progress(
         TextColumn("{task.description}"),
@@ -47,6 +56,6 @@ def grid_progress(specs: Sequence[RunSpec], steps: int) -> Iterator[GridProgress
         TextColumn("eta"),
         TimeRemainingColumn(),
         transient=True,
-        console=None if sys.stderr.isatty() else None,
+        console=Console(stderr=True),
     ) as progress:
         yield GridProgress(progress, specs, steps)

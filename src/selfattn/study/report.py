@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
+from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.study._io import write_text
 from selfattn.study.figures import accuracy_figure, learned_table_figure
 from selfattn.study.tasks import get_task
@@ -36,7 +37,10 @@ img { max-width: 100%; height: auto; }
 Each run trains a {{ config.num_layers }}-layer causal transformer (d={{ config.num_hiddens }}, {{ config.num_heads }} heads)
 for {{ config.steps }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }},
 then measures exact match of the answer at every input length 1..{{ config.eval_len }} ({{ config.eval_samples }} samples each).
-Training took {{ "%.0f"|format(total_seconds) }} s in all (sum over runs).</p>
+Training took {{ "%.0f"|format(total_seconds) }} s of wall-clock time in all (sum over runs){% if cpu_seconds %}; training and
+evaluation used {{ "%.0f"|format(cpu_seconds) }} s of CPU time ({{ "%.0f"|format(cpu_seconds / runs|length) }} s per run), so on
+two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|format(cpu_seconds / 120) }} minutes
+(an estimate from CPU time, which a busy machine inflates less than wall-clock time){% endif %}.</p>
 
 {% if shortfalls %}<p class="bad">Below 95% exact match at the training lengths (copy and reverse should reach it):
 {% for s in shortfalls %}{{ s }}{% if not loop.last %}; {% endif %}{% endfor %}. A model that did not learn the task
@@ -93,8 +97,8 @@ def learned_table_analysis(out: Path, results: dict[str, Any], figures: Path) ->
         initial = build_model(spec, config)
         model = build_model(spec, config)
         model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["model"])
-        table = model.encoding.weight.detach().double().numpy()  # type: ignore[union-attr]
-        start = initial.encoding.weight.detach().double().numpy()  # type: ignore[union-attr]
+        table = cast(LearnedPositionalEncoding, model.encoding).weight.detach().double().numpy()
+        start = cast(LearnedPositionalEncoding, initial.encoding).weight.detach().double().numpy()
         from selfattn.functional import sinusoidal_table
 
         sinusoid = sinusoidal_table(table.shape[0], table.shape[1], dtype=torch.float64).numpy()
@@ -152,6 +156,7 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
         config=config,
         runs=results["runs"],
         total_seconds=sum(float(r["train_seconds"]) for r in results["runs"]),
+        cpu_seconds=sum(float(r.get("train_cpu_seconds", 0.0)) + float(r.get("eval_cpu_seconds", 0.0)) for r in results["runs"]),
         shortfalls=shortfalls,
         checked_budget=bool({"copy", "reverse"} & set(summary)),
         tables=summary,

@@ -59,7 +59,7 @@ class Grid:
             raise ValueError(f"randomized positions need one of the encodings {', '.join(ABSOLUTE_OR_ROTARY)}")
 
     def specs(self) -> list[RunSpec]:
-        specs = []
+        specs: list[RunSpec] = []
         for task in self.tasks:
             for encoding in self.encodings:
                 variants = [False, True] if self.randomized_positions and encoding in ABSOLUTE_OR_ROTARY else [False]
@@ -153,7 +153,7 @@ class _Distributed:
 def _deep_stack(out: Path, quick: bool, resume: bool) -> dict[str, Any] | None:
     """The deep-stack measurements, if :mod:`selfattn.study.deep_stack` is there; cached in DIR."""
     try:
-        from selfattn.study.deep_stack import measure_deep_stack  # type: ignore[attr-defined]
+        from selfattn.study.deep_stack import measure_deep_stack  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
     cached = out / "deep_stack.json"

@@ -58,7 +58,7 @@ class StudyConfig:
             longest evaluated sequence)``.
     """
 
-    steps: int = 1500
+    steps: int = 2000
     batch_size: int = 32
     lr: float = 3e-3
     warmup: int = 100
@@ -164,14 +164,16 @@ def evaluate(
     """Exact-match accuracy at every input length 1 .. ``config.eval_len``, ``{"1": acc, ...}``."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     accuracy: dict[str, float] = {}
     for n in range(1, config.eval_len + 1):
         generator = _generator("eval", spec.seed, spec.task, n)
         tokens, targets, _ = make_batch(task, [n] * config.eval_samples, generator)
+        tokens, targets = tokens.to(device), targets.to(device)
         positions = None
         if spec.randomized_positions:
             assert isinstance(model, TransformerLM)
-            positions = _random_positions(tokens.shape[1], model, generator)
+            positions = _random_positions(tokens.shape[1], model, generator).to(device)
         per_chunk = max(1, chunk_tokens // tokens.shape[1])
         hits = []
         for start in range(0, tokens.shape[0], per_chunk):
@@ -186,6 +188,7 @@ def evaluate(
 class _State:
     step: int = 0
     train_seconds: float = 0.0
+    cpu_seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
 
 
@@ -193,6 +196,7 @@ def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
     payload = {
         "step": state.step,
         "train_seconds": state.train_seconds,
+        "cpu_seconds": state.cpu_seconds,
         "losses": state.losses,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -208,7 +212,9 @@ def _load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
     torch.set_rng_state(payload["torch_rng"])
-    return _State(int(payload["step"]), float(payload["train_seconds"]), list(payload["losses"]))
+    return _State(
+        int(payload["step"]), float(payload["train_seconds"]), float(payload["cpu_seconds"]), list(payload["losses"])
+    )
 
 
 def train_run(
@@ -266,7 +272,7 @@ def train_run(
 
     last_save = time.perf_counter()
     while state.step < config.steps:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         generator = _generator("train", spec.seed, spec.task, state.step)
         # One length per step, drawn from U(1, train_len): no padding, so no compute on it.
         n = int(torch.randint(1, config.train_len + 1, (1,), generator=generator))
@@ -281,7 +287,7 @@ def train_run(
             logits.reshape(-1, logits.shape[-1]), targets.to(device).reshape(-1), ignore_index=-100, reduction="sum"
         )
         # DDP averages gradients over ranks, so scale each rank's sum to make the mean over the global batch.
-        (loss_sum * world / count).backward()
+        (loss_sum * world / count).backward()  # type: ignore[no-untyped-call]
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -292,6 +298,7 @@ def train_run(
         state.losses.append(loss)
         state.step += 1
         state.train_seconds += time.perf_counter() - started
+        state.cpu_seconds += time.process_time() - cpu_started
         if on_step is not None:
             on_step(state.step, loss)
         if checkpoint is not None and rank == 0 and (
@@ -300,6 +307,7 @@ def train_run(
             _save_checkpoint(checkpoint, model, optimizer, state)
             last_save = time.perf_counter()
 
+    eval_started = time.process_time()
     accuracy = evaluate(model, task, spec, config)
     return {
         **spec.as_dict(),
@@ -307,6 +315,9 @@ def train_run(
         "train_max_len": config.train_len,
         "accuracy_by_length": accuracy,
         "train_seconds": state.train_seconds,
+        # CPU time of this process: on a shared machine, what the run costs a quiet core.
+        "train_cpu_seconds": state.cpu_seconds,
+        "eval_cpu_seconds": time.process_time() - eval_started,
         "final_loss": state.losses[-1] if state.losses else None,
         "loss_curve": state.losses,
     }
