@@ -106,8 +106,11 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device} and v {v.device}")
 
 
-def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-    """``mask`` or ``bias`` must broadcast to the scores ``(..., lq, lk)`` and live on q's device."""
+def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``mask`` or ``bias`` must broadcast to the scores ``(..., lq, lk)`` and live on q's device.
+
+    Returns it with at least two dimensions (the fused kernel wants a query axis).
+    """
     scores_shape = (*q.shape[:-1], k.shape[-2])  # (b, h, lq, lk)
     try:
         fits = torch.broadcast_shapes(term.shape, scores_shape) == scores_shape
@@ -117,6 +120,7 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
         raise ValueError(f"{name} of shape {tuple(term.shape)} does not broadcast to the scores' shape {scores_shape}")
     if term.device != q.device:
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {term.device}")
+    return term if term.dim() >= 2 else term.reshape(*([1] * (2 - term.dim())), *term.shape)  # (.., lq, lk)
 
 
 def _scale(scale: object, head_size: int) -> float:
@@ -144,11 +148,11 @@ def _prepare(
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}")
-        _check_scores_term("mask", mask, q, k)
+        mask = _check_scores_term("mask", mask, q, k)
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
             raise ValueError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
-        _check_scores_term("bias", bias, q, k)
+        bias = _check_scores_term("bias", bias, q, k)
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     scale = _scale(scale, q.shape[-1])
 
