@@ -70,7 +70,9 @@ def test_atomic_directory_leaves_the_old_folder_on_failure(tmp_path: Path, error
     assert os.listdir(tmp_path) == ["report"]
 
 
-def test_atomic_directory_refuses_a_file_and_the_working_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_atomic_directory_refuses_a_file_and_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "f").write_text("")
     with pytest.raises(ValueError, match="not a folder"), atomic_directory(tmp_path / "f"):
         pass

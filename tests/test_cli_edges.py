@@ -70,13 +70,20 @@ def test_version_comes_from_the_package(capsys: pytest.CaptureFixture[str]) -> N
     "error, words",
     [
         (MemoryError(), "MemoryError"),
-        (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory\nmore"), "allocate"),
+        (
+            RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory\nmore"),
+            "allocate",
+        ),
         (RuntimeError("Overflow when unpacking long"), "Overflow"),
         (OverflowError("Python int too large to convert to C long"), "too large"),
     ],
 )
 def test_out_of_memory_and_overflow_are_one_line(
-    error: BaseException, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    error: BaseException,
+    words: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def fail(args: Any) -> int:
         raise error
@@ -156,7 +163,7 @@ def test_an_interrupted_plot_leaves_the_old_file(
 def test_a_failed_tour_leaves_the_old_report_whole(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import selfattn.tour.runner as runner
+    from selfattn.tour import runner
 
     report = tmp_path / "report"
     (report / "figures").mkdir(parents=True)

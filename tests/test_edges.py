@@ -22,7 +22,9 @@ def qkv(*, lq: int = 2, lk: int = 3, d: int = 4, seed: int = 0) -> tuple[torch.T
     )
 
 
-def both_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+def both_paths(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
+) -> tuple[torch.Tensor, torch.Tensor]:
     fused = attention(q, k, v, **kwargs)
     explicit, _ = attention(q, k, v, return_weights=True, **kwargs)
     assert isinstance(fused, torch.Tensor)
@@ -149,7 +151,11 @@ def test_a_mask_or_bias_that_does_not_broadcast_names_itself(name: str, shape: t
 
 def test_broadcastable_masks_and_biases_still_work() -> None:
     q, k, v = qkv()
-    for term in (torch.ones(3, dtype=torch.bool), torch.ones(2, 3, dtype=torch.bool), torch.ones(1, 1, 2, 1, dtype=torch.bool)):
+    for term in (
+        torch.ones(3, dtype=torch.bool),
+        torch.ones(2, 3, dtype=torch.bool),
+        torch.ones(1, 1, 2, 1, dtype=torch.bool),
+    ):
         torch.testing.assert_close(attention(q, k, v, mask=term), attention(q, k, v))
 
 

@@ -101,7 +101,9 @@ def test_no_nan_from_any_mask_pattern(lq: int, lk: int, causal: bool, seed: int,
     k = torch.randn(2, 2, lk, 4, generator=g, requires_grad=True)
     v = torch.randn(2, 2, lk, 3, generator=g, requires_grad=True)
     mask = torch.rand(2, 2, lq, lk, generator=g) < density
-    bias = torch.randn(2, 2, lq, lk, generator=g).masked_fill(torch.rand(2, 2, lq, lk, generator=g) < density / 2, float("-inf"))
+    bias = torch.randn(2, 2, lq, lk, generator=g).masked_fill(
+        torch.rand(2, 2, lq, lk, generator=g) < density / 2, float("-inf")
+    )
     for kwargs in ({"mask": mask}, {"bias": bias}, {"mask": mask, "bias": bias}):
         fused = attention(q, k, v, causal=causal, **kwargs)
         explicit, weights = attention(q, k, v, causal=causal, return_weights=True, **kwargs)

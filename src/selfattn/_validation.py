@@ -67,7 +67,9 @@ def require_positive_finite(name: str, value: object) -> float:
 
 def require_dtype(name: str, value: object, *, floating: bool = True) -> torch.dtype:
     if not isinstance(value, torch.dtype):
-        raise ArgumentTypeError(f"{name} must be a torch.dtype such as torch.float32, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(
+            f"{name} must be a torch.dtype such as torch.float32, got {type(value).__name__} {value!r}"
+        )
     if floating and not value.is_floating_point:
         raise ValueError(f"{name} must be a floating-point dtype, got {value}")
     return value

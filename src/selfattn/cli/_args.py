@@ -131,6 +131,4 @@ def require_memory(what: str, num_bytes: int) -> None:
     """Refuse, before allocating, work that would need more memory than is available now."""
     available = _available_memory()
     if available is not None and num_bytes > available:
-        raise ValueError(
-            f"{what} would need about {_human(num_bytes)} of memory; {_human(available)} is available"
-        )
+        raise ValueError(f"{what} would need about {_human(num_bytes)} of memory; {_human(available)} is available")

@@ -112,10 +112,9 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
     Returns it with at least two dimensions (the fused kernel wants a query axis).
     """
     scores_shape = (*q.shape[:-1], k.shape[-2])  # (b, h, lq, lk)
-    try:
-        fits = torch.broadcast_shapes(term.shape, scores_shape) == scores_shape
-    except RuntimeError:
-        fits = False
+    fits = term.dim() <= len(scores_shape) and all(
+        size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape))
+    )
     if not fits:
         raise ValueError(f"{name} of shape {tuple(term.shape)} does not broadcast to the scores' shape {scores_shape}")
     if term.device != q.device:
@@ -147,7 +146,9 @@ def _prepare(
     _check_shapes(q, k, v)
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise ValueError(f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}")
+            raise ValueError(
+                f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
+            )
         mask = _check_scores_term("mask", mask, q, k)
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
