@@ -187,6 +187,14 @@ def test_multi_head_attention_says_which_dtype_it_expects() -> None:
         mha(x, x, x.half())
 
 
+def test_multi_head_attention_takes_mixed_dtypes_under_autocast() -> None:
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mha(x, x, x)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+
+
 def test_multi_head_attention_argument_types() -> None:
     mha = MultiHeadAttention(8, 2)
     x = torch.randn(1, 3, 8)

@@ -94,7 +94,8 @@ class MultiHeadAttention(nn.Module):
             if not t.is_floating_point():
                 raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
             weight = self.W_q.weight
-            if t.dtype != weight.dtype or t.device != weight.device:
+            mixed_ok = torch.is_autocast_enabled(t.device.type)  # autocast casts inside the projections
+            if (t.dtype != weight.dtype and not mixed_ok) or t.device != weight.device:
                 raise ValueError(
                     f"{name} must be {weight.dtype} on {weight.device} like this layer's weights, "
                     f"got {t.dtype} on {t.device} (convert the input or call .to() on the layer)"
