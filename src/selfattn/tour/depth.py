@@ -19,10 +19,13 @@ from typing import Any
 
 from selfattn.study.deep_stack import measure_deep_stack
 
-__all__ = ["COLLAPSED", "measure", "section_html", "study_deep_stack", "summary_line", "verdict_numbers"]
+__all__ = ["COLLAPSED", "CONVERGING", "measure", "section_html", "study_deep_stack", "summary_line", "verdict_numbers"]
 
 COLLAPSED = 1e-6
 """A mean-row residual below this counts as collapsed: every row the same to 6 digits."""
+
+CONVERGING = 1e-3
+"""Rows whose mean-row residual fell below this fraction of the input's are described as collapsing."""
 
 _VARIANT_LABELS = {
     "residual": "residual + MLP",
@@ -117,12 +120,12 @@ def _shrink_factor(entry: dict[str, Any]) -> float:
 
 
 def _collapsed(deep: dict[str, Any], variant: str) -> list[str]:
-    """Encodings whose rows collapse: every seed ends with a mean-row residual below
-    :data:`COLLAPSED`, or the largest one still shrinks by more than half per layer."""
+    """Encodings whose rows collapse: in every seed the last layer's mean-row residual is below
+    :data:`CONVERGING` of the input's, or the largest one still halves (or faster) per layer."""
     out = []
     for encoding in deep["untrained"]:
         entry = _metric(deep, "untrained", encoding, variant, "mean_row_residual")
-        if entry is not None and (entry["max"][-1] < COLLAPSED or _shrink_factor(entry) < 0.5):
+        if entry is not None and (entry["max"][-1] < CONVERGING * entry["min"][0] or _shrink_factor(entry) < 0.5):
             out.append(encoding)
     return out
 
@@ -227,9 +230,9 @@ def _sentences(deep: dict[str, Any]) -> list[str]:
             finals.append(f"<code>{_e(e)}</code> {_num(entry['max'][-1])}{shrinking}")
         out.append(
             f"<b>Without residual connections</b> the rows collapse towards one vector: after {depth} layers the "
-            f"largest mean-row residual over the seeds is {'; '.join(finals)}. The probes then read nothing "
-            f"(position R&sup2; at most {_num(r2_max)}, order accuracy at most {_num(order_max)}, over these encodings and "
-            "seeds)."
+            f"largest mean-row residual over the seeds is {'; '.join(finals)}. Over these encodings and seeds the "
+            f"last layer gives position R&sup2; at most {_num(r2_max)} and order accuracy at most {_num(order_max)} "
+            "(0.5 is chance)."
             + (
                 f" Encodings inside attention ({', '.join(f'<code>{_e(e)}</code>' for e in inside)}) are given to "
                 "every layer and collapse all the same."
@@ -347,7 +350,7 @@ def section_html(deep: dict[str, Any], figures: dict[str, str], trained: dict[st
         trained: ``results.json["deep_stack"]`` of a study (:func:`study_deep_stack`), or None.
     """
     config = deep["config"]
-    variants = ", ".join(_VARIANT_LABELS.get(v, v) for v in deep["variants"])
+    variants = "; ".join(_VARIANT_LABELS.get(v, v) for v in deep["variants"])
     intro = (
         f"<p><b>Deep stacks of self-attention with positional encoding</b> (measured on <i>untrained</i>, randomly "
         f"initialized stacks). Each stack is {deep['layers'][-1]} pre-LN blocks of "
@@ -372,8 +375,8 @@ def section_html(deep: dict[str, Any], figures: dict[str, str], trained: dict[st
         parts.append(
             f"<p><b>Trained stacks</b> (from the <code>selfattn study</code> output): the same stacks trained for "
             f"{tconf['train_steps']} steps of {tconf.get('train_batch_size', 16)} sequences to predict the previous "
-            f"token ({tconf['train_seeds']} seeds), then probed the same way. The task accuracy says whether a stack "
-            "learnt the task at all; a stack that did not has learnt nothing about position either.</p>"
+            f"token ({tconf['train_seeds']} seeds), then probed the same way. The task accuracy (held-out "
+            "sequences) tells which stacks learnt the task.</p>"
         )
         parts.append("".join(f"<p>{sentence}</p>" for sentence in _trained_sentences(trained)))
         parts.append(_figure(figures, "depth_trained", "Trained stacks: the same measurements after training"))
