@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs as written, each on its own.
+"""Every ```python block of README.md and of the docs pages runs as written, each on its own.
 
 A reader copies one block into a fresh interpreter, so each block gets a fresh namespace (no
 names leak from the blocks above it) and runs in an empty working directory. Blocks that show
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 # A fence opens with ```python (or ```py) alone on its line and closes with ``` alone on its line.
 _BLOCK = re.compile(r"^```(?:python|py)[ \t]*\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 
@@ -23,6 +25,11 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
 
 
 BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+ALL_BLOCKS = [
+    (page.relative_to(ROOT).as_posix(), line, source)
+    for page in PAGES
+    for line, source in python_blocks(page.read_text(encoding="utf-8"))
+]
 
 
 def test_block_extraction_finds_the_quickstart_and_ignores_shell_blocks() -> None:
@@ -32,8 +39,8 @@ def test_block_extraction_finds_the_quickstart_and_ignores_shell_blocks() -> Non
     assert any("MultiHeadAttention" in source for _, source in BLOCKS)
 
 
-@pytest.mark.parametrize(("line", "source"), BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_readme_block_runs(line: int, source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("page", "line", "source"), ALL_BLOCKS, ids=[f"{page}:{line}" for page, line, _ in ALL_BLOCKS])
+def test_python_block_runs(page: str, line: int, source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    code = compile(source, f"README.md (python block at line {line})", "exec")
+    code = compile(source, f"{page} (python block at line {line})", "exec")
     exec(code, {"__name__": "__readme__"})

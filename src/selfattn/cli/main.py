@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from selfattn import __version__
 from selfattn.cli import compare, encode, plot, tour
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, stderr_line
 
@@ -24,6 +25,7 @@ def build_parser() -> OneLineErrorParser:
         "  selfattn plot --kind rotary --figure panel -o rotary.png\n  selfattn compare --n 64 128 256 512",
         formatter_class=ExamplesFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)
