@@ -75,3 +75,9 @@ def test_user_guide_figures_are_drawn_at_build_time(site: Path) -> None:
         assert figure.stat().st_size > 10_000, f"{name} is too small to be a drawn figure"
         assert f'src="../figures/{name}"' in guide, f"the guide does not show figures/{name}"
     assert not list((ROOT / "docs").rglob("*.png")), "figures are drawn at build time, never committed"
+
+
+def test_docstring_roles_render_as_code(site: Path) -> None:
+    attention = (site / "api" / "attention" / "index.html").read_text(encoding="utf-8")
+    assert ":class:" not in attention and ":func:" not in attention
+    assert "<code>KVCache</code>" in attention  # from :class:`~selfattn.KVCache`

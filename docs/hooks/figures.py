@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -54,3 +55,12 @@ def on_files(files: Files, config: Any) -> Files:
             log.info("drawing figures/%s: selfattn %s", name, " ".join(argv))
             files.append(File.generated(config, f"figures/{name}", content=draw(name, argv, Path(folder))))
     return files
+
+
+# Docstrings name other objects with Sphinx roles (:class:`~selfattn.KVCache`), which Markdown
+# renders as ":class:" followed by code; show the code alone, shortened as Sphinx's "~" asks.
+_ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|exc):<code>(~?)([\w.]+)</code>")
+
+
+def on_page_content(html: str, **kwargs: Any) -> str:
+    return _ROLE.sub(lambda m: f"<code>{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}</code>", html)
