@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -16,6 +17,19 @@ import selfattn
 from selfattn.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
+# Build outputs, caches and environments of a working checkout: never part of a source release.
+_NOT_SOURCE = (
+    ".git",
+    ".venv",
+    "site",
+    "dist",
+    "build",
+    "selfattn-report",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
+)
 
 
 def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,9 +66,12 @@ def sdist(tmp_path_factory: pytest.TempPathFactory) -> tarfile.TarFile:
         "build", reason="the sdist check needs `build`: pip install -e '.[dev]' (make test installs it)"
     )
     pytest.importorskip("setuptools", reason="the sdist check builds without isolation and needs setuptools")
+    # Build from a copy, so the checkout gets no egg-info; what ships is chosen by MANIFEST.in alone.
+    source = tmp_path_factory.mktemp("source") / "selfattn"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*_NOT_SOURCE))
     out = tmp_path_factory.mktemp("dist")
     result = subprocess.run(
-        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out), str(ROOT)],
+        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out), str(source)],
         capture_output=True,
         text=True,
         timeout=300,
