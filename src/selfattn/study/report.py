@@ -43,8 +43,10 @@ two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|
 (an estimate from CPU time, which a busy machine inflates less than wall-clock time){% endif %}.</p>
 
 {% if shortfalls %}<p class="bad">Below 95% exact match at the training lengths (copy and reverse should reach it):
-{% for s in shortfalls %}{{ s }}{% if not loop.last %}; {% endif %}{% endfor %}. A model that did not learn the task
-says nothing about extrapolation: read its beyond-length numbers with that in mind.</p>
+{% for s in shortfalls %}{{ s }}{% if not loop.last %}; {% endif %}{% endfor %}. In the curves below, these models
+fall short at the longer training lengths (left of the line), not at the short ones: {{ config.steps }} steps of
+{{ config.batch_size }} samples were not enough for them to learn the whole training range. Rerun with more
+<code>--steps</code> for models that do; a model that did not learn the task says little about extrapolation.</p>
 {% elif checked_budget %}<p>Every encoding reached at least 95% exact match at the training lengths on copy and reverse.</p>{% endif %}
 
 <h2>Relative vs absolute: accuracy against length</h2>
