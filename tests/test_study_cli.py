@@ -53,9 +53,9 @@ def test_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "4 trained runs" in section and section.count("data:image/png;base64,") == 3 and "<td>learned</td>" in section
 
 
-def _start(out: Path, *extra: str) -> subprocess.Popen[str]:
+def _start(out: Path, *extra: str, steps: int = 600) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "selfattn", "study", "--quick", "--tasks", "copy", "--encodings", "rotary",
-               "--steps", "150", "--no-deep-stack", "--no-progress", "--checkpoint-seconds", "0.2", "--out", str(out),
+               "--steps", str(steps), "--no-deep-stack", "--no-progress", "--checkpoint-seconds", "0.2", "--out", str(out),
                *extra]
     return subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -78,7 +78,7 @@ def test_killed_study_resumes_to_the_same_numbers(tmp_path: Path) -> None:
     assert not (out / "results.json").exists()
     resumed = subprocess.run(_start(out, "--resume").args, env=_env(), capture_output=True, text=True, timeout=300, check=False)
     assert resumed.returncode == 0, resumed.stderr
-    grid, config = study_settings(quick=True, tasks=["copy"], encodings=["rotary"], steps=150)
+    grid, config = study_settings(quick=True, tasks=["copy"], encodings=["rotary"], steps=600)
     whole = run_study(tmp_path / "whole", grid, config, deep_stack=False, report=False)
     assert whole is not None
     got = json.loads((out / "results.json").read_text())
@@ -91,7 +91,7 @@ def test_killed_study_resumes_to_the_same_numbers(tmp_path: Path) -> None:
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
-    process = _start(out)
+    process = _start(out, steps=10**6)
     _wait_for_checkpoint(out, process)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)

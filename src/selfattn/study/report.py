@@ -43,8 +43,10 @@ two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|
 (an estimate from CPU time, which a busy machine inflates less than wall-clock time){% endif %}.</p>
 
 {% if shortfalls %}<p class="bad">Below 95% exact match at the training lengths (copy and reverse should reach it):
-{% for s in shortfalls %}{{ s }}{% if not loop.last %}; {% endif %}{% endfor %}. A model that did not learn the task
-says nothing about extrapolation: read its beyond-length numbers with that in mind.</p>
+{% for s in shortfalls %}{{ s }}{% if not loop.last %}; {% endif %}{% endfor %} (in brackets: the mean exact match at the
+shortest and at the longest training length). {{ config.steps }} steps of {{ config.batch_size }} samples were not
+enough for these models to learn the whole training range; rerun with more <code>--steps</code> for models that do.
+A model that did not learn the task says little about extrapolation.</p>
 {% elif checked_budget %}<p>Every encoding reached at least 95% exact match at the training lengths on copy and reverse.</p>{% endif %}
 
 <h2>Relative vs absolute: accuracy against length</h2>
@@ -81,6 +83,14 @@ asking for {{ learned.max_len + 1 }} positions raised <code>{{ learned.past_max_
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _mean_at(results: dict[str, Any], task: str, label: str, n: int) -> float:
+    """Mean over seeds of the exact match at length ``n`` of one task and encoding."""
+    from selfattn.study.runner import encoding_label
+
+    values = [r["accuracy_by_length"][str(n)] for r in results["runs"] if r["task"] == task and encoding_label(r) == label]
+    return sum(values) / len(values)
 
 
 def learned_table_analysis(out: Path, results: dict[str, Any], figures: Path) -> dict[str, Any] | None:
@@ -133,7 +143,8 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     summary = results["summary"]
     figure_names = {task: accuracy_figure(results, task, figures) for task in summary}
     shortfalls = [
-        f"{task} / {label}: {_pct(s['in_distribution'])}"
+        f"{task} / {label}: {_pct(s['in_distribution'])} ({_pct(_mean_at(results, task, label, 1))} at n=1, "
+        f"{_pct(_mean_at(results, task, label, config['train_len']))} at n={config['train_len']})"
         for task in ("copy", "reverse")
         for label, s in summary.get(task, {}).items()
         if s["in_distribution"] < 0.95
