@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from selfattn._validation import require_positive_int
@@ -34,6 +36,11 @@ class KVCache:
     def reset(self) -> None:
         """Forget everything stored (the storage itself is kept)."""
         self.length = 0
+
+    def update_keys(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the stored keys ``(b, h, length, dh)`` by ``transform(keys)``, in place (re-rotation)."""
+        if self._keys is not None and self.length:
+            self._keys[..., : self.length, :] = transform(self._keys[..., : self.length, :])
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``(b, h, l, dh)`` keys and ``(b, h, l, dv)`` values; return all stored so far.
