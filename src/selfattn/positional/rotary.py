@@ -184,12 +184,13 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         Reads ``rope_theta`` (default 10000; also inside ``rope_parameters``), ``head_dim`` (or
         ``hidden_size / num_attention_heads``), ``partial_rotary_factor`` (rotary size
         ``int(head_dim * factor)``), ``rope_scaling`` or ``rope_parameters`` and
-        ``max_position_embeddings`` (the trained length of ``dynamic``, and of ``yarn`` and
-        ``longrope`` when their dict has no ``original_max_position_embeddings``; a top-level
-        ``original_max_position_embeddings``, as in Phi-3, sets LongRoPE's trained length and
-        its factor ``max_position_embeddings / original_max_position_embeddings``). The
-        rotation then equals Hugging Face's ``apply_rotary_pos_emb`` with that model's cos/sin.
-        YaRN's ``factor`` is taken from the dict as given.
+        ``max_position_embeddings``, filling in what Hugging Face (v5) fills in: ``dynamic``
+        trains on ``max_position_embeddings``; ``llama3``, ``yarn`` and ``longrope`` take a
+        top-level ``original_max_position_embeddings`` (Phi-3) over the dict's, else default it
+        to ``max_position_embeddings``; ``yarn`` and ``longrope`` without ``factor`` use
+        ``max_position_embeddings / original_max_position_embeddings``. The rotation then
+        equals Hugging Face's ``apply_rotary_pos_emb`` with that model's cos/sin (checked against
+        transformers 5.23 for every type).
 
         Args:
             config: a dict (e.g. a parsed ``config.json``) or an object with those attributes.
@@ -230,13 +231,17 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             kind = scaling.get("rope_type", scaling.get("type"))
             max_positions = read("max_position_embeddings")
             top_level_original = read("original_max_position_embeddings")
-            if kind == "longrope" and top_level_original is not None and max_positions is not None:
-                scaling["original_max_position_embeddings"] = top_level_original
-                scaling["factor"] = max_positions / top_level_original
-            if kind in ("dynamic", "yarn", "longrope") and scaling.get("original_max_position_embeddings") is None:
-                if max_positions is None:
-                    raise ValueError(f"config with rope_type {kind!r} needs max_position_embeddings")
-                scaling["original_max_position_embeddings"] = max_positions
+            if kind in ("llama3", "yarn", "longrope"):
+                if top_level_original is not None:  # Phi-3 keeps the trained length outside the dict
+                    scaling["original_max_position_embeddings"] = top_level_original
+                elif scaling.get("original_max_position_embeddings") is None and max_positions is not None:
+                    scaling["original_max_position_embeddings"] = max_positions
+            if kind in ("yarn", "longrope") and scaling.get("factor") is None:
+                original = scaling.get("original_max_position_embeddings")
+                if max_positions is not None and original:
+                    scaling["factor"] = max_positions / original
+            if kind == "dynamic" and max_positions is not None:
+                scaling["original_max_position_embeddings"] = max_positions  # Hugging Face's dynamic L0
             if kind == "default" or (kind is None and not scaling):
                 scaling = None
         return cls(head_dim, float(base), False, rotary_dim=rotary_dim, scaling=scaling, **options)
