@@ -11,9 +11,11 @@ import sys
 from collections.abc import Sequence
 
 from selfattn.cli import compare, encode, plot, tour
+from selfattn.cli import rotary
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, stderr_line
 
 SUBCOMMANDS = (tour, encode, plot, compare)
+SUBCOMMANDS += (rotary,)
 
 
 def build_parser() -> OneLineErrorParser:
