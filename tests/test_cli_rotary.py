@@ -47,7 +47,7 @@ def test_llama3_table_shows_which_pairs_are_scaled(tmp_path, capsys):
     rows = pair_rows(out)
     assert sorted(rows) == list(range(64))
     # Wavelength under 8192 / 4 = 2048 tokens: kept; over 8192: stretched 8 times; in between: blended.
-    for j, cells in rows.items():
+    for cells in rows.values():
         wavelength, stretch, scaled = float(cells[1]), float(cells[3]), cells[4]
         if wavelength < 2048:
             assert (scaled, stretch) == ("no", 1.0), cells
@@ -108,7 +108,7 @@ def test_plot_is_written(tmp_path, capsys):
 )
 def test_errors_are_one_line(argv, match, tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps(LLAMA31))
-    status, out, err = run_cli(["rotary", *[a.replace("{tmp}", str(tmp_path)) for a in argv]], capsys)
+    status, _, err = run_cli(["rotary", *[a.replace("{tmp}", str(tmp_path)) for a in argv]], capsys)
     assert status == 2
     assert match in err and len(err.strip().splitlines()) == 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -381,7 +382,7 @@ def test_from_config_reads_hugging_face_configs():
     class Config:  # an object with attributes, like transformers' PretrainedConfig
         hidden_size, num_attention_heads, head_dim = 2560, 32, None
         partial_rotary_factor, rope_theta, max_position_embeddings = 0.4, 10000.0, 2048
-        rope_scaling = {"type": "dynamic", "factor": 2.0}
+        rope_scaling: ClassVar[dict[str, object]] = {"type": "dynamic", "factor": 2.0}
 
     rope = RotaryPositionalEncoding.from_config(Config())
     assert (rope.head_dim, rope.rotary_dim) == (80, 32)

@@ -18,7 +18,7 @@ _ERROR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 _MEASURED_POSITIONS = 4096  # the last positions of the context, where angles are largest
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "rotary",
         help="show every rotary frequency pair (scaled vs not) and the angle error of each dtype",

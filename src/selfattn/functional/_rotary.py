@@ -15,23 +15,23 @@ Shape legend: ``...`` any leading dimensions, l positions, d features, r rotated
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 
 from selfattn._validation import require_positive_int
-from selfattn.functional._sinusoidal import _require_base
 from selfattn.functional._rotary_scaling import (
     RotaryParameters,
     parse_rotary_scaling,
     scaled_rotary_parameters,
 )
+from selfattn.functional._sinusoidal import _require_base
 
 __all__ = ["apply_axial_rotary", "apply_rotary", "rotary_angles", "rotary_frequencies", "rotary_parameters"]
 
 RotaryScalingName = Literal["default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope"]
 # A type name (with ``scaling_factor``) or a Hugging Face ``rope_scaling`` dict.
-RotaryScaling = Union[RotaryScalingName, Mapping[str, Any]]
+RotaryScaling = RotaryScalingName | Mapping[str, Any]
 
 
 def _require_rotary_dim(rotary_dim: int) -> int:

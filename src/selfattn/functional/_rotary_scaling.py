@@ -118,7 +118,7 @@ class RotaryScalingConfig:
 def _number(rope_type: str, key: str, value: object, *, minimum: float | None = None, strict: bool = False) -> float:
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(float(value))
     if ok and minimum is not None:
-        ok = float(value) > minimum if strict else float(value) >= minimum
+        ok = float(value) > minimum if strict else float(value) >= minimum  # type: ignore[arg-type]
     if not ok:
         bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum:g}"
         raise ValueError(f"scaling {rope_type!r}: {key} must be a finite number{bound}, got {value!r}")
@@ -134,7 +134,7 @@ def _length(rope_type: str, value: object) -> int:
         raise ValueError(
             f"scaling {rope_type!r}: original_max_position_embeddings must be a positive integer, got {value!r}"
         )
-    return int(value)  # type: ignore[call-overload]
+    return int(value)  # type: ignore[call-overload, no-any-return]
 
 
 def _factors(rope_type: str, key: str, value: object) -> tuple[float, ...]:
@@ -187,7 +187,7 @@ def parse_rotary_scaling(scaling: str | Mapping[str, Any] | None, scaling_factor
         if "rope_type" not in params:
             raise ValueError(f"scaling dict needs a 'rope_type' (or 'type') key, got keys {sorted(params)}")
     else:
-        raise ValueError(f"scaling must be None, a type name or a dict, got {type(scaling).__name__}")
+        raise ValueError(f"scaling must be None, a type name or a dict, got {type(scaling).__name__}")  # noqa: TRY004
 
     rope_type = params.pop("rope_type")
     if rope_type not in ROPE_TYPES:

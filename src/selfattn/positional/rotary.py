@@ -11,7 +11,7 @@ import torch
 
 from selfattn._validation import require_positive_int
 from selfattn.functional._rotary import RotaryScaling, _check_rotary_inputs, _rotate_by_positions, rotary_parameters
-from selfattn.functional._rotary_scaling import parse_rotary_scaling
+from selfattn.functional._rotary_scaling import RotaryScalingConfig, parse_rotary_scaling
 from selfattn.positional._tables import KeepsTablePrecision
 from selfattn.positional.base import QueryKeyEncoding
 
@@ -77,6 +77,16 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
 
     exact_tables = ("inv_freq",)
     inv_freq: torch.Tensor
+    head_dim: int
+    rotary_dim: int
+    base: float
+    interleaved: bool
+    scaling: RotaryScaling | None
+    scaling_factor: float
+    scaling_config: RotaryScalingConfig | None
+    p: float
+    cached_keys: CachedKeys
+    attention_factor: float
 
     def __init__(
         self,
@@ -89,7 +99,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         scaling_factor: float = 1.0,
         p: float = 1.0,
         cached_keys: CachedKeys = "rerotate",
-    ):
+    ) -> None:
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
         self.rotary_dim = self.head_dim if rotary_dim is None else require_positive_int("rotary_dim", rotary_dim)
@@ -105,7 +115,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.scaling_factor = float(scaling_factor)
         self.scaling_config = parse_rotary_scaling(scaling, scaling_factor)
         self.p = float(p)
-        self.cached_keys: CachedKeys = cached_keys
+        self.cached_keys = cached_keys
         self.attention_factor = 1.0
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64), persistent=False)
         self._build_tables()
@@ -113,7 +123,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
     @property
     def rotated_pairs(self) -> int:
         """How many pairs rotate at all (``floor(p * r / 2)``)."""
-        return math.floor(self.p * (self.rotary_dim // 2) + 1e-9)
+        return int(math.floor(self.p * (self.rotary_dim // 2) + 1e-9))
 
     def frequencies_at(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Frequencies ``(r / 2,)`` float64 (on the buffer's device) and attention factor at length ``seq_len``.

@@ -51,7 +51,7 @@ class RotaryPositionalEncodingND(KeepsTablePrecision, QueryKeyEncoding):
         interleaved: bool = True,
         *,
         grid: Sequence[int] | None = None,
-    ):
+    ) -> None:
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
         self.num_axes = require_positive_int("num_axes", num_axes)
@@ -131,7 +131,7 @@ class RotaryPositionalEncoding2D(RotaryPositionalEncodingND):
 
     def __init__(
         self, head_dim: int, base: float = 10000.0, interleaved: bool = True, *, grid: Sequence[int] | None = None
-    ):
+    ) -> None:
         super().__init__(head_dim, 2, base, interleaved, grid=grid)
 
 
@@ -140,5 +140,5 @@ class RotaryPositionalEncoding3D(RotaryPositionalEncodingND):
 
     def __init__(
         self, head_dim: int, base: float = 10000.0, interleaved: bool = True, *, grid: Sequence[int] | None = None
-    ):
+    ) -> None:
         super().__init__(head_dim, 3, base, interleaved, grid=grid)

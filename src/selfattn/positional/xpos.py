@@ -52,7 +52,7 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
         *,
         scale_base: float = 512.0,
         gamma: float = 0.4,
-    ):
+    ) -> None:
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
         if self.head_dim % 2:
@@ -99,7 +99,8 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
         )
 
     def encode_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self(k, positions, keys=True)
+        keys: torch.Tensor = self(k, positions, keys=True)
+        return keys
 
     def extra_repr(self) -> str:
         return (
