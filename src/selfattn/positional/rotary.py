@@ -11,7 +11,8 @@ import torch
 
 from selfattn._validation import require_positive_int
 from selfattn.functional._rotary import RotaryScaling, _check_rotary_inputs, _rotate_by_positions, rotary_parameters
-from selfattn.functional._rotary_scaling import RotaryScalingConfig, parse_rotary_scaling
+from selfattn.functional._rotary_scaling import RotaryScalingConfig, parse_rotary_scaling, scaled_rotary_parameters
+from selfattn.functional._sinusoidal import _require_base
 from selfattn.positional._tables import KeepsTablePrecision
 from selfattn.positional.base import QueryKeyEncoding
 
@@ -109,35 +110,43 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             raise ValueError(f"p must be a fraction in [0, 1], got {p!r}")
         if cached_keys not in ("rerotate", "keep"):
             raise ValueError(f"cached_keys must be 'rerotate' or 'keep', got {cached_keys!r}")
-        self.base = float(base)
+        self.base = _require_base(base)
         self.interleaved = bool(interleaved)
+        self.scaling_config = parse_rotary_scaling(scaling, scaling_factor)
         self.scaling = scaling
         self.scaling_factor = float(scaling_factor)
-        self.scaling_config = parse_rotary_scaling(scaling, scaling_factor)
+        rotary_parameters(self.rotary_dim, self.base, scaling=scaling, scaling_factor=scaling_factor)  # validates
         self.p = float(p)
         self.cached_keys = cached_keys
         self.attention_factor = 1.0
+        self._last: tuple[int | None, torch.Tensor, float] | None = None
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64), persistent=False)
         self._build_tables()
 
     @property
     def rotated_pairs(self) -> int:
         """How many pairs rotate at all (``floor(p * r / 2)``)."""
-        return int(math.floor(self.p * (self.rotary_dim // 2) + 1e-9))
+        return math.floor(self.p * (self.rotary_dim // 2) + 1e-9)
 
     def frequencies_at(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Frequencies ``(r / 2,)`` float64 (on the buffer's device) and attention factor at length ``seq_len``.
 
         ``None`` is the trained length; only ``dynamic`` and ``longrope`` depend on it.
         """
-        frequencies, attention_factor = rotary_parameters(
-            self.rotary_dim, self.base, scaling=self.scaling, scaling_factor=self.scaling_factor, seq_len=seq_len
+        device = self.inv_freq.device
+        if self._last is not None and self._last[0] == seq_len and self._last[1].device == device:
+            return self._last[1], self._last[2]  # a step's queries and keys share one length
+        frequencies, attention_factor = scaled_rotary_parameters(
+            self.rotary_dim, self.base, self.scaling_config, seq_len=seq_len
         )
         frequencies[self.rotated_pairs :] = 0.0  # p-RoPE: the slowest pairs stay put
-        return frequencies.to(self.inv_freq.device), attention_factor
+        frequencies = frequencies.to(device)
+        self._last = (seq_len, frequencies, attention_factor)
+        return frequencies, attention_factor
 
     def _build_tables(self) -> None:
         """(Re)compute ``inv_freq`` ``(r / 2,)`` in float64 on the buffer's device, and the attention factor."""
+        self._last = None
         self.inv_freq, self.attention_factor = self.frequencies_at(None)
 
     def _current(self, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
