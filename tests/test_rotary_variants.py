@@ -235,3 +235,16 @@ def test_layout_conversion_of_nested_and_grouped_checkpoints():
         convert_rotary_layout(state, num_heads=3, to="half_split", projections=("q_proj", "k_proj"))
     with pytest.raises(ValueError, match="rotary_dim must be even and at most head_dim=4"):
         convert_rotary_layout(state, num_heads=2, to="half_split", projections=("q_proj", "k_proj"), rotary_dim=6)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}])
+def test_p_rope_caches_like_the_full_pass(scaling):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 2, position=RotaryPositionalEncoding(16, p=0.5, scaling=scaling)).double().eval()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = mha(x, x, x, causal=True)
+        cache = KVCache(12)
+        steps = torch.cat([mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache)
+                           for t in range(12)], 1)
+    torch.testing.assert_close(steps, full, rtol=0, atol=1e-12)
