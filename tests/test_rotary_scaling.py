@@ -468,3 +468,16 @@ def test_other_bad_options():
         RotaryPositionalEncoding.from_config({"head_dim": 6, "partial_rotary_factor": 1.5})
     with pytest.raises(ValueError, match="rope_scaling must be a dict"):
         RotaryPositionalEncoding.from_config({"head_dim": 8, "rope_scaling": "linear"})
+
+
+@pytest.mark.parametrize("name", sorted(LENGTH_DEPENDENT))
+def test_rerotate_in_float32_stays_near_the_float64_full_pass(name):
+    """Each re-rotation rounds the cache once more; after 60 of them the error is still float32-sized."""
+    x = torch.randn(1, 64, 16, dtype=torch.float64)
+    mha32, mha64 = _mha(LENGTH_DEPENDENT[name], dtype=torch.float32), _mha(LENGTH_DEPENDENT[name])
+    cache = KVCache(64)
+    with torch.no_grad():
+        steps = torch.cat([mha32(x[:, t : t + 1].float(), x[:, t : t + 1].float(), x[:, t : t + 1].float(), causal=True,
+                                 cache=cache) for t in range(64)], 1)
+        full = mha64(x, x, x, causal=True)
+    torch.testing.assert_close(steps[:, -1].double(), full[:, -1], rtol=0, atol=1e-5)
