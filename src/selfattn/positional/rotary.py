@@ -180,7 +180,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         past = cache.length
         if self.cached_keys == "keep" or config is None or not config.depends_on_length or past == 0:
             return
-        cached_positions = positions[..., :past]
+        cached_positions = positions[..., :past]  # (past,) or per sequence (b, past)
         old, old_factor = self._current(cached_positions)
         new, new_factor = self._current(positions)
         if old_factor == new_factor and torch.equal(old, new):
@@ -188,7 +188,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         cache.update_keys(
             lambda keys: _rotate_by_positions(
                 keys,
-                cached_positions,
+                cached_positions if cached_positions.dim() < 2 else cached_positions[:, None],  # (b, 1, past)
                 new - old,
                 interleaved=self.interleaved,
                 rotary_dim=self.rotary_dim,
