@@ -481,3 +481,19 @@ def test_rerotate_in_float32_stays_near_the_float64_full_pass(name):
                                  cache=cache) for t in range(64)], 1)
         full = mha64(x, x, x, causal=True)
     torch.testing.assert_close(steps[:, -1].double(), full[:, -1], rtol=0, atol=1e-5)
+
+
+def test_a_failed_call_after_re_rotation_leaves_decoding_consistent():
+    mha = _mha(LENGTH_DEPENDENT["dynamic"], "rerotate")
+    x = torch.randn(1, 11, 16, dtype=torch.float64)
+    cache = KVCache(10)
+    with torch.no_grad():
+        mha(x[:, :9], x[:, :9], x[:, :9], causal=True, cache=cache)
+        with pytest.raises(ValueError, match="cache overflow"):  # re-rotated for length 11, then refused
+            mha(x[:, 9:11], x[:, 9:11], x[:, 9:11], causal=True, cache=cache)
+        assert cache.length == 9
+        got = mha(x[:, 9:10], x[:, 9:10], x[:, 9:10], causal=True, cache=cache)
+        expected = mha(x[:, :10], x[:, :10], x[:, :10], causal=True)[:, 9:]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    cache.reset()
+    assert cache.encoding_state == {}

@@ -172,29 +172,34 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
     def update_cached_keys(self, cache: KVCache, positions: torch.Tensor) -> None:
         """Re-rotate the keys in ``cache`` to the frequencies of the coming call (``cached_keys="rerotate"``).
 
-        ``positions`` are those of every key, cached and new (``(cache.length + l_new,)``); the
-        cached ones were rotated at length ``max(cached positions) + 1``, the new call runs at
-        ``max(positions) + 1``.
+        ``positions`` are those of every key, cached and new (``(cache.length + l_new,)``). The
+        cached keys were rotated at the length noted in ``cache.encoding_state`` by the last
+        re-rotation, else at ``max(cached positions) + 1`` (the length of the call that added
+        the last of them); the coming call runs at ``max(positions) + 1``.
         """
         config = self.scaling_config
         past = cache.length
         if self.cached_keys == "keep" or config is None or not config.depends_on_length or past == 0:
             return
         cached_positions = positions[..., :past]  # (past,) or per sequence (b, past)
-        old, old_factor = self._current(cached_positions)
-        new, new_factor = self._current(positions)
-        if old_factor == new_factor and torch.equal(old, new):
-            return
-        cache.update_keys(
-            lambda keys: _rotate_by_positions(
-                keys,
-                cached_positions if cached_positions.dim() < 2 else cached_positions[:, None],  # (b, 1, past)
-                new - old,
-                interleaved=self.interleaved,
-                rotary_dim=self.rotary_dim,
-                magnitude=new_factor / old_factor,
+        noted = cache.encoding_state.get("rotary_length")
+        old_length = noted if isinstance(noted, int) else max(int(cached_positions.max()) + 1, 1)
+        new_length = max(int(positions.max()) + 1, 1)
+        old, old_factor = self.frequencies_at(old_length)
+        old = old.clone()  # frequencies_at keeps only the latest length
+        new, new_factor = self.frequencies_at(new_length)
+        if old_factor != new_factor or not torch.equal(old, new):
+            cache.update_keys(
+                lambda keys: _rotate_by_positions(
+                    keys,
+                    cached_positions if cached_positions.dim() < 2 else cached_positions[:, None],  # (b, 1, past)
+                    new - old,
+                    interleaved=self.interleaved,
+                    rotary_dim=self.rotary_dim,
+                    magnitude=new_factor / old_factor,
+                )
             )
-        )
+        cache.encoding_state["rotary_length"] = new_length
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | Any, **options: Any) -> RotaryPositionalEncoding:
