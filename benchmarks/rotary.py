@@ -67,11 +67,25 @@ def run_apply(args: argparse.Namespace) -> str:
             theirs_err = exact_error(float32_angle_rotary(x, positions, inv_freq32), x, positions)
             t_ours, t_theirs = times[("selfattn", n, start)], times[("float32 angles", n, start)]
             rows.append(
-                [str(n), f"{start}..{start + n - 1}", ms(t_ours), ms(t_theirs), ratio(t_ours / t_theirs),
-                 f"{ours_err:.1e}", f"{theirs_err:.1e}"]
+                [
+                    str(n),
+                    f"{start}..{start + n - 1}",
+                    ms(t_ours),
+                    ms(t_theirs),
+                    ratio(t_ours / t_theirs),
+                    f"{ours_err:.1e}",
+                    f"{theirs_err:.1e}",
+                ]
             )
-    header = ["n", "positions", "selfattn ms", "float32 angles ms", "selfattn / float32", "selfattn error",
-              "float32-angle error"]
+    header = [
+        "n",
+        "positions",
+        "selfattn ms",
+        "float32 angles ms",
+        "selfattn / float32",
+        "selfattn error",
+        "float32-angle error",
+    ]
     return "\n".join(["### apply_rotary, (1, 8, n, 64) float32", "", table(header, rows), "", spread_note(spread), ""])
 
 

@@ -16,8 +16,13 @@ LLAMA31 = {
     "num_attention_heads": 32,
     "max_position_embeddings": 131072,
     "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
 }
 
 
@@ -63,10 +68,24 @@ def test_llama3_table_shows_which_pairs_are_scaled(tmp_path, capsys):
 
 
 def test_compact_and_json_scaling_agree(capsys):
-    compact = ["rotary", "--head-dim", 16, "--context", 2048, "--scaling",
-               "yarn:factor=4,original_max_position_embeddings=512"]
-    as_json = ["rotary", "--head-dim", 16, "--context", 2048, "--scaling",
-               json.dumps({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 512})]
+    compact = [
+        "rotary",
+        "--head-dim",
+        16,
+        "--context",
+        2048,
+        "--scaling",
+        "yarn:factor=4,original_max_position_embeddings=512",
+    ]
+    as_json = [
+        "rotary",
+        "--head-dim",
+        16,
+        "--context",
+        2048,
+        "--scaling",
+        json.dumps({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 512}),
+    ]
     first, second = run_cli(compact, capsys), run_cli(as_json, capsys)
     assert first[0] == second[0] == 0
     assert pair_rows(first[1]) == pair_rows(second[1])
@@ -80,9 +99,9 @@ def test_angle_errors_are_measured():
     assert errors["float32"]["in_dtype"] > 1e-3
     assert errors["float32"]["selfattn"] < 1e-6
     assert errors["bfloat16"]["in_dtype"] > 1.0  # positions themselves round in bf16
-    assert errors["bfloat16"]["selfattn"] < 2 ** -7
+    assert errors["bfloat16"]["selfattn"] < 2**-7
     assert math.isnan(errors["float16"]["in_dtype"])  # positions past 65504 overflow
-    assert errors["float16"]["selfattn"] < 2 ** -9
+    assert errors["float16"]["selfattn"] < 2**-9
     small = {e["dtype"]: e for e in angle_errors(RotaryPositionalEncoding(8), 64)}
     assert small["float32"]["in_dtype"] < 1e-5  # short contexts: float32 angles are fine
 

@@ -141,8 +141,13 @@ def test_dynamic_recomputes_the_ntk_factor_from_the_length(r, factor):
 def test_longrope_switches_factors_past_the_trained_length(r):
     rng = np.random.default_rng(r)
     short, long = (1 + rng.random(r // 2)).tolist(), (1 + 20 * rng.random(r // 2)).tolist()
-    scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
-               "original_max_position_embeddings": 4096, "factor": 32.0}
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": 4096,
+        "factor": 32.0,
+    }
     for length, expected in ((None, short), (4096, short), (4097, long), (131072, long)):
         params = rotary_parameters(r, 10000.0, scaling=scaling, seq_len=length)
         np.testing.assert_allclose(
@@ -157,8 +162,13 @@ def test_longrope_switches_factors_past_the_trained_length(r):
 def test_llama3_bands_at_the_published_defaults():
     # Llama 3.1: head 128, theta 500000, factor 8, low 1, high 4, L0 8192.
     r, base = 128, 500000.0
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     got = rotary_frequencies(r, base, scaling=scaling).numpy()
     plain = np_plain(r, base)
     wavelength = 2 * math.pi / plain
@@ -175,8 +185,9 @@ def test_llama3_bands_at_the_published_defaults():
 @pytest.mark.parametrize("factor", [4.0, 16.0])
 def test_yarn_boundaries_in_turns_within_the_trained_length(r, factor):
     trained = 4096
-    got = rotary_frequencies(r, scaling={"rope_type": "yarn", "factor": factor,
-                                         "original_max_position_embeddings": trained}).numpy()
+    got = rotary_frequencies(
+        r, scaling={"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": trained}
+    ).numpy()
     plain = np_plain(r, 10000.0)
     turns = trained * plain / (2 * math.pi)
     fast, slow = turns >= 32, turns <= 1
@@ -213,10 +224,20 @@ STATIC = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "ntk": {"rope_type": "ntk", "factor": 4.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
-    "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.0, 4.0, 8.0, 16.0],
-                 "original_max_position_embeddings": 64, "factor": 8.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [1.0, 4.0, 8.0, 16.0],
+        "original_max_position_embeddings": 64,
+        "factor": 8.0,
+    },
     "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 64},
 }
 
@@ -259,8 +280,13 @@ def test_cache_gives_the_full_pass_for_static_methods(name):
 
 LENGTH_DEPENDENT = {
     "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 6},
-    "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.0, 4.0, 8.0, 16.0],
-                 "original_max_position_embeddings": 6, "factor": 8.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [1.0, 4.0, 8.0, 16.0],
+        "original_max_position_embeddings": 6,
+        "factor": 8.0,
+    },
 }
 
 
@@ -290,7 +316,9 @@ def _keep_reference(mha, x, rope):
     for t in range(x.shape[1]):
         freqs, factor = rope.frequencies_at(t + 1)
         pos = torch.tensor([t])
-        keys.append(apply_rotary(k_all[:, :, t : t + 1], pos, interleaved=False, frequencies=freqs, attention_factor=factor))
+        keys.append(
+            apply_rotary(k_all[:, :, t : t + 1], pos, interleaved=False, frequencies=freqs, attention_factor=factor)
+        )
         q = apply_rotary(q_all[:, :, t : t + 1], pos, interleaved=False, frequencies=freqs, attention_factor=factor)
         k = torch.cat(keys, dim=2)
         weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(head_dim), dim=-1)
@@ -304,8 +332,9 @@ def test_keep_leaves_cached_keys_as_rotated_like_hugging_face(name):
     x = torch.randn(1, 14, 16, dtype=torch.float64)
     with torch.no_grad():
         cache = KVCache(14)
-        steps = torch.cat([mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache)
-                           for t in range(14)], dim=1)
+        steps = torch.cat(
+            [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache) for t in range(14)], dim=1
+        )
         expected = _keep_reference(mha, x[0:1], mha.position)
         full = mha(x, x, x, causal=True)
     torch.testing.assert_close(steps, expected, rtol=0, atol=1e-12)
@@ -322,8 +351,10 @@ def test_rerotate_differs_from_keep_only_past_the_trained_length():
     for mode in ("rerotate", "keep"):
         mha, cache = _mha(LENGTH_DEPENDENT["dynamic"], mode), KVCache(12)
         with torch.no_grad():
-            outputs[mode] = torch.cat([mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache)
-                                       for t in range(12)], dim=1)
+            outputs[mode] = torch.cat(
+                [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache) for t in range(12)],
+                dim=1,
+            )
     torch.testing.assert_close(outputs["rerotate"][:, :6], outputs["keep"][:, :6], rtol=0, atol=1e-13)
     assert float((outputs["rerotate"][:, 7:] - outputs["keep"][:, 7:]).abs().amax(dim=-1).min()) > 1e-8
 
@@ -371,9 +402,17 @@ def _rounded_once(got: torch.Tensor, exact: np.ndarray, dtype: torch.dtype) -> b
 
 def test_from_config_reads_hugging_face_configs():
     llama31 = {
-        "hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
     }
     rope = RotaryPositionalEncoding.from_config(llama31)
     assert (rope.head_dim, rope.rotary_dim, rope.interleaved, rope.base) == (128, 128, False, 500000.0)
@@ -387,13 +426,23 @@ def test_from_config_reads_hugging_face_configs():
     rope = RotaryPositionalEncoding.from_config(Config())
     assert (rope.head_dim, rope.rotary_dim) == (80, 32)
     assert rope.scaling_config is not None and rope.scaling_config.original_max_position_embeddings == 2048
-    np.testing.assert_allclose(rope.frequencies_at(4096)[0].numpy(), np_dynamic(32, 10000.0, 2.0, 2048, 4096), rtol=1e-13)
+    np.testing.assert_allclose(
+        rope.frequencies_at(4096)[0].numpy(), np_dynamic(32, 10000.0, 2.0, 2048, 4096), rtol=1e-13
+    )
 
     # v5 style: everything in rope_parameters; Phi-3 style longrope with a top-level trained length.
-    phi3 = {"hidden_size": 3072, "num_attention_heads": 32, "max_position_embeddings": 131072,
-            "original_max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
-                                "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
+    phi3 = {
+        "hidden_size": 3072,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 48,
+            "long_factor": [2.0] * 48,
+        },
+    }
     rope = RotaryPositionalEncoding.from_config(phi3)
     assert rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-15)
     np.testing.assert_allclose(rope.frequencies_at(5000)[0].numpy(), np_plain(96, 10000.0) / 2.0, rtol=1e-14)
@@ -423,21 +472,70 @@ def test_from_config_reads_hugging_face_configs():
         ({"rope_type": "linear", "factor": 2.0, "beta_fast": 3}, "scaling 'linear' does not take beta_fast"),
         ({"rope_type": "yarn", "factor": 2.0}, "needs original_max_position_embeddings"),
         ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 10.5}, "must be a positive integer"),
-        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "beta_fast": 1, "beta_slow": 2},
-         "beta_fast must be at least beta_slow"),
-        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "truncate": 1},
-         "truncate must be True or False"),
-        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
-          "original_max_position_embeddings": 8192}, "high_freq_factor must exceed low_freq_factor"),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 1,
+                "beta_slow": 2,
+            },
+            "beta_fast must be at least beta_slow",
+        ),
+        (
+            {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "truncate": 1},
+            "truncate must be True or False",
+        ),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "high_freq_factor must exceed low_freq_factor",
+        ),
         ({"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor, high_freq_factor, original_max_position"),
-        ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 3,
-          "original_max_position_embeddings": 64, "factor": 2.0}, "short_factor has 4 entries but long_factor 3"),
-        ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3,
-          "original_max_position_embeddings": 64, "factor": 2.0}, "one entry per rotated pair"),
-        ({"rope_type": "longrope", "short_factor": [1.0, -1, 1, 1], "long_factor": [1.0] * 4,
-          "original_max_position_embeddings": 64, "factor": 2.0}, r"short_factor\[1\] must be a finite number > 0"),
-        ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
-          "original_max_position_embeddings": 64}, "needs factor or attention_factor"),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 4,
+                "long_factor": [1.0] * 3,
+                "original_max_position_embeddings": 64,
+                "factor": 2.0,
+            },
+            "short_factor has 4 entries but long_factor 3",
+        ),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 3,
+                "long_factor": [1.0] * 3,
+                "original_max_position_embeddings": 64,
+                "factor": 2.0,
+            },
+            "one entry per rotated pair",
+        ),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0, -1, 1, 1],
+                "long_factor": [1.0] * 4,
+                "original_max_position_embeddings": 64,
+                "factor": 2.0,
+            },
+            r"short_factor\[1\] must be a finite number > 0",
+        ),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 4,
+                "long_factor": [1.0] * 4,
+                "original_max_position_embeddings": 64,
+            },
+            "needs factor or attention_factor",
+        ),
         ({"rope_type": "linear", "type": "yarn", "factor": 2.0}, "rope_type='linear' but type='yarn'"),
         ({"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}, "disagrees with base=10000"),
         ("yarn", "scaling 'yarn' needs original_max_position_embeddings"),
@@ -477,8 +575,15 @@ def test_rerotate_in_float32_stays_near_the_float64_full_pass(name):
     mha32, mha64 = _mha(LENGTH_DEPENDENT[name], dtype=torch.float32), _mha(LENGTH_DEPENDENT[name])
     cache = KVCache(64)
     with torch.no_grad():
-        steps = torch.cat([mha32(x[:, t : t + 1].float(), x[:, t : t + 1].float(), x[:, t : t + 1].float(), causal=True,
-                                 cache=cache) for t in range(64)], 1)
+        steps = torch.cat(
+            [
+                mha32(
+                    x[:, t : t + 1].float(), x[:, t : t + 1].float(), x[:, t : t + 1].float(), causal=True, cache=cache
+                )
+                for t in range(64)
+            ],
+            1,
+        )
         full = mha64(x, x, x, causal=True)
     torch.testing.assert_close(steps[:, -1].double(), full[:, -1], rtol=0, atol=1e-5)
 

@@ -11,21 +11,38 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional cross-check)")
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
-from selfattn.positional import RotaryPositionalEncoding
+from selfattn.positional import RotaryPositionalEncoding  # noqa: E402
 
 HEAD_DIM, HEADS = 64, 4
 CASES = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "factor": 4.0},
     "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512},
-    "yarn-deepseek": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 512,
-                      "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
-    "yarn-untruncated": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "truncate": False},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 512},
+    "yarn-deepseek": {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 512,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "yarn-untruncated": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "truncate": False,
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 512,
+    },
     "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 256},
     "longrope-phi3": {"rope_type": "longrope"},
 }
@@ -35,8 +52,12 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_transformers(name, partial):
     rotary_dim = int(HEAD_DIM * partial)
-    config = {"hidden_size": HEAD_DIM * HEADS, "num_attention_heads": HEADS, "max_position_embeddings": 1024,
-              "rope_theta": 10000.0}
+    config = {
+        "hidden_size": HEAD_DIM * HEADS,
+        "num_attention_heads": HEADS,
+        "max_position_embeddings": 1024,
+        "rope_theta": 10000.0,
+    }
     if name == "longrope-phi3":
         config["original_max_position_embeddings"] = 128
     parameters = dict(CASES[name], rope_theta=10000.0)

@@ -89,7 +89,9 @@ def test_xpos_matches_the_paper_and_decays_with_distance():
     assert score(900, 880) == pytest.approx(score(20, 0), rel=1e-10)
     pair = torch.zeros(1, 8, dtype=torch.float64)
     pair[0, 0] = 1.0
-    magnitudes = [float((xpos(pair, torch.tensor([m])) * xpos.encode_keys(pair, torch.tensor([0]))).norm()) for m in (0, 1)]
+    magnitudes = [
+        float((xpos(pair, torch.tensor([m])) * xpos.encode_keys(pair, torch.tensor([0]))).norm()) for m in (0, 1)
+    ]
     decay = [abs(score_pair) for score_pair in magnitudes]
     assert decay[0] == pytest.approx(1.0) and decay[1] < decay[0]
 
@@ -102,7 +104,9 @@ def test_xpos_in_attention_caches_and_is_relative():
         full = mha(x, x, x, causal=True)
         shifted = mha(x, x, x, causal=True, offset=1000)
         cache = KVCache(10)
-        steps = torch.cat([mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache) for t in range(10)], 1)
+        steps = torch.cat(
+            [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache) for t in range(10)], 1
+        )
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-12)
     torch.testing.assert_close(shifted, full, rtol=0, atol=1e-10)
 
@@ -167,8 +171,10 @@ def test_axial_token_indices_unravel_over_the_grid():
     with torch.no_grad():
         full = mha(h, h, h, causal=True)
         cache = KVCache(24)
-        steps = torch.cat([mha(h[:, t : t + 3], h[:, t : t + 3], h[:, t : t + 3], causal=True, cache=cache)
-                           for t in range(0, 24, 3)], 1)
+        steps = torch.cat(
+            [mha(h[:, t : t + 3], h[:, t : t + 3], h[:, t : t + 3], causal=True, cache=cache) for t in range(0, 24, 3)],
+            1,
+        )
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-12)
 
 
@@ -199,20 +205,24 @@ def test_converted_checkpoint_gives_the_same_outputs(to, rotary_dim):
         num_hiddens, heads, position=RotaryPositionalEncoding(8, interleaved=source_interleaved, rotary_dim=rotary_dim)
     ).double()
     target = MultiHeadAttention(
-        num_hiddens, heads, position=RotaryPositionalEncoding(8, interleaved=not source_interleaved, rotary_dim=rotary_dim)
+        num_hiddens,
+        heads,
+        position=RotaryPositionalEncoding(8, interleaved=not source_interleaved, rotary_dim=rotary_dim),
     ).double()
     x = torch.randn(2, 9, num_hiddens, dtype=torch.float64)
     converted = convert_rotary_layout(source.state_dict(), num_heads=heads, to=to, rotary_dim=rotary_dim)
     target.load_state_dict(converted)
     with torch.no_grad():
-        torch.testing.assert_close(target(x, x, x, causal=True, offset=50), source(x, x, x, causal=True, offset=50),
-                                   rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            target(x, x, x, causal=True, offset=50), source(x, x, x, causal=True, offset=50), rtol=0, atol=1e-12
+        )
         # Loading unconverted weights into the other layout is wrong (the test can fail).
         target.load_state_dict(source.state_dict())
         assert float((target(x, x, x) - source(x, x, x)).abs().max()) > 1e-3
     # Converting back restores the original tensors exactly.
-    back = convert_rotary_layout(converted, num_heads=heads, to="interleaved" if to == "half_split" else "half_split",
-                                 rotary_dim=rotary_dim)
+    back = convert_rotary_layout(
+        converted, num_heads=heads, to="interleaved" if to == "half_split" else "half_split", rotary_dim=rotary_dim
+    )
     assert all(torch.equal(back[key], value) for key, value in source.state_dict().items())
 
 
@@ -245,6 +255,7 @@ def test_p_rope_caches_like_the_full_pass(scaling):
     with torch.no_grad():
         full = mha(x, x, x, causal=True)
         cache = KVCache(12)
-        steps = torch.cat([mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache)
-                           for t in range(12)], 1)
+        steps = torch.cat(
+            [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache) for t in range(12)], 1
+        )
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-12)

@@ -33,8 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         epilog="examples:\n  selfattn rotary --config config.json\n"
         "  selfattn rotary --head-dim 128 --base 500000 --context 131072 --scaling "
         "'llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192'\n"
-        "  selfattn rotary --head-dim 64 --scaling '{\"rope_type\": \"yarn\", \"factor\": 4, "
-        "\"original_max_position_embeddings\": 4096}' --plot yarn.png",
+        '  selfattn rotary --head-dim 64 --scaling \'{"rope_type": "yarn", "factor": 4, '
+        '"original_max_position_embeddings": 4096}\' --plot yarn.png',
         formatter_class=ExamplesFormatter,
     )
     parser.add_argument("--config", type=Path, default=None, metavar="FILE", help="a Hugging Face config.json")
@@ -77,7 +77,9 @@ def parse_scaling(spec: str) -> dict[str, Any]:
         try:
             scaling[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
-            raise ValueError(f"--scaling value of {key} must be a number, true/false or a JSON list, got {raw!r}") from None
+            raise ValueError(
+                f"--scaling value of {key} must be a number, true/false or a JSON list, got {raw!r}"
+            ) from None
     return scaling
 
 

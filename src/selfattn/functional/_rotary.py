@@ -221,7 +221,9 @@ def apply_rotary(
         raise ValueError(f"frequencies must have shape ({rotary_dim // 2},) for rotary_dim={rotary_dim}, got {got}")
     if attention_factor is None:
         attention_factor = 1.0
-    elif isinstance(attention_factor, bool) or not isinstance(attention_factor, (int, float)) or not attention_factor > 0:
+    elif (
+        isinstance(attention_factor, bool) or not isinstance(attention_factor, (int, float)) or not attention_factor > 0
+    ):
         raise ValueError(f"attention_factor must be a positive number, got {attention_factor!r}")
     return _rotate_by_positions(
         x, positions, frequencies, interleaved=interleaved, rotary_dim=rotary_dim, magnitude=float(attention_factor)
@@ -264,7 +266,11 @@ def apply_axial_rotary(
     frequencies = rotary_frequencies(block, base)
     pieces = [
         _rotate_by_positions(
-            x[..., a * block : (a + 1) * block], coordinates[..., a], frequencies, interleaved=interleaved, rotary_dim=block
+            x[..., a * block : (a + 1) * block],
+            coordinates[..., a],
+            frequencies,
+            interleaved=interleaved,
+            rotary_dim=block,
         )
         for a in range(axes)
     ]

@@ -144,7 +144,9 @@ def _factors(rope_type: str, key: str, value: object) -> tuple[float, ...]:
     return tuple(_number(rope_type, f"{key}[{i}]", v, minimum=0.0, strict=True) for i, v in enumerate(values))
 
 
-def parse_rotary_scaling(scaling: str | Mapping[str, Any] | None, scaling_factor: float = 1.0) -> RotaryScalingConfig | None:
+def parse_rotary_scaling(
+    scaling: str | Mapping[str, Any] | None, scaling_factor: float = 1.0
+) -> RotaryScalingConfig | None:
     """Validate a scaling given by name (with ``scaling_factor``) or as a Hugging Face dict.
 
     Args:
@@ -187,7 +189,7 @@ def parse_rotary_scaling(scaling: str | Mapping[str, Any] | None, scaling_factor
         if "rope_type" not in params:
             raise ValueError(f"scaling dict needs a 'rope_type' (or 'type') key, got keys {sorted(params)}")
     else:
-        raise ValueError(f"scaling must be None, a type name or a dict, got {type(scaling).__name__}")  # noqa: TRY004
+        raise ValueError(f"scaling must be None, a type name or a dict, got {type(scaling).__name__}")
 
     rope_type = params.pop("rope_type")
     if rope_type not in ROPE_TYPES:
@@ -216,9 +218,7 @@ def parse_rotary_scaling(scaling: str | Mapping[str, Any] | None, scaling_factor
         low = _number(rope_type, "low_freq_factor", params["low_freq_factor"], minimum=0.0, strict=True)
         high = _number(rope_type, "high_freq_factor", params["high_freq_factor"], minimum=0.0, strict=True)
         if not high > low:
-            raise ValueError(
-                f"scaling 'llama3': high_freq_factor must exceed low_freq_factor, got {high:g} <= {low:g}"
-            )
+            raise ValueError(f"scaling 'llama3': high_freq_factor must exceed low_freq_factor, got {high:g} <= {low:g}")
         values.update(low_freq_factor=low, high_freq_factor=high)
     if rope_type == "yarn":
         for key in ("beta_fast", "beta_slow"):
@@ -237,10 +237,14 @@ def parse_rotary_scaling(scaling: str | Mapping[str, Any] | None, scaling_factor
                 raise ValueError(f"scaling 'yarn': truncate must be True or False, got {params['truncate']!r}")
             values["truncate"] = params["truncate"]
     if "attention_factor" in given:
-        values["attention_factor"] = _number(rope_type, "attention_factor", params["attention_factor"], minimum=0.0, strict=True)
+        values["attention_factor"] = _number(
+            rope_type, "attention_factor", params["attention_factor"], minimum=0.0, strict=True
+        )
     if rope_type == "longrope":
         if "factor" not in given and "attention_factor" not in given:
-            raise ValueError("scaling 'longrope' needs factor or attention_factor (its attention factor comes from one)")
+            raise ValueError(
+                "scaling 'longrope' needs factor or attention_factor (its attention factor comes from one)"
+            )
         values["short_factor"] = _factors(rope_type, "short_factor", params["short_factor"])
         values["long_factor"] = _factors(rope_type, "long_factor", params["long_factor"])
         if len(values["short_factor"]) != len(values["long_factor"]):

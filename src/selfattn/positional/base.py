@@ -61,7 +61,8 @@ class QueryKeyEncoding(PositionalEncoding):
 
     def encode_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The keys' transform; the same as the queries' (``forward``) unless overridden (xPos)."""
-        return self(k, positions)
+        encoded: torch.Tensor = self(k, positions)
+        return encoded
 
     def update_cached_keys(self, cache: KVCache, positions: torch.Tensor) -> None:
         """Called before new keys join ``cache``, with the positions of all keys; nothing by default."""
