@@ -57,7 +57,11 @@ def _start(out: Path, *extra: str, steps: int = 600) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "selfattn", "study", "--quick", "--tasks", "copy", "--encodings", "rotary",
                "--steps", str(steps), "--no-deep-stack", "--no-progress", "--checkpoint-seconds", "0.2", "--out", str(out),
                *extra]
-    return subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Restore SIGINT in the child: a pytest-xdist worker ignores it, and ignored signals survive exec.
+    return subprocess.Popen(
+        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _wait_for_checkpoint(out: Path, process: subprocess.Popen[str]) -> None:
