@@ -20,6 +20,9 @@ __all__ = ["attention", "attention_weights", "causal_mask", "valid_lens_mask"]
 # (measured crossover: lq = lk between 1536 and 2048 at d = 512, 8 heads).
 _CONTIGUOUS_HEADS_MIN_PAIRS = 2048 * 2048
 
+# scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
 
 def causal_mask(num_queries: int, num_keys: int, *, device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean ``(lq, lk)`` mask, True where query ``i`` may attend key ``j``.
@@ -62,6 +65,27 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k and v must have the same number of keys, got k {tuple(k.shape)} and v {tuple(v.shape)}")
 
 
+def _repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Grouped-query heads: kv head ``j`` serves query heads ``j * g .. j * g + g - 1``."""
+    if kv.dim() < 3 or q.dim() != kv.dim() or kv.shape[-3] == q.shape[-3]:
+        return kv
+    return kv.repeat_interleave(q.shape[-3] // kv.shape[-3], dim=-3)  # (..., h, lk, d)
+
+
+def _check_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether k/v have fewer heads than q (grouped-query attention); raise if they do not divide."""
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        return False
+    if k.shape[-3] == q.shape[-3] and v.shape[-3] == q.shape[-3]:
+        return False
+    if k.shape[-3] != v.shape[-3] or q.shape[-3] % k.shape[-3]:
+        raise ValueError(
+            f"k and v must have the heads of q, or a divisor of them (grouped-query attention), got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    return True
+
+
 def _prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,7 +119,9 @@ def _prepare(
     empty_rows = None
     if mask is not None:
         empty_rows = ~mask.any(dim=-1, keepdim=True)  # (..., lq, 1)
-        if bool(empty_rows.any()):
+        if torch.compiler.is_compiling():
+            mask = mask | empty_rows  # no data-dependent branch inside a compiled graph
+        elif bool(empty_rows.any()):
             mask = mask | empty_rows
         else:
             empty_rows = None
@@ -116,6 +142,7 @@ def attention_weights(
     Rows whose keys are all masked are zeros.
     """
     mask, empty_rows, _, scale = _prepare(q, k, k, mask, bias, causal, scale, fused=False)
+    k = _repeat_kv(q, k)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (b, h, lq, lk)
     if bias is not None:
         scores = scores + bias.to(scores.dtype)
@@ -153,7 +180,9 @@ def attention(
     Args:
         q: ``(b, h, lq, d)`` queries (any leading dimensions are allowed).
         k: ``(b, h, lk, d)`` keys.
-        v: ``(b, h, lk, dv)`` values.
+        v: ``(b, h, lk, dv)`` values. Keys and values may have fewer heads ``hk`` (a divisor
+            of ``h``: grouped-query attention, kv head ``j`` serving query heads
+            ``j * h / hk ..``); the fused kernel then reads them without copying.
         mask: bool, True = attend, broadcastable to ``(b, h, lq, lk)``.
         bias: float, broadcastable to ``(b, h, lq, lk)``, added to the *scaled* scores.
         causal: query ``i`` attends keys ``j <= i + lk - lq`` (lower-right aligned, see
@@ -166,8 +195,10 @@ def attention(
         ``(b, h, lq, dv)`` output, or ``(output, weights)``.
     """
     dropout_p = require_probability("dropout_p", dropout_p)
+    _check_shapes(q, k, v)
+    grouped = _check_groups(q, k, v)
     if return_weights:
-        _check_shapes(q, k, v)
+        v = _repeat_kv(q, v)
         weights = attention_weights(q, k, mask=mask, bias=bias, causal=causal, scale=scale)
         dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
         return torch.matmul(dropped, v), weights  # (b, h, lq, dv), (b, h, lq, lk)
@@ -179,7 +210,10 @@ def attention(
     if bias is not None:
         bias = bias.to(q.dtype)
         attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+    if grouped and not _SDPA_HAS_GQA:
+        k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    extra = {"enable_gqa": True} if grouped and _SDPA_HAS_GQA else {}
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale, **extra
     )
     return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)

@@ -30,7 +30,7 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
         causal: ``-m (i - j)`` if True, ``-m |i - j|`` if False.
 
     Shape:
-        bias ``(1, h, lq, lk)``.
+        bias ``(1, h, lq, lk)``, or ``(b, h, lq, lk)`` for per-sequence positions ``(b, l)``.
     """
 
     exact_tables = ("slopes",)
@@ -52,12 +52,13 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
             raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         # Integer differences first: the bias is then exactly the same under any shift of positions.
-        distance = -relative_distances(q_positions, k_positions)  # (lq, lk): i - j
+        distance = -relative_distances(q_positions, k_positions)  # (lq, lk) or (b, lq, lk): i - j
         if not self.causal:
             distance = distance.abs()
         slopes = self.slopes.to(compute_dtype)[:, None, None]  # (h, 1, 1)
-        bias = -slopes * distance.to(compute_dtype)  # (h, lq, lk)
-        return bias.to(q.dtype)[None]  # (1, h, lq, lk)
+        distance = distance[None, None] if distance.dim() == 2 else distance[:, None]  # (1 or b, 1, lq, lk)
+        bias = -slopes * distance.to(compute_dtype)  # (1 or b, h, lq, lk)
+        return bias.to(q.dtype)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, causal={self.causal}"

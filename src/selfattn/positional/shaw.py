@@ -64,9 +64,13 @@ class ShawRelativePositionEncoding(ScoreEncoding):
                 nn.init.normal_(table, std=self.head_dim**-0.5)
 
     def distance_index(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """Row of the embedding tables for each pair, ``clip(j - i, -k, k) + k``, int64 ``(lq, lk)``."""
+        """Row of the embedding tables for each pair, ``clip(j - i, -k, k) + k``, int64 ``([b,] lq, lk)``."""
         distance = relative_distances(q_positions, k_positions)  # (lq, lk)
         return distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
+
+    def _head_index(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        index = self.distance_index(q_positions, k_positions)  # (lq, lk) or (b, lq, lk)
+        return index[None, None] if index.dim() == 2 else index[:, None]  # (1 or b, 1, lq, lk)
 
     def _check_heads(self, name: str, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -78,10 +82,10 @@ class ShawRelativePositionEncoding(ScoreEncoding):
             raise ValueError(f"q must have head size {self.head_dim}, got {tuple(q.shape)}")
         if self.key_embeddings is None:
             return q.new_zeros(1, 1, 1, 1)
-        index = self.distance_index(q_positions, k_positions)  # (lq, lk)
+        index = self._head_index(q_positions, k_positions)  # (1 or b, 1, lq, lk)
         batch, heads = q.shape[:2]
         by_distance = torch.matmul(q, self.key_embeddings.to(q.dtype).t())  # (b, h, lq, 2k+1)
-        scores = torch.gather(by_distance, -1, index.expand(batch, heads, *index.shape))  # (b, h, lq, lk)
+        scores = torch.gather(by_distance, -1, index.expand(batch, heads, *index.shape[-2:]))  # (b, h, lq, lk)
         return scores * (1.0 / math.sqrt(self.head_dim))
 
     def value_term(
@@ -90,9 +94,9 @@ class ShawRelativePositionEncoding(ScoreEncoding):
         self._check_heads("weights", weights)
         if self.value_embeddings is None:
             return super().value_term(weights, q_positions=q_positions, k_positions=k_positions)
-        index = self.distance_index(q_positions, k_positions)  # (lq, lk)
-        if weights.shape[-2:] != index.shape:
-            raise ValueError(f"weights must end in {tuple(index.shape)} (queries, keys), got {tuple(weights.shape)}")
+        index = self._head_index(q_positions, k_positions)  # (1 or b, 1, lq, lk)
+        if weights.shape[-2:] != index.shape[-2:]:
+            raise ValueError(f"weights must end in {tuple(index.shape[-2:])} (queries, keys), got {tuple(weights.shape)}")
         # Total weight each query puts on each clipped distance.
         per_distance = weights.new_zeros(*weights.shape[:-1], self.value_embeddings.shape[0])  # (b, h, lq, 2k+1)
         per_distance.scatter_add_(-1, index.expand(weights.shape), weights)

@@ -28,7 +28,7 @@ class T5RelativePositionBias(ScoreEncoding):
         bidirectional: separate buckets for keys in the future (encoders); False for decoders.
 
     Shape:
-        bias ``(1, h, lq, lk)``.
+        bias ``(1, h, lq, lk)``, or ``(b, h, lq, lk)`` for per-sequence positions ``(b, l)``.
     """
 
     def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
@@ -47,14 +47,20 @@ class T5RelativePositionBias(ScoreEncoding):
     def forward(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         if q.dim() != 4 or q.shape[1] != self.num_heads:
             raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
-        distance = relative_distances(q_positions, k_positions)  # (lq, lk)
-        # Bucket each distinct distance once (lq + lk - 1 of them for consecutive positions), then gather.
-        low = int(k_positions.min()) - int(q_positions.max())
-        high = int(k_positions.max()) - int(q_positions.min())
-        distinct = torch.arange(low, high + 1, device=distance.device)  # (n_distances,)
-        buckets = t5_relative_bucket(distinct, **self._bucket_options())  # (n_distances,)
-        per_distance = self.relative_attention_bias.weight.t()[:, buckets]  # (h, n_distances)
-        bias = per_distance[:, distance - low]  # (h, lq, lk)
+        distance = relative_distances(q_positions, k_positions)  # (lq, lk) or (b, lq, lk)
+        table = self.relative_attention_bias.weight.t()  # (h, num_buckets)
+        if torch.compiler.is_compiling():
+            # No data-dependent range under torch.compile: bucket every pair.
+            bias = table[:, t5_relative_bucket(distance, **self._bucket_options())]  # (h, [b,] lq, lk)
+        else:
+            # Bucket each distinct distance once (lq + lk - 1 of them for consecutive positions), then gather.
+            low = int(k_positions.min()) - int(q_positions.max())
+            high = int(k_positions.max()) - int(q_positions.min())
+            distinct = torch.arange(low, high + 1, device=distance.device)  # (n_distances,)
+            buckets = t5_relative_bucket(distinct, **self._bucket_options())  # (n_distances,)
+            bias = table[:, buckets][:, distance - low]  # (h, [b,] lq, lk)
+        if bias.dim() == 4:
+            return bias.transpose(0, 1).to(q.dtype)  # (b, h, lq, lk)
         return bias.to(q.dtype)[None]  # (1, h, lq, lk)
 
     def extra_repr(self) -> str:
