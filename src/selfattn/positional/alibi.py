@@ -28,6 +28,8 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
     Args:
         num_heads: number of heads ``h``.
         causal: ``-m (i - j)`` if True, ``-m |i - j|`` if False.
+        device: where the slopes live.
+        dtype: accepted for uniformity; the slopes stay float64.
 
     Shape:
         bias ``(1, h, lq, lk)``, or ``(b, h, lq, lk)`` for per-sequence positions ``(b, l)``.
@@ -36,11 +38,22 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
     exact_tables = ("slopes",)
     slopes: torch.Tensor
 
-    def __init__(self, num_heads: int, causal: bool = True):
+    def __init__(
+        self,
+        num_heads: int,
+        causal: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.causal = bool(causal)
-        self.register_buffer("slopes", torch.empty(0, dtype=torch.float64), persistent=False)
+        self.register_buffer("slopes", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
+        self._build_tables()
+
+    def reset_parameters(self) -> None:
+        """Recompute the slopes (after ``to_empty()`` from the meta device)."""
         self._build_tables()
 
     def _build_tables(self) -> None:

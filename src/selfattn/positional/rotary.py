@@ -32,9 +32,11 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         rotary_dim: rotate only the first ``r`` features (even, ``<= head_dim``); default all.
         scaling: ``None``, ``"linear"`` (position interpolation) or ``"ntk"`` (NTK-aware base).
         scaling_factor: how many times longer than the trained context, ``>= 1``.
+        device: where the inverse frequencies live.
+        dtype: accepted for uniformity; the frequencies stay float64.
 
     Shape:
-        x ``(b, h, l, dh)``, positions ``(l,)`` -> ``(b, h, l, dh)``.
+        x ``(b, h, l, dh)``, positions ``(l,)`` or per sequence ``(b, 1, l)`` -> ``(b, h, l, dh)``.
     """
 
     exact_tables = ("inv_freq",)
@@ -49,6 +51,8 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         rotary_dim: int | None = None,
         scaling: RotaryScaling | None = None,
         scaling_factor: float = 1.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
@@ -59,7 +63,11 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.interleaved = bool(interleaved)
         self.scaling = scaling
         self.scaling_factor = float(scaling_factor)
-        self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
+        self._build_tables()
+
+    def reset_parameters(self) -> None:
+        """Recompute ``inv_freq`` (after ``to_empty()`` from the meta device)."""
         self._build_tables()
 
     def _build_tables(self) -> None:

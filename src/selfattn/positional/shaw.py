@@ -37,20 +37,32 @@ class ShawRelativePositionEncoding(ScoreEncoding):
             positions, leaving one embedding).
         keys: learn ``a^K``, the term in the scores.
         values: learn ``a^V``, the term in the values.
+        device: where the embeddings are created.
+        dtype: dtype of the embeddings.
 
     Shape:
         bias ``(b, h, lq, lk)``; value term ``(b, h, lq, dh)``.
     """
 
-    def __init__(self, head_dim: int, max_distance: int = 16, *, keys: bool = True, values: bool = True):
+    def __init__(
+        self,
+        head_dim: int,
+        max_distance: int = 16,
+        *,
+        keys: bool = True,
+        values: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
         self.max_distance = require_non_negative_int("max_distance", max_distance)
         if not (keys or values):
             raise ValueError(f"at least one of keys and values must be True, got keys={keys!r}, values={values!r}")
         num_distances = 2 * self.max_distance + 1
-        self.key_embeddings = nn.Parameter(torch.empty(num_distances, self.head_dim)) if keys else None
-        self.value_embeddings = nn.Parameter(torch.empty(num_distances, self.head_dim)) if values else None
+        factory = {"device": device, "dtype": dtype}
+        self.key_embeddings = nn.Parameter(torch.empty(num_distances, self.head_dim, **factory)) if keys else None
+        self.value_embeddings = nn.Parameter(torch.empty(num_distances, self.head_dim, **factory)) if values else None
         self.reset_parameters()
 
     @property

@@ -26,12 +26,23 @@ class T5RelativePositionBias(ScoreEncoding):
         num_buckets: number of distance buckets.
         max_distance: distance from which every key shares the last bucket.
         bidirectional: separate buckets for keys in the future (encoders); False for decoders.
+        device: where the table is created.
+        dtype: dtype of the table.
 
     Shape:
         bias ``(1, h, lq, lk)``, or ``(b, h, lq, lk)`` for per-sequence positions ``(b, l)``.
     """
 
-    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
+    def __init__(
+        self,
+        num_heads: int,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.num_buckets = require_positive_int("num_buckets", num_buckets)
@@ -39,7 +50,11 @@ class T5RelativePositionBias(ScoreEncoding):
         self.bidirectional = bool(bidirectional)
         # Fails here, not at the first call, if the bucket settings are impossible.
         t5_relative_bucket(torch.zeros(1, dtype=torch.long), **self._bucket_options())
-        self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
+        self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        """Draw the table from N(0, 1), as ``nn.Embedding`` does."""
+        self.relative_attention_bias.reset_parameters()
 
     def _bucket_options(self) -> dict:
         return {"bidirectional": self.bidirectional, "num_buckets": self.num_buckets, "max_distance": self.max_distance}
