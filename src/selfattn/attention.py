@@ -148,12 +148,16 @@ class MultiHeadAttention(nn.Module):
         self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias, **factory)
 
     def reset_parameters(self) -> None:
-        """Re-draw the projections as ``nn.Linear`` does, and reset ``position`` if it has state."""
-        for linear in (self.W_q, self.W_k, self.W_v, self.W_o):
-            linear.reset_parameters()
+        """Reset ``position`` (built before this module), then re-draw the projections as ``nn.Linear`` does.
+
+        With the same seed this repeats a normal construction, so meta-device modules can be
+        materialized with ``to_empty()`` and this method.
+        """
         reset = getattr(self.position, "reset_parameters", None)
         if callable(reset):
             reset()
+        for linear in (self.W_q, self.W_k, self.W_v, self.W_o):
+            linear.reset_parameters()
 
     @classmethod
     def from_torch(
