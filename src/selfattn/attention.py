@@ -311,6 +311,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("give either offset or positions/document_ids, not both (offset is the shorthand)")
         if positions is None and document_ids is not None:
             positions = document_positions(document_ids)  # (b, l): each document starts at 0
+        first = 0
         if positions is not None:
             q_positions = _require_int_tensor("positions", positions, ((num_queries,), (batch, num_queries))).to(device)
         else:
@@ -318,12 +319,12 @@ class MultiHeadAttention(nn.Module):
                 offset = 0 if cache is None else cache.length
             offset = require_non_negative_int("offset", offset)
             q_positions = torch.arange(offset, offset + num_queries, device=device)  # (lq,)
+            first = offset
         if key_positions is not None:
             shapes = ((num_new_keys,), (batch, num_new_keys))
             return q_positions, _require_int_tensor("key_positions", key_positions, shapes).to(device)
         if positions is None:
             # Queries are the last lq of all keys: new key j sits at offset + lq - lk_new + j.
-            first = int(q_positions[0]) if num_queries else 0
             start = first + num_queries - num_new_keys if cache is not None else first + num_queries - total
             return q_positions, torch.arange(start, start + num_new_keys, device=device)
         if num_new_keys != num_queries:
