@@ -7,6 +7,7 @@ Shape legend:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,62 @@ def _prepare(
     return mask, empty_rows, use_is_causal, scale
 
 
+class _TwiceDifferentiable(torch.autograd.Function):
+    """The fused kernel forward and backward, and a math-kernel backward when a graph of the grads is wanted.
+
+    PyTorch's fused attention backward has no derivative of its own, so ``create_graph=True``
+    (gradient penalties, meta-learning, Hessian-vector products) would fail. Here the fused
+    kernel's own graph serves ordinary backward passes; a backward run with grad mode on
+    recomputes through the math kernel, whose every op is differentiable.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        options: dict[str, Any],
+    ) -> torch.Tensor:
+        inputs = (q, k, v, attn_mask)
+        inner = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(inner[0], inner[1], inner[2], attn_mask=inner[3], **options)
+        ctx.inner, ctx.inner_out, ctx.options = inner, out, options
+        ctx.save_for_backward(q, k, v, attn_mask)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        wanted = [t is not None and t.requires_grad for t in ctx.inner]
+        if torch.is_grad_enabled():  # create_graph=True
+            inputs = ctx.saved_tensors
+            with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+                out = F.scaled_dot_product_attention(
+                    inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **ctx.options
+                )
+            sources = [t for t, w in zip(inputs, wanted) if w]
+            grads = iter(torch.autograd.grad(out, sources, grad, create_graph=True))
+        else:
+            sources = [t for t, w in zip(ctx.inner, wanted) if w]
+            # Retained: the outer graph may be run again (retain_graph=True); both die together.
+            grads = iter(torch.autograd.grad(ctx.inner_out, sources, grad, retain_graph=True))
+        return (*(next(grads) if w else None for w in wanted), None)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, options: dict[str, Any]
+) -> torch.Tensor:
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, attn_mask)
+    )
+    if needs_grad and options["dropout_p"] == 0.0 and not torch.compiler.is_compiling():
+        out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)
+        return out
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
+
+
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -174,6 +231,9 @@ def attention(
     weights of zeros. The textbook instead spreads it uniformly over the masked keys, and a
     plain softmax gives NaN; neither is an answer anyone asked for.
 
+    Second-order gradients (``create_graph=True``) work: such a backward pass goes through
+    PyTorch's math kernel, whose ops are all differentiable (without dropout).
+
     Note: ``dropout_p > 0`` makes the fused kernel fall back to PyTorch's O(lq * lk)-memory
     math path.
 
@@ -212,8 +272,8 @@ def attention(
         attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     if grouped and not _SDPA_HAS_GQA:
         k, v = _repeat_kv(q, k), _repeat_kv(q, v)
-    extra = {"enable_gqa": True} if grouped and _SDPA_HAS_GQA else {}
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale, **extra
-    )
+    options: dict[str, Any] = {"dropout_p": dropout_p, "is_causal": use_is_causal, "scale": scale}
+    if grouped and _SDPA_HAS_GQA:
+        options["enable_gqa"] = True
+    out = _sdpa(q, k, v, attn_mask, options)
     return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
