@@ -21,8 +21,7 @@ def test_grouped_lengths_match_naive_and_masked_gradients(causal, name, monkeypa
     lengths = [3, 7, 0, 3]
     valid_lens = torch.tensor(lengths)
     x = torch.randn(4, 7, D, dtype=torch.float64, requires_grad=True)
-    keys = attention_module._Keys(torch.zeros(4, 2, 7, 4), None, None, None, None, 0, 7)
-    assert mha._ragged_lengths(torch.zeros(4, H, 7, 4), keys, valid_lens, None) == lengths
+    assert mha._ragged_lengths(7, 7, valid_lens, False) == lengths
     out = mha(x, x, x, valid_lens, causal=causal)
     positions = torch.arange(7).expand(4, 7)
     expected, _ = naive_mha(mha, x, x, x, visibility(4, 7, 7, causal=causal, valid_lens=lengths), positions, positions)
@@ -39,5 +38,5 @@ def test_grouped_lengths_match_naive_and_masked_gradients(causal, name, monkeypa
 def test_many_lengths_fall_back_to_one_masked_call():
     mha = MultiHeadAttention(D, H)
     lengths = torch.arange(1, 11)
-    keys = attention_module._Keys(torch.zeros(10, H, 10, 4), None, None, None, None, 0, 10)
-    assert mha._ragged_lengths(torch.zeros(10, H, 10, 4), keys, lengths, None) is None
+    assert mha._ragged_lengths(10, 10, lengths, False) is None
+    assert mha._ragged_lengths(10, 10, lengths[:3], True) is None  # weights asked for: one explicit call

@@ -418,10 +418,17 @@ class MultiHeadAttention(nn.Module):
                         attn_mask = attn_mask[..., :kept]
 
         q = self._split_heads(self.W_q(queries), self.num_heads)  # (b, h, lq, dh)
+        if isinstance(self.position, QueryKeyEncoding):
+            q = self.position(q, self._per_head(q_positions))
+        lengths = None
+        if cache is None and attn_mask is None and key_padding_mask is None and document_ids is None:
+            lengths = self._ragged_lengths(num_queries, total, valid_lens, return_weights)
+        if lengths is not None:
+            out = self._ragged(q, keys, values, k_positions, lengths, causal)
+            return self.W_o(out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens))  # (b, lq, d)
         k = self._split_heads(self.W_k(keys), self.num_kv_heads)  # (b, hk, lk_new, dh)
         v = self._split_heads(self.W_v(values), self.num_kv_heads)  # (b, hk, lk_new, dh)
         if isinstance(self.position, QueryKeyEncoding):
-            q = self.position(q, self._per_head(q_positions))
             k = self.position(k, self._per_head(k_positions))
         seen = self._gather_keys(k, v, k_positions, key_padding_mask, document_ids, cache, total)
 
@@ -520,9 +527,6 @@ class MultiHeadAttention(nn.Module):
         if not explicit and attn_mask is None and keys.first_index == 0 and keys.k.shape[-2] == keys.total:
             if self._banded_applies(q, keys):
                 return self._banded(q, q_positions, keys, valid_lens, document_ids, causal, dropout_p), None
-            lengths = self._ragged_lengths(q, keys, valid_lens, document_ids)
-            if lengths is not None:
-                return self._ragged(q, keys, lengths, causal, dropout_p), None
 
         mask, leave_causal = self._visibility(q.shape[-2], keys, valid_lens, attn_mask, document_ids, causal)
         bias = self._bias(q, q_positions, keys, attn_mask)
@@ -544,18 +548,17 @@ class MultiHeadAttention(nn.Module):
     # ------------------------------------------------------------------ ragged batches
 
     def _ragged_lengths(
-        self, q: torch.Tensor, keys: _Keys, valid_lens: torch.Tensor | None, document_ids: torch.Tensor | None
+        self, num_queries: int, total: int, valid_lens: torch.Tensor | None, return_weights: bool
     ) -> list[int] | None:
         """Per-sequence valid lengths when one fused call per distinct length beats one masked call."""
         if (
             valid_lens is None
             or valid_lens.dim() != 1
+            or return_weights
             or _is_compiling()
-            or keys.padding is not None
-            or document_ids is not None
             or self.window is not None
             or isinstance(self.position, ScoreEncoding)
-            or q.shape[-2] != keys.total
+            or num_queries != total
         ):
             return None
         lengths = [int(length) for length in valid_lens.tolist()]
@@ -563,22 +566,40 @@ class MultiHeadAttention(nn.Module):
             return None
         return lengths
 
-    @staticmethod
-    def _ragged(q: torch.Tensor, keys: _Keys, lengths: list[int], causal: bool, dropout_p: float) -> torch.Tensor:
-        """Each group of equal valid length attends over its own keys only: no mask, no wasted work."""
+    def _ragged(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        k_positions: torch.Tensor,
+        lengths: list[int],
+        causal: bool,
+    ) -> torch.Tensor:
+        """Each group of equal valid length projects and attends over its own keys only: no mask, no waste.
+
+        Returns ``(b, h, lq, dh)``.
+        """
+        dropout_p = self.dropout if self.training else 0.0
         num_queries = q.shape[-2]
         pieces, order = [], []
         for length in sorted(set(lengths)):
             rows = [row for row, value in enumerate(lengths) if value == length]
             order.extend(rows)
-            if len(rows) == len(lengths):
-                q_g, k_g, v_g = q, keys.k[..., :length, :], keys.v[..., :length, :]
-            else:
-                index = torch.tensor(rows, device=q.device)
-                q_g, k_g, v_g = q[index], keys.k[index, :, :length], keys.v[index, :, :length]  # (b_g, h, l, dh)
+            index = None if len(rows) == len(lengths) else torch.tensor(rows, device=q.device)
+            q_g = q if index is None else q[index]  # (b_g, h, lq, dh)
             if length == 0:
-                pieces.append(q_g.new_zeros(*q_g.shape[:-1], v_g.shape[-1]))
-            elif causal and length < num_queries:
+                pieces.append(torch.zeros_like(q_g))
+                continue
+            keys_g = keys[:, :length] if index is None else keys[index, :length]  # (b_g, length, dk)
+            values_g = values[:, :length] if index is None else values[index, :length]
+            k_g = self._split_heads(self.W_k(keys_g), self.num_kv_heads)  # (b_g, hk, length, dh)
+            v_g = self._split_heads(self.W_v(values_g), self.num_kv_heads)
+            if isinstance(self.position, QueryKeyEncoding):
+                positions = k_positions[..., :length]
+                if positions.dim() == 2 and index is not None:
+                    positions = positions[index]
+                k_g = self.position(k_g, self._per_head(positions))
+            if causal and length < num_queries:
                 # Queries before the valid length are a square causal problem; later ones see all `length` keys.
                 head = attention(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p)
                 tail = attention(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p)
