@@ -370,29 +370,56 @@ def run_ragged(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
 
 
 def run_window(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
-    """Causal sliding window vs full causal attention at the same n (eval, no_grad forward)."""
+    """Causal sliding window vs full causal attention at the same n (eval, no_grad forward).
+
+    Timed twice: the whole module, and its attention alone (the four projections swapped for
+    identities in both contenders, so only head splitting, attention and merging remain).
+    """
     n, window = args.window_n, args.window
     full = make_selfattn(device=device).eval()
     banded = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, window=window).to(device).eval()
     banded.load_state_dict(full.state_dict())
+    bare_full = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS).to(device).eval()
+    bare_banded = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, window=window).to(device).eval()
+    for module in (bare_full, bare_banded):
+        module.W_q = module.W_k = module.W_v = module.W_o = nn.Identity()
     x = torch.randn(1, n, NUM_HIDDENS, generator=torch.Generator().manual_seed(n)).to(device)
-    cases = {"full causal": lambda: full(x, x, x, causal=True), f"window={window}": lambda: banded(x, x, x, causal=True)}
+    cases = {
+        ("module", "full"): lambda: full(x, x, x, causal=True),
+        ("module", "window"): lambda: banded(x, x, x, causal=True),
+        ("attention", "full"): lambda: bare_full(x, x, x, causal=True),
+        ("attention", "window"): lambda: bare_banded(x, x, x, causal=True),
+    }
     log(f"window n={n} w={window}")
     spread: dict = {}
     with torch.no_grad():
         r = measure(cases, device=device, spread=spread, **args.window_timing)
     log(f"  {r}")
-    speedup = r["full causal"] / r[f"window={window}"]
+    rows, speedups = [], {}
+    for part in ("module", "attention"):
+        speedups[part] = r[(part, "full")] / r[(part, "window")]
+        rows.append([part, ms(r[(part, "full")]), ms(r[(part, "window")]), ratio(speedups[part])])
+    # Matmul FLOPs: attention 4·n·d per scored pair; the module adds 8·n·d² of projections.
+    pairs_full, pairs_window = n * n / 2, n * window
+    projections = 2 * n * NUM_HIDDENS  # in units of 4·d FLOPs: 8·n·d² / (4·d)
     text = [
-        f"**Sliding window**, causal, b=1, n={n}, d={NUM_HIDDENS}, {NUM_HEADS} heads, eval forward: full causal "
-        f"{ms(r['full causal'])} ms, window={window} {ms(r[f'window={window}'])} ms, **{ratio(speedup)}** "
-        f"(pairs scored: full causal n²/2, the window about n·w, a {n / (2 * window):.0f}x ratio).",
+        f"**Sliding window**, causal, b=1, n={n}, d={NUM_HIDDENS}, {NUM_HEADS} heads, eval forward, window={window} "
+        "vs full causal (`attention`: the same modules with the four projections replaced by identities):",
+        "",
+        table(["part", "full causal ms", "window ms", "full / window"], rows),
+        "",
+        f"Matmul FLOP ratios: attention alone {pairs_full / pairs_window:.0f}x; the module with its projections "
+        f"{(pairs_full + projections) / (pairs_window + projections):.1f}x.",
         "",
         spread_note(spread),
         "",
     ]
-    return text, [[f"window causal n={n} w={window}: forward >= 8x faster than full causal", ratio(speedup),
-                   verdict(speedup >= 8)]]
+    targets = [
+        [f"window causal n={n} w={window}: attention forward >= 8x faster than full causal",
+         ratio(speedups["attention"]), verdict(speedups["attention"] >= 8)],
+        [f"(information) the same, whole module with projections", ratio(speedups["module"]), "-"],
+    ]
+    return text, targets
 
 
 def run_compiled(args, device: torch.device) -> tuple[list[str], list[list[str]]]:

@@ -18,7 +18,7 @@ def _mha(name, window, **kwargs):
 @pytest.mark.parametrize("name", ENCODINGS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_window_matches_band_mask(name, causal):
-    # window 3: 16-query blocks, so 60 tokens take the blocked path and 9 the dense one.
+    # window 3: 24-query blocks, so 60 tokens take the blocked path and 9 the dense one.
     for length in (60, 9):
         mha = _mha(name, 3)
         assert mha._banded_applies(torch.zeros(1, H, length, 4), _keys(length)) == (length == 60)
@@ -41,8 +41,9 @@ def _keys(length):
 
 def test_window_with_documents_and_gradients():
     mha = _mha("alibi", 5, num_kv_heads=1)
-    length = 80
-    documents = torch.tensor([[0] * 30 + [1] * 50, [0] * 79 + [1]])
+    length = 100
+    assert mha._banded_applies(torch.zeros(1, H, length, 4), _keys(length))
+    documents = torch.tensor([[0] * 30 + [1] * 70, [0] * 99 + [1]])
     x = torch.randn(2, length, D, dtype=torch.float64, requires_grad=True)
     out = mha(x, x, x, causal=True, document_ids=documents)
     mha_dense = _mha("alibi", 5, num_kv_heads=1)
@@ -55,7 +56,7 @@ def test_window_with_documents_and_gradients():
     out.backward(grad)
     dense.backward(grad)
     torch.testing.assert_close(x.grad, x2.grad, atol=1e-12, rtol=1e-10)
-    restart = torch.cat([torch.arange(30), torch.arange(50)])[None]
+    restart = torch.cat([torch.arange(30), torch.arange(70)])[None]
     visible = visibility(1, length, length, causal=True, window=5, documents=documents[:1].tolist())
     expected, _ = naive_mha(mha, x[:1].detach(), x[:1].detach(), x[:1].detach(), visible, restart, restart)
     torch.testing.assert_close(out[:1].detach(), expected, atol=1e-10, rtol=1e-9)
