@@ -88,3 +88,23 @@ def test_window_errors():
         mha(x, x, x, cache=KVCache(window=2))
     with pytest.raises(ValueError, match="this layer has window=None"):
         MultiHeadAttention(8, 2)(x, x, x, cache=KVCache(window=2))
+
+
+def test_window_with_key_padding_per_query_lengths_and_a_windowed_prefill():
+    mha = _mha("rotary", 3)
+    length = 60
+    x = torch.randn(2, length, D, dtype=torch.float64)
+    padding = torch.zeros(2, length, dtype=torch.bool)
+    padding[0, :5] = True
+    padding[1, 30:33] = True
+    per_query = torch.randint(0, length + 1, (2, length), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(length).expand(2, length)
+    with torch.no_grad():
+        prefill = mha(x, x, x, causal=True, key_padding_mask=padding, cache=KVCache(window=3))
+        lens = mha(x, x, x, per_query, causal=True)
+    visible = visibility(2, length, length, causal=True, window=3, key_padding=padding.tolist())
+    expected, _ = naive_mha(mha, x, x, x, visible, positions, positions)
+    torch.testing.assert_close(prefill, expected, atol=1e-10, rtol=1e-9)
+    visible = visibility(2, length, length, causal=True, window=3, valid_lens=per_query.tolist())
+    expected, _ = naive_mha(mha, x, x, x, visible, positions, positions)
+    torch.testing.assert_close(lens, expected, atol=1e-10, rtol=1e-9)

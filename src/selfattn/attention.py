@@ -525,7 +525,8 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         explicit = return_weights or (isinstance(self.position, ScoreEncoding) and self.position.uses_weights)
         if not explicit and attn_mask is None and keys.first_index == 0 and keys.k.shape[-2] == keys.total:
-            if self._banded_applies(q, keys):
+            per_query_lens = valid_lens is not None and valid_lens.dim() == 2
+            if not per_query_lens and self._banded_applies(q, keys):
                 return self._banded(q, q_positions, keys, valid_lens, document_ids, causal, dropout_p), None
 
         mask, leave_causal = self._visibility(q.shape[-2], keys, valid_lens, attn_mask, document_ids, causal)
@@ -672,6 +673,8 @@ class MultiHeadAttention(nn.Module):
         mask = (band & (k_index >= 0)[:, None, :])[None]  # (1, blocks, block, span)
         if valid_lens is not None:
             mask = mask & bands(index < valid_lens[:, None], False)[:, :, None, :]  # (b, blocks, block, span)
+        if keys.padding is not None:
+            mask = mask & bands(~keys.padding, False)[:, :, None, :]  # (b, blocks, block, span)
         if document_ids is not None:
             same = q_blocks(document_ids)[..., :, None] == bands(document_ids)[..., None, :]
             mask = mask & same  # (b, blocks, block, span)
