@@ -44,3 +44,17 @@ def test_document_ids_errors():
         mha(x, kv, kv, document_ids=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="either offset or positions/document_ids"):
         mha(x, x, x, offset=2, document_ids=torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_documents_with_valid_lens_that_drop_keys():
+    position = make_encoding("alibi", D, H)
+    torch.manual_seed(2)
+    mha = MultiHeadAttention(D, H, position=position).double().eval()
+    a, b = torch.randn(1, 3, D, dtype=torch.float64), torch.randn(1, 2, D, dtype=torch.float64)
+    packed = torch.cat([a, b, torch.zeros(1, 3, D, dtype=torch.float64)], 1)  # 3 padding tokens at the end
+    document_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    with torch.no_grad():
+        out = mha(packed, packed, packed, torch.tensor([5]), causal=True, document_ids=document_ids)
+        alone = torch.cat([mha(a, a, a, causal=True), mha(b, b, b, causal=True)], 1)
+    torch.testing.assert_close(out[:, :5], alone, atol=1e-12, rtol=1e-10)
+    assert out[:, 5:].abs().max() == 0  # padding rows see no key of their own document (W_o has no bias)

@@ -403,6 +403,7 @@ class MultiHeadAttention(nn.Module):
         q_positions, k_positions = self._positions(
             batch, num_queries, num_new_keys, total, offset, positions, key_positions, document_ids, cache, device
         )
+        key_documents = document_ids
         if valid_lens is not None:
             max_keys = total if cache is None or cache.max_len is None else cache.max_len
             valid_lens = self._check_valid_lens(valid_lens, batch, num_queries, max_keys).to(device)
@@ -416,6 +417,8 @@ class MultiHeadAttention(nn.Module):
                         key_padding_mask = key_padding_mask[:, :kept]
                     if attn_mask is not None:
                         attn_mask = attn_mask[..., :kept]
+                    if key_documents is not None:
+                        key_documents = key_documents[:, :kept]
 
         q = self._split_heads(self.W_q(queries), self.num_heads)  # (b, h, lq, dh)
         if isinstance(self.position, QueryKeyEncoding):
@@ -430,7 +433,7 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.W_v(values), self.num_kv_heads)  # (b, hk, lk_new, dh)
         if isinstance(self.position, QueryKeyEncoding):
             k = self.position(k, self._per_head(k_positions))
-        seen = self._gather_keys(k, v, k_positions, key_padding_mask, document_ids, cache, total)
+        seen = self._gather_keys(k, v, k_positions, key_padding_mask, key_documents, cache, total)
 
         out, weights = self._attend(q, q_positions, seen, valid_lens, attn_mask, document_ids, causal, return_weights)
         out = out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens)  # (b, lq, d)
