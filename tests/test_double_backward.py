@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from torch.autograd import gradcheck, gradgradcheck
+from torch.autograd import gradgradcheck
 
 from selfattn import MultiHeadAttention
 from selfattn.functional import attention
@@ -12,15 +12,14 @@ from selfattn.positional import build
 @pytest.mark.parametrize("name", ["none", "rotary", "alibi", "t5"])
 def test_gradgradcheck_multihead_attention(name):
     torch.manual_seed(0)
-    position = None if name == "none" else build(name, num_hiddens=8, num_heads=2)
-    mha = MultiHeadAttention(8, 2, position=position, num_kv_heads=1).double()
-    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
-    valid_lens = torch.tensor([4, 3])
+    position = None if name == "none" else build(name, num_hiddens=4, num_heads=2)
+    mha = MultiHeadAttention(4, 2, position=position, num_kv_heads=1).double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    valid_lens = torch.tensor([3, 2])
 
     def f(x):
         return mha(x, x, x, valid_lens, causal=True)
 
-    assert gradcheck(f, (x,))
     assert gradgradcheck(f, (x,))
 
 
