@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn._validation import require_non_negative_int, require_positive_int, require_probability
+from selfattn._validation import ArgumentTypeError, require_position, require_positive_int, require_probability
 from selfattn.cache import KVCache
 from selfattn.functional import attention, attention_weights
 from selfattn.functional._attention import _repeat_kv
@@ -224,6 +224,13 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
             if not t.is_floating_point():
                 raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
+            weight = self.W_q.weight
+            mixed_ok = torch.is_autocast_enabled(t.device.type)  # autocast casts inside the projections
+            if (t.dtype != weight.dtype and not mixed_ok) or t.device != weight.device:
+                raise ValueError(
+                    f"{name} must be {weight.dtype} on {weight.device} like this layer's weights, "
+                    f"got {t.dtype} on {t.device} (convert the input or call .to() on the layer)"
+                )
         if not queries.shape[0] == keys.shape[0] == values.shape[0]:
             raise ValueError(
                 f"queries, keys and values must share the batch size, got {queries.shape[0]}, {keys.shape[0]}, {values.shape[0]}"
@@ -234,7 +241,12 @@ class MultiHeadAttention(nn.Module):
     @staticmethod
     def _check_valid_lens(valid_lens: torch.Tensor, batch: int, num_queries: int, max_keys: int) -> torch.Tensor:
         if not isinstance(valid_lens, torch.Tensor):
-            valid_lens = torch.as_tensor(valid_lens)
+            try:
+                valid_lens = torch.as_tensor(valid_lens)
+            except (TypeError, ValueError, RuntimeError):
+                raise ArgumentTypeError(
+                    f"valid_lens must be a tensor (or list) of lengths, got {type(valid_lens).__name__} {valid_lens!r}"
+                ) from None
         if valid_lens.shape not in ((batch,), (batch, num_queries)):
             raise ValueError(
                 f"valid_lens must have shape ({batch},) or ({batch}, {num_queries}), got {tuple(valid_lens.shape)}"
@@ -317,7 +329,7 @@ class MultiHeadAttention(nn.Module):
         else:
             if offset is None:
                 offset = 0 if cache is None else cache.length
-            offset = require_non_negative_int("offset", offset)
+            offset = require_position("offset", offset, num_queries)
             q_positions = torch.arange(offset, offset + num_queries, device=device)  # (lq,)
             first = offset
         if key_positions is not None:
@@ -390,6 +402,8 @@ class MultiHeadAttention(nn.Module):
             ``(b, lq, d)``, or ``(output, weights)``.
         """
         self._check_inputs(queries, keys, values)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ArgumentTypeError(f"cache must be a KVCache, got {type(cache).__name__} {cache!r}")
         batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
         if cache is not None and cache.window is not None and (self.window is None or cache.window < self.window):
             raise ValueError(
@@ -438,6 +452,8 @@ class MultiHeadAttention(nn.Module):
         out, weights = self._attend(q, q_positions, seen, valid_lens, attn_mask, document_ids, causal, return_weights)
         out = out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens)  # (b, lq, d)
         out = self.W_o(out)
+        if cache is not None:
+            cache.commit()  # the new keys count as stored only once attention has succeeded
         if not return_weights:
             return out
         assert weights is not None
@@ -461,7 +477,7 @@ class MultiHeadAttention(nn.Module):
     ) -> _Keys:
         if cache is None:
             return _Keys(k, v, k_positions, key_padding_mask, document_ids, 0, total)
-        stored = cache.update(k, v, positions=k_positions, padding=key_padding_mask)
+        stored = cache.update(k, v, positions=k_positions, padding=key_padding_mask, commit=False)
         return _Keys(stored.keys, stored.values, stored.positions, stored.padding, None, stored.first_index, total)
 
     def _visibility(

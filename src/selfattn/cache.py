@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from selfattn._validation import require_positive_int
+from selfattn._validation import require_positive_int, require_tensor
 
 __all__ = ["CachedKeys", "KVCache"]
 
@@ -45,6 +45,10 @@ class KVCache:
     ``w - 1`` keys are kept, the most a future query can see: memory is O(w) however long
     the decoding runs, and ``max_len`` may be left out.
 
+    A call that fails leaves the cache as it was: :meth:`update` checks everything before it
+    writes, and :class:`~selfattn.MultiHeadAttention` updates with ``commit=False`` and commits
+    only once attention has succeeded.
+
     Args:
         max_len: the most positions the cache will hold (without a window).
         window: keep only what a sliding window of this size can still see.
@@ -64,6 +68,9 @@ class KVCache:
         self._positions: torch.Tensor | None = None  # (b, capacity) int64
         self._padding: torch.Tensor | None = None  # (b, capacity) bool, allocated at the first padding seen
         self._shared_positions = True  # every append so far gave the same positions to every sequence
+        self._pending = 0
+        self._pending_shared = True
+        self._pending_window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def stored(self) -> int:
@@ -71,18 +78,33 @@ class KVCache:
         return self.length if self.window is None else min(self.length, self.window - 1)
 
     def reset(self) -> None:
-        """Forget everything stored (the storage itself is kept)."""
+        """Forget everything stored, the batch size, shapes, dtype and device included."""
         self.length = 0
-        self._padding = None
-        self._shared_positions = True
+        self._pending = 0
+        self._keys = self._values = self._positions = self._padding = None
+        self._shared_positions = self._pending_shared = True
+        self._pending_window = None
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, *, commit: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``(b, h, l, dh)`` keys and ``(b, h, l, dv)`` values; return all the queries may see.
+
+        Args:
+            keys: ``(b, h, l, dh)``, of the dtype and device of the keys already stored.
+            values: ``(b, h, l, dv)``, the same ``l`` as ``keys``.
+            commit: with False, the new entries are returned with the stored ones, but
+                ``length`` advances only at :meth:`commit`; a caller whose later work fails
+                leaves the cache as it was (the next append overwrites them).
 
         Returns:
             ``(b, h, n, dh)`` keys and ``(b, h, n, dv)`` values.
+
+        Raises:
+            ValueError: past ``max_len``, or keys/values that do not fit each other or what is
+                stored (shape, dtype, device); nothing is written then.
         """
-        seen = self.update(keys, values)
+        seen = self.update(keys, values, commit=commit)
         return seen.keys, seen.values
 
     def update(
@@ -92,11 +114,13 @@ class KVCache:
         *,
         positions: torch.Tensor | None = None,
         padding: torch.Tensor | None = None,
+        commit: bool = True,
     ) -> CachedKeys:
-        """Store new keys, values, their positions ``(l,)``/``(b, l)`` and padding ``(b, l)``.
+        """:meth:`append` that also stores positions ``(l,)``/``(b, l)`` and padding ``(b, l)``.
 
         Positions default to ``length .. length + l - 1``.
         """
+        self._check(keys, values)
         batch, new = keys.shape[0], keys.shape[-2]
         if self.window is None and self.max_len is not None and self.length + new > self.max_len:
             raise ValueError(
@@ -104,41 +128,52 @@ class KVCache:
             )
         if positions is None:
             positions = torch.arange(self.length, self.length + new, device=keys.device)
-        shared = positions.dim() == 1
+        if positions.shape not in ((new,), (batch, new)):
+            raise ValueError(f"positions must have shape ({new},) or ({batch}, {new}), got {tuple(positions.shape)}")
+        if padding is not None and tuple(padding.shape) != (batch, new):
+            raise ValueError(f"padding must have shape ({batch}, {new}), got {tuple(padding.shape)}")
+        self._pending_shared = self._shared_positions and positions.dim() == 1
         positions = positions.to(keys.device, torch.long).expand(batch, new)  # (b, l)
-        if self._keys is not None and (
-            keys.shape[:-2] != self._keys.shape[:-2] or keys.shape[-1] != self._keys.shape[-1]
-        ):
-            raise ValueError(
-                f"keys of shape {tuple(keys.shape)} do not fit a cache holding {tuple(self._keys.shape)}; "
-                "use one cache per layer and per batch"
-            )
-        if padding is not None and self._padding is None:
-            self._padding = torch.zeros(batch, self._capacity(new), dtype=torch.bool, device=keys.device)
         if self.window is not None:
-            return self._update_window(keys, values, positions, padding, shared)
-        if self._keys is None:
+            return self._update_window(keys, values, positions, padding, commit)
+        if self.length == 0 and not self._fits(keys, values):
+            # Nothing stored yet (or only the entries of a call that failed): size the storage now.
             assert self.max_len is not None
             self._keys = keys.new_empty(*keys.shape[:-2], self.max_len, keys.shape[-1])
             self._values = values.new_empty(*values.shape[:-2], self.max_len, values.shape[-1])
             self._positions = positions.new_empty(batch, self.max_len)
-        assert self._values is not None and self._positions is not None
+            self._padding = None
+        assert self._keys is not None and self._values is not None and self._positions is not None
+        if self.length == 0:
+            self._padding = None  # padding of a call that failed, or of a reset cache, is forgotten
+        if padding is not None and self._padding is None:
+            self._padding = torch.zeros(self._positions.shape, dtype=torch.bool, device=keys.device)
         end = self.length + new
         self._keys[..., self.length : end, :] = keys
         self._values[..., self.length : end, :] = values
         self._positions[:, self.length : end] = positions
         if self._padding is not None:
             self._padding[:, self.length : end] = False if padding is None else padding
-        self.length = end
-        self._shared_positions &= shared
-        padding_seen = None if self._padding is None else self._padding[:, :end]
-        return self._seen(self._keys[..., :end, :], self._values[..., :end, :], self._positions[:, :end], padding_seen, 0)
+        self._pending = new
+        seen = self._seen(
+            self._keys[..., :end, :],
+            self._values[..., :end, :],
+            self._positions[:, :end],
+            None if self._padding is None else self._padding[:, :end],
+            0,
+        )
+        if commit:
+            self.commit()
+        return seen
 
-    def _capacity(self, new: int) -> int:
-        if self.window is None:
-            assert self.max_len is not None
-            return self.max_len
-        return self.stored + new
+    def commit(self) -> None:
+        """Count the entries of the last ``update(..., commit=False)`` as stored."""
+        self.length += self._pending
+        self._pending = 0
+        self._shared_positions = self._pending_shared
+        if self._pending_window is not None:
+            self._keys, self._values, self._positions, self._padding = self._pending_window
+            self._pending_window = None
 
     def _update_window(
         self,
@@ -146,33 +181,39 @@ class KVCache:
         values: torch.Tensor,
         positions: torch.Tensor,
         padding: torch.Tensor | None,
-        shared: bool,
+        commit: bool,
     ) -> CachedKeys:
         assert self.window is not None
         old = self.stored
-        if self._keys is None or old == 0:
+        if old == 0:
             all_keys, all_values, all_positions = keys, values, positions
         else:
-            assert self._values is not None and self._positions is not None
+            assert self._keys is not None and self._values is not None and self._positions is not None
             all_keys = torch.cat((self._keys, keys), dim=-2)  # (b, hk, old + l, dh)
             all_values = torch.cat((self._values, values), dim=-2)
             all_positions = torch.cat((self._positions, positions), dim=-1)  # (b, old + l)
         all_padding = None
-        if self._padding is not None:
+        if padding is not None or (old and self._padding is not None):
+            old_padding = self._padding if old and self._padding is not None else None
+            if old_padding is None:
+                old_padding = torch.zeros(positions.shape[0], old, dtype=torch.bool, device=positions.device)
             new_padding = torch.zeros_like(positions, dtype=torch.bool) if padding is None else padding.to(torch.bool)
-            all_padding = torch.cat((self._padding[:, self._padding.shape[1] - old :], new_padding), dim=-1)
+            all_padding = torch.cat((old_padding, new_padding), dim=-1)  # (b, old + l)
         first_index = self.length - old
-        self.length += keys.shape[-2]
-        self._shared_positions &= shared
         keep = self.window - 1
-        # Copies, not views: the window slides, and nothing may keep the older keys alive.
         start = max(all_keys.shape[-2] - keep, 0)
-        self._keys = all_keys[..., start:, :].clone()
-        self._values = all_values[..., start:, :].clone()
-        self._positions = all_positions[:, start:].clone()
-        if all_padding is not None:
-            self._padding = all_padding[:, start:].clone()
-        return self._seen(all_keys, all_values, all_positions, all_padding, first_index)
+        # Copies, not views: the window slides, and nothing may keep the older keys alive.
+        self._pending_window = (
+            all_keys[..., start:, :].clone(),
+            all_values[..., start:, :].clone(),
+            all_positions[:, start:].clone(),
+            None if all_padding is None else all_padding[:, start:].clone(),
+        )
+        self._pending = keys.shape[-2]
+        seen = self._seen(all_keys, all_values, all_positions, all_padding, first_index)
+        if commit:
+            self.commit()
+        return seen
 
     def _seen(
         self,
@@ -182,4 +223,50 @@ class KVCache:
         padding: torch.Tensor | None,
         first_index: int,
     ) -> CachedKeys:
-        return CachedKeys(keys, values, positions[0] if self._shared_positions else positions, padding, first_index)
+        return CachedKeys(keys, values, positions[0] if self._pending_shared else positions, padding, first_index)
+
+    def _fits(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        stored_keys, stored_values = self._keys, self._values
+        if stored_keys is None or stored_values is None:
+            return False
+        return (
+            keys.shape[:-2] == stored_keys.shape[:-2]
+            and keys.shape[-1] == stored_keys.shape[-1]
+            and values.shape[-1] == stored_values.shape[-1]
+            and keys.dtype == stored_keys.dtype
+            and values.dtype == stored_values.dtype
+            and keys.device == stored_keys.device
+        )
+
+    def _check(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for name, t in (("keys", keys), ("values", values)):
+            require_tensor(name, t)
+            if t.dim() < 2:
+                raise ValueError(f"{name} must have shape (b, h, l, features), got {tuple(t.shape)}")
+        if values.shape[:-1] != keys.shape[:-1]:
+            raise ValueError(
+                f"values of shape {tuple(values.shape)} do not match keys of shape {tuple(keys.shape)} "
+                "(same batch, heads and length expected)"
+            )
+        if values.dtype != keys.dtype or values.device != keys.device:
+            raise ValueError(
+                f"keys and values must share dtype and device, got keys {keys.dtype} on {keys.device} "
+                f"and values {values.dtype} on {values.device}"
+            )
+        stored_keys, stored_values = self._keys, self._values
+        if self.length == 0 or stored_keys is None or stored_values is None:
+            return
+        if keys.dtype != stored_keys.dtype or keys.device != stored_keys.device:
+            raise ValueError(
+                f"keys of dtype {keys.dtype} on {keys.device} do not fit a cache holding {stored_keys.dtype} "
+                f"on {stored_keys.device}; call reset() to start over"
+            )
+        if keys.shape[:-2] != stored_keys.shape[:-2] or keys.shape[-1] != stored_keys.shape[-1]:
+            raise ValueError(
+                f"keys of shape {tuple(keys.shape)} do not fit a cache holding {tuple(stored_keys.shape)}; "
+                "use one cache per layer and per batch"
+            )
+        if values.shape[-1] != stored_values.shape[-1]:
+            raise ValueError(
+                f"values of shape {tuple(values.shape)} do not fit a cache holding {tuple(stored_values.shape)}"
+            )
