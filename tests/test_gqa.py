@@ -77,7 +77,7 @@ def test_functional_grouped_kv_without_copies():
     with torch.profiler.profile() as prof:
         attention(q, k, v, causal=True)
     assert not any("repeat_interleave" in e.key for e in prof.key_averages()), "kv heads were copied"
-    with pytest.raises(ValueError, match="a divisor of them"):
+    with pytest.raises(ValueError, match="may have a divisor of q's heads"):
         attention(q, torch.randn(2, 4, 5, 4), torch.randn(2, 4, 5, 3))
 
 

@@ -101,7 +101,8 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"k and v must have the same number of keys, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if not _leading_dims_fit(q, k, v):
         raise ValueError(
-            "q, k and v must have the same leading (batch, head) dimensions, "
+            "q, k and v must have the same leading (batch, head) dimensions (k and v may have a divisor "
+            "of q's heads: grouped-query attention), "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
     if not q.dtype == k.dtype == v.dtype:
