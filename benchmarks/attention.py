@@ -369,6 +369,14 @@ def run_ragged(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
     return text, targets
 
 
+class _Bare(nn.Identity):
+    """An identity in place of a projection; its ``weight`` only tells the input checks the dtype and device."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(1, device=device))
+
+
 def run_window(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
     """Causal sliding window vs full causal attention at the same n (eval, no_grad forward).
 
@@ -382,7 +390,7 @@ def run_window(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
     bare_full = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS).to(device).eval()
     bare_banded = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, window=window).to(device).eval()
     for module in (bare_full, bare_banded):
-        module.W_q = module.W_k = module.W_v = module.W_o = nn.Identity()
+        module.W_q = module.W_k = module.W_v = module.W_o = _Bare(device)
     x = torch.randn(1, n, NUM_HIDDENS, generator=torch.Generator().manual_seed(n)).to(device)
     cases = {
         ("module", "full"): lambda: full(x, x, x, causal=True),

@@ -1,10 +1,11 @@
 """Ragged batches: one fused call per distinct valid length gives the masked answer and its gradients."""
 
+import importlib
+
 import pytest
 import torch
 from reference_mha import make_encoding, naive_mha, visibility
 
-import importlib
 from selfattn import MultiHeadAttention
 
 attention_module = importlib.import_module("selfattn.attention")  # the module, not the function selfattn.attention

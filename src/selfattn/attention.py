@@ -56,6 +56,13 @@ def _require_int_tensor(name: str, value: object, shapes: tuple[tuple[int, ...],
     return value.long()
 
 
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """:func:`~selfattn.functional.attention` without weights: one tensor, ``(b, h, lq, dv)``."""
+    out = attention(q, k, v, **kwargs)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     """Positions that restart at 0 where ``document_ids`` ``(b, l)`` changes, ``(b, l)`` int64."""
     index = torch.arange(document_ids.shape[-1], device=document_ids.device)  # (l,)
@@ -194,17 +201,16 @@ class MultiHeadAttention(nn.Module):
             device=weight.device,
             dtype=weight.dtype,
         )
-        d = module.embed_dim
         with torch.no_grad():
             if module.in_proj_weight is not None:
-                weights = module.in_proj_weight.split(d)
+                weights = module.in_proj_weight.chunk(3)
             else:
                 weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
             for linear, w in zip((mha.W_q, mha.W_k, mha.W_v), weights, strict=True):
                 linear.weight.copy_(w)
             mha.W_o.weight.copy_(module.out_proj.weight)
             if has_bias:
-                for linear, b in zip((mha.W_q, mha.W_k, mha.W_v), module.in_proj_bias.split(d), strict=True):
+                for linear, b in zip((mha.W_q, mha.W_k, mha.W_v), module.in_proj_bias.chunk(3), strict=True):
                     linear.bias.copy_(b)
                 mha.W_o.bias.copy_(module.out_proj.bias)
         return mha.train(module.training)
@@ -280,25 +286,24 @@ class MultiHeadAttention(nn.Module):
         if attn_mask is not None:
             shapes = ((num_queries, total), (batch, num_queries, total), (batch, self.num_heads, num_queries, total))
             if not isinstance(attn_mask, torch.Tensor) or tuple(attn_mask.shape) not in shapes:
-                got = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else repr(attn_mask)
-                raise ValueError(f"attn_mask must have shape {' or '.join(map(str, shapes))}, got {got}")
+                got_mask = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else repr(attn_mask)
+                raise ValueError(f"attn_mask must have shape {' or '.join(map(str, shapes))}, got {got_mask}")
             if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
                 raise ValueError(f"attn_mask must be bool (True = attend) or floating point, got {attn_mask.dtype}")
             attn_mask = attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask
             attn_mask = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask
-        if key_padding_mask is not None:
-            if (
-                not isinstance(key_padding_mask, torch.Tensor)
-                or key_padding_mask.dtype != torch.bool
-                or tuple(key_padding_mask.shape) != (batch, num_new_keys)
-            ):
-                got = (
-                    f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
-                    if isinstance(key_padding_mask, torch.Tensor)
-                    else repr(key_padding_mask)
-                )
-                where = " (the new keys; the cache remembers earlier ones)" if cache is not None else ""
-                raise ValueError(f"key_padding_mask must be bool (True = padding) of shape ({batch}, {num_new_keys}){where}, got {got}")
+        if key_padding_mask is not None and (
+            not isinstance(key_padding_mask, torch.Tensor)
+            or key_padding_mask.dtype != torch.bool
+            or tuple(key_padding_mask.shape) != (batch, num_new_keys)
+        ):
+            got = (
+                f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+                if isinstance(key_padding_mask, torch.Tensor)
+                else repr(key_padding_mask)
+            )
+            where = " (the new keys; the cache remembers earlier ones)" if cache is not None else ""
+            raise ValueError(f"key_padding_mask must be bool (True = padding) of shape ({batch}, {num_new_keys}){where}, got {got}")
         if document_ids is not None:
             if cache is not None or num_queries != num_new_keys:
                 raise ValueError("document_ids needs self-attention over one packed sequence: no cache, as many keys as queries")
@@ -441,8 +446,9 @@ class MultiHeadAttention(nn.Module):
         if cache is None and attn_mask is None and key_padding_mask is None and document_ids is None:
             lengths = self._ragged_lengths(num_queries, total, valid_lens, return_weights)
         if lengths is not None:
-            out = self._ragged(q, keys, values, k_positions, lengths, causal)
-            return self.W_o(out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens))  # (b, lq, d)
+            merged = self._ragged(q, keys, values, k_positions, lengths, causal)
+            projected: torch.Tensor = self.W_o(merged.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens))
+            return projected  # (b, lq, d)
         k = self._split_heads(self.W_k(keys), self.num_kv_heads)  # (b, hk, lk_new, dh)
         v = self._split_heads(self.W_v(values), self.num_kv_heads)  # (b, hk, lk_new, dh)
         if isinstance(self.position, QueryKeyEncoding):
@@ -452,6 +458,7 @@ class MultiHeadAttention(nn.Module):
         out, weights = self._attend(q, q_positions, seen, valid_lens, attn_mask, document_ids, causal, return_weights)
         out = out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens)  # (b, lq, d)
         out = self.W_o(out)
+        assert isinstance(out, torch.Tensor)
         if cache is not None:
             cache.commit()  # the new keys count as stored only once attention has succeeded
         if not return_weights:
@@ -500,7 +507,7 @@ class MultiHeadAttention(nn.Module):
             parts.append(k_index < lens)  # (b, 1, 1 or lq, lk)
         if keys.padding is not None:
             parts.append(~keys.padding[:, None, None, :])  # (b, 1, 1, lk)
-        if document_ids is not None:
+        if document_ids is not None and keys.documents is not None:
             parts.append((document_ids[:, :, None] == keys.documents[:, None, :])[:, None])  # (b, 1, lq, lk)
         if attn_mask is not None:
             slice_ = attn_mask[..., keys.first_index : keys.first_index + num_keys]
@@ -562,8 +569,7 @@ class MultiHeadAttention(nn.Module):
                 q, keys.k, keys.v, mask=mask, bias=bias, causal=leave_causal, dropout_p=dropout_p, return_weights=True
             )
             return out, weights
-        out = attention(q, keys.k, keys.v, mask=mask, bias=bias, causal=leave_causal, dropout_p=dropout_p)
-        return out, None
+        return _fused(q, keys.k, keys.v, mask=mask, bias=bias, causal=leave_causal, dropout_p=dropout_p), None
 
     # ------------------------------------------------------------------ ragged batches
 
@@ -621,11 +627,11 @@ class MultiHeadAttention(nn.Module):
                 k_g = self.position(k_g, self._per_head(positions))
             if causal and length < num_queries:
                 # Queries before the valid length are a square causal problem; later ones see all `length` keys.
-                head = attention(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p)
-                tail = attention(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p)
+                head = _fused(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p)
+                tail = _fused(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p)
                 pieces.append(torch.cat((head, tail), dim=-2))  # (b_g, h, lq, dh)
             else:
-                pieces.append(attention(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p))
+                pieces.append(_fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p))
         out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (b, h, lq, dh) in group order
         if order == sorted(order):
             return out
@@ -678,7 +684,8 @@ class MultiHeadAttention(nn.Module):
             return banded.permute(0, 2, 1, 4, 3).reshape(batch * num_blocks, x.shape[1], span, x.shape[-1])
 
         def q_blocks(x: torch.Tensor, fill: int = 0) -> torch.Tensor:
-            return F.pad(x, (0, tail), value=fill).unflatten(-1, (num_blocks, block))  # (..., blocks, block)
+            padded = F.pad(x, (0, tail), value=fill)
+            return padded.view(*padded.shape[:-1], num_blocks, block)  # (..., blocks, block)
 
         k_b, v_b = kv_bands(keys.k), kv_bands(keys.v)  # (b * blocks, hk, span, dh)
         q_b = F.pad(q, (0, 0, 0, tail)).view(batch, heads, num_blocks, block, head_dim)
@@ -704,7 +711,7 @@ class MultiHeadAttention(nn.Module):
             q_pos = q_blocks(q_positions.expand(batch, length)).reshape(batch * num_blocks, block)
             k_pos = bands(keys.positions.expand(batch, length)).reshape(batch * num_blocks, span)
             bias = self.position(q_b, q_positions=q_pos, k_positions=k_pos)  # (b * blocks, h, block, span)
-        out = attention(q_b, k_b, v_b, mask=mask, bias=bias, dropout_p=dropout_p)  # (b * blocks, h, block, dh)
+        out = _fused(q_b, k_b, v_b, mask=mask, bias=bias, dropout_p=dropout_p)  # (b * blocks, h, block, dh)
         out = out.view(batch, num_blocks, heads, block, -1).transpose(1, 2)  # (b, h, blocks, block, dh)
         return out.reshape(batch, heads, num_blocks * block, -1)[:, :, :length]
 

@@ -227,7 +227,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -235,16 +235,17 @@ class _TwiceDifferentiable(torch.autograd.Function):
         attn_mask: torch.Tensor | None,
         options: dict[str, Any],
     ) -> torch.Tensor:
-        inputs = (q, k, v, attn_mask)
-        inner = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+        mask_ = None if attn_mask is None else attn_mask.detach().requires_grad_(attn_mask.requires_grad)
+        inner = [q_, k_, v_, mask_]
         with torch.enable_grad():
-            out = F.scaled_dot_product_attention(inner[0], inner[1], inner[2], attn_mask=inner[3], **options)
+            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask_, **options)
         ctx.inner, ctx.inner_out, ctx.options = inner, out, options
         ctx.save_for_backward(q, k, v, attn_mask)
         return out.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         wanted = [t is not None and t.requires_grad for t in ctx.inner]
         if torch.is_grad_enabled():  # create_graph=True
             inputs = ctx.saved_tensors
@@ -268,7 +269,7 @@ def _sdpa(
         t is not None and t.requires_grad for t in (q, k, v, attn_mask)
     )
     if needs_grad and options["dropout_p"] == 0.0 and not torch.compiler.is_compiling():
-        out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)
+        out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)  # type: ignore[no-untyped-call]
         return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
 

@@ -61,7 +61,8 @@ class LearnedPositionalEncoding(InputEncoding):
                     f"positions reach {int(positions.max())}, past max_len={self.max_len}: a learned positional "
                     "encoding cannot extrapolate to positions it has no embedding for"
                 )
-            return self.dropout(X + self.weight[positions].to(X.dtype))
+            rows: torch.Tensor = self.dropout(X + self.weight[positions].to(X.dtype))
+            return rows
         offset = require_non_negative_int("offset", offset)
         end = offset + X.shape[-2]
         if end > self.max_len:

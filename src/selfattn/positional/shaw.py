@@ -60,9 +60,9 @@ class ShawRelativePositionEncoding(ScoreEncoding):
         if not (keys or values):
             raise ValueError(f"at least one of keys and values must be True, got keys={keys!r}, values={values!r}")
         num_distances = 2 * self.max_distance + 1
-        factory = {"device": device, "dtype": dtype}
-        self.key_embeddings = nn.Parameter(torch.empty(num_distances, self.head_dim, **factory)) if keys else None
-        self.value_embeddings = nn.Parameter(torch.empty(num_distances, self.head_dim, **factory)) if values else None
+        shape = (num_distances, self.head_dim)
+        self.key_embeddings = nn.Parameter(torch.empty(shape, device=device, dtype=dtype)) if keys else None
+        self.value_embeddings = nn.Parameter(torch.empty(shape, device=device, dtype=dtype)) if values else None
         self.reset_parameters()
 
     @property

@@ -95,7 +95,8 @@ class SinusoidalPositionalEncoding(InputEncoding):
             positions = require_positions(positions, X, offset)
             if not torch.compiler.is_compiling():
                 self.table(int(positions.max()) + 1 if positions.numel() else 1)  # grow P to cover them
-            return self.dropout(X + self.P[0][positions].to(X.dtype))
+            encoded: torch.Tensor = self.dropout(X + self.P[0][positions].to(X.dtype))
+            return encoded
         rows = self.table(X.shape[-2], offset)  # (l, d)
         return self.dropout(X + rows.to(X.dtype))
 

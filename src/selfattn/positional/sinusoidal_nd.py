@@ -63,6 +63,7 @@ class SinusoidalPositionalEncodingND(InputEncoding):
     def reset_parameters(self) -> None:
         """Rebuild every axis's table (after ``to_empty()`` from the meta device)."""
         for encoding in self.axes:
+            assert isinstance(encoding, SinusoidalPositionalEncoding)
             encoding.reset_parameters()
 
     def _offsets(self, offset: int | tuple[int, ...]) -> tuple[int, ...]:
