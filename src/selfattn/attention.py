@@ -452,7 +452,14 @@ class MultiHeadAttention(nn.Module):
         k = self._split_heads(self.W_k(keys), self.num_kv_heads)  # (b, hk, lk_new, dh)
         v = self._split_heads(self.W_v(values), self.num_kv_heads)  # (b, hk, lk_new, dh)
         if isinstance(self.position, QueryKeyEncoding):
-            k = self.position(k, self._per_head(k_positions))
+            cached = None if cache is None or cache.window is not None else cache.positions
+            if cached is not None:
+                # e.g. dynamic rotary re-rotates the cached keys to this call's frequencies
+                new_positions = k_positions
+                if cached.dim() != new_positions.dim():  # one of them per sequence: both per sequence
+                    cached, new_positions = cached.expand(batch, -1), new_positions.expand(batch, -1)
+                self.position.update_cached_keys(cache, torch.cat((cached, new_positions), dim=-1))
+            k = self.position.encode_keys(k, self._per_head(k_positions))
         seen = self._gather_keys(k, v, k_positions, key_padding_mask, key_documents, cache, total)
 
         out, weights = self._attend(q, q_positions, seen, valid_lens, attn_mask, document_ids, causal, return_weights)
@@ -624,7 +631,7 @@ class MultiHeadAttention(nn.Module):
                 positions = k_positions[..., :length]
                 if positions.dim() == 2 and index is not None:
                     positions = positions[index]
-                k_g = self.position(k_g, self._per_head(positions))
+                k_g = self.position.encode_keys(k_g, self._per_head(positions))
             if causal and length < num_queries:
                 # Queries before the valid length are a square causal problem; later ones see all `length` keys.
                 head = _fused(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -71,6 +72,7 @@ class KVCache:
         self._pending = 0
         self._pending_shared = True
         self._pending_window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.encoding_state: dict[str, object] = {}  # what a query/key encoding notes about the stored keys
 
     @property
     def stored(self) -> int:
@@ -84,6 +86,24 @@ class KVCache:
         self._keys = self._values = self._positions = self._padding = None
         self._shared_positions = self._pending_shared = True
         self._pending_window = None
+        self.encoding_state = {}
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Positions of the stored keys, ``(stored,)`` when shared by every sequence, else ``(b, stored)``."""
+        if self._positions is None or not self.stored:
+            return None
+        stored = self._positions[:, : self.stored]
+        return stored[0] if self._shared_positions else stored
+
+    def update_keys(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the stored keys ``(b, h, stored, dh)`` by ``transform(keys)``, in place (re-rotation).
+
+        A query/key encoding that does this notes how the keys are now encoded in
+        :attr:`encoding_state`, so a later call stays consistent even if the current one fails.
+        """
+        if self._keys is not None and self.stored:
+            self._keys[..., : self.stored, :] = transform(self._keys[..., : self.stored, :])
 
     def append(
         self, keys: torch.Tensor, values: torch.Tensor, *, commit: bool = True
