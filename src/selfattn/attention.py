@@ -453,7 +453,7 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.W_v(values), self.num_kv_heads)  # (b, hk, lk_new, dh)
         if isinstance(self.position, QueryKeyEncoding):
             cached = None if cache is None or cache.window is not None else cache.positions
-            if cached is not None:
+            if cache is not None and cached is not None:
                 # e.g. dynamic rotary re-rotates the cached keys to this call's frequencies
                 new_positions = k_positions
                 if cached.dim() != new_positions.dim():  # one of them per sequence: both per sequence
