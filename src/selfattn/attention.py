@@ -13,7 +13,7 @@ from torch import nn
 
 from selfattn._validation import require_non_negative_int, require_positive_int, require_probability
 from selfattn.cache import KVCache
-from selfattn.functional import attention, attention_weights, valid_lens_mask
+from selfattn.functional import attention, attention_weights, blockwise_attention, flex_score_attention, valid_lens_mask
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
 
 __all__ = ["MultiHeadAttention"]
@@ -41,8 +41,10 @@ class MultiHeadAttention(nn.Module):
         query_size: feature size of the queries (default ``num_hiddens``).
         key_size: feature size of the keys (default ``num_hiddens``).
         value_size: feature size of the values (default ``num_hiddens``).
-        position: a query/key encoding (rotary) or a score encoding (ALiBi, T5, Shaw) applied
-            inside attention. Encodings added to the input are applied by the caller.
+        position: a query/key encoding (rotary) or a score encoding (ALiBi, T5, Shaw, Kerple,
+            FIRE) applied inside attention. Encodings added to the input are applied by the caller.
+        block_size: queries per block when attention goes blockwise (score encodings, dropout);
+            default :func:`~selfattn.functional.choose_block_size` from the sizes of each call.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class MultiHeadAttention(nn.Module):
         key_size: int | None = None,
         value_size: int | None = None,
         position: PositionalEncoding | None = None,
+        block_size: int | None = None,
     ):
         super().__init__()
         self.num_hiddens = require_positive_int("num_hiddens", num_hiddens)
@@ -74,6 +77,7 @@ class MultiHeadAttention(nn.Module):
                 "(add input encodings to the input instead)"
             )
         self.position = position
+        self.block_size = None if block_size is None else require_positive_int("block_size", block_size)
         self.W_q = nn.Linear(self.query_size, num_hiddens, bias=bias)
         self.W_k = nn.Linear(self.key_size, num_hiddens, bias=bias)
         self.W_v = nn.Linear(self.value_size, num_hiddens, bias=bias)
@@ -189,15 +193,29 @@ class MultiHeadAttention(nn.Module):
             mask = by_position if mask is None else mask & by_position
             causal = False
 
-        bias = None
-        if isinstance(self.position, ScoreEncoding):
-            bias = self.position(q, q_positions=q_positions, k_positions=k_positions)
+        score = self.position if isinstance(self.position, ScoreEncoding) else None
         dropout_p = self.dropout if self.training else 0.0
+        if not return_weights and (score is not None or dropout_p > 0):
+            if q.device.type == "cuda" and score is not None and not score.uses_weights and dropout_p == 0:
+                out = flex_score_attention(
+                    q, k, v, term=score, q_positions=q_positions, k_positions=k_positions, mask=mask, causal=causal
+                )
+            else:
+                # Score terms and dropout go blockwise: O(block) memory, fused kernel per block where it can.
+                out = blockwise_attention(
+                    q, k, v, term=score, q_positions=q_positions, k_positions=k_positions, mask=mask,
+                    causal=causal, dropout_p=dropout_p, block_size=self.block_size,
+                )  # fmt: skip
+            out = out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens)  # (b, lq, d)
+            return self.W_o(out)
 
-        if isinstance(self.position, ScoreEncoding) and self.position.uses_weights:
+        bias = None
+        if score is not None:
+            bias = score(q, q_positions=q_positions, k_positions=k_positions)
+        if score is not None and score.uses_weights:
             weights = attention_weights(q, k, mask=mask, bias=bias, causal=causal)
             dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-            out = torch.matmul(dropped, v) + self.position.value_term(
+            out = torch.matmul(dropped, v) + score.value_term(
                 dropped, q_positions=q_positions, k_positions=k_positions
             )
         elif return_weights:

@@ -4,14 +4,17 @@
   :class:`SinusoidalPositionalEncoding2D` / ``3D`` / ``ND``, :class:`NoPositionalEncoding`;
 * rotating queries and keys: :class:`RotaryPositionalEncoding`;
 * terms in the attention scores: :class:`ALiBiPositionalBias`, :class:`T5RelativePositionBias`,
-  :class:`ShawRelativePositionEncoding` (which also adds a term to the values).
+  :class:`ShawRelativePositionEncoding` (which also adds a term to the values),
+  :class:`KerplePositionalBias`, :class:`FIREPositionalBias`.
 
 :func:`build` makes any of them by name (:data:`NAMES`) from the model size and head count.
 """
 
 from selfattn.positional.alibi import ALiBiPositionalBias
 from selfattn.positional.base import InputEncoding, PositionalEncoding, QueryKeyEncoding, ScoreEncoding
+from selfattn.positional.fire import FIREPositionalBias
 from selfattn.positional.identity import NoPositionalEncoding
+from selfattn.positional.kerple import KerplePositionalBias
 from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.positional.registry import NAMES, build
 from selfattn.positional.rotary import RotaryPositionalEncoding
@@ -27,7 +30,9 @@ from selfattn.positional.t5 import T5RelativePositionBias
 __all__ = [
     "NAMES",
     "ALiBiPositionalBias",
+    "FIREPositionalBias",
     "InputEncoding",
+    "KerplePositionalBias",
     "LearnedPositionalEncoding",
     "NoPositionalEncoding",
     "PositionalEncoding",

@@ -59,5 +59,11 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
         bias = -slopes * distance.to(compute_dtype)  # (h, lq, lk)
         return bias.to(q.dtype)[None]  # (1, h, lq, lk)
 
+    def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        distance = q_positions.long() - k_positions.long()  # i - j
+        if not self.causal:
+            distance = distance.abs()
+        return -self.slopes.float()[heads] * distance.float()
+
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, causal={self.causal}"

@@ -16,6 +16,7 @@ Shape legend: b batch, h heads, lq queries, lk keys, dh head size, d model size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar, Literal
 
 import torch
@@ -69,6 +70,8 @@ class ScoreEncoding(PositionalEncoding):
     acts_on = "scores"
     is_relative = True
     uses_weights: ClassVar[bool] = False
+    # Attention evaluates forward() one block of queries at a time (selfattn.functional.blockwise_attention),
+    # so a new score term needs only forward(); pair_bias() adds FlexAttention support.
 
     def forward(
         self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor
@@ -80,3 +83,32 @@ class ScoreEncoding(PositionalEncoding):
     ) -> torch.Tensor:
         """``(b, h, lq, dh)`` added to the attention output, from the ``(b, h, lq, lk)`` weights."""
         raise NotImplementedError(f"{type(self).__name__} adds nothing to the values")
+
+    def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """The term for head indices and positions given as broadcastable integer tensors, elementwise.
+
+        This is what a FlexAttention ``score_mod`` evaluates (:meth:`to_score_mod`); the result
+        has the broadcast shape of the three arguments.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no elementwise form")
+
+    def to_score_mod(
+        self, *, q_positions: torch.Tensor, k_positions: torch.Tensor, q: torch.Tensor | None = None
+    ) -> tuple[Callable[..., torch.Tensor], list[nn.Parameter]]:
+        """A FlexAttention ``score_mod`` adding this term, and the parameters it closes over.
+
+        ``score_mod(score, b, h, q_idx, kv_idx)`` returns ``score + term`` for the query at
+        ``q_positions[q_idx]`` and the key at ``k_positions[kv_idx]`` (positions ``(l,)``, or
+        ``(b, l)`` indexed by the batch index too). ``q`` is needed only by terms that read the
+        queries (Shaw).
+        """
+        del q  # a pair term does not read the queries
+
+        def score_mod(
+            score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            i = q_positions[q_idx] if q_positions.dim() == 1 else q_positions[b, q_idx]
+            j = k_positions[kv_idx] if k_positions.dim() == 1 else k_positions[b, kv_idx]
+            return score + self.pair_bias(h, i, j).to(score.dtype)
+
+        return score_mod, list(self.parameters())
