@@ -383,3 +383,14 @@ def test_flex_attention_on_cuda_forward_and_backward(label):  # pragma: no cover
     ref = torch.autograd.grad(want.sum(), [q, *params])
     for g, w in zip(got, ref):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
+
+
+def test_functional_attention_with_dropout_runs_blockwise():
+    q, k, v = qkv(2, 9, 9)
+    mask = torch.arange(9) < 7  # (lk,): a 1-D mask broadcasts too
+    torch.manual_seed(5)
+    got = attention(q, k, v, mask=mask, causal=True, dropout_p=0.3)
+    torch.manual_seed(5)
+    want = blockwise_attention(q, k, v, mask=mask, causal=True, dropout_p=0.3)
+    assert torch.equal(got, want)
+    assert bool((got != attention(q, k, v, mask=mask, causal=True)).any())

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from selfattn._validation import require_probability
+from selfattn.functional._blockwise import blockwise_attention
 
 __all__ = ["attention", "attention_weights", "causal_mask", "valid_lens_mask"]
 
@@ -147,8 +148,9 @@ def attention(
     weights of zeros. The textbook instead spreads it uniformly over the masked keys, and a
     plain softmax gives NaN; neither is an answer anyone asked for.
 
-    Note: ``dropout_p > 0`` makes the fused kernel fall back to PyTorch's O(lq * lk)-memory
-    math path.
+    With ``dropout_p > 0`` (and no ``bias``, 4-D inputs) attention runs blockwise
+    (:func:`~selfattn.functional.blockwise_attention`), in O(block) memory, where PyTorch's
+    kernel would fall back to its O(lq * lk)-memory math path.
 
     Args:
         q: ``(b, h, lq, d)`` queries (any leading dimensions are allowed).
@@ -172,6 +174,9 @@ def attention(
         dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
         return torch.matmul(dropped, v), weights  # (b, h, lq, dv), (b, h, lq, lk)
 
+    if dropout_p > 0 and bias is None and q.dim() == k.dim() == v.dim() == 4:
+        _check_shapes(q, k, v)
+        return blockwise_attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, scale=scale)
     mask, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)
     if q.device.type == "cpu" and q.shape[-2] * k.shape[-2] >= _CONTIGUOUS_HEADS_MIN_PAIRS:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -387,6 +387,8 @@ def blockwise_attention(
         raise ValueError(f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}")
     batch, heads, num_queries, head_dim = q.shape
     num_keys = k.shape[-2]
+    if mask is not None and mask.dim() < 2:
+        mask = mask.reshape(1, -1)  # (1, lk)
     if block_size is None:
         block_size = choose_block_size(batch, heads, num_queries, num_keys, dtype=q.dtype)
     block_size = require_positive_int("block_size", block_size)
@@ -422,5 +424,6 @@ def blockwise_attention(
         num_keys=num_keys,
         on_cpu=q.device.type == "cpu",
     )
-    out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)
+    with torch.profiler.record_function("selfattn::blockwise_attention"):
+        out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)
     return out
