@@ -82,12 +82,13 @@ def dense(term, q, k, v, q_positions, k_positions, visible):
     return out
 
 
-def check_forward_and_gradients(label, *, b, lq, lk, block, dtype=torch.float64, atol=1e-10, **masking):
+def check_forward_and_gradients(label, *, b, lq, lk, block, dtype=torch.float64, atol=1e-10, stride=1, **masking):
+    """``stride > 1`` spreads the positions out, so the term is evaluated per block, not read from one band."""
     term = make_term(label, dtype)
     q, k, v = qkv(b, lq, lk, dtype, grad=True)
     offset = 17
-    k_positions = torch.arange(offset + lq - lk, offset + lq)
-    q_positions = torch.arange(offset, offset + lq)
+    k_positions = torch.arange(offset + lq - lk, offset + lq) * stride
+    q_positions = torch.arange(offset, offset + lq) * stride
     visible = visibility(b, lq, lk, **masking)
     out = blockwise_attention(
         q, k, v, term=term, q_positions=q_positions, k_positions=k_positions, block_size=block, **masking
@@ -110,6 +111,12 @@ def check_forward_and_gradients(label, *, b, lq, lk, block, dtype=torch.float64,
 @pytest.mark.parametrize(("lq", "lk", "block"), [(13, 13, 4), (12, 12, 4), (5, 13, 2), (16, 16, 512)])
 def test_blockwise_equals_dense_with_causal_mask(label, lq, lk, block):
     check_forward_and_gradients(label, b=2, lq=lq, lk=lk, block=block, causal=True)
+
+
+@pytest.mark.parametrize("label", ["alibi", "t5", "kerple", "shaw-values"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_equals_dense_at_spread_out_positions(label, causal):
+    check_forward_and_gradients(label, b=2, lq=11, lk=11, block=4, stride=3, causal=causal)
 
 
 @pytest.mark.parametrize("label", LABELS)

@@ -129,6 +129,39 @@ class _Plan:
     num_queries: int
     num_keys: int
     on_cpu: bool
+    band_base: int | None = None  # set when the term is read from one band (see band())
+
+    @property
+    def last_start(self) -> int:
+        return (self.num_queries - 1) // self.block * self.block
+
+    def band(self, q: torch.Tensor) -> torch.Tensor:
+        """The term for every block at once, ``(1 or b, h, block, last_start + lk)``.
+
+        For a term of ``j - i`` alone (``is_relative``) at consecutive positions, block ``s``'s
+        bias is the window ``[last_start - s, last_start - s + lk)`` of the columns of one band:
+        row ``r``, column ``m`` holds the term for query position ``r`` and key position
+        ``m + band_base``. The band is built once per pass instead of once per block.
+        """
+        assert self.term is not None and self.band_base is not None
+        rows = torch.arange(self.block, device=q.device)  # (block,)
+        columns = torch.arange(self.last_start + self.num_keys, device=q.device) + self.band_base  # (width,)
+        band = _as_4d(self.term(q[:1, :, : self.block], q_positions=rows, k_positions=columns))
+        return band.expand(*band.shape[:2], rows.shape[0], columns.shape[0])
+
+    def hide_future(self, band: torch.Tensor) -> torch.Tensor:
+        """``band`` with ``-inf`` on keys a causal query may not see (a function of ``j - i`` too)."""
+        if not self.causal:
+            return band
+        rows = torch.arange(band.shape[-2], device=band.device)[:, None]  # (block, 1)
+        columns = torch.arange(band.shape[-1], device=band.device)  # (width,)
+        hidden = columns > rows + self.last_start + self.num_keys - self.num_queries  # (block, width)
+        return band.masked_fill(hidden, float("-inf"))
+
+    def window(self, band: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor:
+        """Block ``start``'s ``(1 or b, h, end - start, keys)`` bias: a view of the band."""
+        first = self.last_start - start
+        return band[..., : end - start, first : first + keys]
 
     @property
     def flash_forward(self) -> bool:
@@ -163,10 +196,13 @@ class _Plan:
         )
 
     def visible(self, start: int, end: int, keys: int, device: torch.device) -> torch.Tensor | None:
-        """Bool, True = attend, broadcastable to ``(b, h, block, keys)``; None when all are visible."""
+        """Bool, True = attend, broadcastable to ``(b, h, block, keys)``; None when all are visible.
+
+        With a band the causal part is already in the band's ``-inf`` and is left out here.
+        """
         visible = None
         columns = torch.arange(keys, device=device)  # (keys,)
-        if self.causal:
+        if self.causal and self.band_base is None:
             rows = torch.arange(start, end, device=device)[:, None]  # (block, 1)
             visible = columns <= rows + (self.num_keys - self.num_queries)  # (block, keys)
         if self.valid_lens is not None:
@@ -226,17 +262,19 @@ class _BlockwiseAttention(torch.autograd.Function):
         out_compute = out if compute == q.dtype else out.to(compute)
         lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)  # (b, h, lq)
         inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
+        band = None if plan.band_base is None else plan.hide_future(plan.band(q.to(compute)))
         for index, start, end, keys in plan.blocks():
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
             if plan.flash_forward:
-                bias = plan.bias(qb.to(compute), start, end, keys)
-                mask = _float_mask(bias, visible, q.dtype if q.dtype == compute else compute)
+                bias = plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
+                mask = _float_mask(bias, visible, compute)
                 block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
                 block_lse = block_lse.to(compute)
             else:
                 qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
-                scores = _scores(qc, kc, plan.bias(qc, start, end, keys), visible, plan.scale)
+                bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
+                scores = _scores(qc, kc, bias, visible, plan.scale)
                 block_lse = torch.logsumexp(scores, dim=-1)  # (b, h, block)
                 weights = scores.sub_(block_lse[..., None]).exp_()  # (b, h, block, keys)
                 if plan.dropout_p > 0:
@@ -272,6 +310,14 @@ class _BlockwiseAttention(torch.autograd.Function):
                 if g is not None:
                     param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
 
+        band = band_values = band_grad = None
+        if plan.band_base is not None:
+            with torch.set_grad_enabled(plan.bias_needs_grad):
+                band = plan.band(q.to(compute))
+            band_values = plan.hide_future(band.detach())
+            if band.requires_grad:  # the score gradient of every block lands in one band-sized tensor
+                band_grad = torch.zeros(band.shape, dtype=band.dtype, device=band.device)
+
         for index, start, end, keys in plan.blocks():
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
@@ -279,8 +325,11 @@ class _BlockwiseAttention(torch.autograd.Function):
             if empty is not None:
                 gb = gb.masked_fill(empty, 0.0)  # the output of an empty row is a constant zero
             if plan.flash_backward:
-                bias = plan.bias(qb.to(compute), start, end, keys)
-                mask = _float_mask(bias, visible, q.dtype if q.dtype == compute else compute)
+                if band_values is None:
+                    bias = plan.bias(qb.to(compute), start, end, keys)
+                else:
+                    bias = plan.window(band_values, start, end, keys)
+                mask = _float_mask(bias, visible, compute)
                 ob = out[..., start:end, :].to(q.dtype)
                 gq, gk, gv = _flash_backward(
                     gb.contiguous(), qb, kb, vb, ob, lse[..., start:end], 0.0, False, attn_mask=mask, scale=plan.scale
@@ -292,8 +341,11 @@ class _BlockwiseAttention(torch.autograd.Function):
 
             qc, kc, vc, gc = qb.to(compute), kb.to(compute), vb.to(compute), gb.to(compute)
             q_leaf = qc.detach().requires_grad_(plan.queries_in_term)
-            with torch.set_grad_enabled(plan.bias_needs_grad):
-                bias = plan.bias(q_leaf, start, end, keys)
+            if band_values is None:
+                with torch.set_grad_enabled(plan.bias_needs_grad):
+                    bias = plan.bias(q_leaf, start, end, keys)
+            else:
+                bias = plan.window(band_values, start, end, keys)
             scores = _scores(qc, kc, None if bias is None else bias.detach(), visible, plan.scale)
             probs = scores.sub_(lse[..., start:end, None]).exp_()  # (b, h, block, keys)
             keep = plan.keep(index, probs.shape, q.device) if plan.dropout_p > 0 else None
@@ -312,7 +364,10 @@ class _BlockwiseAttention(torch.autograd.Function):
             grad_scores = grad_probs.sub_(delta).mul_(probs)  # (b, h, block, keys)
             dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
             dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc) * plan.scale
-            if bias is not None and bias.requires_grad:
+            if band_grad is not None:
+                window = plan.window(band_grad, start, end, keys)
+                window += grad_scores.sum_to_size(window.shape)
+            elif bias is not None and bias.requires_grad:
                 inputs = ([q_leaf] if plan.queries_in_term else []) + list(params)
                 grads = torch.autograd.grad(bias, inputs, grad_scores.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True)
                 if plan.queries_in_term:
@@ -320,7 +375,18 @@ class _BlockwiseAttention(torch.autograd.Function):
                         dq[..., start:end, :] += grads[0]
                     grads = grads[1:]
                 accumulate(grads)
+        if band is not None and band_grad is not None:
+            accumulate(torch.autograd.grad(band, params, band_grad, allow_unused=True))
         return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *param_grads)
+
+
+def _consecutive(positions: torch.Tensor) -> int | None:
+    """The first position if ``positions`` is ``(l,)`` and counts up by one, else None."""
+    if positions.dim() != 1 or positions.numel() == 0:
+        return None
+    first = int(positions[0])
+    expected = torch.arange(first, first + positions.shape[0], device=positions.device)
+    return first if torch.equal(positions.long(), expected) else None
 
 
 def _term_reads_queries(term: ScoreTerm, q: torch.Tensor, q_positions: torch.Tensor | None, k_positions: torch.Tensor | None) -> bool:
@@ -402,9 +468,18 @@ def blockwise_attention(
                 f"q_positions and k_positions must end in {num_queries} and {num_keys}, "
                 f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}"
             )
+    block_size = max(1, min(block_size, num_queries))
     grad = torch.is_grad_enabled()
     params = [p for p in term.parameters() if p.requires_grad] if (term is not None and grad) else []
-    queries_in_term = bool(grad and q.requires_grad and term is not None and _term_reads_queries(term, q, q_positions, k_positions))
+    reads_queries = term is not None and _term_reads_queries(term, q, q_positions, k_positions)
+    queries_in_term = bool(grad and q.requires_grad and reads_queries)
+    band_base = None
+    if term is not None and getattr(term, "is_relative", False) and not reads_queries and not (causal and num_queries > num_keys):
+        assert q_positions is not None and k_positions is not None
+        first_query, first_key = _consecutive(q_positions), _consecutive(k_positions)
+        if first_query is not None and first_key is not None:
+            last_start = (num_queries - 1) // block_size * block_size
+            band_base = first_key - first_query - last_start
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
     plan = _Plan(
         term=term,
@@ -423,6 +498,7 @@ def blockwise_attention(
         num_queries=num_queries,
         num_keys=num_keys,
         on_cpu=q.device.type == "cpu",
+        band_base=band_base,
     )
     with torch.profiler.record_function("selfattn::blockwise_attention"):
         out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)
