@@ -59,11 +59,11 @@ MEMORY_CASES = [
     ("(no encoding)", 4096, "fwd", None),
     ("shaw", 4096, "fwd", 0.3),
     ("shaw (keys only)", 4096, "fwd", None),
-    ("(no encoding)", 16384, "train", None),
     ("dropout 0.1", 16384, "train", 1.0),
-    ("(no encoding)", 32768, "train", None),
     ("alibi", 32768, "train", 2.0),
     ("t5", 32768, "train", 2.0),
+    ("(no encoding)", 16384, "train", None),
+    ("(no encoding)", 32768, "train", None),
 ]
 
 
@@ -262,7 +262,7 @@ def run_memory(args) -> tuple[str, dict]:
         allowed, available = memory_headroom(args.memory_margin_gib)
         allowed = min(allowed, int(args.memory_cap_gib * GIB))  # never near what the machine has
         log(f"memory {label} n={n} {mode} (allowed {allowed / GIB:.1f} GiB)")
-        r = run_memory_child(Path(__file__), [label, str(n), mode], allowed)
+        r = run_memory_child(Path(__file__), [label, str(n), mode], allowed, timeout_s=args.memory_timeout_s)
         log(f"  {r}")
         measured[(label, n, mode)] = r
         peak = size(r["peak_bytes"]) if "peak_bytes" in r else f"failed: {r.get('error')}"
@@ -297,6 +297,8 @@ def parse_args(argv=None):
     parser.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory subprocesses")
     parser.add_argument("--memory-margin-gib", type=float, default=4.0, help="RAM left free for others (GiB)")
     parser.add_argument("--memory-cap-gib", type=float, default=6.0, help="most RAM one memory case may use (GiB)")
+    parser.add_argument("--memory-timeout-s", type=float, default=1800.0, help="give up on a memory case after this long")
+    parser.add_argument("--skip-speed", action="store_true", help="measure peak memory only (its own section)")
     parser.add_argument("--only", help="comma-separated row labels to time (default: all)")
     parser.add_argument("--sizes", dest="sizes_arg", help="comma-separated sequence lengths to time (default 1024,4096)")
     parser.add_argument("--memory-child", nargs=4, metavar=("LABEL", "N", "MODE", "ALLOWED_BYTES"), help=argparse.SUPPRESS)
@@ -327,15 +329,17 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     started = time.perf_counter()
     header = machine_lines(device)
-    speed_text, _ = run_speed(args, device)
+    speed_text = "" if args.skip_speed else run_speed(args, device)[0]
     if args.skip_memory or device.type != "cpu":
         memory_text = "*Peak memory not measured in this run.*\n"
     else:
         memory_text, _ = run_memory(args)
-    parts = [f"## Positional encodings inside attention ({device.type}{', quick smoke run' if args.quick else ''})", ""]
+    title = "Peak memory of positional encodings inside attention" if args.skip_speed else "Positional encodings inside attention"
+    parts = [f"## {title} ({device.type}{', quick smoke run' if args.quick else ''})", ""]
     parts += [*header, f"- load average at end: {load_average()}; wall time {time.perf_counter() - started:.0f} s", ""]
     parts += [speed_text, memory_text]
-    emit("\n".join(parts), output=args.output, section=f"positional-{device.type}")
+    section = f"positional-memory-{device.type}" if args.skip_speed else f"positional-{device.type}"
+    emit("\n".join(parts), output=args.output, section=section)
     return 0
 
 
