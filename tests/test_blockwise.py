@@ -401,3 +401,16 @@ def test_functional_attention_with_dropout_runs_blockwise():
     want = blockwise_attention(q, k, v, mask=mask, causal=True, dropout_p=0.3)
     assert torch.equal(got, want)
     assert bool((got != attention(q, k, v, mask=mask, causal=True)).any())
+
+
+@pytest.mark.parametrize(("label", "dropout_p"), [("alibi", 0.0), ("t5", 0.0), ("shaw", 0.0), (None, 0.2)])
+def test_a_nan_in_a_query_gives_nan_in_its_row_only(label, dropout_p):
+    term = None if label is None else make_term(label)
+    q, k, v = qkv(1, 6, 6)
+    q[0, 1, 2, 3] = float("nan")
+    positions = torch.arange(6)
+    out = blockwise_attention(q, k, v, term=term, q_positions=positions, k_positions=positions,
+                              dropout_p=dropout_p, block_size=4)  # fmt: skip
+    assert bool(out[0, 1, 2].isnan().all())
+    out[0, 1, 2] = 0.0
+    assert bool(out.isfinite().all())

@@ -271,6 +271,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                 mask = _float_mask(bias, visible, compute)
                 block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
                 block_lse = block_lse.to(compute)
+                # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
+                query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
+                block_out = block_out + query_sums.mul(0).to(block_out.dtype)
             else:
                 qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
                 bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
