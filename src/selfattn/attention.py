@@ -220,8 +220,10 @@ class MultiHeadAttention(nn.Module):
                     q, k, v, term=score, q_positions=q_positions, k_positions=k_positions, mask=mask,
                     causal=causal, dropout_p=dropout_p, block_size=self.block_size,
                 )  # fmt: skip
-            out = out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens)  # (b, lq, d)
-            return self.W_o(out)
+            out = self.W_o(out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens))  # (b, lq, d)
+            if cache is not None:
+                cache.commit()
+            return out
 
         bias = None
         if score is not None:

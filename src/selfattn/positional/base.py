@@ -64,7 +64,14 @@ class ScoreEncoding(PositionalEncoding):
     ``forward(q, *, q_positions, k_positions)`` returns a float bias broadcastable to
     ``(b, h, lq, lk)`` that is added to the *scaled* scores (it may depend on the queries, as
     Shaw's key term does). Encodings that also add to the values set ``uses_weights = True``
-    and implement :meth:`value_term`; attention then takes its explicit path.
+    and implement :meth:`value_term`.
+
+    :class:`~selfattn.MultiHeadAttention` never asks for the whole ``(h, lq, lk)`` term: it
+    calls ``forward`` one block of queries at a time
+    (:func:`~selfattn.functional.blockwise_attention`), and a term with parameters gets its
+    gradient through autograd on each block's bias. So a new score term is one ``forward``.
+    ``is_relative = True`` promises that the term depends on ``j - i`` only: at consecutive
+    positions attention then evaluates it once, on one band, for all blocks.
     """
 
     acts_on = "scores"
