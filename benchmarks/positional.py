@@ -300,6 +300,7 @@ def parse_args(argv=None):
     parser.add_argument("--memory-timeout-s", type=float, default=1800.0, help="give up on a memory case after this long")
     parser.add_argument("--skip-speed", action="store_true", help="measure peak memory only (its own section)")
     parser.add_argument("--only", help="comma-separated row labels to time (default: all)")
+    parser.add_argument("--min-repeats", type=int, help="timed rounds at least (default 4; 2 with --quick)")
     parser.add_argument("--sizes", dest="sizes_arg", help="comma-separated sequence lengths to time (default 1024,4096)")
     parser.add_argument("--memory-child", nargs=4, metavar=("LABEL", "N", "MODE", "ALLOWED_BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -311,6 +312,9 @@ def parse_args(argv=None):
         args.sizes = [1024, 4096]
         args.memory_cases = MEMORY_CASES
         args.timing = {"min_repeats": 4, "max_repeats": 10, "budget_s": 5.0}
+    if args.min_repeats:
+        args.timing["min_repeats"] = args.min_repeats
+        args.timing["max_repeats"] = max(args.timing["max_repeats"], args.min_repeats)
     if args.sizes_arg:
         args.sizes = [int(n) for n in args.sizes_arg.split(",")]
     if args.output is None and not args.quick:
