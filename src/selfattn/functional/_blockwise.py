@@ -262,7 +262,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         out_compute = out if compute == q.dtype else out.to(compute)
         lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)  # (b, h, lq)
         inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
-        band = None if plan.band_base is None else plan.hide_future(plan.band(q.to(compute)))
+        band = None if plan.band_base is None else plan.hide_future(plan.band(q[:1, :, : plan.block].to(compute)))
         for index, start, end, keys in plan.blocks():
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
@@ -316,7 +316,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         band = band_values = band_grad = None
         if plan.band_base is not None:
             with torch.set_grad_enabled(plan.bias_needs_grad):
-                band = plan.band(q.to(compute))
+                band = plan.band(q[:1, :, : plan.block].to(compute))
             band_values = plan.hide_future(band.detach())
             if band.requires_grad:  # the score gradient of every block lands in one band-sized tensor
                 band_grad = torch.zeros(band.shape, dtype=band.dtype, device=band.device)
