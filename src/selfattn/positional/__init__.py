@@ -2,7 +2,8 @@
 
 * added to the input: :class:`SinusoidalPositionalEncoding`, :class:`LearnedPositionalEncoding`,
   :class:`SinusoidalPositionalEncoding2D` / ``3D`` / ``ND``, :class:`NoPositionalEncoding`;
-* rotating queries and keys: :class:`RotaryPositionalEncoding`;
+* rotating queries and keys: :class:`RotaryPositionalEncoding`, :class:`XPosEncoding`,
+  :class:`RotaryPositionalEncoding2D` / ``3D`` / ``ND`` (axial, for images and video);
 * terms in the attention scores: :class:`ALiBiPositionalBias`, :class:`T5RelativePositionBias`,
   :class:`ShawRelativePositionEncoding` (which also adds a term to the values),
   :class:`KerplePositionalBias`, :class:`FIREPositionalBias`.
@@ -15,9 +16,15 @@ from selfattn.positional.base import InputEncoding, PositionalEncoding, QueryKey
 from selfattn.positional.fire import FIREPositionalBias
 from selfattn.positional.identity import NoPositionalEncoding
 from selfattn.positional.kerple import KerplePositionalBias
+from selfattn.positional.layout import convert_rotary_layout
 from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.positional.registry import NAMES, build
 from selfattn.positional.rotary import RotaryPositionalEncoding
+from selfattn.positional.rotary_nd import (
+    RotaryPositionalEncoding2D,
+    RotaryPositionalEncoding3D,
+    RotaryPositionalEncodingND,
+)
 from selfattn.positional.shaw import ShawRelativePositionEncoding
 from selfattn.positional.sinusoidal import SinusoidalPositionalEncoding
 from selfattn.positional.sinusoidal_nd import (
@@ -26,6 +33,7 @@ from selfattn.positional.sinusoidal_nd import (
     SinusoidalPositionalEncodingND,
 )
 from selfattn.positional.t5 import T5RelativePositionBias
+from selfattn.positional.xpos import XPosEncoding
 
 __all__ = [
     "NAMES",
@@ -38,6 +46,9 @@ __all__ = [
     "PositionalEncoding",
     "QueryKeyEncoding",
     "RotaryPositionalEncoding",
+    "RotaryPositionalEncoding2D",
+    "RotaryPositionalEncoding3D",
+    "RotaryPositionalEncodingND",
     "ScoreEncoding",
     "ShawRelativePositionEncoding",
     "SinusoidalPositionalEncoding",
@@ -45,5 +56,7 @@ __all__ = [
     "SinusoidalPositionalEncoding3D",
     "SinusoidalPositionalEncodingND",
     "T5RelativePositionBias",
+    "XPosEncoding",
     "build",
+    "convert_rotary_layout",
 ]
