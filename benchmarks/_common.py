@@ -219,13 +219,16 @@ def measure_peak_rss(run: Callable[[], object], allowed_bytes: int) -> dict:
     return {"peak_bytes": peak - before, "seconds": seconds, "method": method}
 
 
-def run_memory_child(script: Path, child_args: list[str], allowed_bytes: int) -> dict:
+def run_memory_child(script: Path, child_args: list[str], allowed_bytes: int, timeout_s: float | None = None) -> dict:
     """Run ``script --memory-child *child_args allowed_bytes`` and read the JSON line it prints."""
     command = [sys.executable, str(script), "--memory-child", *child_args, str(allowed_bytes)]
     # A fixed mmap threshold keeps glibc from parking freed large blocks in the heap, where a
     # later allocation would reuse them without the resident set showing it.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within {timeout_s:.0f} s"}
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

@@ -8,8 +8,10 @@ Run from the repository root::
 Every encoding comes from ``selfattn.positional.build(name, num_hiddens=512, num_heads=8)``.
 Input encodings (sinusoidal, learned, N-D sinusoidal) are added to the input before the same
 attention (the N-D ones see the sequence as a square / cubic grid); rotary and score terms are
-given to ``MultiHeadAttention(position=...)``. All of them, and the plain attention they are
-compared with, are timed round-robin in one run.
+given to ``MultiHeadAttention(position=...)``; the ``dropout 0.1`` row is attention with no
+encoding and ``dropout=0.1`` in training mode. All of them, and the plain attention they are
+compared with, are timed round-robin in one run. Peak memory is measured in one child process
+per case, each capped (``--memory-cap-gib``) so that no case can exhaust the machine.
 """
 
 from __future__ import annotations
@@ -39,14 +41,30 @@ from _common import (  # noqa: E402
     size,
     spread_note,
     table,
+    verdict,
 )
 
 import selfattn  # noqa: E402
 from selfattn.positional import NAMES, InputEncoding, build  # noqa: E402
 
 BATCH, NUM_HIDDENS, NUM_HEADS = 2, 512, 8
-# Extra rows beyond the registry's defaults: (label, name, options).
-VARIANTS = [("shaw (keys only)", "shaw", {"values": False})]
+# Extra rows beyond the registry's defaults: (label, name, options); name None is no encoding.
+VARIANTS = [("shaw (keys only)", "shaw", {"values": False}), ("dropout 0.1", None, {})]
+# MultiHeadAttention options of a row (the others use the defaults: no dropout).
+ATTENTION_OPTIONS = {"dropout 0.1": {"dropout": 0.1}}
+# Goals of the blockwise path (issue 8): forward+backward time at the largest n, as a ratio to no encoding.
+SPEED_GOALS = [("alibi", 1.15), ("t5", 2.0), ("shaw", 3.0), ("kerple", 2.5), ("fire", 2.5), ("dropout 0.1", 1.6)]
+# (label, n, mode, goal in GiB or None): peak memory at b=1; "fwd" is eval + no_grad, "train" forward+backward.
+MEMORY_CASES = [
+    ("(no encoding)", 4096, "fwd", None),
+    ("shaw", 4096, "fwd", 0.3),
+    ("shaw (keys only)", 4096, "fwd", None),
+    ("dropout 0.1", 16384, "train", 1.0),
+    ("alibi", 32768, "train", 2.0),
+    ("t5", 32768, "train", 2.0),
+    ("(no encoding)", 16384, "train", None),
+    ("(no encoding)", 32768, "train", None),
+]
 
 
 def grid(n: int, axes: int) -> tuple[int, ...]:
@@ -73,13 +91,14 @@ def make_encoding(name: str, options: dict, max_len: int) -> nn.Module | None:
     return build(name, num_hiddens=NUM_HIDDENS, num_heads=NUM_HEADS, **options)
 
 
-def contender(encoding: nn.Module | None, device: torch.device, seed: int = 0):
-    """(modules, call(x)) for attention with ``encoding`` in its place."""
+def contender(encoding: nn.Module | None, device: torch.device, seed: int = 0, options: dict | None = None):
+    """(modules, call(x)) for attention with ``encoding`` in its place (and ``options`` for the attention)."""
     torch.manual_seed(seed)
+    options = options or {}
     if encoding is None or isinstance(encoding, InputEncoding):
-        mha = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS).to(device)
+        mha = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **options).to(device)
     else:
-        mha = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, position=encoding).to(device)
+        mha = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, position=encoding, **options).to(device)
     if not isinstance(encoding, InputEncoding):
         return [mha], lambda x: mha(x, x, x)
     encoding = encoding.to(device)
@@ -105,6 +124,8 @@ def attention_kernel(call, device: torch.device, *, training: bool) -> str:
         call(x)
     keys = {event.key for event in prof.key_averages()}
     fused = tuple(f"aten::_scaled_dot_product_{kind}" for kind in ("flash", "efficient", "cudnn"))
+    if "selfattn::blockwise_attention" in keys:
+        return "blockwise, fused" if any(k.startswith(fused) for k in keys) else "blockwise, explicit"
     if any(k.startswith(fused) for k in keys):
         return "fused SDPA"
     if "aten::_scaled_dot_product_attention_math" in keys:
@@ -116,7 +137,7 @@ def specs() -> list[tuple[str, str | None, dict]]:
     """(label, registry name, options) of every row; name None is attention with no encoding at all."""
     rows: list[tuple[str, str | None, dict]] = [("(no encoding)", None, {})]
     rows += [(name, name, {}) for name in NAMES]
-    rows += [variant for variant in VARIANTS if variant[1] in NAMES]
+    rows += [variant for variant in VARIANTS if variant[1] is None or variant[1] in NAMES]
     return rows
 
 
@@ -135,13 +156,17 @@ def entries(max_len: int, only: str | None = None) -> list[tuple[str, nn.Module 
 
 def run_speed(args, device: torch.device) -> tuple[str, dict]:
     built = entries(max(args.sizes))
+    if args.only:
+        wanted = {"(no encoding)", *args.only.split(",")}
+        built = [(label, encoding) for label, encoding in built if label in wanted]
     calls, kernels = {}, {}
     for label, encoding in built:
-        modules, call = contender(encoding, device)
+        modules, call = contender(encoding, device, options=ATTENTION_OPTIONS.get(label))
         params = [p for m in modules for p in m.parameters()]
         calls[label] = (call, params)
         kernels[label] = " / ".join(attention_kernel(call, device, training=t) for t in (True, False))
     kinds = {label: ("-" if e is None else type(e).__name__ + f" ({e.acts_on})") for label, e in built}
+    kinds.update({label: "attention dropout" for label in ATTENTION_OPTIONS if label in kinds})
 
     results, spread = {}, {}
     for n in args.sizes:
@@ -177,8 +202,19 @@ def run_speed(args, device: torch.device) -> tuple[str, dict]:
                 cell = f"{r[label] / r['(no encoding)']:.2f}"
                 row.append(cell + (f" ({ms(r[label])} ms)" if label == "(no encoding)" else ""))
         rows.append(row)
+    largest = max(args.sizes)
+    final = results[("fwd+bwd", largest)]
+    goal_rows = [
+        [label, f"{final[label] / final['(no encoding)']:.2f}", f"<= {goal:.2f}", verdict(final[label] / final["(no encoding)"] <= goal)]
+        for label, goal in SPEED_GOALS
+        if label in final
+    ]
     text = "\n".join(
         [
+            f"**Goals of the blockwise path**: forward+backward at n={largest}, ratio to no encoding in this run:",
+            "",
+            table(["row", "ratio", "goal", "verdict"], goal_rows),
+            "",
             f"**Time relative to the same attention with no encoding** (1.00 = no extra cost; b={BATCH}, "
             f"d={NUM_HIDDENS}, {NUM_HEADS} heads, fp32, self-attention, training mode; the no-encoding row "
             "gives its absolute time):",
@@ -187,54 +223,66 @@ def run_speed(args, device: torch.device) -> tuple[str, dict]:
             "",
             spread_note(spread),
             "",
-            "`attention kernel`, with autograd on / off: `fused SDPA` is the flash kernel of "
-            "`scaled_dot_product_attention` (a score term goes in as its float mask); `SDPA math` is its "
-            "fallback that materializes the scores (taken when the bias needs a gradient); `explicit` is "
-            "selfattn's matmul-softmax-matmul (Shaw's value term needs the weights).",
+            "`attention kernel`, with autograd on / off, read from the profiler in the forward pass: `fused SDPA` "
+            "is one call of the flash kernel of `scaled_dot_product_attention`; `blockwise, fused` is "
+            "`selfattn.functional.blockwise_attention` handing each block of queries and its bias (a float mask) "
+            "to that kernel; `blockwise, explicit` computes each block's scores itself (Shaw's value term and "
+            "dropout need the weights). A learnable bias (T5, Kerple, FIRE, Shaw's keys) runs a fused forward "
+            "and an explicit blockwise backward that reduces the score gradient into its parameters.",
             "",
         ]
     )
     return text, {"results": results}
 
 
-def memory_child(label: str, n: int, allowed_bytes: int) -> dict:
-    """One forward at b=1 (eval, no_grad) of attention with the encoding called ``label``."""
+def memory_child(label: str, n: int, mode: str, allowed_bytes: int) -> dict:
+    """At b=1, one forward (``fwd``: eval, no_grad) or forward+backward (``train``) of the row ``label``."""
     from _common import measure_peak_rss
 
-    torch.set_grad_enabled(False)
+    train = mode == "train"
+    torch.set_grad_enabled(train)
     encoding = dict(entries(n, only=label))[label]
-    modules, call = contender(encoding, torch.device("cpu"))
+    modules, call = contender(encoding, torch.device("cpu"), options=ATTENTION_OPTIONS.get(label))
     for m in modules:
-        m.eval()
-    call(torch.randn(1, 64, NUM_HIDDENS))  # load kernels outside the measurement
-    x = torch.randn(1, n, NUM_HIDDENS, generator=torch.Generator().manual_seed(n))
+        m.train(train)
+    gen = torch.Generator().manual_seed(n)
+    warm = torch.randn(1, 64, NUM_HIDDENS, requires_grad=train)
+    x = torch.randn(1, n, NUM_HIDDENS, generator=gen).requires_grad_(train)
+    grad = torch.randn(1, n, NUM_HIDDENS, generator=gen)
+    if train:  # load kernels outside the measurement
+        call(warm).sum().backward()
+        return measure_peak_rss(lambda: call(x).backward(grad), allowed_bytes)
+    call(warm)
     return measure_peak_rss(lambda: call(x), allowed_bytes)
 
 
 def run_memory(args) -> tuple[str, dict]:
-    n = args.memory_n
-    labels = ["(no encoding)", "shaw"] + [label for label, name, _ in VARIANTS if name == "shaw"]
-    measured = {}
-    for label in labels:
+    measured, rows = {}, []
+    for label, n, mode, goal in args.memory_cases:
         allowed, available = memory_headroom(args.memory_margin_gib)
-        log(f"memory {label} n={n} (allowed {allowed / GIB:.1f} GiB)")
-        measured[label] = run_memory_child(Path(__file__), [label, str(n)], allowed)
-        log(f"  {measured[label]}")
+        allowed = min(allowed, int(args.memory_cap_gib * GIB))  # never near what the machine has
+        log(f"memory {label} n={n} {mode} (allowed {allowed / GIB:.1f} GiB)")
+        r = run_memory_child(Path(__file__), [label, str(n), mode], allowed, timeout_s=args.memory_timeout_s)
+        log(f"  {r}")
+        measured[(label, n, mode)] = r
+        peak = size(r["peak_bytes"]) if "peak_bytes" in r else f"failed: {r.get('error')}"
+        seconds = f"{r['seconds']:.1f}" if "seconds" in r else "-"
+        met = "-" if goal is None else (verdict("peak_bytes" in r and r["peak_bytes"] <= goal * GIB) + f" (<= {goal} GiB)")
+        rows.append([label, str(n), "forward+backward" if mode == "train" else "forward", peak, seconds, met])
+    n = 4096
     scores = NUM_HEADS * n * n * 4
     materialized = n * n * (NUM_HIDDENS // NUM_HEADS) * 4
-    rows = [
-        [label, size(r["peak_bytes"]) if "peak_bytes" in r else f"failed: {r.get('error')}"]
-        for label, r in measured.items()
-    ]
     text = "\n".join(
         [
-            f"**Peak memory of one forward at n={n}**, b=1, eval + `torch.no_grad()`, one process each "
-            "(growth of the resident set during the call):",
+            "**Peak memory**, b=1, one process each (growth of the resident set during the call, over the "
+            "inputs and their gradient); `forward` is eval + `torch.no_grad()`, `forward+backward` is training "
+            f"mode. Each process may use at most {args.memory_cap_gib:.0f} GiB; past that it fails instead:",
             "",
-            table(["encoding", "peak"], rows),
+            table(["row", "n", "pass", "peak", "seconds", "goal"], rows),
             "",
-            f"For scale: one fp32 `(h, n, n)` score tensor is {size(scores)}; materializing Shaw's "
-            f"`(n, n, dh)` embeddings would take {size(materialized)} on its own.",
+            f"For scale: at n={n} one fp32 `(h, n, n)` score tensor is {size(scores)} (at n=32768, "
+            f"{size(NUM_HEADS * 32768**2 * 4)}); materializing Shaw's `(n, n, dh)` embeddings at n={n} would take "
+            f"{size(materialized)} on its own.",
             "",
         ]
     )
@@ -246,16 +294,29 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="small n, few repeats; prints only, unless --output")
     parser.add_argument("--output", help=f"markdown file to update (default {BENCHMARKS_MD.name}; none with --quick)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (memory is measured on CPU only)")
-    parser.add_argument("--skip-memory", action="store_true", help="leave out Shaw's peak-memory subprocess")
+    parser.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory subprocesses")
     parser.add_argument("--memory-margin-gib", type=float, default=4.0, help="RAM left free for others (GiB)")
-    parser.add_argument("--memory-child", nargs=3, metavar=("LABEL", "N", "ALLOWED_BYTES"), help=argparse.SUPPRESS)
+    parser.add_argument("--memory-cap-gib", type=float, default=6.0, help="most RAM one memory case may use (GiB)")
+    parser.add_argument("--memory-timeout-s", type=float, default=1800.0, help="give up on a memory case after this long")
+    parser.add_argument("--skip-speed", action="store_true", help="measure peak memory only (its own section)")
+    parser.add_argument("--only", help="comma-separated row labels to time (default: all)")
+    parser.add_argument("--min-repeats", type=int, help="timed rounds at least (default 4; 2 with --quick)")
+    parser.add_argument("--sizes", dest="sizes_arg", help="comma-separated sequence lengths to time (default 1024,4096)")
+    parser.add_argument("--memory-child", nargs=4, metavar=("LABEL", "N", "MODE", "ALLOWED_BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.memory_n = [128, 256], 512
+        args.sizes = [128, 256]
+        args.memory_cases = [(label, n // 64, mode, goal) for label, n, mode, goal in MEMORY_CASES]
         args.timing = {"min_repeats": 2, "max_repeats": 3, "budget_s": 0.5}
     else:
-        args.sizes, args.memory_n = [1024, 4096], 4096
+        args.sizes = [1024, 4096]
+        args.memory_cases = MEMORY_CASES
         args.timing = {"min_repeats": 4, "max_repeats": 10, "budget_s": 5.0}
+    if args.min_repeats:
+        args.timing["min_repeats"] = args.min_repeats
+        args.timing["max_repeats"] = max(args.timing["max_repeats"], args.min_repeats)
+    if args.sizes_arg:
+        args.sizes = [int(n) for n in args.sizes_arg.split(",")]
     if args.output is None and not args.quick:
         args.output = str(BENCHMARKS_MD)
     return args
@@ -266,21 +327,23 @@ def main(argv=None) -> int:
     if args.memory_child:
         import json
 
-        label, n, allowed = args.memory_child
-        print(json.dumps(memory_child(label, int(n), int(allowed))))
+        label, n, mode, allowed = args.memory_child
+        print(json.dumps(memory_child(label, int(n), mode, int(allowed))))
         return 0
     device = resolve_device(args.device)
     started = time.perf_counter()
     header = machine_lines(device)
-    speed_text, _ = run_speed(args, device)
+    speed_text = "" if args.skip_speed else run_speed(args, device)[0]
     if args.skip_memory or device.type != "cpu":
         memory_text = "*Peak memory not measured in this run.*\n"
     else:
         memory_text, _ = run_memory(args)
-    parts = [f"## Positional encodings inside attention ({device.type}{', quick smoke run' if args.quick else ''})", ""]
+    title = "Peak memory of positional encodings inside attention" if args.skip_speed else "Positional encodings inside attention"
+    parts = [f"## {title} ({device.type}{', quick smoke run' if args.quick else ''})", ""]
     parts += [*header, f"- load average at end: {load_average()}; wall time {time.perf_counter() - started:.0f} s", ""]
     parts += [speed_text, memory_text]
-    emit("\n".join(parts), output=args.output, section=f"positional-{device.type}")
+    section = f"positional-memory-{device.type}" if args.skip_speed else f"positional-{device.type}"
+    emit("\n".join(parts), output=args.output, section=section)
     return 0
 
 

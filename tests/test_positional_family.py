@@ -10,17 +10,20 @@ import torch
 import torch.nn.functional as F
 
 from selfattn import KVCache, MultiHeadAttention
+from selfattn.functional import _blockwise as blockwise
 from selfattn.positional import NAMES, InputEncoding, QueryKeyEncoding, ScoreEncoding, build
 
 NUM_HIDDENS, NUM_HEADS, LENGTH, BATCH = 16, 4, 6, 2
 # rotary3d needs a head size of at least 6 (2 features per axis); tests/test_rotary_variants.py covers it.
 NAMES = tuple(name for name in NAMES if name != "rotary3d")
 GRIDS = {"sinusoidal2d": (2, 3), "sinusoidal3d": (3, 1, 2)}  # LENGTH tokens in raster order
-RELATIVE = {"none", "rotary", "alibi", "t5", "shaw", "xpos", "rotary2d", "rotary3d"}
+RELATIVE = {"none", "rotary", "alibi", "t5", "shaw", "xpos", "rotary2d", "rotary3d", "kerple"}
 PARAMETERS = {
     "learned": {"weight"},
     "t5": {"relative_attention_bias.weight"},
     "shaw": {"key_embeddings", "value_embeddings"},
+    "kerple": {"raw_r1", "raw_r2"},
+    "fire": {"mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "raw_c", "raw_threshold"},
 }
 BUFFERS = {
     "sinusoidal": {"P"},
@@ -176,16 +179,26 @@ def test_runs_on_the_gpu(name):
         ("t5", {}, True),
         ("shaw", {"values": False}, True),
         ("shaw", {}, False),
+        ("kerple", {}, True),
+        ("fire", {}, True),
     ],
 )
 def test_score_terms_reach_the_fused_kernel(name, options, fused):
     encoding, mha = make(name, **options)
     x = inputs()
-    with mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as spy:
+    if not isinstance(encoding, ScoreEncoding):
+        with mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as spy:
+            with torch.no_grad():
+                mha(x, x, x, torch.tensor([4, 6]), causal=True)
+        assert spy.called == fused
+        return
+    # Score terms go blockwise, each block to the CPU flash kernel with its bias as a float mask.
+    flash = blockwise._flash_forward
+    with mock.patch.object(blockwise, "_flash_forward", wraps=flash) as spy:
         with torch.no_grad():
             mha(x, x, x, torch.tensor([4, 6]), causal=True)
     assert spy.called == fused
-    if fused and isinstance(encoding, ScoreEncoding):
+    if fused:
         assert spy.call_args.kwargs["attn_mask"].is_floating_point()
 
 
@@ -203,6 +216,8 @@ def test_kinds_and_derived_sizes():
         "sinusoidal3d": "input",
         "xpos": "query_key",
         "rotary2d": "query_key",
+        "kerple": "scores",
+        "fire": "scores",
     }
     assert isinstance(build("rotary", num_hiddens=24, num_heads=3), QueryKeyEncoding)
     assert build("rotary", num_hiddens=24, num_heads=3).head_dim == 8

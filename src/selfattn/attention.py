@@ -16,7 +16,7 @@ from torch import nn
 
 from selfattn._validation import ArgumentTypeError, require_position, require_positive_int, require_probability
 from selfattn.cache import KVCache
-from selfattn.functional import attention, attention_weights
+from selfattn.functional import attention, attention_weights, blockwise_attention, flex_score_attention
 from selfattn.functional._attention import _repeat_kv
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
 
@@ -95,8 +95,8 @@ class MultiHeadAttention(nn.Module):
         query_size: feature size of the queries (default ``num_hiddens``).
         key_size: feature size of the keys (default ``num_hiddens``).
         value_size: feature size of the values (default ``num_hiddens``).
-        position: a query/key encoding (rotary) or a score encoding (ALiBi, T5, Shaw) applied
-            inside attention. Encodings added to the input are applied by the caller.
+        position: a query/key encoding (rotary) or a score encoding (ALiBi, T5, Shaw, Kerple,
+            FIRE) applied inside attention. Encodings added to the input are applied by the caller.
         num_kv_heads: heads of the keys and values ``hk`` (grouped-query attention; 1 is
             multi-query attention); must divide ``num_heads``. Key/value head ``j`` serves
             query heads ``j * g .. j * g + g - 1`` (``g = h / hk``, as Llama's ``repeat_kv``),
@@ -108,6 +108,8 @@ class MultiHeadAttention(nn.Module):
         device: where the parameters are created (``"meta"`` for deferred initialization,
             then ``to_empty()`` and :meth:`reset_parameters`).
         dtype: dtype of the parameters.
+        block_size: queries per block when attention goes blockwise (score encodings, dropout);
+            default :func:`~selfattn.functional.choose_block_size` from the sizes of each call.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class MultiHeadAttention(nn.Module):
         position: PositionalEncoding | None = None,
         num_kv_heads: int | None = None,
         window: int | None = None,
+        block_size: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -147,6 +150,7 @@ class MultiHeadAttention(nn.Module):
                 "(add input encodings to the input instead)"
             )
         self.position = position
+        self.block_size = None if block_size is None else require_positive_int("block_size", block_size)
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         kv_hiddens = self.num_kv_heads * self.head_dim
         self.W_q = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory)
@@ -563,6 +567,22 @@ class MultiHeadAttention(nn.Module):
                 return self._banded(q, q_positions, keys, valid_lens, document_ids, causal, dropout_p), None
 
         mask, leave_causal = self._visibility(q.shape[-2], keys, valid_lens, attn_mask, document_ids, causal)
+        score = self.position if isinstance(self.position, ScoreEncoding) else None
+        extra_bias = attn_mask is not None and attn_mask.is_floating_point()
+        if not return_weights and not extra_bias and (score is not None or dropout_p > 0):
+            k, v = _repeat_kv(q, keys.k), _repeat_kv(q, keys.v)  # (b, h, lk, dh)
+            if q.device.type == "cuda" and score is not None and not score.uses_weights and dropout_p == 0:
+                out = flex_score_attention(
+                    q, k, v, term=score, q_positions=q_positions, k_positions=keys.positions, mask=mask,
+                    causal=leave_causal,
+                )  # fmt: skip
+            else:
+                # Score terms and dropout go blockwise: O(block) memory, fused kernel per block where it can.
+                out = blockwise_attention(
+                    q, k, v, term=score, q_positions=q_positions, k_positions=keys.positions, mask=mask,
+                    causal=leave_causal, dropout_p=dropout_p, block_size=self.block_size,
+                )  # fmt: skip
+            return out, None
         bias = self._bias(q, q_positions, keys, attn_mask)
         if isinstance(self.position, ScoreEncoding) and self.position.uses_weights:
             weights = attention_weights(q, keys.k, mask=mask, bias=bias, causal=leave_causal)

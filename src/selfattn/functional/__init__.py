@@ -1,6 +1,8 @@
 """Pure functions: attention and the tables that positional encodings are built from."""
 
 from selfattn.functional._attention import attention, attention_weights, causal_mask, valid_lens_mask
+from selfattn.functional._blockwise import blockwise_attention, choose_block_size, dropout_keep_probability
+from selfattn.functional._flex import flex_score_attention
 from selfattn.functional._relative import alibi_slopes, relative_distances, relative_shift, t5_relative_bucket
 from selfattn.functional._rotary import (
     apply_axial_rotary,
@@ -17,7 +19,11 @@ __all__ = [
     "apply_rotary",
     "attention",
     "attention_weights",
+    "blockwise_attention",
     "causal_mask",
+    "choose_block_size",
+    "dropout_keep_probability",
+    "flex_score_attention",
     "relative_distances",
     "relative_shift",
     "rotary_angles",

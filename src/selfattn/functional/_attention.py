@@ -19,6 +19,7 @@ from selfattn._validation import (
     require_probability,
     require_tensor,
 )
+from selfattn.functional._blockwise import blockwise_attention
 
 __all__ = ["attention", "attention_weights", "causal_mask", "valid_lens_mask"]
 
@@ -327,8 +328,9 @@ def attention(
     Second-order gradients (``create_graph=True``) work: such a backward pass goes through
     PyTorch's math kernel, whose ops are all differentiable (without dropout).
 
-    Note: ``dropout_p > 0`` makes the fused kernel fall back to PyTorch's O(lq * lk)-memory
-    math path.
+    With ``dropout_p > 0`` (and no ``bias``, 4-D inputs) attention runs blockwise
+    (:func:`~selfattn.functional.blockwise_attention`), in O(block) memory, where PyTorch's
+    kernel would fall back to its O(lq * lk)-memory math path.
 
     Args:
         q: ``(b, h, lq, d)`` queries (any leading dimensions are allowed).
@@ -360,6 +362,16 @@ def attention(
         dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
         return torch.matmul(dropped, v), weights  # (b, h, lq, dv), (b, h, lq, lk)
 
+    if dropout_p > 0 and bias is None and q.dim() == k.dim() == v.dim() == 4:
+        k, v = _repeat_kv(q, k), _repeat_kv(q, v)  # (b, h, lk, d): blocks take every head
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                raise ValueError(
+                    f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
+                )
+            mask = _check_scores_term("mask", mask, q, k)
+        scale = _scale(scale, q.shape[-1])
+        return blockwise_attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, scale=scale)
     mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)
     if q.device.type == "cpu" and q.shape[-2] * k.shape[-2] >= _CONTIGUOUS_HEADS_MIN_PAIRS:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

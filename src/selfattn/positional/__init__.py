@@ -5,14 +5,17 @@
 * rotating queries and keys: :class:`RotaryPositionalEncoding`, :class:`XPosEncoding`,
   :class:`RotaryPositionalEncoding2D` / ``3D`` / ``ND`` (axial, for images and video);
 * terms in the attention scores: :class:`ALiBiPositionalBias`, :class:`T5RelativePositionBias`,
-  :class:`ShawRelativePositionEncoding` (which also adds a term to the values).
+  :class:`ShawRelativePositionEncoding` (which also adds a term to the values),
+  :class:`KerplePositionalBias`, :class:`FIREPositionalBias`.
 
 :func:`build` makes any of them by name (:data:`NAMES`) from the model size and head count.
 """
 
 from selfattn.positional.alibi import ALiBiPositionalBias
 from selfattn.positional.base import InputEncoding, PositionalEncoding, QueryKeyEncoding, ScoreEncoding
+from selfattn.positional.fire import FIREPositionalBias
 from selfattn.positional.identity import NoPositionalEncoding
+from selfattn.positional.kerple import KerplePositionalBias
 from selfattn.positional.layout import convert_rotary_layout
 from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.positional.registry import NAMES, build
@@ -35,7 +38,9 @@ from selfattn.positional.xpos import XPosEncoding
 __all__ = [
     "NAMES",
     "ALiBiPositionalBias",
+    "FIREPositionalBias",
     "InputEncoding",
+    "KerplePositionalBias",
     "LearnedPositionalEncoding",
     "NoPositionalEncoding",
     "PositionalEncoding",

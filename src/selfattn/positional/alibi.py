@@ -73,5 +73,11 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
         bias = -slopes * distance.to(compute_dtype)  # (1 or b, h, lq, lk)
         return bias.to(q.dtype)
 
+    def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        distance = q_positions.long() - k_positions.long()  # i - j
+        if not self.causal:
+            distance = distance.abs()
+        return -self.slopes.float()[heads] * distance.float()
+
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, causal={self.causal}"

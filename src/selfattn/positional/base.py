@@ -16,6 +16,7 @@ Shape legend: b batch, h heads, lq queries, lk keys, dh head size, d model size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
@@ -98,12 +99,21 @@ class ScoreEncoding(PositionalEncoding):
     ``forward(q, *, q_positions, k_positions)`` returns a float bias broadcastable to
     ``(b, h, lq, lk)`` that is added to the *scaled* scores (it may depend on the queries, as
     Shaw's key term does). Encodings that also add to the values set ``uses_weights = True``
-    and implement :meth:`value_term`; attention then takes its explicit path.
+    and implement :meth:`value_term`.
+
+    :class:`~selfattn.MultiHeadAttention` never asks for the whole ``(h, lq, lk)`` term: it
+    calls ``forward`` one block of queries at a time
+    (:func:`~selfattn.functional.blockwise_attention`), and a term with parameters gets its
+    gradient through autograd on each block's bias. So a new score term is one ``forward``.
+    ``is_relative = True`` promises that the term depends on ``j - i`` only: at consecutive
+    positions attention then evaluates it once, on one band, for all blocks.
     """
 
     acts_on = "scores"
     is_relative = True
     uses_weights: ClassVar[bool] = False
+    # Attention evaluates forward() one block of queries at a time (selfattn.functional.blockwise_attention),
+    # so a new score term needs only forward(); pair_bias() adds FlexAttention support.
 
     def forward(
         self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor
@@ -115,3 +125,32 @@ class ScoreEncoding(PositionalEncoding):
     ) -> torch.Tensor:
         """``(b, h, lq, dh)`` added to the attention output, from the ``(b, h, lq, lk)`` weights."""
         raise NotImplementedError(f"{type(self).__name__} adds nothing to the values")
+
+    def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """The term for head indices and positions given as broadcastable integer tensors, elementwise.
+
+        This is what a FlexAttention ``score_mod`` evaluates (:meth:`to_score_mod`); the result
+        has the broadcast shape of the three arguments.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no elementwise form")
+
+    def to_score_mod(
+        self, *, q_positions: torch.Tensor, k_positions: torch.Tensor, q: torch.Tensor | None = None
+    ) -> tuple[Callable[..., torch.Tensor], list[nn.Parameter]]:
+        """A FlexAttention ``score_mod`` adding this term, and the parameters it closes over.
+
+        ``score_mod(score, b, h, q_idx, kv_idx)`` returns ``score + term`` for the query at
+        ``q_positions[q_idx]`` and the key at ``k_positions[kv_idx]`` (positions ``(l,)``, or
+        ``(b, l)`` indexed by the batch index too). ``q`` is needed only by terms that read the
+        queries (Shaw).
+        """
+        del q  # a pair term does not read the queries
+
+        def score_mod(
+            score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            i = q_positions[q_idx] if q_positions.dim() == 1 else q_positions[b, q_idx]
+            j = k_positions[kv_idx] if k_positions.dim() == 1 else k_positions[b, kv_idx]
+            return score + self.pair_bias(h, i, j).to(score.dtype)
+
+        return score_mod, list(self.parameters())

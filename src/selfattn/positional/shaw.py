@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -113,6 +114,32 @@ class ShawRelativePositionEncoding(ScoreEncoding):
         per_distance = weights.new_zeros(*weights.shape[:-1], self.value_embeddings.shape[0])  # (b, h, lq, 2k+1)
         per_distance.scatter_add_(-1, index.expand(weights.shape), weights)
         return torch.matmul(per_distance, self.value_embeddings.to(weights.dtype))  # (b, h, lq, dh)
+
+    def to_score_mod(
+        self, *, q_positions: torch.Tensor, k_positions: torch.Tensor, q: torch.Tensor | None = None
+    ) -> tuple[Callable[..., torch.Tensor], list[nn.Parameter]]:
+        """A FlexAttention ``score_mod`` adding the key term ``q_i . a^K_ij / sqrt(dh)``.
+
+        The queries are needed (``q``, ``(b, h, lq, dh)``): the ``(b, h, lq, 2k + 1)`` products
+        with every embedding are computed once and the ``score_mod`` picks one per pair. The
+        value term cannot be written as a ``score_mod``.
+        """
+        if q is None:
+            raise ValueError("q is required: Shaw's key term reads the queries")
+        self._check_heads("q", q)
+        if self.key_embeddings is None:
+            return (lambda score, b, h, q_idx, kv_idx: score), []
+        by_distance = torch.matmul(q, self.key_embeddings.to(q.dtype).t()) / math.sqrt(self.head_dim)  # (b, h, lq, 2k+1)
+
+        def score_mod(
+            score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            i = q_positions[q_idx] if q_positions.dim() == 1 else q_positions[b, q_idx]
+            j = k_positions[kv_idx] if k_positions.dim() == 1 else k_positions[b, kv_idx]
+            row = (j.long() - i.long()).clamp(-self.max_distance, self.max_distance) + self.max_distance
+            return score + by_distance[b, h, q_idx, row].to(score.dtype)
+
+        return score_mod, [self.key_embeddings]
 
     def extra_repr(self) -> str:
         return (

@@ -78,6 +78,10 @@ class T5RelativePositionBias(ScoreEncoding):
             return bias.transpose(0, 1).to(q.dtype)  # (b, h, lq, lk)
         return bias.to(q.dtype)[None]  # (1, h, lq, lk)
 
+    def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        buckets = t5_relative_bucket(k_positions.long() - q_positions.long(), **self._bucket_options())
+        return self.relative_attention_bias.weight[buckets, heads]
+
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "

@@ -1,0 +1,508 @@
+"""Blockwise attention: score terms, learnable biases, value terms and dropout in O(block) memory.
+
+The fused kernel takes a plain float mask and nothing else: a bias that needs a gradient, a
+term added to the values (Shaw) or dropout send ``scaled_dot_product_attention`` to a path
+that holds every ``(b, h, lq, lk)`` score at once. :func:`blockwise_attention` instead walks
+over blocks of queries. For each block it asks the score term for its bias at those query
+positions and the keys they may see (a block is just a smaller call of the encoding), and
+
+* with no gradient to give the bias, no value term and no dropout, hands the block and its
+  bias (a float mask) to the CPU flash kernel, forward and backward;
+* otherwise computes the block's scores, probabilities and output explicitly, and in the
+  backward pass recomputes them from the saved log-sum-exp, so nothing of size
+  ``(h, lq, lk)`` outlives a block. The gradient of the score term (its parameters, and the
+  queries for Shaw's key term) comes from autograd run on the block's bias alone, so any
+  encoding with parameters gets its gradient without writing one.
+
+Dropout draws a fresh mask per block from a generator seeded by (call seed, block index), so
+the backward pass redraws exactly the forward's mask. The keep test compares 16 random bits
+with a threshold: the drop probability is ``p`` rounded to a multiple of ``2**-16`` (0.1 becomes
+0.100006), and kept weights are divided by the exact keep probability, so the output stays an
+unbiased estimate.
+
+Every query block sees all keys (up to the last one it may see when causal), so each row's
+softmax is finished within its block and no online rescaling is needed; the block size
+(:func:`choose_block_size`) keeps one block's ``(b, h, block, lk)`` scores near 32 MiB.
+
+Shape legend:
+    b: batch, h: heads, lq: queries, lk: keys, d: head size, dv: value size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from selfattn._validation import require_positive_int, require_probability
+
+__all__ = ["ScoreTerm", "blockwise_attention", "choose_block_size", "dropout_keep_probability"]
+
+# One block's (b, h, block, lk) scores in the compute dtype stay near this many bytes.
+BLOCK_BYTES = 32 * 2**20
+MIN_BLOCK, MAX_BLOCK = 16, 512
+
+_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class ScoreTerm(Protocol):
+    """What blockwise attention needs from a score encoding (any :class:`~selfattn.positional.ScoreEncoding`).
+
+    ``term(q, q_positions=..., k_positions=...)`` returns the bias for those positions,
+    broadcastable to ``(b, h, lq, lk)``; positions are integer ``(..., lq)`` / ``(..., lk)``.
+    """
+
+    def __call__(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor: ...
+
+    def value_term(
+        self, weights: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def parameters(self) -> Any: ...
+
+
+def choose_block_size(batch: int, heads: int, num_queries: int, num_keys: int, *, dtype: torch.dtype) -> int:
+    """Queries per block: the largest power of two whose ``(b, h, block, lk)`` scores fit 32 MiB.
+
+    The scores are counted in the compute dtype (float32 for half precision), then the block
+    is clamped to ``[16, 512]`` and to ``lq``. So b=2, 8 heads, lk=4096 in float32 gives 128
+    queries per block, and b=1, 8 heads, lk=32768 gives 32.
+    """
+    itemsize = torch.empty(0, dtype=_compute_dtype(dtype)).element_size()
+    per_query = max(batch * heads * num_keys * itemsize, 1)
+    rows = max(BLOCK_BYTES // per_query, 1)
+    block = 1 << (rows.bit_length() - 1)  # largest power of two <= rows
+    return max(1, min(num_queries, max(MIN_BLOCK, min(MAX_BLOCK, block))))
+
+
+def dropout_keep_probability(p: float) -> float:
+    """The keep probability blockwise dropout really uses: ``1 - p`` with ``p`` on a ``2**-16`` grid."""
+    return (65536 - _drop_units(p)) / 65536
+
+
+def _drop_units(p: float) -> int:
+    return min(round(p * 65536), 65535)
+
+
+def _keep_mask(shape: Sequence[int], seed: int, p: float, device: torch.device) -> torch.Tensor:
+    """Bool mask, True = keep, from 16 random bits per entry (four per 64-bit draw)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    count = math.prod(shape)
+    bits = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
+    bits.random_(-(2**63), None, generator=generator)  # the full 64-bit range
+    lanes = bits.view(torch.int16)[:count].view(*shape)
+    return lanes >= _drop_units(p) - 32768
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+@dataclass
+class _Plan:
+    """Everything about one call that is not a tensor needing a gradient."""
+
+    term: ScoreTerm | None
+    q_positions: torch.Tensor | None
+    k_positions: torch.Tensor | None
+    mask: torch.Tensor | None
+    valid_lens: torch.Tensor | None
+    causal: bool
+    scale: float
+    block: int
+    dropout_p: float
+    seed: int
+    bias_needs_grad: bool
+    queries_in_term: bool
+    value_term: bool
+    num_queries: int
+    num_keys: int
+    on_cpu: bool
+    band_base: int | None = None  # set when the term is read from one band (see band())
+
+    @property
+    def last_start(self) -> int:
+        return (self.num_queries - 1) // self.block * self.block
+
+    def band(self, q: torch.Tensor) -> torch.Tensor:
+        """The term for every block at once, ``(1 or b, h, block, last_start + lk)``.
+
+        For a term of ``j - i`` alone (``is_relative``) at consecutive positions, block ``s``'s
+        bias is the window ``[last_start - s, last_start - s + lk)`` of the columns of one band:
+        row ``r``, column ``m`` holds the term for query position ``r`` and key position
+        ``m + band_base``. The band is built once per pass instead of once per block.
+        """
+        assert self.term is not None and self.band_base is not None
+        rows = torch.arange(self.block, device=q.device)  # (block,)
+        columns = torch.arange(self.last_start + self.num_keys, device=q.device) + self.band_base  # (width,)
+        band = _as_4d(self.term(q[:1, :, : self.block], q_positions=rows, k_positions=columns))
+        return band.expand(*band.shape[:2], rows.shape[0], columns.shape[0])
+
+    def hide_future(self, band: torch.Tensor) -> torch.Tensor:
+        """``band`` with ``-inf`` on keys a causal query may not see (a function of ``j - i`` too)."""
+        if not self.causal:
+            return band
+        rows = torch.arange(band.shape[-2], device=band.device)[:, None]  # (block, 1)
+        columns = torch.arange(band.shape[-1], device=band.device)  # (width,)
+        hidden = columns > rows + self.last_start + self.num_keys - self.num_queries  # (block, width)
+        return band.masked_fill(hidden, float("-inf"))
+
+    def window(self, band: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor:
+        """Block ``start``'s ``(1 or b, h, end - start, keys)`` bias: a view of the band."""
+        first = self.last_start - start
+        return band[..., : end - start, first : first + keys]
+
+    @property
+    def flash_forward(self) -> bool:
+        """Whether the forward hands blocks to the CPU flash kernel (it takes no value term, no dropout)."""
+        return self.on_cpu and self.dropout_p == 0.0 and not self.value_term
+
+    @property
+    def flash_backward(self) -> bool:
+        return self.flash_forward and not self.bias_needs_grad
+
+    def blocks(self) -> list[tuple[int, int, int, int]]:
+        """``(index, first query, end query, end key)`` of every block."""
+        out = []
+        for index, start in enumerate(range(0, self.num_queries, self.block)):
+            end = min(start + self.block, self.num_queries)
+            keys = self.num_keys
+            if self.causal:  # the last query of the block sees keys j <= end - 1 + lk - lq
+                keys = min(keys, max(end + self.num_keys - self.num_queries, 1))
+            out.append((index, start, end, keys))
+        return out
+
+    def bias(self, q: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor | None:
+        if self.term is None:
+            return None
+        assert self.q_positions is not None and self.k_positions is not None
+        return self.term(q, q_positions=self.q_positions[..., start:end], k_positions=self.k_positions[..., :keys])
+
+    def value(self, weights: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor:
+        assert self.term is not None and self.q_positions is not None and self.k_positions is not None
+        return self.term.value_term(
+            weights, q_positions=self.q_positions[..., start:end], k_positions=self.k_positions[..., :keys]
+        )
+
+    def visible(self, start: int, end: int, keys: int, device: torch.device) -> torch.Tensor | None:
+        """Bool, True = attend, broadcastable to ``(b, h, block, keys)``; None when all are visible.
+
+        With a band the causal part is already in the band's ``-inf`` and is left out here.
+        """
+        visible = None
+        columns = torch.arange(keys, device=device)  # (keys,)
+        if self.causal and self.band_base is None:
+            rows = torch.arange(start, end, device=device)[:, None]  # (block, 1)
+            visible = columns <= rows + (self.num_keys - self.num_queries)  # (block, keys)
+        if self.valid_lens is not None:
+            if self.valid_lens.dim() == 1:
+                by_length = (columns < self.valid_lens[:, None])[:, None, None, :]  # (b, 1, 1, keys)
+            else:
+                by_length = (columns < self.valid_lens[:, start:end, None])[:, None]  # (b, 1, block, keys)
+            visible = by_length if visible is None else visible & by_length
+        if self.mask is not None:
+            rows_slice = slice(start, end) if self.mask.shape[-2] != 1 else slice(None)
+            given = self.mask[..., rows_slice, :keys]
+            visible = given if visible is None else visible & given
+        return visible
+
+    def keep(self, index: int, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+        return _keep_mask(shape, (self.seed + index * 0x9E3779B1) % 2**63, self.dropout_p, device)
+
+
+def _settle_empty_rows(visible: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Let rows that see no key see every key (kept finite), and return them to be zeroed after."""
+    if visible is None:
+        return None, None
+    empty = ~visible.any(dim=-1, keepdim=True)  # (..., block, 1)
+    if not bool(empty.any()):
+        return visible, None
+    return visible | empty, empty
+
+
+def _float_mask(bias: torch.Tensor | None, visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The 4-D float mask the flash kernel takes: the bias, -inf where a key is hidden."""
+    if bias is None and visible is None:
+        return None
+    if bias is None:
+        assert visible is not None
+        zeros = torch.zeros((), dtype=dtype, device=visible.device)
+        return _as_4d(zeros.masked_fill(~visible, float("-inf")))
+    bias = bias.to(dtype)
+    return _as_4d(bias if visible is None else bias.masked_fill(~visible, float("-inf")))
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, visible: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)  # (b, h, block, keys)
+    if bias is not None:
+        scores = scores.add_(bias.to(scores.dtype))
+    if visible is not None:
+        scores = scores.masked_fill_(~visible, float("-inf"))
+    return scores
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        compute = _compute_dtype(q.dtype)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (b, h, lq, dv)
+        out_compute = out if compute == q.dtype else out.to(compute)
+        lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)  # (b, h, lq)
+        inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
+        band = None if plan.band_base is None else plan.hide_future(plan.band(q[:1, :, : plan.block].to(compute)))
+        for index, start, end, keys in plan.blocks():
+            qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
+            visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
+            if plan.flash_forward:
+                bias = plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
+                mask = _float_mask(bias, visible, compute)
+                block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
+                block_lse = block_lse.to(compute)
+                # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
+                query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
+                block_out = block_out + query_sums.mul(0).to(block_out.dtype)
+            else:
+                qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
+                bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
+                scores = _scores(qc, kc, bias, visible, plan.scale)
+                block_lse = torch.logsumexp(scores, dim=-1)  # (b, h, block)
+                weights = scores.sub_(block_lse[..., None]).exp_()  # (b, h, block, keys)
+                if plan.dropout_p > 0:
+                    weights = weights.mul_(plan.keep(index, weights.shape, q.device)).mul_(inverse_keep)
+                block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
+                if plan.value_term:
+                    block_out = block_out + plan.value(weights, start, end, keys)
+            if empty is not None:
+                block_out = block_out.masked_fill(empty, 0.0)
+            out[..., start:end, :] = block_out
+            if out_compute is not out:
+                out_compute[..., start:end, :] = block_out
+            lse[..., start:end] = block_lse
+        ctx.plan = plan
+        ctx.num_params = len(params)
+        ctx.save_for_backward(q, k, v, out_compute, lse, *params)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan: _Plan = ctx.plan
+        q, k, v, out, lse, *params = ctx.saved_tensors
+        compute = _compute_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
+        inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
+
+        def accumulate(grads: Sequence[torch.Tensor | None]) -> None:
+            for i, g in enumerate(grads):
+                if g is not None:
+                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+
+        band = band_values = band_grad = None
+        if plan.band_base is not None:
+            with torch.set_grad_enabled(plan.bias_needs_grad):
+                band = plan.band(q[:1, :, : plan.block].to(compute))
+            band_values = plan.hide_future(band.detach())
+            if band.requires_grad:  # the score gradient of every block lands in one band-sized tensor
+                band_grad = torch.zeros(band.shape, dtype=band.dtype, device=band.device)
+
+        for index, start, end, keys in plan.blocks():
+            qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
+            visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
+            gb = grad_out[..., start:end, :]
+            if empty is not None:
+                gb = gb.masked_fill(empty, 0.0)  # the output of an empty row is a constant zero
+            if plan.flash_backward:
+                if band_values is None:
+                    bias = plan.bias(qb.to(compute), start, end, keys)
+                else:
+                    bias = plan.window(band_values, start, end, keys)
+                mask = _float_mask(bias, visible, compute)
+                ob = out[..., start:end, :].to(q.dtype)
+                gq, gk, gv = _flash_backward(
+                    gb.contiguous(), qb, kb, vb, ob, lse[..., start:end], 0.0, False, attn_mask=mask, scale=plan.scale
+                )
+                dq[..., start:end, :] = gq
+                dk[..., :keys, :] += gk
+                dv[..., :keys, :] += gv
+                continue
+
+            qc, kc, vc, gc = qb.to(compute), kb.to(compute), vb.to(compute), gb.to(compute)
+            q_leaf = qc.detach().requires_grad_(plan.queries_in_term)
+            if band_values is None:
+                with torch.set_grad_enabled(plan.bias_needs_grad):
+                    bias = plan.bias(q_leaf, start, end, keys)
+            else:
+                bias = plan.window(band_values, start, end, keys)
+            scores = _scores(qc, kc, None if bias is None else bias.detach(), visible, plan.scale)
+            probs = scores.sub_(lse[..., start:end, None]).exp_()  # (b, h, block, keys)
+            keep = plan.keep(index, probs.shape, q.device) if plan.dropout_p > 0 else None
+            dropped = probs if keep is None else probs * keep * inverse_keep
+            dv[..., :keys, :] += torch.matmul(dropped.transpose(-2, -1), gc)
+            grad_dropped = torch.matmul(gc, vc.transpose(-2, -1))  # (b, h, block, keys)
+            if plan.value_term:
+                with torch.enable_grad():
+                    weights_leaf = dropped.detach().requires_grad_(True)
+                    value = plan.value(weights_leaf, start, end, keys)
+                    grads = torch.autograd.grad(value, [weights_leaf, *params], gc, allow_unused=True)
+                grad_dropped += grads[0]
+                accumulate(grads[1:])
+            grad_probs = grad_dropped if keep is None else grad_dropped.mul_(keep).mul_(inverse_keep)
+            delta = (gc * out[..., start:end, :]).sum(dim=-1, keepdim=True)  # (b, h, block, 1)
+            grad_scores = grad_probs.sub_(delta).mul_(probs)  # (b, h, block, keys)
+            dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
+            dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc) * plan.scale
+            if band_grad is not None:
+                window = plan.window(band_grad, start, end, keys)
+                window += grad_scores.sum_to_size(window.shape)
+            elif bias is not None and bias.requires_grad:
+                inputs = ([q_leaf] if plan.queries_in_term else []) + list(params)
+                grads = torch.autograd.grad(bias, inputs, grad_scores.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True)
+                if plan.queries_in_term:
+                    if grads[0] is not None:
+                        dq[..., start:end, :] += grads[0]
+                    grads = grads[1:]
+                accumulate(grads)
+        if band is not None and band_grad is not None:
+            accumulate(torch.autograd.grad(band, params, band_grad, allow_unused=True))
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *param_grads)
+
+
+def _consecutive(positions: torch.Tensor) -> int | None:
+    """The first position if ``positions`` is ``(l,)`` and counts up by one, else None."""
+    if positions.dim() != 1 or positions.numel() == 0:
+        return None
+    first = int(positions[0])
+    expected = torch.arange(first, first + positions.shape[0], device=positions.device)
+    return first if torch.equal(positions.long(), expected) else None
+
+
+def _term_reads_queries(term: ScoreTerm, q: torch.Tensor, q_positions: torch.Tensor | None, k_positions: torch.Tensor | None) -> bool:
+    """Whether the term's bias depends on the queries (Shaw's key term does), probed on one pair."""
+    assert q_positions is not None and k_positions is not None
+    with torch.enable_grad():
+        probe = q[..., :1, :].detach().to(_compute_dtype(q.dtype)).requires_grad_(True)
+        bias = term(probe, q_positions=q_positions[..., :1], k_positions=k_positions[..., :1])
+        if not bias.requires_grad:
+            return False
+        (grad,) = torch.autograd.grad(bias.sum(), probe, allow_unused=True)
+    return grad is not None
+
+
+def blockwise_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    term: ScoreTerm | None = None,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    valid_lens: torch.Tensor | None = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Attention with a score term, value term and/or dropout, one block of queries at a time.
+
+    Equal to dense attention with the term's full bias (``term(q, q_positions=...,
+    k_positions=...)``) added to the scaled scores, plus its value term for value encodings,
+    while holding only one block of ``(b, h, block, lk)`` scores at a time, in the forward and
+    the backward pass. A query that sees no key gets an output row of zeros.
+
+    Args:
+        q: ``(b, h, lq, d)`` queries.
+        k: ``(b, h, lk, d)`` keys.
+        v: ``(b, h, lk, dv)`` values.
+        term: a score encoding (ALiBi, T5, Shaw, Kerple, FIRE, ...), or None for dropout alone.
+        q_positions: integer ``(lq,)`` or ``(b, lq)`` positions of the queries (default: the
+            last ``lq`` of ``0 .. lk - 1``).
+        k_positions: integer ``(lk,)`` or ``(b, lk)`` positions of the keys (default ``0 .. lk - 1``).
+        mask: bool, True = attend, broadcastable to ``(b, h, lq, lk)``.
+        valid_lens: ``(b,)`` or ``(b, lq)``: key ``j`` is visible iff ``j < valid_len``.
+        causal: query ``i`` attends keys ``j <= i + lk - lq``.
+        dropout_p: dropout on the attention weights (drawn per block, redrawn identically in
+            the backward pass; see :func:`dropout_keep_probability`).
+        scale: score scale, default ``1 / sqrt(d)``.
+        block_size: queries per block; default :func:`choose_block_size`.
+
+    Returns:
+        ``(b, h, lq, dv)``.
+    """
+    dropout_p = require_probability("dropout_p", dropout_p)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k and v must have shape (batch, heads, length, features), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"q, k, v do not fit together: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+        raise ValueError(f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}")
+    batch, heads, num_queries, head_dim = q.shape
+    num_keys = k.shape[-2]
+    if mask is not None and mask.dim() < 2:
+        mask = mask.reshape(1, -1)  # (1, lk)
+    if block_size is None:
+        block_size = choose_block_size(batch, heads, num_queries, num_keys, dtype=q.dtype)
+    block_size = require_positive_int("block_size", block_size)
+    if term is not None:
+        if k_positions is None:
+            k_positions = torch.arange(num_keys, device=q.device)
+        if q_positions is None:
+            q_positions = torch.arange(num_keys - num_queries, num_keys, device=q.device)
+        if q_positions.shape[-1] != num_queries or k_positions.shape[-1] != num_keys:
+            raise ValueError(
+                f"q_positions and k_positions must end in {num_queries} and {num_keys}, "
+                f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}"
+            )
+    block_size = max(1, min(block_size, num_queries))
+    grad = torch.is_grad_enabled()
+    params = [p for p in term.parameters() if p.requires_grad] if (term is not None and grad) else []
+    reads_queries = term is not None and _term_reads_queries(term, q, q_positions, k_positions)
+    queries_in_term = bool(grad and q.requires_grad and reads_queries)
+    band_base = None
+    if term is not None and getattr(term, "is_relative", False) and not reads_queries and not (causal and num_queries > num_keys):
+        assert q_positions is not None and k_positions is not None
+        first_query, first_key = _consecutive(q_positions), _consecutive(k_positions)
+        if first_query is not None and first_key is not None:
+            last_start = (num_queries - 1) // block_size * block_size
+            band_base = first_key - first_query - last_start
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
+    plan = _Plan(
+        term=term,
+        q_positions=q_positions,
+        k_positions=k_positions,
+        mask=mask,
+        valid_lens=None if valid_lens is None else valid_lens.to(q.device),
+        causal=bool(causal),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        block=block_size,
+        dropout_p=dropout_p,
+        seed=seed,
+        bias_needs_grad=bool(params) or queries_in_term,
+        queries_in_term=queries_in_term,
+        value_term=bool(term is not None and getattr(term, "uses_weights", False)),
+        num_queries=num_queries,
+        num_keys=num_keys,
+        on_cpu=q.device.type == "cpu",
+        band_base=band_base,
+    )
+    with torch.profiler.record_function("selfattn::blockwise_attention"):
+        out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)
+    return out

@@ -1,0 +1,88 @@
+"""FIRE (Li et al. 2023): a small MLP of the log-distance, normalized by the query's position."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfattn._validation import require_positive_int
+from selfattn.positional.base import ScoreEncoding
+
+__all__ = ["FIREPositionalBias"]
+
+
+class FIREPositionalBias(ScoreEncoding):
+    """Adds ``f(psi(|i - j|) / psi(max(i, L)))`` to the scores, with ``psi(x) = log(c x + 1)``.
+
+    ``i`` is the query's position, ``j`` the key's, ``f`` an MLP ``1 -> hidden -> h`` (ReLU)
+    giving one value per head, ``c > 0`` (stored as ``softplus(raw_c)``, starting at 1) and the
+    threshold ``L > 0`` (stored as ``softplus(raw_threshold)``, starting at ``threshold``) are
+    learned. Dividing by ``psi(i)`` maps every query's distances into ``[0, 1]``, which is how
+    FIRE carries over to longer sequences; below ``L`` the divisor stops shrinking. Because of
+    that divisor the term depends on where the query is, not only on ``j - i``:
+    ``is_relative`` is False. Keys after the query count by ``|i - j|`` (causal attention
+    never sees them).
+
+    Args:
+        num_heads: number of heads ``h``.
+        hidden_size: width of the MLP's hidden layer (32 in the paper).
+        threshold: initial ``L``.
+
+    Shape:
+        bias ``(1, h, lq, lk)`` for ``(l,)`` positions.
+    """
+
+    is_relative = False
+
+    def __init__(self, num_heads: int, hidden_size: int = 32, threshold: float = 8.0):
+        super().__init__()
+        self.num_heads = require_positive_int("num_heads", num_heads)
+        self.hidden_size = require_positive_int("hidden_size", hidden_size)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+            raise ValueError(f"threshold must be a positive number, got {threshold!r}")
+        self.initial_threshold = float(threshold)
+        self.mlp = nn.Sequential(nn.Linear(1, self.hidden_size), nn.ReLU(), nn.Linear(self.hidden_size, self.num_heads))
+        self.raw_c = nn.Parameter(torch.empty(()))
+        self.raw_threshold = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Fresh MLP weights (PyTorch's default init), ``c = 1`` and ``L = threshold``."""
+        for layer in self.mlp:
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()
+        with torch.no_grad():
+            for raw, value in ((self.raw_c, 1.0), (self.raw_threshold, self.initial_threshold)):
+                target = torch.tensor(value, dtype=torch.float64)
+                raw.copy_(target + torch.log(-torch.expm1(-target)))  # softplus^-1
+
+    def _normalized_distance(self, q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``psi(|i - j|) / psi(max(i, L))`` for broadcastable integer positions."""
+        c = F.softplus(self.raw_c).to(dtype)
+        threshold = F.softplus(self.raw_threshold).to(dtype)
+        distance = (k_positions.long() - q_positions.long()).abs().to(dtype)
+        query = torch.maximum(q_positions.to(dtype), threshold)
+        return torch.log1p(c * distance) / torch.log1p(c * query)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """``f`` on every entry of ``x``: ``(...)`` -> ``(..., h)``, in ``x``'s dtype."""
+        first, _, second = self.mlp
+        hidden = F.relu(F.linear(x[..., None], first.weight.to(x.dtype), first.bias.to(x.dtype)))  # (..., hidden)
+        return F.linear(hidden, second.weight.to(x.dtype), second.bias.to(x.dtype))  # (..., h)
+
+    def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        heads, q_positions, k_positions = torch.broadcast_tensors(heads, q_positions, k_positions)
+        per_head = self._mlp(self._normalized_distance(q_positions, k_positions, torch.float32))  # (..., h)
+        return per_head.gather(-1, heads.long()[..., None]).squeeze(-1)
+
+    def forward(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        if q.dim() != 4 or q.shape[1] != self.num_heads:
+            raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        x = self._normalized_distance(q_positions[..., :, None], k_positions[..., None, :], compute_dtype)  # (..., lq, lk)
+        bias = self._mlp(x).movedim(-1, -3)  # (..., h, lq, lk)
+        return (bias if bias.dim() == 4 else bias[None]).to(q.dtype)  # (1 or b, h, lq, lk)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, hidden_size={self.hidden_size}"

@@ -1,0 +1,76 @@
+"""Kerple (Chi et al. 2022), log variant: a learned logarithmic penalty on the distance."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfattn._validation import require_positive_int
+from selfattn.functional import alibi_slopes
+from selfattn.positional.base import ScoreEncoding
+
+__all__ = ["KerplePositionalBias"]
+
+def _inverse_softplus(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.log(-torch.expm1(-x))
+
+class KerplePositionalBias(ScoreEncoding):
+    """Adds ``-r1_h * log(1 + r2_h * |i - j|)`` to the scores, with learned ``r1_h, r2_h > 0``.
+
+    ``i`` is the query's position, ``j`` the key's. Both parameters of each head are kept
+    positive as ``softplus`` of the stored values (``raw_r1``, ``raw_r2``, ``(h,)`` each).
+    They start at ``r1 = 1`` and ``r2`` = the head's ALiBi slope, so heads begin at different
+    scales. The term depends on ``j - i`` only: the bias is the same under any shift of
+    positions. Like every score term, attention evaluates it one block of queries at a time.
+
+    Args:
+        num_heads: number of heads ``h``.
+
+    Shape:
+        bias ``(1, h, lq, lk)`` for ``(l,)`` positions.
+    """
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.num_heads = require_positive_int("num_heads", num_heads)
+        self.raw_r1 = nn.Parameter(torch.empty(self.num_heads))
+        self.raw_r2 = nn.Parameter(torch.empty(self.num_heads))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``r1 = 1`` and ``r2`` = the ALiBi slopes."""
+        with torch.no_grad():
+            self.raw_r1.copy_(_inverse_softplus(torch.ones(self.num_heads, dtype=torch.float64)))
+            self.raw_r2.copy_(_inverse_softplus(alibi_slopes(self.num_heads)))
+
+    @property
+    def r1(self) -> torch.Tensor:
+        """``(h,)`` scale of the penalty."""
+        return F.softplus(self.raw_r1)
+
+    @property
+    def r2(self) -> torch.Tensor:
+        """``(h,)`` rate inside the logarithm."""
+        return F.softplus(self.raw_r2)
+
+    def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        distance = (k_positions.long() - q_positions.long()).abs().float()
+        return -self.r1.float()[heads] * torch.log1p(self.r2.float()[heads] * distance)
+
+    def forward(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        if q.dim() != 4 or q.shape[1] != self.num_heads:
+            raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # Integer distances; evaluate the term once per distinct distance, then gather.
+        distance = (k_positions.long()[..., None, :] - q_positions.long()[..., :, None]).abs()  # (..., lq, lk)
+        longest = int(distance.max()) if distance.numel() else 0
+        steps = torch.arange(longest + 1, device=distance.device, dtype=compute_dtype)  # (n_distances,)
+        r1, r2 = self.r1.to(compute_dtype)[:, None], self.r2.to(compute_dtype)[:, None]  # (h, 1)
+        per_distance = -r1 * torch.log1p(r2 * steps)  # (h, n_distances)
+        bias = per_distance[:, distance]  # (h, ..., lq, lk)
+        bias = bias.movedim(0, -3) if distance.dim() > 2 else bias  # (..., h, lq, lk)
+        return (bias if bias.dim() == 4 else bias[None]).to(q.dtype)  # (1 or b, h, lq, lk)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}"
