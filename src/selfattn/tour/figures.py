@@ -25,6 +25,7 @@ __all__ = [
     "comparison_figure",
     "depth_figure",
     "encoding_panel_figure",
+    "note_figure",
     "heatmap_figure",
     "pe_columns_figure",
     "pe_heatmap_figure",
@@ -73,7 +74,8 @@ def _heatmap(
 ) -> None:
     values = np.asarray(values, dtype=float)
     if symmetric:
-        bound = float(np.abs(values).max()) or 1.0
+        bound = float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 1.0
+        bound = bound or 1.0
         imshow_options.update(vmin=-bound, vmax=bound)
     image = ax.imshow(values, cmap=cmap, aspect="auto", interpolation="nearest", **imshow_options)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -119,15 +121,16 @@ def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure
 
 
 def comparison_figure(results: dict) -> Figure:
-    """Section 3: measured FLOPs against n and d, path lengths and wall-clock time (log-log)."""
+    """Section 3: measured FLOPs against n and d, path lengths, parallelism and wall-clock time."""
     sweep = results["sweep"]
     ns, ds = sweep["n"], sweep["d"]
-    fig, axes = _figure(10.5, 7.6, columns=2, rows=2)
+    fig, axes = _figure(10.5, 11.0, columns=2, rows=3)
     panels = [
         (axes[0], ns, "flops_by_n", "flops_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "FLOPs (counted)"),
         (axes[1], ds, "flops_by_d", "flops_exponent_d", f"d (features), n = {sweep['fixed_n']}", "FLOPs (counted)"),
-        (axes[2], ns, "path_length_by_n", "path_length_exponent_n", "n (tokens)", "maximum path length (steps)"),
-        (axes[3], ns, "seconds_by_n", "time_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "forward time (s)"),
+        (axes[2], ns, "path_length_by_n", "path_length_exponent_n", "n (tokens)", "matrix products on the path"),
+        (axes[3], ns, "parallelism_by_n", "parallelism_exponent_n", "n (tokens)", "positions per sequential step"),
+        (axes[4], ns, "seconds_by_n", "time_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "forward time (s)"),
     ]
     for ax, xs, key, exponent_key, xlabel, ylabel in panels:
         for kind, (label, colour, marker) in _LAYER_STYLE.items():
@@ -138,11 +141,27 @@ def comparison_figure(results: dict) -> Figure:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0].set_title("Compute against n (attention: score and value matmuls)")
-    axes[1].set_title("Compute against d")
+    sa = results["self_attention"]
+    crossings = results.get("crossings", {})
+    for ax, xs, key, fixed in ((axes[0], ns, "layer_flops_by_n", "n"), (axes[1], ds, "layer_flops_by_d", "d")):
+        ax.plot(xs, sa[key], linestyle="--", color="tab:green", label="Self-attention layer (8nd² + 4n²d)")
+    for ax, key in ((axes[0], "core_equals_rnn_at_n"), (axes[1], "core_equals_rnn_at_d")):
+        if crossings.get(key):
+            ax.axvline(crossings[key], color="grey", linestyle=":", label=f"core = RNN at {crossings[key]:,.0f}")
+    for kind, (label, colour, _marker) in _LAYER_STYLE.items():
+        rounds = np.asarray(results[kind]["seconds_by_n_rounds"])  # (rounds, len(ns))
+        axes[4].fill_between(ns, rounds.min(0), rounds.max(0), color=colour, alpha=0.2)
+    for ax in axes[:5]:
+        ax.legend(fontsize=7)
+    axes[5].set_axis_off()
+    axes[0].set_title("Compute against n (solid: score and value matmuls)")
+    axes[1].set_title("Compute against d (dashed: whole attention layer)")
     axes[2].set_title(f"Shortest path from input 1 to output n (CNN k = {sweep['fixed_k']})")
-    axes[3].set_title(f"Wall-clock time, 1 thread (slopes from n = {results['cnn']['time_fit_from_n']})")
+    axes[3].set_title("Parallelism: n / sequential operations")
+    axes[4].set_title(
+        f"Wall-clock, 1 thread, {sweep.get('rounds', 1)} rounds (band: spread; slopes from n = "
+        f"{results['cnn']['time_fit_from_n']:,})"
+    )
     return fig
 
 
@@ -283,6 +302,8 @@ def profile_figure(diagnostics: dict) -> Figure:
 def encoding_panel_figure(diagnostics: dict) -> Figure:
     """Section 7: one encoding's position scores, offset profile and attention pattern."""
     name = diagnostics["name"]
+    if diagnostics.get("form"):
+        name = f"{name} ({diagnostics['form']})"
     fig, axes = _figure(13.0, 3.7, columns=3)
     _heatmap(
         fig,
@@ -321,4 +342,32 @@ def depth_figure(depth: dict) -> Figure:
     ax.set_title("Without residual connections the positions collapse")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
+    return fig
+
+
+def note_figure(terms: dict, survival: dict) -> Figure:
+    """The study note's two questions: what each term contributes to the scores, what survives of a token."""
+    fig, axes = _figure(10.5, 3.6, columns=2)
+    labels = ["content-content", "content-position", "position-position"]
+    keys = ["content_content", "content_position", "position_position"]
+    width = 0.8 / len(terms["scales"])
+    for index, entry in enumerate(terms["scales"]):
+        offsets = np.arange(3) + index * width
+        bars = axes[0].bar(offsets, [entry[k] for k in keys], width, label=f"content scale {entry['scale']:g}")
+        axes[0].bar_label(bars, labels=[f"{entry[k]:.0%}" for k in keys], fontsize=7)
+    axes[0].set_xticks(np.arange(3) + width * (len(terms["scales"]) - 1) / 2, labels)
+    axes[0].set_ylabel("share of the scores (squared norm)")
+    axes[0].set_ylim(0, 1.1)
+    axes[0].set_title("Scores of x + P split into three terms")
+    axes[0].legend(fontsize=8)
+    sizes = survival["sizes"]
+    axes[1].plot(sizes, survival["recovered"], marker="o", label="N(0, 1) embeddings (nn.Embedding)")
+    axes[1].plot(sizes, survival["recovered_unit"], marker="s", label="unit-norm embeddings")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_ylim(-0.05, 1.05)
+    axes[1].set_xlabel("model size d")
+    axes[1].set_ylabel("tokens recovered after adding P")
+    axes[1].set_title(f"Nearest of {survival['vocabulary']:,} tokens to E[t] + P[i]")
+    axes[1].legend(fontsize=8)
+    axes[1].grid(True, alpha=0.3)
     return fig

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from selfattn.functional import sinusoidal_table
-from selfattn.tour import checks, comparison, depth, family, qualities
+from selfattn.tour import checks, claims, comparison, depth, embedding, family, frameworks, qualities, taylor
 
 __all__ = ["FULL", "QUICK", "TourSizes", "comparison_lines", "progress_bar", "run_tour", "summary_lines", "verdicts"]
 
@@ -31,35 +32,40 @@ class TourSizes:
         absolute_positions: positions examined for the qualities of section 5.
         depth: layers of the deep stacks of section 8.
         family_steps: positions of section 7's diagnostics.
+        embedding_sizes: model sizes at which token recovery after adding P is measured.
     """
 
     comparison: dict
     absolute_positions: int
     depth: int
     family_steps: int
+    embedding_sizes: tuple[int, ...] = (8, 16, 32, 64)
 
 
 FULL = TourSizes(
     comparison={
         "num_steps": (32, 64, 128, 256, 512, 1024, 2048),
-        "num_hiddens": (16, 32, 64, 128, 256),
+        "num_hiddens": (16, 32, 64, 128, 256, 512),
         "kernel_sizes": (3, 5, 7, 9),
         "fixed_hiddens": 64,
         "fixed_steps": 256,
         "repeats": 5,
+        "rounds": 5,
     },
     absolute_positions=4000,
     depth=16,
     family_steps=32,
+    embedding_sizes=(8, 16, 32, 64, 128, 256),
 )
 QUICK = TourSizes(
     comparison={
         "num_steps": (16, 32, 64, 128),
-        "num_hiddens": (8, 16, 32, 64),
+        "num_hiddens": (8, 16, 32, 64, 128),
         "kernel_sizes": (3, 5, 7),
         "fixed_hiddens": 32,
         "fixed_steps": 64,
         "repeats": 3,
+        "rounds": 3,
     },
     absolute_positions=1000,
     depth=8,
@@ -131,7 +137,14 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         "num_hiddens": _PLOT_HIDDENS,
         "columns": list(_PLOT_COLUMNS),
         "column_values": checks.table_columns(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS).numpy(),
-        "column_periods": checks.column_periods(_PLOT_HIDDENS, _PLOT_COLUMNS),
+        # Read off the plotted values (zero crossings), not off the formula that built them.
+        "column_periods": checks.measured_periods(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS)["zero_crossings"],
+        "period_measurements": checks.measured_periods(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS),
+        "phase_offset": checks.phase_offset(*checks.table_columns(_PLOT_STEPS, _PLOT_HIDDENS, (6, 7)).double().T),
+        "all_column_periods": [
+            checks.zero_crossing_period(column)
+            for column in sinusoidal_table(4000, _PLOT_HIDDENS, dtype=torch.float64).T[:24:2]  # sine columns 0, 2, .., 22
+        ],
         "table": sinusoidal_table(_PLOT_STEPS, _PLOT_HIDDENS).numpy(),
         "binary": checks.binary_representations(8),
     }
@@ -142,11 +155,25 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         ),
         "precision": qualities.table_precision(_PLOT_HIDDENS),
         "curves": qualities.offset_distance_curves(_PLOT_HIDDENS, num_positions=4 * _PLOT_STEPS),
+        "across_lengths": qualities.distance_across_lengths(_PLOT_HIDDENS),
+        "small_width": qualities.absolute_position_qualities(8, num_seen=_PLOT_STEPS, num_positions=10000),
     }
     tick("5. absolute position")
     results["rotation_max_error"] = checks.rotation_max_error(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_STEPS)
-    results["relative"] = {"similarity": checks.offset_similarity(_PLOT_HIDDENS, max_delta=_PLOT_STEPS)}
+    results["relative"] = {
+        "similarity": checks.offset_similarity(_PLOT_HIDDENS, max_delta=_PLOT_STEPS),
+        "fitted_rotation": checks.fitted_rotation(_PLOT_HIDDENS),
+    }
     tick("6. relative position")
+    results["note"] = {
+        "taylor": taylor.score_terms(_PLOT_HIDDENS, num_steps=_PLOT_STEPS),
+        "embedding": embedding.embedding_survival(sizes.embedding_sizes),
+    }
+    results["frameworks"] = {
+        "precision": frameworks.framework_precision(_PLOT_HIDDENS),
+        "odd_width": frameworks.odd_width(_PLOT_HIDDENS + 1),
+    }
+    tick("6. the note and the other pages")
     results["family"] = _family(sizes, tick)
     results["depth"] = depth.position_signal_by_depth(depth=sizes.depth)
     tick("8. deep stacks")
@@ -211,6 +238,15 @@ def verdicts(results: dict) -> list[dict[str, object]]:
                 entry["path_length_by_n"] == entry["expected_path_length_by_n"],
             )
         )
+        want = 0 if kind == "rnn" else 1
+        out.append(
+            _check(
+                f"3. {label}: parallelism (n / sequential ops) grows as n^{want}",
+                round(entry["parallelism_exponent_n"], 4),
+                f"{want} +- 0.1",
+                abs(entry["parallelism_exponent_n"] - want) <= _EXPONENT_TOLERANCE,
+            )
+        )
     cnn = comp["cnn"]
     out.append(
         _check(
@@ -228,14 +264,52 @@ def verdicts(results: dict) -> list[dict[str, object]]:
             cnn["path_length_by_k"] == cnn["expected_path_length_by_k"],
         )
     )
-    pe = results["positional_encoding"]
-    periods = pe["column_periods"]
+    crossings = comp["crossings"]
     out.append(
         _check(
-            "4. columns 6-7 oscillate faster than 8-9",
+            "3. self-attention layer FLOPs counted = 8nd^2 + 4n^2 d",
+            crossings["layer_formula_error"],
+            "relative difference 0",
+            crossings["layer_formula_error"] == 0,
+        )
+    )
+    fixed_d = comp["sweep"]["fixed_d"]
+    at_n = crossings["core_equals_rnn_at_n"]
+    out.append(
+        _check(
+            f"3. attention's n^2 d core meets the RNN's n d^2 at n = d = {fixed_d}",
+            at_n,
+            f"{fixed_d} +- 1%",
+            at_n is not None and abs(at_n - fixed_d) <= 0.01 * fixed_d,
+        )
+    )
+    pe = results["positional_encoding"]
+    periods = pe["column_periods"]
+    formula = pe["period_measurements"]["formula"]
+    out.append(
+        _check(
+            "4. columns 6-7 oscillate faster than 8-9 (periods from zero crossings)",
             [round(p, 2) for p in periods],
             "periods of 6, 7 < periods of 8, 9",
             max(periods[:2]) < min(periods[2:]),
+        )
+    )
+    worst = max(abs(p - f) / f for p, f in zip(periods, formula))
+    out.append(
+        _check(
+            "4. measured periods agree with 2 pi / w_j",
+            worst,
+            "relative difference < 1%",
+            worst < 0.01,
+        )
+    )
+    every = pe["all_column_periods"]
+    out.append(
+        _check(
+            "4. frequency falls along the columns (measured periods increase)",
+            [round(p, 1) for p in every],
+            "increasing",
+            all(a < b for a, b in zip(every, every[1:])),
         )
     )
     q = results["absolute"]["qualities"]
@@ -274,14 +348,60 @@ def verdicts(results: dict) -> list[dict[str, object]]:
     )
     spread = results["relative"]["similarity"]["spread"]
     out.append(_check("6. P[i] . P[i+delta] depends on delta only", spread, "rounding (< 1e-9)", spread < _ROUNDING))
+    fit = results["relative"]["fitted_rotation"]
+    out.append(
+        _check(
+            "6. least-squares M_delta equals the rotation",
+            fit["rotation_error_max"],
+            "< 1e-9",
+            fit["rotation_error_max"] < _ROUNDING,
+        )
+    )
+    out.append(
+        _check(
+            "6. least-squares M_delta is the same on every window of i",
+            fit["window_spread_max"],
+            "< 1e-9",
+            fit["window_spread_max"] < _ROUNDING,
+        )
+    )
+    across = results["absolute"]["across_lengths"]
+    out.append(
+        _check(
+            f"5. distance between two steps is the same in sentences of {across['lengths']} tokens",
+            across["spread"],
+            "0",
+            across["spread"] == 0,
+        )
+    )
+    taylor_terms = results["note"]["taylor"]
+    worst_sum = max(entry["sum_error"] for entry in taylor_terms["scales"])
+    out.append(
+        _check(
+            "note: the three score terms add up to the layer's scores",
+            worst_sum,
+            "rounding (< 1e-9)",
+            worst_sum < _ROUNDING,
+        )
+    )
     for name, diag in results["family"]["encodings"].items():
+        if diag["class"] == "NoPositionalEncoding":  # declares no position at all
+            out.append(
+                _check(
+                    f"7. {name}: carries no position (permuting tokens permutes outputs)",
+                    diag["permutation_change"],
+                    "rounding (< 1e-9)",
+                    diag["permutation_change"] < _ROUNDING,
+                )
+            )
+            continue
         claim = "relative" if diag["is_relative"] else "absolute"
         out.append(
             _check(
                 f"7. {name}: is {claim} (outputs under a shift of {diag['shift']})",
                 diag["shift_change"],
                 "0" if diag["is_relative"] else "> 0",
-                diag["measured_relative"] == diag["is_relative"],
+                diag["measured_relative"] == diag["is_relative"] and diag["position_aware"],
             )
         )
     deep = results["depth"]
@@ -379,13 +499,16 @@ def run_tour(out_dir: Path | str = "selfattn-report", *, quick: bool = False, pr
     with contextlib.suppress(ImportError):
         family_count = len(family.family_names())
     sweep = sizes.comparison
-    comparison_count = comparison.comparison_steps(sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"])
-    # Six section steps, the comparison's, two per encoding (measure, draw), eight figures, the report.
-    total = 6 + comparison_count + 2 * family_count + 8 + 1
+    comparison_count = comparison.comparison_steps(
+        sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
+    )
+    # Seven section steps, the comparison's, two per encoding (measure, draw), nine figures, the report.
+    total = 7 + comparison_count + 2 * family_count + 9 + 1
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
         results["checks"] = verdicts(results)
+        results["claims"] = claims.claims(results)
         figure_paths = _figures(results, out_dir / "figures", advance)
         serializable = _jsonable(results)
         (out_dir / "results.json").write_text(json.dumps(serializable, indent=1, allow_nan=False))
