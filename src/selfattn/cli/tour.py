@@ -36,8 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfattn.tour.runner import run_tour, summary_lines
+    from selfattn.tour.runner import run_tour
+    from selfattn.tour.summary import print_summary
 
     results = run_tour(args.out, quick=args.quick, progress=args.progress and sys.stderr.isatty())
-    print("\n".join(summary_lines(results, args.out / "report.html")))
+    print_summary(results, args.out / "report.html")
     return 0 if all(check["ok"] for check in results["checks"]) else 1

@@ -191,7 +191,7 @@ def fitted_rotation(
     num_hiddens: int = 32,
     deltas: tuple[int, ...] = (1, 5, 30),
     windows: tuple[tuple[int, int], ...] = ((0, 20000), (20000, 40000), (40000, 60000)),
-    samples: int = 1000,
+    samples: int = 500,
     seed: int = 0,
 ) -> dict[str, object]:
     """Fit ``M`` with ``P[i + delta] = M P[i]`` by least squares, separately on windows of i.
@@ -219,7 +219,9 @@ def fitted_rotation(
             i = np.sort(generator.choice(np.arange(low, high), size=samples, replace=False))
             before = full[i, : rotation.shape[0]]  # (samples, d)
             after = full[i + delta, : rotation.shape[0]]
-            solution, *_ = np.linalg.lstsq(before, after, rcond=None)  # after = before @ M^T
+            # torch's solver: NumPy's multi-threaded BLAS stalls for seconds on a busy machine.
+            solution = torch.linalg.lstsq(torch.from_numpy(before), torch.from_numpy(after), driver="gelsd")
+            solution = solution.solution.numpy()  # (d, d): after = before @ M^T
             fit = solution.T
             fits.append(fit)
             residual[str(delta)] = max(residual.get(str(delta), 0.0), float(np.abs(before @ solution - after).max()))

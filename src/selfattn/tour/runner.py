@@ -156,7 +156,7 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         "precision": qualities.table_precision(_PLOT_HIDDENS),
         "curves": qualities.offset_distance_curves(_PLOT_HIDDENS, num_positions=4 * _PLOT_STEPS),
         "across_lengths": qualities.distance_across_lengths(_PLOT_HIDDENS),
-        "small_width": qualities.absolute_position_qualities(8, num_seen=_PLOT_STEPS, num_positions=10000),
+        "small_width": qualities.absolute_position_qualities(8, num_seen=_PLOT_STEPS, num_positions=2000),
     }
     tick("5. absolute position")
     results["rotation_max_error"] = checks.rotation_max_error(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_STEPS)
@@ -460,6 +460,7 @@ def _figures(results: dict, directory: Path, advance: Callable[[str], None]) -> 
         "pe_heatmap": lambda: figures.pe_heatmap_figure(pe["table"], checks.bit_matrix(8)),
         "absolute": lambda: figures.absolute_figure(results["absolute"]["curves"], results["absolute"]["precision"]),
         "relative": lambda: figures.relative_figure(results["relative"]["similarity"]),
+        "note": lambda: figures.note_figure(results["note"]["taylor"], results["note"]["embedding"]),
     }
     for name, diag in results["family"]["encodings"].items():
         drawings[f"family_{name}"] = lambda diag=diag: figures.encoding_panel_figure(diag)
@@ -521,15 +522,15 @@ def comparison_lines(comp: dict) -> list[str]:
     """The measured comparison as a small text table beside the chapter's claims."""
     n = comp["sweep"]["n"][-1]
     lines = [
-        f"{'':<16}{'compute (FLOPs)':<29}{'sequential ops':<22}max path length (n={n}, k={comp['cnn']['k']})",
+        f"{'':<16}{'compute (FLOPs)':<29}{'sequential ops':<22}max path, products (n={n:,}, k={comp['cnn']['k']})",
         f"{'':<16}{'chapter  measured':<29}{'chapter  measured':<22}chapter  measured",
     ]
     for kind in comparison.KINDS:
         e, claim = comp[kind], comparison.CHAPTER[kind]
         flops = f"n^{e['flops_exponent_n']:.2f} d^{e['flops_exponent_d']:.2f}"
         lines.append(
-            f"{claim['label']:<16}{claim['complexity']:<9}{flops:<20}{claim['sequential_ops']:<9}{e['sequential_ops']:<13}"
-            f"{claim['max_path_length']:<9}{e['max_path_length']}"
+            f"{claim['label']:<16}{claim['complexity']:<9}{flops:<20}{claim['sequential_ops']:<9}{e['sequential_ops']:<13,}"
+            f"{claim['max_path_length']:<9}{e['max_path_length']:,}"
         )
     return lines
 
@@ -559,12 +560,24 @@ def summary_lines(results: dict, out_dir: Path | str | None = None) -> list[str]
     )
     lines.append(
         f"  6. rotation max error {results['rotation_max_error']:.1e}; "
-        f"similarity spread over i {results['relative']['similarity']['spread']:.1e}"
+        f"similarity spread over i {results['relative']['similarity']['spread']:.1e}; least-squares M_delta "
+        f"minus rotation {results['relative']['fitted_rotation']['rotation_error_max']:.1e}"
+    )
+    shares = results["note"]["taylor"]["scales"][0]
+    lines.append(
+        f"  note: score shares content-content {shares['content_content']:.1%}, content-position "
+        f"{shares['content_position']:.1%}, position-position {shares['position_position']:.1%}; tokens recovered "
+        f"after adding P at d={results['note']['embedding']['sizes'][-1]}: {results['note']['embedding']['recovered'][-1]:.1%}"
     )
     fam = results["family"]
     if fam["available"]:
-        relative = [n for n, d in fam["encodings"].items() if d["measured_relative"]]
-        lines.append(f"  7. family: {len(fam['encodings'])} encodings; shift-invariant outputs: {', '.join(relative)}")
+        encodings = fam["encodings"]
+        relative = [n for n, d in encodings.items() if d["measured_relative"] and d.get("position_aware", True)]
+        nothing = [n for n, d in encodings.items() if not d.get("position_aware", True)]
+        lines.append(
+            f"  7. family: {len(encodings)} encodings; relative (shift-invariant, position-aware): "
+            f"{', '.join(relative) or '-'}; no position: {', '.join(nothing) or '-'}"
+        )
     else:
         lines.append(f"  7. family: skipped ({fam['note']})")
     deep = results["depth"]
