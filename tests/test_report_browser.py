@@ -132,7 +132,11 @@ def screenshot(browser, tmp_path, page, name, width=1280):
     shot = tmp_path / name
     target = page if width >= 500 else framed(page, width)
     run_browser(
-        browser, tmp_path, f"--window-size={max(width, 500)},2000", "--hide-scrollbars", f"--screenshot={shot}",
+        browser,
+        tmp_path,
+        f"--window-size={max(width, 500)},2000",
+        "--hide-scrollbars",
+        f"--screenshot={shot}",
         target.as_uri(),
     )
     import matplotlib.image

@@ -94,7 +94,7 @@ def test_path_measurement_errors():
     with pytest.raises(ValueError, match="batch, positions, features"):
         product_path_length(lambda h: h, x[0])
     with pytest.raises(ValueError, match="within max_depth=2"):
-        stack_path_length(lambda _: (lambda h: h * 2), x, max_depth=2)
+        stack_path_length(lambda _: lambda h: h * 2, x, max_depth=2)
     with pytest.raises(NotImplementedError, match="no dependency rule"):
         product_path_length(lambda h: torch.linalg.qr(h[0])[0][None], x)
 
@@ -153,7 +153,10 @@ def test_distance_across_lengths_holds_for_p_and_fails_for_a_fraction_encoding()
     data = qualities.distance_across_lengths(16, lengths=(12, 40), pairs=((0, 1), (4, 9)))
     assert data["spread"] == 0
     assert data["fraction_spread"] > 0.1
-    assert data["distances"]["0-1"][0] == pytest.approx(np.linalg.norm(qualities.sinusoidal_table(2, 16)[1].double() - qualities.sinusoidal_table(1, 16)[0].double()), abs=1e-6)
+    assert data["distances"]["0-1"][0] == pytest.approx(
+        np.linalg.norm(qualities.sinusoidal_table(2, 16)[1].double() - qualities.sinusoidal_table(1, 16)[0].double()),
+        abs=1e-6,
+    )
     with pytest.raises(ValueError, match="two lengths"):
         qualities.distance_across_lengths(16, lengths=(5, 40), pairs=((0, 9),))
 
@@ -165,7 +168,9 @@ def test_embedding_survival_against_a_naive_loop():
         E = torch.randn(20, d, dtype=torch.float64)
         P = qualities.sinusoidal_table(5, d, dtype=torch.float64)
         hits = sum(
-            int(min(range(20), key=lambda u: float((E[t] + P[i] - E[u]).norm())) == t) for t in range(20) for i in range(5)
+            int(min(range(20), key=lambda u: float((E[t] + P[i] - E[u]).norm())) == t)
+            for t in range(20)
+            for i in range(5)
         )
         assert data["recovered"][index] == pytest.approx(hits / 100)
         E.div_(E.norm(dim=-1, keepdim=True))  # the unit-norm draw reuses the same directions
@@ -230,3 +235,16 @@ def test_numbers_have_thousands_separators_and_ratios_say_so():
 def test_claims_need_a_known_source():
     with pytest.raises(ValueError, match="source must be one of"):
         claims._claim("x", "blog", "s", 1, "e", True)
+
+
+def test_plot_causal_draws_the_causal_form(tmp_path, capsys):
+    from selfattn.cli.main import main
+
+    for flag, name in (([], "bi.png"), (["--causal"], "causal.png")):
+        argv = ["plot", "--kind", "alibi", "--figure", "table", "-n", "8", "-d", "8", "--heads", "2"]
+        assert main([*argv, *flag, "-o", str(tmp_path / name)]) == 0
+    assert (tmp_path / "bi.png").read_bytes() != (tmp_path / "causal.png").read_bytes()
+    table = family.encoding_table("alibi", num_steps=4, num_hiddens=8, num_heads=2, causal=False).numpy()
+    np.testing.assert_allclose(table[0], table[0].T)  # -m |i - j| is symmetric
+    causal = family.encoding_table("alibi", num_steps=4, num_hiddens=8, num_heads=2, causal=True).numpy()
+    assert not np.allclose(causal[0], causal[0].T)

@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _draw(args: argparse.Namespace):
     from selfattn.tour import figures
-    from selfattn.tour.family import has_causal_form, encoding_diagnostics, encoding_table
+    from selfattn.tour.family import encoding_diagnostics, encoding_table, has_causal_form
 
     n, d, heads = args.num_steps, args.num_hiddens, args.heads
     if args.figure in ("table", "columns"):

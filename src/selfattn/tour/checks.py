@@ -21,16 +21,16 @@ __all__ = [
     "column_periods",
     "fft_period",
     "fitted_rotation",
-    "measured_periods",
-    "phase_offset",
-    "zero_crossings",
-    "zero_crossing_period",
     "masked_attention_weights",
+    "measured_periods",
     "offset_similarity",
     "permutation_check",
+    "phase_offset",
     "rotation_max_error",
     "self_attention_shape",
     "table_columns",
+    "zero_crossing_period",
+    "zero_crossings",
 ]
 
 

@@ -72,9 +72,15 @@ def claims(results: dict) -> list[dict[str, object]]:
             "cnn-compute",
             "chapter",
             "A convolutional layer costs O(knd^2).",
-            {"n": round(cnn["flops_exponent_n"], 3), "d": round(cnn["flops_exponent_d"], 3), "k": round(cnn["flops_exponent_k"], 3)},
+            {
+                "n": round(cnn["flops_exponent_n"], 3),
+                "d": round(cnn["flops_exponent_d"], 3),
+                "k": round(cnn["flops_exponent_k"], 3),
+            },
             "FLOP exponents n^1 d^2 k^1 (+- 0.1)",
-            _near(cnn["flops_exponent_n"], 1) and _near(cnn["flops_exponent_d"], 2) and _near(cnn["flops_exponent_k"], 1),
+            _near(cnn["flops_exponent_n"], 1)
+            and _near(cnn["flops_exponent_d"], 2)
+            and _near(cnn["flops_exponent_k"], 1),
         ),
         _claim(
             "rnn-compute",
@@ -120,9 +126,9 @@ def claims(results: dict) -> list[dict[str, object]]:
             "cnn-path",
             "chapter",
             "A CNN's maximum path length is O(n/k); x1 and x5 share the receptive field of two k=3 layers.",
-            cnn["path_length_by_k"],
-            f"ceil((n-1)/(k-1)) at n={n}: {cnn['expected_path_length_by_k']}",
-            cnn["path_length_by_k"] == cnn["expected_path_length_by_k"],
+            {"by k at n=" + f"{n:,}": cnn["path_length_by_k"], "layers from x1 to x5": comp["x1_to_x5"]["layers"]},
+            f"ceil((n-1)/(k-1)): {cnn['expected_path_length_by_k']}; 2 layers",
+            cnn["path_length_by_k"] == cnn["expected_path_length_by_k"] and comp["x1_to_x5"]["layers"] == 2,
         ),
         _claim(
             "rnn-path",
@@ -244,7 +250,10 @@ def claims(results: dict) -> list[dict[str, object]]:
             "longer-sentences",
             "note",
             "The model generalizes to longer sentences.",
-            {"new rows' nearest distance to seen rows": q["unseen_nearest_distance"], "nearest pair": q["unseen_nearest_pair"]},
+            {
+                "new rows' nearest distance to seen rows": q["unseen_nearest_distance"],
+                "nearest pair": q["unseen_nearest_pair"],
+            },
             "not measurable on P alone: shown only that rows past the seen length are new and bounded",
             None,
         ),

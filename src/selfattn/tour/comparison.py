@@ -18,6 +18,7 @@ Shape legend: b batch, n positions, d features, k kernel width.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -228,9 +229,7 @@ def _path_stack(kind: str, num_hiddens: int, kernel_size: int) -> Callable[[int]
     def layers(depth: int) -> list[nn.Module]:
         with seeded(len(stack) + 1):
             while len(stack) < depth:
-                stack.append(
-                    make_layer(kind, num_hiddens, kernel_size=kernel_size, explicit=True, dtype=torch.float64)
-                )
+                stack.append(make_layer(kind, num_hiddens, kernel_size=kernel_size, explicit=True, dtype=torch.float64))
         return stack[:depth]
 
     return layers
@@ -302,7 +301,7 @@ def crossing(xs: Sequence[float], ratios: Sequence[float]) -> float | None:
     ``None`` when it stays on one side of 1 over the whole range.
     """
     points = list(zip(xs, ratios))
-    for (x0, r0), (x1, r1) in zip(points, points[1:]):
+    for (x0, r0), (x1, r1) in itertools.pairwise(points):
         if r0 == 1:
             return float(x0)
         if (r0 - 1) * (r1 - 1) < 0 or r1 == 1:

@@ -25,8 +25,8 @@ __all__ = [
     "comparison_figure",
     "depth_figure",
     "encoding_panel_figure",
-    "note_figure",
     "heatmap_figure",
+    "note_figure",
     "pe_columns_figure",
     "pe_heatmap_figure",
     "permutation_figure",
@@ -135,7 +135,13 @@ def comparison_figure(results: dict) -> Figure:
     for ax, xs, key, exponent_key, xlabel, ylabel in panels:
         for kind, (label, colour, marker) in _LAYER_STYLE.items():
             entry = results[kind]
-            ax.plot(xs, entry[key], marker=marker, color=colour, label=f"{label}: slope {entry[exponent_key]:.2f}")
+            ax.plot(
+                xs,
+                entry[key],
+                marker=marker,
+                color=colour,
+                label=f"{label}: slope {round(entry[exponent_key], 2) + 0.0:.2f}",
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
@@ -302,6 +308,7 @@ def profile_figure(diagnostics: dict) -> Figure:
 def encoding_panel_figure(diagnostics: dict) -> Figure:
     """Section 7: one encoding's position scores, offset profile and attention pattern."""
     name = diagnostics["name"]
+    short = name
     if diagnostics.get("form"):
         name = f"{name} ({diagnostics['form']})"
     fig, axes = _figure(13.0, 3.7, columns=3)
@@ -316,14 +323,14 @@ def encoding_panel_figure(diagnostics: dict) -> Figure:
         cmap="RdBu_r",
         symmetric=True,
     )
-    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], name)
+    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], short)
     _heatmap(
         fig,
         axes[2],
         diagnostics["attention"],
         xlabel="Key position",
         ylabel="Query position",
-        title=f"{name}: attention on one input (head 0)",
+        title=f"{short}: attention on one input (head 0)",
         colorbar="attention weight",
         vmin=0.0,
     )

@@ -83,7 +83,12 @@ def framework_precision(num_hiddens: int = 32, lengths: tuple[int, ...] = (60, 1
         for name, recipe in RECIPES.items():
             errors[name].append(float(np.abs(recipe(n, num_hiddens) - exact).max()))
     ours = [
-        float(np.abs(sinusoidal_table(n, num_hiddens).double().numpy() - sinusoidal_table(n, num_hiddens, dtype=torch.float64).numpy()).max())
+        float(
+            np.abs(
+                sinusoidal_table(n, num_hiddens).double().numpy()
+                - sinusoidal_table(n, num_hiddens, dtype=torch.float64).numpy()
+            ).max()
+        )
         for n in lengths
     ]
     return {"num_hiddens": num_hiddens, "lengths": list(lengths), "errors": errors, "selfattn": ours}

@@ -17,7 +17,7 @@ from selfattn.functional import sinusoidal_table
 __all__ = [
     "absolute_position_qualities",
     "distance_across_lengths",
-    "fraction_encoding", 
+    "fraction_encoding",
     "offset_distance_curves",
     "table_precision",
     "textbook_table",
@@ -125,7 +125,9 @@ def fraction_encoding(num_steps: int, num_hiddens: int) -> torch.Tensor:
 
 
 def distance_across_lengths(
-    num_hiddens: int = 32, lengths: tuple[int, ...] = (10, 30, 60, 200), pairs: tuple[tuple[int, int], ...] = ((0, 1), (2, 7), (3, 9))
+    num_hiddens: int = 32,
+    lengths: tuple[int, ...] = (10, 30, 60, 200),
+    pairs: tuple[tuple[int, int], ...] = ((0, 1), (2, 7), (3, 9)),
 ) -> dict[str, object]:
     """The note's "same distance between two time steps across sentence lengths", measured.
 

@@ -177,7 +177,10 @@ def _comparison_context(comp: dict) -> dict[str, Any]:
         ]
         for i, n in enumerate(sweep["n"])
     ]
-    by_k = [list(row) for row in zip(sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"])]
+    by_k = [
+        list(row)
+        for row in zip(sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"])
+    ]
     cross = comp["crossings"]
     places = []
     if cross["core_equals_rnn_at_n"] is not None:
@@ -199,7 +202,9 @@ def _positional_context(results: dict) -> dict[str, Any]:
     measured = pe["period_measurements"]
     periods = [
         [column, zero, fft, formula]
-        for column, zero, fft, formula in zip(pe["columns"], measured["zero_crossings"], measured["fft"], measured["formula"])
+        for column, zero, fft, formula in zip(
+            pe["columns"], measured["zero_crossings"], measured["fft"], measured["formula"]
+        )
     ]
     return {"period_rows": periods, "binary_rows": [[i, bits] for i, bits in enumerate(pe["binary"])]}
 
@@ -217,7 +222,8 @@ def _absolute_context(results: dict) -> dict[str, Any]:
         ["bounded values", "row norms (min, max); sqrt(d/2) for even d", [q["row_norm_min"], q["row_norm_max"]]],
         [
             "same distance across sentence lengths",
-            "largest change of |P[i] - P[j]| across lengths " + ", ".join(map(str, results["absolute"]["across_lengths"]["lengths"])),
+            "largest change of |P[i] - P[j]| across lengths "
+            + ", ".join(map(str, results["absolute"]["across_lengths"]["lengths"])),
             results["absolute"]["across_lengths"]["spread"],
         ],
         [
@@ -227,8 +233,10 @@ def _absolute_context(results: dict) -> dict[str, Any]:
         ],
         [
             f"past the longest position seen ({q['num_seen']})",
-            "smallest distance from a new row to a seen row (rows "
-            f"{q['unseen_nearest_pair'][0]} and {q['unseen_nearest_pair'][1]}: neighbours)",
+            (
+                "smallest distance from a new row to a seen row (rows "
+                f"{q['unseen_nearest_pair'][0]} and {q['unseen_nearest_pair'][1]}: neighbours)"
+            ),
             q["unseen_nearest_distance"],
         ],
         [f"past the longest position seen ({q['num_seen']})", "largest |P| of the new rows", q["unseen_max_abs_value"]],
@@ -239,7 +247,9 @@ def _absolute_context(results: dict) -> dict[str, Any]:
             "error of the textbook's float32 angles / of selfattn's float64 angles",
             [textbook, ours],
         ]
-        for length, textbook, ours in zip(precision["lengths"], precision["textbook_error"], precision["selfattn_error"])
+        for length, textbook, ours in zip(
+            precision["lengths"], precision["textbook_error"], precision["selfattn_error"]
+        )
     ]
     return {"absolute_rows": rows}
 
@@ -247,16 +257,25 @@ def _absolute_context(results: dict) -> dict[str, Any]:
 def _note_context(results: dict) -> dict[str, Any]:
     terms, survival, fw = results["note"]["taylor"], results["note"]["embedding"], results["frameworks"]
     taylor_rows = [
-        [f"N(0, {entry['scale']:g}\u00b2)", *(f"{100 * entry[k]:.1f}\u2009%" for k in ("content_content", "content_position", "position_position"))]
+        [
+            f"N(0, {entry['scale']:g}\u00b2)",
+            *(f"{100 * entry[k]:.1f}\u2009%" for k in ("content_content", "content_position", "position_position")),
+        ]
         for entry in terms["scales"]
     ]
     survival_rows = [
         [d, f"{100 * a:.1f}\u2009%", b, f"{100 * c:.1f}\u2009%", e]
         for d, a, b, c, e in zip(
-            survival["sizes"], survival["recovered"], survival["cosine"], survival["recovered_unit"], survival["cosine_unit"]
+            survival["sizes"],
+            survival["recovered"],
+            survival["cosine"],
+            survival["recovered_unit"],
+            survival["cosine_unit"],
         )
     ]
-    survive_from = next((d for d, a in zip(survival["sizes"], survival["recovered"]) if a > 0.99), survival["sizes"][-1])
+    survive_from = next(
+        (d for d, a in zip(survival["sizes"], survival["recovered"]) if a > 0.99), survival["sizes"][-1]
+    )
     precision = fw["precision"]
     names = list(precision["errors"])
     precision_rows = [
@@ -264,8 +283,13 @@ def _note_context(results: dict) -> dict[str, Any]:
         for i, length in enumerate(precision["lengths"])
     ]
     odd_rows = [
-        [name, "yes" if entry["builds"] else "no",
-         f"largest error {format_number(entry['max_error'])} against selfattn's odd-d table" if entry["builds"] else entry["error"]]
+        [
+            name,
+            "yes" if entry["builds"] else "no",
+            f"largest error {format_number(entry['max_error'])} against selfattn's odd-d table"
+            if entry["builds"]
+            else entry["error"],
+        ]
         for name, entry in fw["odd_width"].items()
     ]
     return {
@@ -292,7 +316,9 @@ def _family_context(results: dict) -> dict[str, Any]:
         aware = d.get("position_aware", True)
         measured = "no position" if not aware else ("relative" if d["measured_relative"] else "absolute")
         (nothing if not aware else relative if d["measured_relative"] else absolute).append(name)
-        declared = "no position" if d["class"] == "NoPositionalEncoding" else ("relative" if d["is_relative"] else "absolute")
+        declared = (
+            "no position" if d["class"] == "NoPositionalEncoding" else ("relative" if d["is_relative"] else "absolute")
+        )
         rows.append(
             [
                 name + (f" ({d['form']})" if d.get("form") else ""),

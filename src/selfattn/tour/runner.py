@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import sys
@@ -132,6 +133,8 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     results["permutation"] = checks.permutation_check()
     tick("2. permutation")
     results["comparison"] = comparison.compare(**sizes.comparison, progress=lambda d: tick(f"3. {d}"))
+    # The chapter's figure: x1 and x5 share the receptive field of a two-layer CNN with k = 3.
+    results["comparison"]["x1_to_x5"] = comparison.path_lengths("cnn", 5, kernel_size=3)
     results["positional_encoding"] = {
         "num_steps": _PLOT_STEPS,
         "num_hiddens": _PLOT_HIDDENS,
@@ -143,7 +146,9 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         "phase_offset": checks.phase_offset(*checks.table_columns(_PLOT_STEPS, _PLOT_HIDDENS, (6, 7)).double().T),
         "all_column_periods": [
             checks.zero_crossing_period(column)
-            for column in sinusoidal_table(4000, _PLOT_HIDDENS, dtype=torch.float64).T[:24:2]  # sine columns 0, 2, .., 22
+            for column in sinusoidal_table(4000, _PLOT_HIDDENS, dtype=torch.float64).T[
+                :24:2
+            ]  # sine columns 0, 2, .., 22
         ],
         "table": sinusoidal_table(_PLOT_STEPS, _PLOT_HIDDENS).numpy(),
         "binary": checks.binary_representations(8),
@@ -309,7 +314,7 @@ def verdicts(results: dict) -> list[dict[str, object]]:
             "4. frequency falls along the columns (measured periods increase)",
             [round(p, 1) for p in every],
             "increasing",
-            all(a < b for a, b in zip(every, every[1:])),
+            all(a < b for a, b in itertools.pairwise(every)),
         )
     )
     q = results["absolute"]["qualities"]

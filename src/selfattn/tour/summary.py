@@ -58,7 +58,7 @@ def print_summary(results: dict, report: Path | str | None = None, console: Any 
     sections.add_column("measured")
     for line in lines[1:]:
         found = re.match(r"^  (\S+?)\.? (.*)$", line)
-        if found is None or line.startswith("     ") or line.startswith("  3.") or line.startswith("  FAILED"):
+        if found is None or line.startswith(("     ", "  3.", "  FAILED")):
             continue
         sections.add_row(found.group(1).rstrip(":"), found.group(2))
     if "claims" in results:

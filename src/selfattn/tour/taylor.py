@@ -32,7 +32,10 @@ __all__ = ["score_terms"]
 def _diagonal_spread(scores: torch.Tensor) -> float:
     """Largest spread of an ``(n, n)`` matrix along one diagonal (0 when it depends on j - i only)."""
     n = scores.shape[-1]
-    return max(float(torch.diagonal(scores, offset=k).max() - torch.diagonal(scores, offset=k).min()) for k in range(-(n - 1), n))
+    return max(
+        float(torch.diagonal(scores, offset=k).max() - torch.diagonal(scores, offset=k).min())
+        for k in range(-(n - 1), n)
+    )
 
 
 def score_terms(
@@ -56,7 +59,12 @@ def score_terms(
     W_q = mha.W_q.weight[:dh]  # (dh, d): the first head's rows
     W_k = mha.W_k.weight[:dh]
     A = W_q.T @ W_k / math.sqrt(dh)  # (d, d)
-    result: dict[str, object] = {"num_hiddens": num_hiddens, "num_heads": num_heads, "num_steps": num_steps, "scales": []}
+    result: dict[str, object] = {
+        "num_hiddens": num_hiddens,
+        "num_heads": num_heads,
+        "num_steps": num_steps,
+        "scales": [],
+    }
     with torch.no_grad():
         pp = P @ A @ P.T  # (n, n)
         for scale in embedding_scales:
