@@ -205,7 +205,9 @@ def fitted_rotation(
     generator = np.random.default_rng(seed)
     freqs = sinusoidal_frequencies(num_hiddens).numpy()
     full = sinusoidal_table(max(w[1] for w in windows) + max(deltas), num_hiddens, dtype=torch.float64).numpy()
-    rotation_error, window_spread, residual = {}, {}, {}
+    rotation_error: dict[str, float] = {}
+    window_spread: dict[str, float] = {}
+    residual: dict[str, float] = {}
     for delta in deltas:
         angles = delta * freqs[: num_hiddens // 2]
         rotation = np.zeros((num_hiddens, num_hiddens))

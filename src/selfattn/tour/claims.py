@@ -11,6 +11,7 @@ and a claim that does not hold is kept, since the point is to report what was fo
 from __future__ import annotations
 
 import math
+from typing import Any
 
 __all__ = ["SOURCES", "claims"]
 
@@ -42,7 +43,7 @@ def _near(value: float, want: float, tolerance: float = 0.1) -> bool:
     return abs(value - want) <= tolerance
 
 
-def claims(results: dict) -> list[dict[str, object]]:
+def claims(results: dict[str, Any]) -> list[dict[str, object]]:
     """The claims of the source pages against ``results`` (as :func:`selfattn.tour.runner.compute` returns)."""
     comp = results["comparison"]
     cnn, rnn, sa = comp["cnn"], comp["rnn"], comp["self_attention"]

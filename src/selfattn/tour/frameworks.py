@@ -53,7 +53,8 @@ def _tensorflow_recipe(n: int, d: int) -> np.ndarray:
     X = np.arange(n, dtype=np.float32).reshape(-1, 1) / np.power(10000, np.arange(0, d, 2, dtype=np.float32) / d)
     P[:, :, 0::2] = np.sin(X)
     P[:, :, 1::2] = np.cos(X)
-    return P[0]
+    table: np.ndarray = P[0]
+    return table
 
 
 def _mxnet_recipe(n: int, d: int) -> np.ndarray:
@@ -63,7 +64,8 @@ def _mxnet_recipe(n: int, d: int) -> np.ndarray:
     )
     P[:, :, 0::2] = np.sin(X)
     P[:, :, 1::2] = np.cos(X[:, : d // 2])
-    return P[0].astype(np.float64)
+    table: np.ndarray = P[0].astype(np.float64)
+    return table
 
 
 #: Each page's recipe, ``(n, d) -> P`` as float64 NumPy.

@@ -94,11 +94,11 @@ _IN_PLACE_SHAPE_OPS = {
 _REDUCTIONS = {_aten._softmax.default, _aten._log_softmax.default, _aten.sum.dim_IntList, _aten.mean.dim}
 
 
-class _Distances(TorchDispatchMode):
+class _Distances(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs every operation and keeps, per tensor, the product distance of each element."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         # id(tensor) -> (weak reference to it, its distances); an entry leaves with its tensor,
         # so a long stack keeps only the distances of the tensors still alive.
         self.distances: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
@@ -138,7 +138,7 @@ class _Distances(TorchDispatchMode):
                 self.track(tensor, dist)
         return out
 
-    def _rule(self, func, args, kwargs, out):  # type: ignore[no-untyped-def]
+    def _rule(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
         of = self.of
         if func in _IN_PLACE_SHAPE_OPS:
             func = _IN_PLACE_SHAPE_OPS[func]
@@ -180,7 +180,9 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.minimum(rows, columns) + 1  # (..., m, p)
 
 
-def _fused_attention(q, k, v, flags, kwargs, out):  # type: ignore[no-untyped-def]
+def _fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flags: Any, kwargs: dict[str, Any], out: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Distances of ``softmax(q k^T) v`` in one kernel: two products from q and k, one from v."""
     causal = bool(flags[0]) if flags else bool(kwargs.get("is_causal", False))
     if causal or kwargs.get("attn_mask") is not None:
@@ -191,7 +193,9 @@ def _fused_attention(q, k, v, flags, kwargs, out):  # type: ignore[no-untyped-de
     return values, rows[..., 0].expand(out[1].shape).clone()
 
 
-def _convolution(x, weight, bias, stride, padding, dilation) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _convolution(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any, dilation: Any
+) -> torch.Tensor:
     """Distances of a 1-D convolution: an output reads every channel of its window, plus 1."""
     if x.dim() != 3:
         raise NotImplementedError("only 1-D convolutions have a dependency rule")

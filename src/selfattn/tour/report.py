@@ -112,10 +112,6 @@ def _e(text: object) -> str:
     return html.escape(str(text))
 
 
-def _e(text: object) -> str:
-    return html.escape(str(text))
-
-
 def _figure(figures: dict[str, str], name: str, caption: str) -> str:
     if name not in figures:
         return ""
@@ -127,7 +123,7 @@ def _figure(figures: dict[str, str], name: str, caption: str) -> str:
     )
 
 
-def _comparison_context(comp: dict) -> dict[str, Any]:
+def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:
     sweep = comp["sweep"]
     slides = {"cnn": "O(n)", "rnn": "O(1)", "self_attention": "O(n)"}
     rows, timing = [], []
@@ -197,7 +193,7 @@ def _comparison_context(comp: dict) -> dict[str, Any]:
     }
 
 
-def _positional_context(results: dict) -> dict[str, Any]:
+def _positional_context(results: dict[str, Any]) -> dict[str, Any]:
     pe = results["positional_encoding"]
     measured = pe["period_measurements"]
     periods = [
@@ -209,7 +205,7 @@ def _positional_context(results: dict) -> dict[str, Any]:
     return {"period_rows": periods, "binary_rows": [[i, bits] for i, bits in enumerate(pe["binary"])]}
 
 
-def _absolute_context(results: dict) -> dict[str, Any]:
+def _absolute_context(results: dict[str, Any]) -> dict[str, Any]:
     q = results["absolute"]["qualities"]
     precision = results["absolute"]["precision"]
     rows: list[list[object]] = [
@@ -254,7 +250,7 @@ def _absolute_context(results: dict) -> dict[str, Any]:
     return {"absolute_rows": rows}
 
 
-def _note_context(results: dict) -> dict[str, Any]:
+def _note_context(results: dict[str, Any]) -> dict[str, Any]:
     terms, survival, fw = results["note"]["taylor"], results["note"]["embedding"], results["frameworks"]
     taylor_rows = [
         [
@@ -303,15 +299,18 @@ def _note_context(results: dict) -> dict[str, Any]:
     }
 
 
-def _fit_context(results: dict) -> dict[str, Any]:
+def _fit_context(results: dict[str, Any]) -> dict[str, Any]:
     fit = results["relative"]["fitted_rotation"]
     return {"fit_rows": [[int(d), fit["rotation_error"][d], fit["window_spread"][d]] for d in fit["rotation_error"]]}
 
 
-def _family_context(results: dict) -> dict[str, Any]:
+def _family_context(results: dict[str, Any]) -> dict[str, Any]:
     fam = results["family"]
     encodings = fam["encodings"] if fam["available"] else {}
-    rows, relative, absolute, nothing = [], [], [], []
+    rows: list[list[object]] = []
+    relative: list[str] = []
+    absolute: list[str] = []
+    nothing: list[str] = []
     for name, d in encodings.items():
         aware = d.get("position_aware", True)
         measured = "no position" if not aware else ("relative" if d["measured_relative"] else "absolute")
@@ -367,15 +366,15 @@ attention: {relative} in section 7, whose scores depend on the offset only.</p>
 """
 
 
-def _section_study(results: dict, figures: dict[str, str]) -> str:
+def _section_study(results: dict[str, Any], figures: dict[str, str]) -> str:
     """The study's section (its measured generalization and deep stacks), or nothing without it."""
     return ""
 
 
-def render_report(results: dict, figures: dict[str, str]) -> str:
+def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
     """The report page for JSON-ready ``results`` and ``{figure name: relative png path}``."""
-    checks: Sequence[dict] = results["checks"]
-    claims: Sequence[dict] = results.get("claims", [])
+    checks: Sequence[dict[str, Any]] = results["checks"]
+    claims: Sequence[dict[str, Any]] = results.get("claims", [])
     context: dict[str, Any] = {
         "r": results,
         "figures": figures,
@@ -394,4 +393,5 @@ def render_report(results: dict, figures: dict[str, str]) -> str:
     context.update(_fit_context(results))
     context.update(_note_context(results))
     context.update(_family_context(results))
-    return _environment().get_template("report.html.j2").render(**context)
+    page: str = _environment().get_template("report.html.j2").render(**context)
+    return page

@@ -16,7 +16,7 @@ from selfattn.tour.comparison import CHAPTER, KINDS
 __all__ = ["print_summary"]
 
 
-def _comparison_table(comp: dict) -> Any:
+def _comparison_table(comp: dict[str, Any]) -> Any:
     from rich.table import Table
 
     n = comp["sweep"]["n"][-1]
@@ -38,7 +38,7 @@ def _comparison_table(comp: dict) -> Any:
     return table
 
 
-def print_summary(results: dict, report: Path | str | None = None, console: Any = None) -> None:
+def print_summary(results: dict[str, Any], report: Path | str | None = None, console: Any = None) -> None:
     """Print the summary of a tour's ``results`` (with ``"checks"``) to ``console`` or stdout."""
     from selfattn.tour.runner import summary_lines
 

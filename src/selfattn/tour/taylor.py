@@ -59,11 +59,12 @@ def score_terms(
     W_q = mha.W_q.weight[:dh]  # (dh, d): the first head's rows
     W_k = mha.W_k.weight[:dh]
     A = W_q.T @ W_k / math.sqrt(dh)  # (d, d)
+    scales: list[dict[str, float]] = []
     result: dict[str, object] = {
         "num_hiddens": num_hiddens,
         "num_heads": num_heads,
         "num_steps": num_steps,
-        "scales": [],
+        "scales": scales,
     }
     with torch.no_grad():
         pp = P @ A @ P.T  # (n, n)
@@ -80,7 +81,7 @@ def score_terms(
             sum_error = float((scores - row_shift - total).abs().max())
             norms = [float(term.pow(2).sum()) for term in (cc, cp, pp)]
             whole = sum(norms)
-            result["scales"].append(
+            scales.append(
                 {
                     "scale": scale,
                     "content_content": norms[0] / whole,
