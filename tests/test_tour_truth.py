@@ -248,3 +248,16 @@ def test_plot_causal_draws_the_causal_form(tmp_path, capsys):
     np.testing.assert_allclose(table[0], table[0].T)  # -m |i - j| is symmetric
     causal = family.encoding_table("alibi", num_steps=4, num_hiddens=8, num_heads=2, causal=True).numpy()
     assert not np.allclose(causal[0], causal[0].T)
+
+
+def test_compare_rounds_flag(tmp_path, capsys):
+    import json
+
+    from selfattn.cli.main import main
+
+    path = tmp_path / "c.json"
+    argv = ["compare", "--n", "4", "8", "--d", "4", "8", "--k", "2", "3", "--fixed-n", "8", "--fixed-d", "4"]
+    assert main([*argv, "--repeats", "1", "--rounds", "2", "--json", str(path), "--no-progress"]) == 0
+    results = json.loads(path.read_text())
+    assert all(len(results[kind]["time_exponents"]) == 2 for kind in ("cnn", "rnn", "self_attention"))
+    assert "products" in capsys.readouterr().out
