@@ -35,6 +35,11 @@ def _comparison_table(comp: dict[str, Any]) -> Any:
             f"{claim['max_path_length']} -> {e['max_path_length']:,}",
             f"{e['time_exponent_n']:.2f} [{low:.2f}, {high:.2f}]",
         )
+    dominated = [labels[kind] for kind in KINDS if comp[kind]["fixed_costs_dominate"]]
+    rounds = comp["sweep"].get("rounds", 1)
+    table.caption = f"time: median exponent of {rounds} rounds [lowest, highest]" + (
+        f"; fixed per-call costs dominate for {', '.join(dominated)} at these sizes" if dominated else ""
+    )
     return table
 
 
