@@ -322,3 +322,18 @@ def test_summary_lists_no_position_apart_from_relative(tour):
     assert "no position: none" in " ".join(text.split())
     relative = re.search(r"relative \(shift-invariant, position-aware\): ([^;]+);", " ".join(text.split()))
     assert relative and "none" not in relative.group(1).split(", ")
+
+
+def test_rich_summary_shows_failed_checks_verbatim(tour):
+    from rich.console import Console
+
+    from selfattn.tour.summary import print_summary
+
+    broken = copy.deepcopy(tour["results"])
+    broken["rotation_max_error"] = 1e-3
+    broken["checks"] = runner.verdicts(broken)
+    console = Console(file=io.StringIO(), width=200)
+    print_summary(broken, "out/report.html", console=console)
+    text = console.file.getvalue()
+    assert "FAILED checks" in text and "6. M_delta P[i] = P[i+delta]" in text
+    assert f"{len(broken['checks']) - 1}/{len(broken['checks'])} checks pass" in text

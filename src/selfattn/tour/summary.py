@@ -37,7 +37,7 @@ def _comparison_table(comp: dict[str, Any]) -> Any:
         )
     dominated = [labels[kind] for kind in KINDS if comp[kind]["fixed_costs_dominate"]]
     rounds = comp["sweep"].get("rounds", 1)
-    table.caption = f"time: median exponent of {rounds} rounds [lowest, highest]" + (
+    table.caption = f"time: median exponent of {rounds} rounds \\[lowest, highest]" + (
         f"; fixed per-call costs dominate for {', '.join(dominated)} at these sizes" if dominated else ""
     )
     return table
@@ -50,13 +50,14 @@ def print_summary(results: dict[str, Any], report: Path | str | None = None, con
     lines = summary_lines(results, report)
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:
         print("\n".join(lines))
         return
     console = console or Console(highlight=False)
     failed = [c for c in results["checks"] if not c["ok"]]
-    console.print(lines[0], style="bold red" if failed else "bold green")
+    console.print(escape(lines[0]), style="bold red" if failed else "bold green")
     console.print(_comparison_table(results["comparison"]))
     sections = Table(show_header=True, title="Each section, measured", title_justify="left")
     sections.add_column("section", no_wrap=True)
@@ -65,7 +66,7 @@ def print_summary(results: dict[str, Any], report: Path | str | None = None, con
         found = re.match(r"^  (\S+?)\.? (.*)$", line)
         if found is None or line.startswith(("     ", "  3.", "  FAILED")):
             continue
-        sections.add_row(found.group(1).rstrip(":"), found.group(2))
+        sections.add_row(escape(found.group(1).rstrip(":")), escape(found.group(2)))
     if "claims" in results:
         claims = results["claims"]
         held = sum(c["holds"] is True for c in claims)
@@ -81,5 +82,5 @@ def print_summary(results: dict[str, Any], report: Path | str | None = None, con
         for header in ("check", "measured", "expected"):
             rows.add_column(header)
         for c in failed:
-            rows.add_row(c["name"], str(c["measured"]), c["expected"])
+            rows.add_row(escape(c["name"]), escape(str(c["measured"])), escape(c["expected"]))
         console.print(rows)
