@@ -159,7 +159,21 @@ def comparison_figure(results: dict) -> Figure:
         axes[4].fill_between(ns, rounds.min(0), rounds.max(0), color=colour, alpha=0.2)
     for ax in axes[:5]:
         ax.legend(fontsize=7)
-    axes[5].set_axis_off()
+    if crossings:
+        axes[5].plot(ns, crossings["core_over_rnn_by_n"], marker="^", color="tab:green", label="attention core / RNN")
+        axes[5].plot(
+            ns, crossings["layer_over_rnn_by_n"], linestyle="--", color="tab:green", label="attention layer / RNN"
+        )
+        axes[5].axhline(1.0, color="grey", linewidth=0.8)
+        axes[5].set_xscale("log", base=2)
+        axes[5].set_yscale("log")
+        axes[5].set_xlabel(f"n (tokens), d = {sweep['fixed_d']}")
+        axes[5].set_ylabel("FLOPs ratio")
+        axes[5].set_title("Attention against the RNN (ratio of counted FLOPs)")
+        axes[5].grid(True, which="both", alpha=0.3)
+        axes[5].legend(fontsize=7)
+    else:
+        axes[5].set_axis_off()
     axes[0].set_title("Compute against n (solid: score and value matmuls)")
     axes[1].set_title("Compute against d (dashed: whole attention layer)")
     axes[2].set_title(f"Shortest path from input 1 to output n (CNN k = {sweep['fixed_k']})")
