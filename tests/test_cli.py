@@ -31,9 +31,10 @@ def test_every_subcommand_has_help_with_examples(command, capsys):
     assert "examples:" in out and f"selfattn {command}" in out
 
 
-def test_no_command_prints_help(capsys):
-    status, out, _ = run_cli([], capsys)
-    assert status == 2 and "COMMAND" in out
+def test_no_command_is_a_usage_error_on_stderr(capsys):
+    status, out, err = run_cli([], capsys)
+    assert status == 2 and out == ""
+    assert err.startswith("usage: selfattn") and "error: choose a COMMAND: tour, encode" in err
 
 
 @pytest.mark.parametrize("suffix", [".npy", ".csv", ".pt"])

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
-__all__ = ["require_positive_int", "require_non_negative_int", "require_probability", "require_floating"]
+__all__ = [
+    "MAX_EXACT_POSITION",
+    "ArgumentTypeError",
+    "require_dtype",
+    "require_floating",
+    "require_non_negative_int",
+    "require_position",
+    "require_positive_finite",
+    "require_positive_int",
+    "require_probability",
+    "require_tensor",
+]
+
+# float64 represents every integer up to 2**53 exactly; past it, positions (and the angles
+# computed from them) silently merge.
+MAX_EXACT_POSITION = 2**53
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError`` that ``except ValueError`` also catches."""
 
 
 def require_positive_int(name: str, value: object) -> int:
@@ -21,10 +41,44 @@ def require_non_negative_int(name: str, value: object) -> int:
     return int(value)
 
 
+def require_position(name: str, value: object, count: int = 1) -> int:
+    """A first position ``value`` such that ``value .. value + count - 1`` are exact in float64."""
+    value = require_non_negative_int(name, value)
+    if value + count - 1 > MAX_EXACT_POSITION:
+        raise ValueError(
+            f"{name} must be at most 2**53 - {count - 1} (positions past 2**53 are not exact in float64), got {value}"
+        )
+    return value
+
+
 def require_probability(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
         raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
     return float(value)
+
+
+def require_positive_finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a positive finite number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def require_dtype(name: str, value: object, *, floating: bool = True) -> torch.dtype:
+    if not isinstance(value, torch.dtype):
+        raise ArgumentTypeError(
+            f"{name} must be a torch.dtype such as torch.float32, got {type(value).__name__} {value!r}"
+        )
+    if floating and not value.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point dtype, got {value}")
+    return value
+
+
+def require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
 
 
 def require_floating(name: str, tensor: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn._validation import require_non_negative_int, require_positive_int, require_probability
+from selfattn._validation import ArgumentTypeError, require_position, require_positive_int, require_probability
 from selfattn.cache import KVCache
 from selfattn.functional import attention, attention_weights, valid_lens_mask
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
@@ -93,6 +93,13 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
             if not t.is_floating_point():
                 raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
+            weight = self.W_q.weight
+            mixed_ok = torch.is_autocast_enabled(t.device.type)  # autocast casts inside the projections
+            if (t.dtype != weight.dtype and not mixed_ok) or t.device != weight.device:
+                raise ValueError(
+                    f"{name} must be {weight.dtype} on {weight.device} like this layer's weights, "
+                    f"got {t.dtype} on {t.device} (convert the input or call .to() on the layer)"
+                )
         if not queries.shape[0] == keys.shape[0] == values.shape[0]:
             raise ValueError(
                 f"queries, keys and values must share the batch size, got {queries.shape[0]}, {keys.shape[0]}, {values.shape[0]}"
@@ -103,7 +110,12 @@ class MultiHeadAttention(nn.Module):
     @staticmethod
     def _check_valid_lens(valid_lens: torch.Tensor, batch: int, num_queries: int, max_keys: int) -> torch.Tensor:
         if not isinstance(valid_lens, torch.Tensor):
-            valid_lens = torch.as_tensor(valid_lens)
+            try:
+                valid_lens = torch.as_tensor(valid_lens)
+            except (TypeError, ValueError, RuntimeError):
+                raise ArgumentTypeError(
+                    f"valid_lens must be a tensor (or list) of lengths, got {type(valid_lens).__name__} {valid_lens!r}"
+                ) from None
         if valid_lens.shape not in ((batch,), (batch, num_queries)):
             raise ValueError(
                 f"valid_lens must have shape ({batch},) or ({batch}, {num_queries}), got {tuple(valid_lens.shape)}"
@@ -150,10 +162,12 @@ class MultiHeadAttention(nn.Module):
             ``(b, lq, d)``, or ``(output, weights)``.
         """
         self._check_inputs(queries, keys, values)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ArgumentTypeError(f"cache must be a KVCache, got {type(cache).__name__} {cache!r}")
         batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
         if offset is None:
             offset = 0 if cache is None else cache.length
-        offset = require_non_negative_int("offset", offset)
+        offset = require_position("offset", offset, num_queries)
         past = 0 if cache is None else cache.length
         total_keys = past + num_new_keys
 
@@ -179,7 +193,7 @@ class MultiHeadAttention(nn.Module):
             q = self.position(q, q_positions)
             k = self.position(k, k_positions[past:])
         if cache is not None:
-            k, v = cache.append(k, v)  # (b, h, past + lk_new, dh)
+            k, v = cache.append(k, v, commit=False)  # (b, h, past + lk_new, dh); stored once attention succeeds
 
         mask = None if valid_lens is None else valid_lens_mask(valid_lens.to(device), k.shape[-2])
         truncated = k.shape[-2] < total_keys
@@ -207,6 +221,8 @@ class MultiHeadAttention(nn.Module):
 
         out = out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens)  # (b, lq, d)
         out = self.W_o(out)
+        if cache is not None:
+            cache.commit()
         if not return_weights:
             return out
         if truncated:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -15,6 +16,7 @@ __all__ = [
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "require_memory",
     "require_output",
     "stderr_line",
 ]
@@ -100,3 +102,33 @@ def add_progress_flag(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="no progress bar (it is shown only when stderr is a terminal)",
     )
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory a new allocation can have: Linux's MemAvailable, else all RAM, else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _human(num_bytes: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if num_bytes < 1024 or unit == "PiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "bytes" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def require_memory(what: str, num_bytes: int) -> None:
+    """Refuse, before allocating, work that would need more memory than is available now."""
+    available = _available_memory()
+    if available is not None and num_bytes > available:
+        raise ValueError(f"{what} would need about {_human(num_bytes)} of memory; {_human(available)} is available")

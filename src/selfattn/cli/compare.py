@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from selfattn.cli._args import ExamplesFormatter, add_progress_flag, positive_int, require_output
+from selfattn._atomic import atomic_write_path
+from selfattn.cli._args import ExamplesFormatter, add_progress_flag, positive_int, require_memory, require_output
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -62,6 +63,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+def _check_size(args: argparse.Namespace) -> None:
+    """Refuse a sweep whose largest layer cannot fit in memory, before measuring anything."""
+    points = (
+        [(n, args.fixed_d, args.fixed_k) for n in args.n]
+        + [(args.fixed_n, d, args.fixed_k) for d in args.d]
+        + [(args.fixed_n, args.fixed_d, k) for k in args.k]
+    )
+    # float32 weights of the CNN (k d^2) or of attention (4 d^2) plus its (n, n) weights and (n, d)
+    # input, each held about three times over (values, gradients, the flop counter's copies).
+    need, (n, d, k) = max((12 * max(k * d * d, 4 * d * d + n * n + n * d), (n, d, k)) for n, d, k in points)
+    require_memory(f"the layers at n={n}, d={d}, k={k}", need)
+
+
 def run(args: argparse.Namespace) -> int:
     from selfattn.tour import comparison
     from selfattn.tour.runner import comparison_lines, progress_bar
@@ -77,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--n and --k values must be at least 2, got --n {args.n} --k {args.k} --fixed-k {args.fixed_k}"
         )
+    _check_size(args)
     if args.plot is not None:
         from selfattn.tour import figures  # fail before measuring when matplotlib is missing
     steps = comparison.comparison_steps(sorted(set(args.n)), sorted(set(args.d)), sorted(set(args.k)), args.rounds)
@@ -94,9 +109,12 @@ def run(args: argparse.Namespace) -> int:
         )
     print("\n".join(comparison_lines(results)))
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1))
+        with atomic_write_path(args.json) as tmp:
+            tmp.write_text(json.dumps(results, indent=1))
         print(f"wrote {args.json}")
     if args.plot is not None:
-        figures.comparison_figure(results).savefig(args.plot, dpi=110)
+        figure = figures.comparison_figure(results)
+        with atomic_write_path(args.plot) as tmp:
+            figure.savefig(tmp, dpi=110)
         print(f"wrote {args.plot}")
     return 0

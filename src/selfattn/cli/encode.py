@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from selfattn._atomic import atomic_write_path
+from selfattn._validation import require_position
 from selfattn.cli._args import (
     ExamplesFormatter,
     kind_names,
     non_negative_int,
     positive_float,
     positive_int,
+    require_memory,
     require_output,
 )
 
@@ -51,10 +55,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+def table_shape(kind: str, num_steps: int, num_hiddens: int, num_heads: int) -> tuple[int, ...]:
+    """The shape :func:`~selfattn.tour.family.encoding_table` gives, known before building anything."""
+    from selfattn.positional.registry import acts_on
+
+    where = acts_on(kind)
+    if where == "scores":
+        return (num_heads, num_steps, num_steps)
+    if where == "query_key":
+        return (num_steps, num_hiddens // num_heads)
+    return (num_steps, num_hiddens)
+
+
+# Peak bytes per element of the result, measured with ru_maxrss at n, d in the thousands: the
+# tables of input and rotary encodings are built in float64 beside their angles (up to 57),
+# score encodings build one float bias per head and copy it once (up to 19).
+_PEAK_BYTES_PER_ELEMENT = {"input": 64, "query_key": 64, "scores": 24}
+
+
+def check_size(kind: str, num_steps: int, num_hiddens: int, num_heads: int) -> None:
+    """Refuse a table that cannot fit in memory, before allocating it."""
+    from selfattn.positional.registry import acts_on
+
+    shape = table_shape(kind, num_steps, num_hiddens, num_heads)
+    require_memory(f"a {kind} table of shape {shape}", math.prod(shape) * _PEAK_BYTES_PER_ELEMENT[acts_on(kind)])
+
+
 def run(args: argparse.Namespace) -> int:
     from selfattn.tour.family import encoding_table
 
     suffix = require_output("--output", args.output, _FORMATS).suffix.lower()
+    require_position("--offset", args.offset, args.num_steps)
+    if args.num_hiddens % args.heads == 0:  # otherwise the encoding's own check names the problem
+        check_size(args.kind, args.num_steps, args.num_hiddens, args.heads)
     options = {} if args.base is None else {"base": args.base}
     table = encoding_table(
         args.kind,
@@ -67,12 +100,13 @@ def run(args: argparse.Namespace) -> int:
     )
     if suffix == ".csv" and table.dim() != 2:
         raise ValueError(f"CSV holds 2-D tables; {args.kind} gives a {tuple(table.shape)} array: use .npy or .pt")
-    if suffix == ".npy":
-        np.save(args.output, table.numpy())
-    elif suffix == ".csv":
-        np.savetxt(args.output, table.numpy(), delimiter=",", fmt="%.17g" if args.dtype == "float64" else "%.9g")
-    else:
-        with open(args.output, "wb") as file:  # an unwritable path raises OSError here, not deep in torch.save
-            torch.save(table, file)
+    with atomic_write_path(args.output) as tmp:  # the file is the old one or the complete new one
+        if suffix == ".npy":
+            np.save(tmp, table.numpy())
+        elif suffix == ".csv":
+            np.savetxt(tmp, table.numpy(), delimiter=",", fmt="%.17g" if args.dtype == "float64" else "%.9g")
+        else:
+            with open(tmp, "wb") as file:  # an unwritable path raises OSError here, not deep in torch.save
+                torch.save(table, file)
     print(f"wrote {args.kind} {tuple(table.shape)} {args.dtype} to {args.output}")
     return 0

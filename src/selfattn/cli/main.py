@@ -2,14 +2,17 @@
 
 Each subcommand module exposes ``add_parser(subparsers)`` (which sets ``handler``) and a
 handler ``run(args) -> int``. Errors a user can cause (a bad value, an unwritable path, a
-missing optional dependency) end with one line on stderr and exit status 2, never a traceback.
+missing optional dependency, a size that does not fit in memory) end with one line on stderr
+and exit status 2, never a traceback; Ctrl-C ends with one line and exit status 130.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 
+import selfattn
 from selfattn.cli import compare, encode, plot, tour
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, stderr_line
 
@@ -24,25 +27,39 @@ def build_parser() -> OneLineErrorParser:
         "  selfattn plot --kind rotary --figure panel -o rotary.png\n  selfattn compare --n 64 128 256 512",
         formatter_class=ExamplesFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"selfattn {selfattn.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)
     return parser
 
 
+# What torch says when a tensor cannot be allocated or a size does not fit in 64 bits.
+_RESOURCE_ERROR = re.compile(r"allocat|out of memory|overflow", re.IGNORECASE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 2
+        parser.print_usage(sys.stderr)
+        parser.error(f"choose a COMMAND: {', '.join(module.__name__.rsplit('.', 1)[-1] for module in SUBCOMMANDS)}")
     try:
         return int(args.handler(args))
+    except KeyboardInterrupt:
+        stderr_line(f"selfattn {args.command}: interrupted")
+        return 130
     except (ValueError, ImportError) as error:
         stderr_line(f"selfattn {args.command}: error: {error}")
     except OSError as error:
         where = f": {error.filename!r}" if error.filename else ""
         stderr_line(f"selfattn {args.command}: error: {error.strerror or error}{where}")
+    except (MemoryError, OverflowError) as error:
+        stderr_line(f"selfattn {args.command}: error: {type(error).__name__}: {error or 'out of memory'}")
+    except RuntimeError as error:
+        if not _RESOURCE_ERROR.search(str(error)):
+            raise
+        stderr_line(f"selfattn {args.command}: error: {str(error).strip().splitlines()[0]}")
     return 2
 
 

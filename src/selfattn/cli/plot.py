@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from selfattn.cli._args import ExamplesFormatter, kind_names, positive_int, require_output
+from selfattn._atomic import atomic_write_path
+from selfattn.cli._args import ExamplesFormatter, kind_names, positive_int, require_memory, require_output
 
 FIGURES = ("panel", "scores", "similarity", "attention", "table", "columns")
 
@@ -110,12 +111,26 @@ def _draw(args: argparse.Namespace):
     )
 
 
+def _check_size(args: argparse.Namespace) -> None:
+    """Refuse sizes whose figure data cannot fit in memory, before computing any of it."""
+    from selfattn.cli.encode import check_size
+
+    n, d, heads = args.num_steps, args.num_hiddens, args.heads
+    check_size(args.kind, n, d, heads)
+    if args.figure not in ("table", "columns"):
+        # The diagnostics hold (n, n) float64 matrices per head and a few more: measured peaks
+        # (ru_maxrss, n = 1000..1500) stay under (heads + 4) * n^2 * 72 bytes for every encoding.
+        require_memory(f"--figure {args.figure} with -n {n} and --heads {heads}", (heads + 4) * n * n * 72)
+
+
 def run(args: argparse.Namespace) -> int:
     output = require_output("--output", args.output or Path(f"{args.kind}-{args.figure}.png"), (".png", ".svg"))
     if args.num_hiddens % args.heads:
         raise ValueError(f"-d {args.num_hiddens} is not divisible by --heads {args.heads}")
+    _check_size(args)
     figure = _draw(args)
-    figure.savefig(output, dpi=110)
+    with atomic_write_path(output) as tmp:  # the figure is the old one or the complete new one
+        figure.savefig(tmp, dpi=110)
     print(
         f"wrote {args.figure} of {args.kind} (n={args.num_steps}, d={args.num_hiddens}, heads={args.heads}) to {output}"
     )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+from selfattn._atomic import atomic_directory
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, add_progress_flag
 
 
@@ -35,10 +38,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+@contextlib.contextmanager
+def report_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder beside ``out`` that takes its place once the report is complete.
+
+    Interrupted or failed, the old report (if any) stays as it was, whole.
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            tmp = stack.enter_context(atomic_directory(out))
+        except OSError as error:
+            reason = error.strerror or type(error).__name__
+            raise ValueError(f"cannot write the report to {str(out)!r}: {reason}") from None
+        yield tmp
+
+
 def run(args: argparse.Namespace) -> int:
     from selfattn.tour.runner import run_tour
     from selfattn.tour.summary import print_summary
 
-    results = run_tour(args.out, quick=args.quick, progress=args.progress and sys.stderr.isatty())
+    with report_folder(args.out) as folder:
+        results = run_tour(folder, quick=args.quick, progress=args.progress and sys.stderr.isatty())
     print_summary(results, args.out / "report.html")
     return 0 if all(check["ok"] for check in results["checks"]) else 1

@@ -11,7 +11,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from selfattn._validation import require_probability
+from selfattn._validation import (
+    ArgumentTypeError,
+    require_non_negative_int,
+    require_positive_finite,
+    require_probability,
+    require_tensor,
+)
 
 __all__ = ["attention", "attention_weights", "causal_mask", "valid_lens_mask"]
 
@@ -29,6 +35,12 @@ def causal_mask(num_queries: int, num_keys: int, *, device: torch.device | str |
     usual lower-triangular mask; with fewer queries than keys (decoding against cached keys)
     the newest query sees every key.
     """
+    num_queries = require_non_negative_int("num_queries", num_queries)
+    num_keys = require_non_negative_int("num_keys", num_keys)
+    return _causal_mask(num_queries, num_keys, device)
+
+
+def _causal_mask(num_queries: int, num_keys: int, device: torch.device | str | None) -> torch.Tensor:
     rows = torch.arange(num_queries, device=device).unsqueeze(-1)  # (lq, 1)
     cols = torch.arange(num_keys, device=device)  # (lk,)
     return cols <= rows + (num_keys - num_queries)
@@ -43,7 +55,27 @@ def valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
 
     Returns:
         ``(b, 1, 1, lk)`` for ``(b,)`` lengths, ``(b, 1, lq, lk)`` for ``(b, lq)`` lengths.
+
+    Raises:
+        ValueError: lengths that are negative, fractional, not integers or not 1-D/2-D.
     """
+    _check_valid_lens(valid_lens)
+    return _valid_lens_mask(valid_lens, require_non_negative_int("num_keys", num_keys))
+
+
+def _check_valid_lens(valid_lens: torch.Tensor) -> None:
+    require_tensor("valid_lens", valid_lens)
+    if valid_lens.dim() not in (1, 2):
+        raise ValueError(f"valid_lens must have shape (b,) or (b, lq), got {tuple(valid_lens.shape)}")
+    if valid_lens.dtype == torch.bool or valid_lens.is_complex():
+        raise ArgumentTypeError(f"valid_lens must hold integer lengths, got dtype {valid_lens.dtype}")
+    if valid_lens.is_floating_point() and not bool((valid_lens == valid_lens.round()).all()):
+        raise ValueError(f"valid_lens must hold whole numbers, got {valid_lens.tolist()}")
+    if bool((valid_lens < 0).any()):
+        raise ValueError(f"valid_lens must not be negative, got {valid_lens.tolist()}")
+
+
+def _valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     keys = torch.arange(num_keys, device=valid_lens.device)
     if valid_lens.dim() == 1:
         return (keys < valid_lens[:, None])[:, None, None, :]  # (b, 1, 1, lk)
@@ -52,14 +84,46 @@ def valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() < 2:
-            raise ValueError(f"{name} must be a tensor of shape (..., length, features), got {getattr(t, 'shape', t)!r}")
+        require_tensor(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name} must be a tensor of shape (..., length, features), got {tuple(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share their last dimension, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a head size of at least 1, got q {tuple(q.shape)}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must have the same number of keys, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        raise ValueError(
+            "q, k and v must have the same leading (batch, head) dimensions, "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype} and v {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device} and v {v.device}")
+
+
+def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``mask`` or ``bias`` must broadcast to the scores ``(..., lq, lk)`` and live on q's device.
+
+    Returns it with at least two dimensions (the fused kernel wants a query axis).
+    """
+    scores_shape = (*q.shape[:-1], k.shape[-2])  # (b, h, lq, lk)
+    fits = term.dim() <= len(scores_shape) and all(
+        size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape))
+    )
+    if not fits:
+        raise ValueError(f"{name} of shape {tuple(term.shape)} does not broadcast to the scores' shape {scores_shape}")
+    if term.device != q.device:
+        raise ValueError(f"{name} must be on the device of q ({q.device}), got {term.device}")
+    return term if term.dim() >= 2 else term.reshape(*([1] * (2 - term.dim())), *term.shape)  # (.., lq, lk)
+
+
+def _scale(scale: object, head_size: int) -> float:
+    return 1.0 / math.sqrt(head_size) if scale is None else require_positive_finite("scale", scale)
 
 
 def _prepare(
@@ -71,24 +135,37 @@ def _prepare(
     causal: bool,
     scale: float | None,
     fused: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, bool, float]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, bool, float]:
     """Validate, fold ``causal`` into ``mask`` unless the fused kernel can take it, and free empty rows.
 
-    Returns ``(mask, empty_rows, use_is_causal, scale)``; ``empty_rows`` is a bool
-    ``(..., lq, 1)`` of the queries that see no key, or None when there are none.
+    Returns ``(mask, bias, empty_rows, use_is_causal, scale)``; ``empty_rows`` is a bool
+    ``(..., lq, 1)`` of the queries that see no key, or None when there are none. A ``-inf``
+    in ``bias`` hides its key just as the mask does, so a row blocked by the bias alone is an
+    empty row too.
     """
     _check_shapes(q, k, v)
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
-        raise ValueError(f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise ValueError(
+                f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
+            )
+        mask = _check_scores_term("mask", mask, q, k)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise ValueError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+        bias = _check_scores_term("bias", bias, q, k)
     num_queries, num_keys = q.shape[-2], k.shape[-2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = _scale(scale, q.shape[-1])
 
     use_is_causal = fused and causal and mask is None and bias is None and num_queries == num_keys
     if causal and not use_is_causal:
-        lower_right = causal_mask(num_queries, num_keys, device=q.device)  # (lq, lk)
+        lower_right = _causal_mask(num_queries, num_keys, q.device)  # (lq, lk)
         mask = lower_right if mask is None else mask & lower_right
+    # -inf in the bias is a mask: move it there. (amin finds one 10x faster than isneginf().any().)
+    if bias is not None and bias.numel() and bool(bias.amin() == float("-inf")):
+        blocked = torch.isneginf(bias)
+        bias = bias.masked_fill(blocked, 0.0)
+        mask = ~blocked if mask is None else mask & ~blocked
 
     # Rows with no visible key: let them see every key (so softmax stays finite in the forward
     # and the backward pass), and zero their output and weights afterwards.
@@ -99,7 +176,7 @@ def _prepare(
             mask = mask | empty_rows
         else:
             empty_rows = None
-    return mask, empty_rows, use_is_causal, scale
+    return mask, bias, empty_rows, use_is_causal, scale
 
 
 def attention_weights(
@@ -113,15 +190,17 @@ def attention_weights(
 ) -> torch.Tensor:
     """The weights ``softmax(q k^T * scale + bias)``, ``(b, h, lq, lk)``; see :func:`attention`.
 
-    Rows whose keys are all masked are zeros.
+    Rows whose keys are all masked are zeros. The scores and the softmax are computed in at
+    least float32 (as the fused kernels do), and the weights returned in the dtype of ``q``.
     """
-    mask, empty_rows, _, scale = _prepare(q, k, k, mask, bias, causal, scale, fused=False)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (b, h, lq, lk)
+    mask, bias, empty_rows, _, scale = _prepare(q, k, k, mask, bias, causal, scale, fused=False)
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1)) * scale  # (b, h, lq, lk)
     if bias is not None:
-        scores = scores + bias.to(scores.dtype)
+        scores = scores + bias.to(compute_dtype)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
+    weights = torch.softmax(scores, dim=-1).to(q.dtype)
     return weights if empty_rows is None else weights.masked_fill(empty_rows, 0.0)
 
 
@@ -143,9 +222,11 @@ def attention(
     (fused kernels; O(lq + lk) memory when no dense mask or bias is given); with it, an explicit
     matmul-softmax-matmul that also returns the weights. Both paths give the same result.
 
-    A query that may attend to no key (every key masked) gets an output row of zeros and
-    weights of zeros. The textbook instead spreads it uniformly over the masked keys, and a
-    plain softmax gives NaN; neither is an answer anyone asked for.
+    A query that may attend to no key (every key masked, by ``mask``, ``causal`` or a ``-inf``
+    bias) gets an output row of zeros and weights of zeros. The textbook instead spreads it
+    uniformly over the masked keys, and a plain softmax gives NaN; neither is an answer anyone
+    asked for. A NaN or infinity in a query, or in a key or value it sees, gives NaN in that
+    query's output on both paths, never a zero.
 
     Note: ``dropout_p > 0`` makes the fused kernel fall back to PyTorch's O(lq * lk)-memory
     math path.
@@ -159,11 +240,15 @@ def attention(
         causal: query ``i`` attends keys ``j <= i + lk - lq`` (lower-right aligned, see
             :func:`causal_mask`).
         dropout_p: dropout on the attention weights; pass 0 in evaluation.
-        scale: score scale, default ``1 / sqrt(d)``.
+        scale: score scale, a positive finite number; default ``1 / sqrt(d)``.
         return_weights: also return the ``(b, h, lq, lk)`` weights (before dropout).
 
     Returns:
         ``(b, h, lq, dv)`` output, or ``(output, weights)``.
+
+    Raises:
+        ValueError: q, k, v of mismatched shapes, dtypes or devices, a head size of 0, a mask
+            or bias that does not broadcast to ``(b, h, lq, lk)``, a bad ``scale`` or ``dropout_p``.
     """
     dropout_p = require_probability("dropout_p", dropout_p)
     if return_weights:
@@ -172,7 +257,7 @@ def attention(
         dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
         return torch.matmul(dropped, v), weights  # (b, h, lq, dv), (b, h, lq, lk)
 
-    mask, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)
+    mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)
     if q.device.type == "cpu" and q.shape[-2] * k.shape[-2] >= _CONTIGUOUS_HEADS_MIN_PAIRS:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     attn_mask = mask
@@ -182,4 +267,14 @@ def attention(
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale
     )
+    # PyTorch's CPU kernel returns a zero row for a query holding NaN or inf; the formula says NaN.
+    # Adding 0 * (the query's sum) gives NaN exactly there, for one reduction and no host sync (an
+    # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large
+    # finite half-precision queries from overflowing into a NaN nobody asked for.
+    sum_dtype = torch.promote_types(q.dtype, torch.float32)
+    query_sums = q.sum(dim=-1, keepdim=True, dtype=sum_dtype)  # (b, h, lq, 1)
+    if sum_dtype == out.dtype:
+        out = out.add(query_sums, alpha=0)
+    else:
+        out = out + query_sums.mul(0).to(out.dtype)  # multiply first: the sum may not fit a half
     return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from selfattn._validation import require_non_negative_int, require_positive_int
+from selfattn._validation import require_dtype, require_position, require_positive_int
 
 __all__ = ["sinusoidal_frequencies", "sinusoidal_table"]
 
@@ -46,17 +46,17 @@ def sinusoidal_table(
         num_positions: number of rows ``n``.
         num_hiddens: number of columns ``d``.
         base: the 10000 of the formula.
-        offset: position of the first row.
-        dtype: floating dtype of the result.
+        offset: position of the first row; the last row's position must not pass 2**53,
+            where float64 stops representing every integer.
+        dtype: floating ``torch.dtype`` of the result.
         device: device of the result.
 
     Returns:
         ``(n, d)`` table.
     """
     num_positions = require_positive_int("num_positions", num_positions)
-    offset = require_non_negative_int("offset", offset)
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    offset = require_position("offset", offset, num_positions)
+    dtype = require_dtype("dtype", dtype)
     freqs = sinusoidal_frequencies(num_hiddens, base=base)  # (ceil(d/2),)
     # float64 on the CPU: exact integer positions and an angle good to ~1e-10 at 10^6.
     positions = torch.arange(offset, offset + num_positions, dtype=torch.float64)  # (n,)

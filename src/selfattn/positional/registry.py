@@ -79,3 +79,10 @@ def build(name: str, *, num_hiddens: int, num_heads: int, **options: Any) -> Pos
             takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no options"
             raise ValueError(f"option {key}={options[key]!r} is not accepted by {name!r}; {takes}")
     return entry.cls(**sizes, **{**entry.defaults, **options})
+
+
+def acts_on(name: str) -> str:
+    """Where the encoding called ``name`` acts (``"input"``, ``"query_key"`` or ``"scores"``), without building it."""
+    if name not in _REGISTRY:
+        raise ValueError(f"name must be one of {', '.join(NAMES)}; got {name!r}")
+    return _REGISTRY[name].cls.acts_on

@@ -1,0 +1,341 @@
+"""Every edge behaves: NaN in gives NaN out, bad input is a clear error naming the argument,
+a failed call leaves the cache as it was, reduced precision is accumulated in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfattn import KVCache, MultiHeadAttention
+from selfattn.functional import attention, attention_weights, causal_mask, sinusoidal_table, valid_lens_mask
+from selfattn.positional import build
+
+NAN, NEG_INF = float("nan"), float("-inf")
+
+
+def qkv(*, lq: int = 2, lk: int = 3, d: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(1, 1, lq, d, generator=g),
+        torch.randn(1, 1, lk, d, generator=g),
+        torch.randn(1, 1, lk, d, generator=g),
+    )
+
+
+def both_paths(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fused = attention(q, k, v, **kwargs)
+    explicit, _ = attention(q, k, v, return_weights=True, **kwargs)
+    assert isinstance(fused, torch.Tensor)
+    return fused, explicit
+
+
+# --- silent wrong answers ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [NAN, float("inf")])
+def test_a_non_finite_query_gives_nan_on_both_paths(bad: float) -> None:
+    q, k, v = qkv()
+    q[..., 0, 0] = bad
+    for out in both_paths(q, k, v):
+        assert out[..., 0, :].isnan().all()
+        assert out[..., 1, :].isfinite().all()
+
+
+def test_a_nan_key_or_value_a_query_sees_gives_nan_on_both_paths() -> None:
+    for which in ("k", "v"):
+        q, k, v = qkv()
+        (k if which == "k" else v)[..., 1, 0] = NAN
+        for out in both_paths(q, k, v):
+            assert out.isnan().any(dim=-1).all(), which
+
+
+def test_multi_head_attention_propagates_nan() -> None:
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 2).eval()
+    x = torch.randn(1, 3, 8)
+    queries = x.clone()
+    queries[0, 1, 0] = NAN
+    for out in (mha(queries, x, x), mha(queries, x, x, return_weights=True)[0]):
+        assert out[0, 1].isnan().all()
+        assert out[0, [0, 2]].isfinite().all()
+
+
+def test_a_nan_query_in_a_fully_masked_row_is_still_zero() -> None:
+    q, k, v = qkv()
+    q[..., 0, 0] = NAN
+    mask = torch.tensor([[False, False, False], [True, True, True]])
+    for out in both_paths(q, k, v, mask=mask):
+        assert out[..., 0, :].eq(0).all()
+
+
+def test_an_all_minus_inf_bias_row_is_a_fully_masked_row_on_both_paths() -> None:
+    q, k, v = qkv()
+    q.requires_grad_(True)
+    bias = torch.zeros(1, 1, 2, 3)
+    bias[..., 0, :] = NEG_INF
+    bias[..., 1, 2] = NEG_INF
+    fused, explicit = both_paths(q, k, v, bias=bias)
+    expected, _ = attention(q, k[..., :2, :], v[..., :2, :], return_weights=True)
+    for out in (fused, explicit):
+        assert out[..., 0, :].eq(0).all()
+        torch.testing.assert_close(out[..., 1, :], expected[..., 1, :])
+    _, weights = attention(q, k, v, bias=bias, return_weights=True)
+    assert weights[..., 0, :].eq(0).all()
+    (fused.sum() + explicit.sum()).backward()
+    assert q.grad is not None and q.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("scale", [NAN, float("inf"), 0.0, -1.0])
+def test_scale_must_be_positive_and_finite(scale: float) -> None:
+    with pytest.raises(ValueError, match="scale"):
+        attention(*qkv(), scale=scale)
+    with pytest.raises(ValueError, match="scale"):
+        attention(*qkv(), scale=scale, return_weights=True)
+
+
+@pytest.mark.parametrize("scale", ["a", None.__class__, True])
+def test_scale_of_the_wrong_type_names_scale(scale: object) -> None:
+    with pytest.raises(TypeError, match="scale"):
+        attention(*qkv(), scale=scale)  # type: ignore[arg-type]
+
+
+def test_scale_still_takes_numbers() -> None:
+    q, k, v = qkv()
+    torch.testing.assert_close(attention(q, k, v, scale=0.5), attention(q * 0.5 * 2.0, k, v))
+
+
+@pytest.mark.parametrize(
+    "lengths, match",
+    [
+        (torch.tensor([1.5]), "whole numbers"),
+        (torch.tensor([float("nan")]), "whole numbers"),
+        (torch.tensor([-1]), "negative"),
+        (torch.tensor([True]), "integer"),
+        (torch.tensor(2), r"shape \(b,\)"),
+        ([1, 2], "torch.Tensor"),
+    ],
+)
+def test_valid_lens_mask_refuses_what_is_not_a_length(lengths: object, match: str) -> None:
+    with pytest.raises(ValueError, match=f"valid_lens.*{match}|{match}.*valid_lens|valid_lens must be a {match}"):
+        valid_lens_mask(lengths, 3)  # type: ignore[arg-type]
+
+
+def test_valid_lens_mask_takes_whole_floats_and_checks_num_keys() -> None:
+    assert valid_lens_mask(torch.tensor([2.0]), 3).tolist() == [[[[True, True, False]]]]
+    with pytest.raises(ValueError, match="num_keys"):
+        valid_lens_mask(torch.tensor([1]), -3)
+
+
+# --- obscure errors from deep inside torch ----------------------------------------------------
+
+
+def test_mismatched_batch_or_head_dims_name_q_k_v() -> None:
+    q, k, v = qkv()
+    for args in ((q.expand(2, 1, 2, 4), k, v), (q, k.expand(1, 2, 3, 4), v), (q, k, v.expand(2, 1, 3, 4))):
+        with pytest.raises(ValueError, match="q, k and v must have the same leading"):
+            attention(*args)
+        with pytest.raises(ValueError, match="q, k and v must have the same leading"):
+            attention(*args, return_weights=True)
+
+
+@pytest.mark.parametrize("name", ["mask", "bias"])
+@pytest.mark.parametrize("shape", [(3, 3), (2, 1, 2, 3), (1, 1, 1, 2, 3), (2,)])
+def test_a_mask_or_bias_that_does_not_broadcast_names_itself(name: str, shape: tuple[int, ...]) -> None:
+    term = torch.ones(shape, dtype=torch.bool) if name == "mask" else torch.zeros(shape)
+    for return_weights in (False, True):
+        with pytest.raises(ValueError, match=rf"{name} of shape .* does not broadcast"):
+            attention(*qkv(), return_weights=return_weights, **{name: term})  # type: ignore[call-overload]
+
+
+def test_broadcastable_masks_and_biases_still_work() -> None:
+    q, k, v = qkv()
+    for term in (
+        torch.ones(3, dtype=torch.bool),
+        torch.ones(2, 3, dtype=torch.bool),
+        torch.ones(1, 1, 2, 1, dtype=torch.bool),
+    ):
+        torch.testing.assert_close(attention(q, k, v, mask=term), attention(q, k, v))
+
+
+def test_mixed_dtypes_and_devices_name_q_k_v() -> None:
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="one dtype.*float64"):
+        attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="one dtype"):
+        attention(q, k, v.half(), return_weights=True)
+    with pytest.raises(ValueError, match="one device.*meta"):
+        attention(q, k, v.to("meta"))
+    with pytest.raises(ValueError, match="mask must be on the device of q"):
+        attention(q, k, v, mask=torch.ones(2, 3, dtype=torch.bool, device="meta"))
+
+
+def test_head_size_zero_is_a_value_error() -> None:
+    q, k, v = qkv(d=0)
+    for return_weights in (False, True):
+        with pytest.raises(ValueError, match="head size of at least 1"):
+            attention(q, k, v, return_weights=return_weights)
+
+
+def test_multi_head_attention_says_which_dtype_it_expects() -> None:
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8)
+    with pytest.raises(ValueError, match=r"queries must be torch\.float32 .* got torch\.float64"):
+        mha(x.double(), x, x)
+    with pytest.raises(ValueError, match=r"values must be torch\.float32"):
+        mha(x, x, x.half())
+
+
+def test_multi_head_attention_takes_mixed_dtypes_under_autocast() -> None:
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mha(x, x, x)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+
+
+def test_multi_head_attention_argument_types() -> None:
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8)
+    with pytest.raises(TypeError, match="valid_lens"):
+        mha(x, x, x, "ab")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cache must be a KVCache"):
+        mha(x, x, x, cache="abc")  # type: ignore[arg-type]
+    for offset in (2**63, 2**53, -1):
+        with pytest.raises(ValueError, match="offset"):
+            mha(x, x, x, offset=offset)
+    assert mha(x, x, x, offset=2**53 - 2).shape == (1, 3, 8)  # positions 2**53 - 2 .. 2**53 are exact
+
+
+def test_causal_mask_refuses_negative_sizes() -> None:
+    with pytest.raises(ValueError, match="num_queries"):
+        causal_mask(-1, 3)
+    with pytest.raises(ValueError, match="num_keys"):
+        causal_mask(1, -3)
+    assert causal_mask(0, 2).shape == (0, 2)
+
+
+def test_sinusoidal_table_refuses_inexact_offsets_and_string_dtypes() -> None:
+    with pytest.raises(ValueError, match="offset .*2\\*\\*53"):
+        sinusoidal_table(2, 4, offset=2**60)
+    with pytest.raises(ValueError, match="offset"):
+        sinusoidal_table(2, 4, offset=2**53)  # the second row would sit at 2**53 + 1
+    assert sinusoidal_table(2, 4, offset=2**53 - 1).shape == (2, 4)
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        sinusoidal_table(2, 4, dtype="float32")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype must be a floating-point"):
+        sinusoidal_table(2, 4, dtype=torch.int64)
+
+
+# --- the cache --------------------------------------------------------------------------------
+
+
+def test_cache_append_checks_values_against_keys() -> None:
+    keys = torch.randn(1, 2, 3, 4)
+    cache = KVCache(4)
+    with pytest.raises(ValueError, match="values of shape .* do not match keys"):
+        cache.append(keys, torch.randn(1, 2, 2, 4))
+    with pytest.raises(ValueError, match="values of shape .* do not match keys"):
+        cache.append(keys, torch.randn(2, 2, 3, 4))
+    with pytest.raises(ValueError, match="share dtype and device"):
+        cache.append(keys, torch.randn(1, 2, 3, 4).double())
+    with pytest.raises(TypeError, match="values must be a torch.Tensor"):
+        cache.append(keys, "abc")  # type: ignore[arg-type]
+    assert cache.length == 0
+
+
+def test_cache_refuses_keys_of_another_dtype_or_device() -> None:
+    cache = KVCache(4)
+    cache.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    with pytest.raises(ValueError, match="dtype torch.float64 .* cache holding torch.float32"):
+        cache.append(torch.randn(1, 2, 1, 4).double(), torch.randn(1, 2, 1, 4).double())
+    with pytest.raises(ValueError, match="on meta"):
+        cache.append(torch.randn(1, 2, 1, 4, device="meta"), torch.randn(1, 2, 1, 4, device="meta"))
+    with pytest.raises(ValueError, match="values of shape"):
+        cache.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 5))
+    assert cache.length == 1
+
+
+def test_a_failed_call_leaves_the_cache_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 2).eval()
+    x = torch.randn(1, 4, 8)
+    with torch.no_grad():
+        full = mha(x, x, x, causal=True)
+        cache = KVCache(8)
+        first = mha(x[:, :2], x[:, :2], x[:, :2], causal=True, cache=cache)
+        with pytest.raises(ValueError, match="float32"):
+            mha(x[:, 2:3].double(), x[:, 2:3].double(), x[:, 2:3].double(), causal=True, cache=cache)
+        assert cache.length == 2
+        # A failure after the keys were written (here: in the output projection) changes nothing either.
+
+        def broken(*args: object, **kwargs: object) -> torch.Tensor:
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(mha.W_o, "forward", broken)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            mha(x[:, 2:3] + 100, x[:, 2:3] + 100, x[:, 2:3] + 100, causal=True, cache=cache)
+        assert cache.length == 2
+        monkeypatch.undo()
+        rest = [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache) for t in (2, 3)]
+    assert isinstance(first, torch.Tensor) and isinstance(full, torch.Tensor)
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), full)
+
+
+def test_a_failed_first_call_does_not_fix_the_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    mha = MultiHeadAttention(8, 2).eval()
+    cache = KVCache(4)
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(mha.W_o, "forward", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        mha(torch.randn(3, 1, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8), cache=cache)
+    monkeypatch.undo()
+    x = torch.randn(1, 1, 8)
+    assert mha(x, x, x, cache=cache).shape == (1, 1, 8)
+    assert cache.length == 1
+
+
+def test_reset_forgets_the_batch_size_shapes_and_dtype() -> None:
+    cache = KVCache(4)
+    cache.append(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4))
+    cache.reset()
+    assert cache.length == 0
+    keys, values = cache.append(torch.randn(1, 3, 1, 8).double(), torch.randn(1, 3, 1, 5).double())
+    assert keys.shape == (1, 3, 1, 8) and values.shape == (1, 3, 1, 5) and keys.dtype == torch.float64
+
+
+# --- reduced precision on the explicit path ---------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_explicit_path_is_as_accurate_as_the_fused_path_in_reduced_precision(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(4, 2, 64, 32, generator=g).mul(3).to(dtype) for _ in range(2))  # q, k ~ N(0, 9)
+    v = torch.randn(4, 2, 64, 32, generator=g).to(dtype)
+    reference = attention(q.double(), k.double(), v.double())
+    fused, explicit = both_paths(q, k, v)
+    fused_error = (fused.double() - reference).abs().max()
+    explicit_error = (explicit.double() - reference).abs().max()
+    assert explicit.dtype == dtype and attention_weights(q, k).dtype == dtype
+    assert explicit_error <= 1.5 * fused_error  # it was 13x before scores were accumulated in float32
+
+
+def test_explicit_path_stays_finite_in_float16_with_large_inputs() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 1, 8, 16, generator=g).clamp(-3, 3).mul(1e4).half() for _ in range(2))
+    v = torch.randn(1, 1, 8, 16, generator=g).half()
+    fused, explicit = both_paths(q, k, v)
+    assert fused.isfinite().all() and explicit.isfinite().all()
+    torch.testing.assert_close(explicit, fused, atol=2e-3, rtol=2e-3)
+
+
+def test_shaw_in_float16_gives_no_nan() -> None:
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2, position=build("shaw", num_hiddens=16, num_heads=2)).half().eval()
+    x = (torch.randn(1, 8, 16) * 300).half()
+    out = mha(x, x, x)
+    assert isinstance(out, torch.Tensor) and out.isfinite().all()
