@@ -1,13 +1,15 @@
 # Two commands, each usable on a fresh clone with only Python 3.10+ installed:
 #   make tour   set up .venv and run the chapter tour (writes ./selfattn-report)
 #   make test   set up .venv with the dev extras and run the test suite
+# and, for contributors: make docs (API reference + guide in ./site, warnings are errors),
+# make lint (ruff check, ruff format --check, mypy --strict; not yet part of make test).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # torch is pinned here (users of the library bring their own; pyproject keeps a range).
 TORCH := torch==2.13.0
 
-.PHONY: tour test bench clean
+.PHONY: tour test bench docs lint clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,5 +36,14 @@ test: $(VENV)/.dev-installed
 bench: $(VENV)/.dev-installed
 	$(PY) benchmarks/attention.py
 
+# The guide's figures are drawn by the installed selfattn while the site builds (docs/hooks/figures.py).
+docs: $(VENV)/.dev-installed
+	$(PY) -m mkdocs build --strict
+
+lint: $(VENV)/.dev-installed
+	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
+	$(PY) -m mypy --strict src/selfattn
+
 clean:
-	rm -rf $(VENV) selfattn-report .pytest_cache
+	rm -rf $(VENV) selfattn-report .pytest_cache site dist

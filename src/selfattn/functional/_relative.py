@@ -121,4 +121,4 @@ def relative_shift(scores: torch.Tensor) -> torch.Tensor:
     padded = F.pad(scores, (1, 0))  # (..., lq, lk + 1): P[i, c] = scores[i, c - 1]
     flat = padded.flatten(-2)  # (..., lq * (lk + 1))
     # Entry i * lk + j of the re-cut row is P[i, j - i + lq]: flat index i * (lk + 1) + (j - i + lq).
-    return flat[..., num_queries:].unflatten(-1, (num_queries, num_keys))  # (..., lq, lk)
+    return flat[..., num_queries:].reshape(*scores.shape[:-2], num_queries, num_keys)  # (..., lq, lk)

@@ -22,8 +22,8 @@ class KeepsTablePrecision(nn.Module):
     exact_tables: ClassVar[tuple[str, ...]] = ()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-        before = {name: self._buffers[name] for name in self.exact_tables if self._buffers.get(name) is not None}
-        super()._apply(fn, recurse)
+        before = {name: table for name in self.exact_tables if (table := self._buffers.get(name)) is not None}
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves Module._apply untyped
         for name, table in before.items():
             applied = self._buffers[name]
             if applied is not None and applied.dtype != table.dtype:

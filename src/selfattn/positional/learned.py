@@ -51,7 +51,8 @@ class LearnedPositionalEncoding(InputEncoding):
                 "encoding cannot extrapolate to positions it has no embedding for (build it with a larger "
                 "max_len, or use sinusoidal, rotary or a relative bias)"
             )
-        return self.dropout(X + self.weight[offset:end].to(X.dtype))
+        encoded: torch.Tensor = self.dropout(X + self.weight[offset:end].to(X.dtype))
+        return encoded
 
     def extra_repr(self) -> str:
         return f"num_hiddens={self.num_hiddens}, max_len={self.max_len}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from typing import cast
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ class SinusoidalPositionalEncodingND(InputEncoding):
         offsets = self._offsets(offset)
         groups = []
         for axis, (encoding, size, start) in enumerate(zip(self.axes, grid, offsets, strict=True)):
-            rows = encoding.table(size, start)  # (n_a, width_a)
+            rows = cast(SinusoidalPositionalEncoding, encoding).table(size, start)  # (n_a, width_a)
             broadcast = [1] * self.num_axes
             broadcast[axis] = size
             groups.append(rows.view(*broadcast, rows.shape[-1]).expand(*grid, rows.shape[-1]))  # (n_1..n_k, width_a)
@@ -73,7 +74,8 @@ class SinusoidalPositionalEncodingND(InputEncoding):
             axes = ", ".join(f"n_{axis + 1}" for axis in range(self.num_axes))
             raise ValueError(f"X must have shape (..., {axes}, {self.num_hiddens}), got {tuple(X.shape)}")
         grid = tuple(X.shape[-self.num_axes - 1 : -1])
-        return self.dropout(X + self.table(grid, offset).to(X.dtype))
+        encoded: torch.Tensor = self.dropout(X + self.table(grid, offset).to(X.dtype))
+        return encoded
 
     def extra_repr(self) -> str:
         widths = [encoding.num_hiddens for encoding in self.axes]
