@@ -149,12 +149,12 @@ def comparison_figure(results: dict) -> Figure:
         ax.grid(True, which="both", alpha=0.3)
     sa = results["self_attention"]
     crossings = results.get("crossings", {})
-    for ax, xs, key, fixed in ((axes[0], ns, "layer_flops_by_n", "n"), (axes[1], ds, "layer_flops_by_d", "d")):
+    for ax, xs, key in ((axes[0], ns, "layer_flops_by_n"), (axes[1], ds, "layer_flops_by_d")):
         ax.plot(xs, sa[key], linestyle="--", color="tab:green", label="Self-attention layer (8nd² + 4n²d)")
     for ax, key in ((axes[0], "core_equals_rnn_at_n"), (axes[1], "core_equals_rnn_at_d")):
         if crossings.get(key):
             ax.axvline(crossings[key], color="grey", linestyle=":", label=f"core = RNN at {crossings[key]:,.0f}")
-    for kind, (label, colour, _marker) in _LAYER_STYLE.items():
+    for kind, (_label, colour, _marker) in _LAYER_STYLE.items():
         rounds = np.asarray(results[kind]["seconds_by_n_rounds"])  # (rounds, len(ns))
         axes[4].fill_between(ns, rounds.min(0), rounds.max(0), color=colour, alpha=0.2)
     for ax in axes[:5]:
