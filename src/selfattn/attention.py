@@ -190,8 +190,10 @@ class MultiHeadAttention(nn.Module):
         k = self._split_heads(self.W_k(keys))  # (b, h, lk_new, dh)
         v = self._split_heads(self.W_v(values))  # (b, h, lk_new, dh)
         if isinstance(self.position, QueryKeyEncoding):
+            if cache is not None and past:
+                self.position.update_cached_keys(cache, k_positions)  # e.g. dynamic rotary re-rotates them
             q = self.position(q, q_positions)
-            k = self.position(k, k_positions[past:])
+            k = self.position.encode_keys(k, k_positions[past:])
         if cache is not None:
             k, v = cache.append(k, v, commit=False)  # (b, h, past + lk_new, dh); stored once attention succeeds
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from selfattn._validation import require_positive_int, require_tensor
@@ -35,12 +37,23 @@ class KVCache:
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
         self._pending = 0
+        self.encoding_state: dict[str, object] = {}  # what a query/key encoding notes about the stored keys
 
     def reset(self) -> None:
         """Forget everything stored, the batch size, shapes, dtype and device included."""
         self.length = 0
         self._pending = 0
         self._keys = self._values = None
+        self.encoding_state = {}
+
+    def update_keys(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the stored keys ``(b, h, length, dh)`` by ``transform(keys)``, in place (re-rotation).
+
+        A query/key encoding that does this notes how the keys are now encoded in
+        :attr:`encoding_state`, so a later call stays consistent even if the current one fails.
+        """
+        if self._keys is not None and self.length:
+            self._keys[..., : self.length, :] = transform(self._keys[..., : self.length, :])
 
     def append(
         self, keys: torch.Tensor, values: torch.Tensor, *, commit: bool = True

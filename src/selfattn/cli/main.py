@@ -13,10 +13,11 @@ import sys
 from collections.abc import Sequence
 
 import selfattn
-from selfattn.cli import compare, encode, plot, tour
+from selfattn.cli import compare, encode, plot, rotary, tour
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, stderr_line
 
 SUBCOMMANDS = (tour, encode, plot, compare)
+SUBCOMMANDS += (rotary,)
 
 
 def build_parser() -> OneLineErrorParser:

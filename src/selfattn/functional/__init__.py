@@ -2,11 +2,18 @@
 
 from selfattn.functional._attention import attention, attention_weights, causal_mask, valid_lens_mask
 from selfattn.functional._relative import alibi_slopes, relative_distances, relative_shift, t5_relative_bucket
-from selfattn.functional._rotary import apply_rotary, rotary_angles, rotary_frequencies
+from selfattn.functional._rotary import (
+    apply_axial_rotary,
+    apply_rotary,
+    rotary_angles,
+    rotary_frequencies,
+    rotary_parameters,
+)
 from selfattn.functional._sinusoidal import sinusoidal_frequencies, sinusoidal_table
 
 __all__ = [
     "alibi_slopes",
+    "apply_axial_rotary",
     "apply_rotary",
     "attention",
     "attention_weights",
@@ -15,6 +22,7 @@ __all__ = [
     "relative_shift",
     "rotary_angles",
     "rotary_frequencies",
+    "rotary_parameters",
     "sinusoidal_frequencies",
     "sinusoidal_table",
     "t5_relative_bucket",

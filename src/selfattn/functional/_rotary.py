@@ -14,56 +14,88 @@ Shape legend: ``...`` any leading dimensions, l positions, d features, r rotated
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 
 from selfattn._validation import require_positive_int
-from selfattn.functional._sinusoidal import sinusoidal_frequencies
+from selfattn.functional._rotary_scaling import (
+    RotaryParameters,
+    parse_rotary_scaling,
+    scaled_rotary_parameters,
+)
+from selfattn.functional._sinusoidal import _require_base
 
-__all__ = ["apply_rotary", "rotary_angles", "rotary_frequencies"]
+__all__ = ["apply_axial_rotary", "apply_rotary", "rotary_angles", "rotary_frequencies", "rotary_parameters"]
 
-RotaryScaling = Literal["linear", "ntk"]
+RotaryScalingName = Literal["default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope"]
+# A type name (with ``scaling_factor``) or a Hugging Face ``rope_scaling`` dict.
+RotaryScaling = RotaryScalingName | Mapping[str, Any]
 
 
-def _require_scaling(scaling: str | None, scaling_factor: float) -> tuple[str | None, float]:
-    if scaling not in (None, "linear", "ntk"):
-        raise ValueError(f"scaling must be None, 'linear' or 'ntk', got {scaling!r}")
-    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, (int, float)) or not scaling_factor >= 1.0:
-        raise ValueError(f"scaling_factor must be a number >= 1, got {scaling_factor!r}")
-    if scaling is None and scaling_factor != 1.0:
-        raise ValueError(f"scaling_factor={scaling_factor!r} needs scaling='linear' or 'ntk'")
-    return scaling, float(scaling_factor)
+def _require_rotary_dim(rotary_dim: int) -> int:
+    rotary_dim = require_positive_int("rotary_dim", rotary_dim)
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even (features are rotated in pairs), got {rotary_dim}")
+    return rotary_dim
+
+
+def rotary_parameters(
+    rotary_dim: int,
+    base: float = 10000.0,
+    *,
+    scaling: RotaryScaling | None = None,
+    scaling_factor: float = 1.0,
+    seq_len: int | None = None,
+) -> RotaryParameters:
+    """Inverse frequencies ``(r / 2,)`` (float64) and attention factor of a scaling method.
+
+    The attention factor multiplies cos and sin, i.e. queries and keys (YaRN, LongRoPE; 1 for
+    the others). See :mod:`selfattn.functional._rotary_scaling` for every formula.
+
+    Args:
+        rotary_dim: number of rotated features ``r`` (even).
+        base: the 10000 of the formula (``rope_theta``).
+        scaling: ``None``; a type name (``"linear"``, ``"ntk"``, ...) whose ``factor`` is
+            ``scaling_factor``; or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict
+            such as ``{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
+            4096}`` (legacy ``"type"`` accepted).
+        scaling_factor: the factor of a scaling given by name, ``>= 1``.
+        seq_len: the current length, for ``dynamic`` and ``longrope`` (``None``: the trained one).
+
+    Raises:
+        ValueError: unknown type or bad parameters, named in the message.
+    """
+    rotary_dim = _require_rotary_dim(rotary_dim)
+    config = parse_rotary_scaling(scaling, scaling_factor)
+    if config is not None and "rope_theta" in getattr(scaling, "keys", lambda: ())():
+        theta = scaling["rope_theta"]  # type: ignore[index]
+        if float(theta) != float(base):
+            raise ValueError(f"scaling['rope_theta']={theta!r} disagrees with base={base!r}")
+    if seq_len is not None:
+        seq_len = require_positive_int("seq_len", seq_len)
+    return scaled_rotary_parameters(rotary_dim, _require_base(base), config, seq_len=seq_len)
 
 
 def rotary_frequencies(
     rotary_dim: int,
-    *,
     base: float = 10000.0,
+    *,
     scaling: RotaryScaling | None = None,
     scaling_factor: float = 1.0,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
     """Angular frequency of each rotated pair, float64 ``(r / 2,)``, scaling folded in.
 
-    Args:
-        rotary_dim: number of rotated features ``r`` (even).
-        base: the 10000 of the formula.
-        scaling: ``"linear"`` (position interpolation: every angle divided by the factor, so
-            ``factor`` times longer contexts map onto the trained range) or ``"ntk"``
-            (NTK-aware: ``base`` multiplied by ``factor^(r / (r - 2))``, which stretches the
-            low frequencies by about ``factor`` and leaves the highest one unchanged).
-        scaling_factor: the context-length multiple, ``>= 1``.
+    Same arguments as :func:`rotary_parameters` (which also returns the attention factor):
+    ``"linear"`` divides every frequency by the factor (position interpolation); ``"ntk"``
+    multiplies ``base`` by ``factor^(r / (r - 2))``; ``"dynamic"``, ``"yarn"``, ``"llama3"``
+    and ``"longrope"`` take a dict with their parameters.
     """
-    rotary_dim = require_positive_int("rotary_dim", rotary_dim)
-    if rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even (features are rotated in pairs), got {rotary_dim}")
-    scaling, scaling_factor = _require_scaling(scaling, scaling_factor)
-    if scaling == "ntk" and rotary_dim > 2:
-        base = float(base) * scaling_factor ** (rotary_dim / (rotary_dim - 2))
-    freqs = sinusoidal_frequencies(rotary_dim, base=base)  # (r/2,) float64, base^(-2j/r)
-    if scaling == "linear":
-        freqs = freqs / scaling_factor
-    return freqs
+    return rotary_parameters(
+        rotary_dim, base, scaling=scaling, scaling_factor=scaling_factor, seq_len=seq_len
+    ).frequencies
 
 
 def _angle_dtype(device: torch.device) -> torch.dtype:
@@ -95,6 +127,43 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat((rotated_first, rotated_second), dim=-1)  # (..., l, r)
 
 
+def _check_rotary_inputs(x: torch.Tensor, positions: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
+        raise ValueError(
+            f"x must be a floating-point tensor of shape (..., length, features), got {getattr(x, 'shape', x)!r}"
+        )
+    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
+        got = getattr(positions, "dtype", positions)
+        raise ValueError(f"positions must be an integer tensor (never rounded through a float dtype), got {got!r}")
+    if positions.dtype == torch.bool or positions.dim() == 0 or positions.shape[-1] != x.shape[-2]:
+        raise ValueError(
+            f"positions must be integers of shape ({x.shape[-2]},), got {positions.dtype} {tuple(positions.shape)}"
+        )
+
+
+def _rotate_by_positions(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    frequencies: torch.Tensor,
+    *,
+    interleaved: bool,
+    rotary_dim: int,
+    magnitude: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """The rotation itself, inputs already checked; ``magnitude`` (a float or float64 ``(..., l, r / 2)``)
+    multiplies cos and sin (an attention factor, xPos's decay)."""
+    features = x.shape[-1]
+    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = rotary_angles(positions.to(x.device), frequencies)  # (..., l, r/2)
+    if not isinstance(magnitude, float) or magnitude != 1.0:
+        magnitude = magnitude.to(cos.device, cos.dtype) if isinstance(magnitude, torch.Tensor) else magnitude
+        cos, sin = cos * magnitude, sin * magnitude
+    rotated = _rotate(x[..., :rotary_dim].to(compute_dtype), cos.to(compute_dtype), sin.to(compute_dtype), interleaved)
+    if rotary_dim == features:
+        return rotated.to(x.dtype)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)  # (..., l, d)
+
+
 def apply_rotary(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -105,6 +174,8 @@ def apply_rotary(
     scaling: RotaryScaling | None = None,
     scaling_factor: float = 1.0,
     frequencies: torch.Tensor | None = None,
+    attention_factor: float | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
     """Rotate the first ``rotary_dim`` features of ``x`` by their positions (RoPE).
 
@@ -120,38 +191,89 @@ def apply_rotary(
         base: the 10000 of the formula.
         interleaved: pairs ``(2j, 2j + 1)`` if True, ``(j, j + r / 2)`` if False.
         rotary_dim: number of rotated features ``r`` (even, ``<= d``); default ``d``.
-        scaling: ``None``, ``"linear"`` or ``"ntk"``; see :func:`rotary_frequencies`.
-        scaling_factor: context-length multiple for ``scaling``.
+        scaling: ``None``, a type name or a Hugging Face ``rope_scaling`` dict; see
+            :func:`rotary_parameters`.
+        scaling_factor: context-length multiple for a ``scaling`` given by name.
         frequencies: precomputed :func:`rotary_frequencies` ``(r / 2,)`` (then ``base`` and
             ``scaling`` are ignored); modules pass their cached buffer here.
+        attention_factor: multiplies cos and sin; default: the scaling's own (YaRN,
+            LongRoPE), or 1 with ``frequencies``.
+        seq_len: current length for ``dynamic`` / ``longrope`` scaling; default the largest
+            position + 1 (as Hugging Face does).
 
     Returns:
         ``(..., l, d)`` in ``x``'s dtype.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
-        raise ValueError(
-            f"x must be a floating-point tensor of shape (..., length, features), got {getattr(x, 'shape', x)!r}"
-        )
-    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
-        got = getattr(positions, "dtype", positions)
-        raise ValueError(f"positions must be an integer tensor (never rounded through a float dtype), got {got!r}")
-    if positions.dtype == torch.bool or positions.dim() == 0 or positions.shape[-1] != x.shape[-2]:
-        raise ValueError(
-            f"positions must be integers of shape ({x.shape[-2]},), got {positions.dtype} {tuple(positions.shape)}"
-        )
+    _check_rotary_inputs(x, positions)
     features = x.shape[-1]
     rotary_dim = features if rotary_dim is None else require_positive_int("rotary_dim", rotary_dim)
     if rotary_dim > features:
         raise ValueError(f"rotary_dim must be at most the number of features {features}, got {rotary_dim}")
     if frequencies is None:
-        frequencies = rotary_frequencies(rotary_dim, base=base, scaling=scaling, scaling_factor=scaling_factor)
+        if seq_len is None and isinstance(scaling, (str, Mapping)) and positions.numel():
+            seq_len = max(int(positions.max()) + 1, 1)
+        params = rotary_parameters(rotary_dim, base, scaling=scaling, scaling_factor=scaling_factor, seq_len=seq_len)
+        frequencies = params.frequencies
+        if attention_factor is None:
+            attention_factor = params.attention_factor
     elif frequencies.shape != (rotary_dim // 2,) or rotary_dim % 2:
         got = tuple(frequencies.shape)
         raise ValueError(f"frequencies must have shape ({rotary_dim // 2},) for rotary_dim={rotary_dim}, got {got}")
+    if attention_factor is None:
+        attention_factor = 1.0
+    elif (
+        isinstance(attention_factor, bool) or not isinstance(attention_factor, (int, float)) or not attention_factor > 0
+    ):
+        raise ValueError(f"attention_factor must be a positive number, got {attention_factor!r}")
+    return _rotate_by_positions(
+        x, positions, frequencies, interleaved=interleaved, rotary_dim=rotary_dim, magnitude=float(attention_factor)
+    )
 
-    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = rotary_angles(positions.to(x.device), frequencies)  # (..., l, r/2)
-    rotated = _rotate(x[..., :rotary_dim].to(compute_dtype), cos.to(compute_dtype), sin.to(compute_dtype), interleaved)
-    if rotary_dim == features:
-        return rotated.to(x.dtype)
-    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)  # (..., l, d)
+
+def apply_axial_rotary(
+    x: torch.Tensor,
+    coordinates: torch.Tensor,
+    *,
+    base: float = 10000.0,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """Axial (N-D) rotary for images and video: one block of features per axis.
+
+    The ``d`` features are cut into ``A`` equal contiguous blocks of ``b = 2 floor(d / 2A)``
+    features, axis 0 first; block ``a`` is rotated as 1-D rotary of size ``b`` (frequencies
+    ``base^(-2j / b)``) by coordinate ``a``. Features past ``A b`` pass through unchanged.
+    Scores then depend on the coordinate differences only, axis by axis.
+
+    Args:
+        x: ``(..., l, d)`` queries or keys.
+        coordinates: ``(l, A)`` integer grid coordinates (or broadcastable ``(..., l, A)``).
+        base: the 10000 of the formula.
+        interleaved: the pair convention inside each block (see :func:`apply_rotary`).
+
+    Returns:
+        ``(..., l, d)`` in ``x``'s dtype.
+    """
+    if not isinstance(coordinates, torch.Tensor) or coordinates.dim() < 2:
+        raise ValueError(
+            f"coordinates must be an integer tensor of shape (length, axes), got {getattr(coordinates, 'shape', coordinates)!r}"
+        )
+    axes = coordinates.shape[-1]
+    features = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else 0
+    block = 2 * (features // (2 * axes))
+    if block == 0:
+        raise ValueError(f"x has {features} features, too few for {axes} axes (each needs at least 2)")
+    _check_rotary_inputs(x, coordinates[..., 0])
+    frequencies = rotary_frequencies(block, base)
+    pieces = [
+        _rotate_by_positions(
+            x[..., a * block : (a + 1) * block],
+            coordinates[..., a],
+            frequencies,
+            interleaved=interleaved,
+            rotary_dim=block,
+        )
+        for a in range(axes)
+    ]
+    if axes * block < features:
+        pieces.append(x[..., axes * block :])
+    return torch.cat(pieces, dim=-1)  # (..., l, d)

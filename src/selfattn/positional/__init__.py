@@ -2,7 +2,8 @@
 
 * added to the input: :class:`SinusoidalPositionalEncoding`, :class:`LearnedPositionalEncoding`,
   :class:`SinusoidalPositionalEncoding2D` / ``3D`` / ``ND``, :class:`NoPositionalEncoding`;
-* rotating queries and keys: :class:`RotaryPositionalEncoding`;
+* rotating queries and keys: :class:`RotaryPositionalEncoding`, :class:`XPosEncoding`,
+  :class:`RotaryPositionalEncoding2D` / ``3D`` / ``ND`` (axial, for images and video);
 * terms in the attention scores: :class:`ALiBiPositionalBias`, :class:`T5RelativePositionBias`,
   :class:`ShawRelativePositionEncoding` (which also adds a term to the values).
 
@@ -12,9 +13,15 @@
 from selfattn.positional.alibi import ALiBiPositionalBias
 from selfattn.positional.base import InputEncoding, PositionalEncoding, QueryKeyEncoding, ScoreEncoding
 from selfattn.positional.identity import NoPositionalEncoding
+from selfattn.positional.layout import convert_rotary_layout
 from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.positional.registry import NAMES, build
 from selfattn.positional.rotary import RotaryPositionalEncoding
+from selfattn.positional.rotary_nd import (
+    RotaryPositionalEncoding2D,
+    RotaryPositionalEncoding3D,
+    RotaryPositionalEncodingND,
+)
 from selfattn.positional.shaw import ShawRelativePositionEncoding
 from selfattn.positional.sinusoidal import SinusoidalPositionalEncoding
 from selfattn.positional.sinusoidal_nd import (
@@ -23,6 +30,7 @@ from selfattn.positional.sinusoidal_nd import (
     SinusoidalPositionalEncodingND,
 )
 from selfattn.positional.t5 import T5RelativePositionBias
+from selfattn.positional.xpos import XPosEncoding
 
 __all__ = [
     "NAMES",
@@ -33,6 +41,9 @@ __all__ = [
     "PositionalEncoding",
     "QueryKeyEncoding",
     "RotaryPositionalEncoding",
+    "RotaryPositionalEncoding2D",
+    "RotaryPositionalEncoding3D",
+    "RotaryPositionalEncodingND",
     "ScoreEncoding",
     "ShawRelativePositionEncoding",
     "SinusoidalPositionalEncoding",
@@ -40,5 +51,7 @@ __all__ = [
     "SinusoidalPositionalEncoding3D",
     "SinusoidalPositionalEncodingND",
     "T5RelativePositionBias",
+    "XPosEncoding",
     "build",
+    "convert_rotary_layout",
 ]

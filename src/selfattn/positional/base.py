@@ -16,10 +16,13 @@ Shape legend: b batch, h heads, lq queries, lk keys, dh head size, d model size.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from selfattn.cache import KVCache
 
 __all__ = ["InputEncoding", "PositionalEncoding", "QueryKeyEncoding", "ScoreEncoding"]
 
@@ -55,6 +58,14 @@ class QueryKeyEncoding(PositionalEncoding):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def encode_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The keys' transform; the same as the queries' (``forward``) unless overridden (xPos)."""
+        encoded: torch.Tensor = self(k, positions)
+        return encoded
+
+    def update_cached_keys(self, cache: KVCache, positions: torch.Tensor) -> None:
+        """Called before new keys join ``cache``, with the positions of all keys; nothing by default."""
 
 
 class ScoreEncoding(PositionalEncoding):

@@ -13,10 +13,12 @@ from selfattn.positional.base import PositionalEncoding
 from selfattn.positional.identity import NoPositionalEncoding
 from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
+from selfattn.positional.rotary_nd import RotaryPositionalEncoding2D, RotaryPositionalEncoding3D
 from selfattn.positional.shaw import ShawRelativePositionEncoding
 from selfattn.positional.sinusoidal import SinusoidalPositionalEncoding
 from selfattn.positional.sinusoidal_nd import SinusoidalPositionalEncoding2D, SinusoidalPositionalEncoding3D
 from selfattn.positional.t5 import T5RelativePositionBias
+from selfattn.positional.xpos import XPosEncoding
 
 __all__ = ["NAMES", "build"]
 
@@ -37,6 +39,9 @@ _REGISTRY: dict[str, _Entry] = {
     "shaw": _Entry(ShawRelativePositionEncoding, "head_dim"),
     "sinusoidal2d": _Entry(SinusoidalPositionalEncoding2D, "num_hiddens"),
     "sinusoidal3d": _Entry(SinusoidalPositionalEncoding3D, "num_hiddens"),
+    "xpos": _Entry(XPosEncoding, "head_dim"),
+    "rotary2d": _Entry(RotaryPositionalEncoding2D, "head_dim"),
+    "rotary3d": _Entry(RotaryPositionalEncoding3D, "head_dim"),
 }
 
 NAMES: tuple[str, ...] = tuple(_REGISTRY)

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
 import torch
 
 from selfattn._validation import require_positive_int
-from selfattn.functional import apply_rotary, rotary_frequencies
-from selfattn.functional._rotary import RotaryScaling
+from selfattn.functional._rotary import RotaryScaling, _check_rotary_inputs, _rotate_by_positions, rotary_parameters
+from selfattn.functional._rotary_scaling import RotaryScalingConfig, parse_rotary_scaling, scaled_rotary_parameters
+from selfattn.functional._sinusoidal import _require_base
 from selfattn.positional._tables import KeepsTablePrecision
 from selfattn.positional.base import QueryKeyEncoding
 
+if TYPE_CHECKING:
+    from selfattn.cache import KVCache
+
 __all__ = ["RotaryPositionalEncoding"]
+
+CachedKeys = Literal["rerotate", "keep"]
 
 
 class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
@@ -18,20 +29,48 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
 
     Pass it to :class:`~selfattn.MultiHeadAttention` as ``position=``; it is applied to the
     queries and to each new key before the key is cached. See :func:`~selfattn.functional.apply_rotary`
-    for the formula and the pair conventions.
+    for the formula and the pair conventions, and :mod:`selfattn.functional._rotary_scaling` for
+    the scaling methods (linear, ntk, dynamic, yarn, llama3, longrope) and their papers.
 
     The inverse frequencies are a float64 non-persistent buffer that follows ``.to(device)``
     but not ``.to(dtype)``; angles are formed from the exact integer positions on every call
     (O(l * dh), negligible next to attention), so no cache can go stale under an offset.
 
+    **Length-dependent scaling and the cache.** ``dynamic`` and ``longrope`` change their
+    frequencies with the current length ``L`` (the largest position + 1 of the call, as Hugging
+    Face does); a call's queries and new keys share it. Keys already in a
+    :class:`~selfattn.KVCache` were rotated with the frequencies of their own step, so once the
+    length crosses ``original_max_position_embeddings`` they disagree with the new ones:
+
+    * ``cached_keys="rerotate"`` (default): before new keys are appended, the cached keys are
+      turned by ``position * (w_new - w_old)`` (rotations of one plane add up), so every step
+      equals a full pass over the sequence so far. It costs one rotation of the cache per step
+      while the frequencies keep changing (every step past ``L0`` for ``dynamic``, once for
+      ``longrope``), and each turn rounds once in the cache's dtype.
+    * ``cached_keys="keep"``: cached keys stay as they were rotated (Hugging Face's
+      ``generate`` behaviour); outputs then differ from a full pass once ``L > L0``.
+
+    Static methods ignore ``cached_keys``.
+
     Args:
         head_dim: size of each query/key ``dh``.
-        base: the 10000 of the formula.
+        base: the 10000 of the formula (``rope_theta``).
         interleaved: rotate pairs ``(2j, 2j + 1)`` (RoFormer) if True, ``(j, j + r / 2)``
-            (GPT-NeoX, Llama) if False.
+            (GPT-NeoX, Llama, Hugging Face) if False.
         rotary_dim: rotate only the first ``r`` features (even, ``<= head_dim``); default all.
-        scaling: ``None``, ``"linear"`` (position interpolation) or ``"ntk"`` (NTK-aware base).
-        scaling_factor: how many times longer than the trained context, ``>= 1``.
+        scaling: ``None``, a type name (with ``scaling_factor``) or a Hugging Face
+            ``rope_scaling`` dict, e.g. ``{"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
+        scaling_factor: how many times longer than the trained context, ``>= 1``, for a
+            ``scaling`` given by name.
+        p: p-RoPE (Barbero et al. 2024, "Round and round we go!"): rotate only the fastest
+            ``floor(p * r / 2)`` pairs and leave the slowest ones unrotated (frequency 0);
+            ``p=0`` is no position encoding (NoPE), ``p=1`` (default) full rotary.
+        cached_keys: ``"rerotate"`` or ``"keep"``: what cached keys do when a length-dependent
+            scaling changes the frequencies (see above).
+
+    Attributes:
+        attention_factor: multiplies cos and sin (YaRN's and LongRoPE's temperature), else 1.
 
     Shape:
         x ``(b, h, l, dh)``, positions ``(l,)`` -> ``(b, h, l, dh)``.
@@ -39,6 +78,16 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
 
     exact_tables = ("inv_freq",)
     inv_freq: torch.Tensor
+    head_dim: int
+    rotary_dim: int
+    base: float
+    interleaved: bool
+    scaling: RotaryScaling | None
+    scaling_factor: float
+    scaling_config: RotaryScalingConfig | None
+    p: float
+    cached_keys: CachedKeys
+    attention_factor: float
 
     def __init__(
         self,
@@ -49,35 +98,187 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         rotary_dim: int | None = None,
         scaling: RotaryScaling | None = None,
         scaling_factor: float = 1.0,
-    ):
+        p: float = 1.0,
+        cached_keys: CachedKeys = "rerotate",
+    ) -> None:
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
         self.rotary_dim = self.head_dim if rotary_dim is None else require_positive_int("rotary_dim", rotary_dim)
         if self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim must be at most head_dim={self.head_dim}, got {rotary_dim}")
-        self.base = float(base)
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"p must be a fraction in [0, 1], got {p!r}")
+        if cached_keys not in ("rerotate", "keep"):
+            raise ValueError(f"cached_keys must be 'rerotate' or 'keep', got {cached_keys!r}")
+        self.base = _require_base(base)
         self.interleaved = bool(interleaved)
+        self.scaling_config = parse_rotary_scaling(scaling, scaling_factor)
         self.scaling = scaling
         self.scaling_factor = float(scaling_factor)
+        rotary_parameters(self.rotary_dim, self.base, scaling=scaling, scaling_factor=scaling_factor)  # validates
+        self.p = float(p)
+        self.cached_keys = cached_keys
+        self.attention_factor = 1.0
+        self._last: tuple[int | None, torch.Tensor, float] | None = None
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64), persistent=False)
         self._build_tables()
 
+    @property
+    def rotated_pairs(self) -> int:
+        """How many pairs rotate at all (``floor(p * r / 2)``)."""
+        return math.floor(self.p * (self.rotary_dim // 2) + 1e-9)
+
+    def frequencies_at(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+        """Frequencies ``(r / 2,)`` float64 (on the buffer's device) and attention factor at length ``seq_len``.
+
+        ``None`` is the trained length; only ``dynamic`` and ``longrope`` depend on it.
+        """
+        device = self.inv_freq.device
+        if self._last is not None and self._last[0] == seq_len and self._last[1].device == device:
+            return self._last[1], self._last[2]  # a step's queries and keys share one length
+        frequencies, attention_factor = scaled_rotary_parameters(
+            self.rotary_dim, self.base, self.scaling_config, seq_len=seq_len
+        )
+        frequencies[self.rotated_pairs :] = 0.0  # p-RoPE: the slowest pairs stay put
+        frequencies = frequencies.to(device)
+        self._last = (seq_len, frequencies, attention_factor)
+        return frequencies, attention_factor
+
     def _build_tables(self) -> None:
-        """(Re)compute ``inv_freq`` ``(r / 2,)`` in float64 on the buffer's device."""
-        self.inv_freq = rotary_frequencies(
-            self.rotary_dim, base=self.base, scaling=self.scaling, scaling_factor=self.scaling_factor
-        ).to(self.inv_freq.device)
+        """(Re)compute ``inv_freq`` ``(r / 2,)`` in float64 on the buffer's device, and the attention factor."""
+        self._last = None
+        self.inv_freq, self.attention_factor = self.frequencies_at(None)
+
+    def _current(self, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+        config = self.scaling_config
+        if config is None or not config.depends_on_length or positions.numel() == 0:
+            return self.inv_freq, self.attention_factor
+        return self.frequencies_at(max(int(positions.max()) + 1, 1))  # one host sync per call
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != self.head_dim:
             raise ValueError(f"x must have shape (..., length, {self.head_dim}), got {tuple(getattr(x, 'shape', ()))}")
-        return apply_rotary(
-            x, positions, interleaved=self.interleaved, rotary_dim=self.rotary_dim, frequencies=self.inv_freq
+        _check_rotary_inputs(x, positions)
+        frequencies, attention_factor = self._current(positions)
+        return _rotate_by_positions(
+            x,
+            positions,
+            frequencies,
+            interleaved=self.interleaved,
+            rotary_dim=self.rotary_dim,
+            magnitude=attention_factor,
         )
 
+    def update_cached_keys(self, cache: KVCache, positions: torch.Tensor) -> None:
+        """Re-rotate the keys in ``cache`` to the frequencies of the coming call (``cached_keys="rerotate"``).
+
+        ``positions`` are those of every key, cached and new (``(cache.length + l_new,)``). The
+        cached keys were rotated at the length noted in ``cache.encoding_state`` by the last
+        re-rotation, else at ``max(cached positions) + 1`` (the length of the call that added
+        the last of them); the coming call runs at ``max(positions) + 1``.
+        """
+        config = self.scaling_config
+        past = cache.length
+        if self.cached_keys == "keep" or config is None or not config.depends_on_length or past == 0:
+            return
+        cached_positions = positions[..., :past]  # (past,) or per sequence (b, past)
+        noted = cache.encoding_state.get("rotary_length")
+        old_length = noted if isinstance(noted, int) else max(int(cached_positions.max()) + 1, 1)
+        new_length = max(int(positions.max()) + 1, 1)
+        old, old_factor = self.frequencies_at(old_length)
+        old = old.clone()  # frequencies_at keeps only the latest length
+        new, new_factor = self.frequencies_at(new_length)
+        if old_factor != new_factor or not torch.equal(old, new):
+            cache.update_keys(
+                lambda keys: _rotate_by_positions(
+                    keys,
+                    cached_positions if cached_positions.dim() < 2 else cached_positions[:, None],  # (b, 1, past)
+                    new - old,
+                    interleaved=self.interleaved,
+                    rotary_dim=self.rotary_dim,
+                    magnitude=new_factor / old_factor,
+                )
+            )
+        cache.encoding_state["rotary_length"] = new_length
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | Any, **options: Any) -> RotaryPositionalEncoding:
+        """The rotary of a Hugging Face model config, in its half-split layout.
+
+        Reads ``rope_theta`` (default 10000; also inside ``rope_parameters``), ``head_dim`` (or
+        ``hidden_size / num_attention_heads``), ``partial_rotary_factor`` (rotary size
+        ``int(head_dim * factor)``), ``rope_scaling`` or ``rope_parameters`` and
+        ``max_position_embeddings``, filling in what Hugging Face (v5) fills in: ``dynamic``
+        trains on ``max_position_embeddings``; ``llama3``, ``yarn`` and ``longrope`` take a
+        top-level ``original_max_position_embeddings`` (Phi-3) over the dict's, else default it
+        to ``max_position_embeddings``; ``yarn`` and ``longrope`` without ``factor`` use
+        ``max_position_embeddings / original_max_position_embeddings``. The rotation then
+        equals Hugging Face's ``apply_rotary_pos_emb`` with that model's cos/sin (checked against
+        transformers 5.23 for every type).
+
+        Args:
+            config: a dict (e.g. a parsed ``config.json``) or an object with those attributes.
+            **options: other constructor options (``cached_keys``, ``p``).
+
+        Raises:
+            ValueError: a missing size, an odd rotary size, or a bad scaling, named.
+        """
+
+        def read(key: str, default: Any = None) -> Any:
+            value = config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
+            return default if value is None else value
+
+        parameters = read("rope_parameters") or read("rope_scaling")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise ValueError(f"config rope_scaling must be a dict, got {type(parameters).__name__}")
+        scaling = dict(parameters) if parameters else None
+        base = read("rope_theta", (scaling or {}).get("rope_theta", 10000.0))
+        partial = read("partial_rotary_factor", (scaling or {}).get("partial_rotary_factor", 1.0))
+        head_dim = read("head_dim")
+        if head_dim is None:
+            hidden, heads = read("hidden_size"), read("num_attention_heads")
+            if hidden is None or heads is None:
+                raise ValueError("config needs head_dim, or hidden_size and num_attention_heads")
+            head_dim = require_positive_int("hidden_size", hidden) // require_positive_int("num_attention_heads", heads)
+        head_dim = require_positive_int("head_dim", head_dim)
+        if isinstance(partial, bool) or not isinstance(partial, numbers.Real) or not 0 < float(partial) <= 1:
+            raise ValueError(f"config partial_rotary_factor must be in (0, 1], got {partial!r}")
+        rotary_dim = int(head_dim * float(partial))
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"config head_dim={head_dim} * partial_rotary_factor={partial} gives {rotary_dim} rotated features; "
+                "need an even number >= 2"
+            )
+        if scaling is not None:
+            scaling.pop("rope_theta", None)
+            scaling.pop("partial_rotary_factor", None)
+            kind = scaling.get("rope_type", scaling.get("type"))
+            max_positions = read("max_position_embeddings")
+            top_level_original = read("original_max_position_embeddings")
+            if kind in ("llama3", "yarn", "longrope"):
+                if top_level_original is not None:  # Phi-3 keeps the trained length outside the dict
+                    scaling["original_max_position_embeddings"] = top_level_original
+                elif scaling.get("original_max_position_embeddings") is None and max_positions is not None:
+                    scaling["original_max_position_embeddings"] = max_positions
+            if kind in ("yarn", "longrope") and scaling.get("factor") is None:
+                original = scaling.get("original_max_position_embeddings")
+                if max_positions is not None and original:
+                    scaling["factor"] = max_positions / original
+            if kind == "dynamic" and max_positions is not None:
+                scaling["original_max_position_embeddings"] = max_positions  # Hugging Face's dynamic L0
+            if kind == "default" or (kind is None and not scaling):
+                scaling = None
+        return cls(head_dim, float(base), False, rotary_dim=rotary_dim, scaling=scaling, **options)
+
     def extra_repr(self) -> str:
-        scaling = "" if self.scaling is None else f", scaling={self.scaling!r}, scaling_factor={self.scaling_factor:g}"
+        if self.scaling_config is None:
+            scaling = ""
+        elif isinstance(self.scaling, str):
+            scaling = f", scaling={self.scaling!r}, scaling_factor={self.scaling_factor:g}"
+        else:
+            scaling = f", scaling={self.scaling_config.as_dict()!r}"
+        partial = "" if self.p == 1.0 else f", p={self.p:g}"
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base:g}, "
-            f"interleaved={self.interleaved}{scaling}"
+            f"interleaved={self.interleaved}{scaling}{partial}"
         )

@@ -84,7 +84,11 @@ def position_scores(encoding, num_steps: int, num_hiddens: int, num_heads: int) 
     contribution = _contribution(encoding, torch.arange(num_steps), num_hiddens, num_heads, torch.float64)
     if encoding.acts_on == "scores":
         return contribution[0]  # first head's bias
-    return contribution @ contribution.T / math.sqrt(contribution.shape[-1])  # (n, n)
+    keys = contribution
+    if encoding.acts_on == "query_key":  # keys may be encoded differently (xPos)
+        same = torch.ones(1, 1, num_steps, contribution.shape[-1], dtype=torch.float64)
+        keys = encoding.encode_keys(same, torch.arange(num_steps))[0, 0]  # (n, dh)
+    return contribution @ keys.T / math.sqrt(contribution.shape[-1])  # (n, n)
 
 
 def _offset_profile(scores: torch.Tensor) -> tuple[list[int], list[float], float]:

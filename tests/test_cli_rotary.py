@@ -1,0 +1,137 @@
+"""``selfattn rotary``: the frequency table, the measured angle errors, the plot, the errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from selfattn.cli.main import main
+from selfattn.cli.rotary import angle_errors
+from selfattn.positional import RotaryPositionalEncoding
+
+LLAMA31 = {
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+
+
+def run_cli(argv, capsys):
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exit_:
+        status = exit_.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def pair_rows(out: str) -> dict[int, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if len(cells) >= 7 and cells[0].isdigit():
+            rows[int(cells[0])] = cells
+    return rows
+
+
+def test_llama3_table_shows_which_pairs_are_scaled(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA31))
+    status, out, err = run_cli(["rotary", "--config", config], capsys)
+    assert status == 0, err
+    rows = pair_rows(out)
+    assert sorted(rows) == list(range(64))
+    # Wavelength under 8192 / 4 = 2048 tokens: kept; over 8192: stretched 8 times; in between: blended.
+    for cells in rows.values():
+        wavelength, stretch, scaled = float(cells[1]), float(cells[3]), cells[4]
+        if wavelength < 2048:
+            assert (scaled, stretch) == ("no", 1.0), cells
+        elif wavelength > 8192:
+            assert scaled == "yes" and stretch == 8.0, cells
+        else:
+            assert scaled == "yes" and 1.0 < stretch < 8.0, cells
+    assert [j for j, c in rows.items() if c[4] == "yes"] == list(range(29, 64))
+    # Turns within the 131072-token context; the slowest pairs never complete one.
+    assert float(rows[0][5]) == pytest.approx(131071 / (2 * math.pi), rel=1e-3)
+    assert rows[63][6] == "part:" and rows[0][6] == "yes"
+    assert "context=131072" in " ".join(out.split())
+
+
+def test_compact_and_json_scaling_agree(capsys):
+    compact = [
+        "rotary",
+        "--head-dim",
+        16,
+        "--context",
+        2048,
+        "--scaling",
+        "yarn:factor=4,original_max_position_embeddings=512",
+    ]
+    as_json = [
+        "rotary",
+        "--head-dim",
+        16,
+        "--context",
+        2048,
+        "--scaling",
+        json.dumps({"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 512}),
+    ]
+    first, second = run_cli(compact, capsys), run_cli(as_json, capsys)
+    assert first[0] == second[0] == 0
+    assert pair_rows(first[1]) == pair_rows(second[1])
+    assert pair_rows(first[1])[0][4] == "no" and pair_rows(first[1])[7][4] == "yes"
+
+
+def test_angle_errors_are_measured():
+    rope = RotaryPositionalEncoding.from_config(LLAMA31)
+    errors = {e["dtype"]: e for e in angle_errors(rope, 131072)}
+    # float32 angles at 131072: off by ~position * eps; selfattn's float64 angles rounded once: ~1e-7.
+    assert errors["float32"]["in_dtype"] > 1e-3
+    assert errors["float32"]["selfattn"] < 1e-6
+    assert errors["bfloat16"]["in_dtype"] > 1.0  # positions themselves round in bf16
+    assert errors["bfloat16"]["selfattn"] < 2**-7
+    assert math.isnan(errors["float16"]["in_dtype"])  # positions past 65504 overflow
+    assert errors["float16"]["selfattn"] < 2**-9
+    small = {e["dtype"]: e for e in angle_errors(RotaryPositionalEncoding(8), 64)}
+    assert small["float32"]["in_dtype"] < 1e-5  # short contexts: float32 angles are fine
+
+
+def test_plot_is_written(tmp_path, capsys):
+    path = tmp_path / "wavelengths.png"
+    status, out, err = run_cli(["rotary", "--head-dim", 32, "--scaling", "linear:factor=4", "--plot", path], capsys)
+    assert status == 0, err
+    assert path.stat().st_size > 1000 and str(path) in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--scaling", "{not json"], "--scaling is not valid JSON"),
+        (["--scaling", "linear:factor"], "--scaling entries must be KEY=VALUE, got 'factor'"),
+        (["--scaling", "rope:factor=2"], "unknown rope_type 'rope'"),
+        (["--scaling", "llama3:factor=8"], "needs low_freq_factor"),
+        (["--config", "{tmp}/missing.json"], "No such file"),
+        (["--config", "{tmp}/c.json", "--head-dim", "8"], "--config gives the sizes"),
+        (["--plot", "{tmp}/x.txt"], "--plot must end in .png or .svg"),
+    ],
+)
+def test_errors_are_one_line(argv, match, tmp_path, capsys):
+    (tmp_path / "c.json").write_text(json.dumps(LLAMA31))
+    status, _, err = run_cli(["rotary", *[a.replace("{tmp}", str(tmp_path)) for a in argv]], capsys)
+    assert status == 2
+    assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_has_examples(capsys):
+    status, out, _ = run_cli(["rotary", "--help"], capsys)
+    assert status == 0 and "examples:" in out and "selfattn rotary" in out
