@@ -45,10 +45,9 @@ def has_causal_form(name: str) -> bool:
     """Whether the encoding has a causal and a bidirectional form (ALiBi does)."""
     import inspect
 
-    from selfattn.positional import build
+    from selfattn.positional import registry
 
-    encoding = build(name, num_hiddens=4, num_heads=1)
-    return "causal" in inspect.signature(type(encoding)).parameters
+    return "causal" in inspect.signature(registry._REGISTRY[name].cls).parameters
 
 
 def _as_grid(x: torch.Tensor, encoding) -> torch.Tensor:
