@@ -304,6 +304,187 @@ def run_padding(args, device: torch.device) -> tuple[str, dict]:
     return text, {"results": results}
 
 
+# --------------------------------------------------------------------------- real-model features
+
+
+def _fwd_and_fwd_bwd(mha: nn.Module, x: torch.Tensor, grad: torch.Tensor, **kwargs):
+    def fwd():
+        with torch.no_grad():
+            return mha(x, x, x, **kwargs)
+
+    def fwd_bwd():
+        mha.zero_grad(set_to_none=True)
+        x.grad = None
+        mha(x, x, x, **kwargs).backward(grad)
+
+    return fwd, fwd_bwd
+
+
+def run_ragged(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
+    """Per-sequence valid lengths vs the same batch at full length (valid_lens=None)."""
+    batch, n = 4, args.ragged_n
+    mha = make_selfattn(device=device)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(batch, n, NUM_HIDDENS, generator=gen).to(device).requires_grad_(True)
+    grad = torch.randn(batch, n, NUM_HIDDENS, generator=gen).to(device)
+    layouts = {
+        "all full, no valid_lens": None,
+        "all full, valid_lens = n": [n] * batch,
+        "[n, n/4, n/4, n/4]": [n] + [n // 4] * (batch - 1),
+        "all n/2": [n // 2] * batch,
+    }
+    cases: dict = {}
+    for label, lens in layouts.items():
+        valid_lens = None if lens is None else torch.tensor(lens, device=device)
+        fwd, fwd_bwd = _fwd_and_fwd_bwd(mha, x, grad, valid_lens=valid_lens)
+        cases[(label, "fwd")], cases[(label, "fwd+bwd")] = fwd, fwd_bwd
+    log(f"ragged b={batch} n={n}")
+    spread: dict = {}
+    r = measure(cases, device=device, spread=spread, **args.timing)
+    log(f"  {r}")
+    base = "all full, no valid_lens"
+    rows = []
+    for label in layouts:
+        row = [label]
+        for kind in ("fwd", "fwd+bwd"):
+            row += [ms(r[(label, kind)]), ratio(r[(base, kind)] / r[(label, kind)])]
+        rows.append(row)
+    header = ["valid lengths", "fwd ms (no_grad)", "fwd speedup", "fwd+bwd ms", "fwd+bwd speedup"]
+    text = [
+        f"**Ragged batch**, b={batch}, n={n}, d={NUM_HIDDENS}, {NUM_HEADS} heads: speedup over the all-full batch "
+        "measured in the same rounds (one fused call per distinct valid length, each on its own keys):",
+        "",
+        table(header, rows),
+        "",
+        spread_note(spread),
+        "",
+    ]
+    targets = []
+    for label, goal in (("[n, n/4, n/4, n/4]", 1.8), ("all n/2", 1.7)):
+        for kind in ("fwd", "fwd+bwd"):
+            speedup = r[(base, kind)] / r[(label, kind)]
+            targets.append([f"ragged {label} {kind}: >= {goal}x faster than all full", ratio(speedup), verdict(speedup >= goal)])
+    same = r[(base, "fwd+bwd")] / r[("all full, valid_lens = n", "fwd+bwd")]
+    targets.append(["ragged all full with valid_lens: no slower (ratio >= 0.95)", ratio(same), verdict(same >= 0.95)])
+    return text, targets
+
+
+class _Bare(nn.Identity):
+    """An identity in place of a projection; its ``weight`` only tells the input checks the dtype and device."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(1, device=device))
+
+
+def run_window(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
+    """Causal sliding window vs full causal attention at the same n (eval, no_grad forward).
+
+    Timed twice: the whole module, and its attention alone (the four projections swapped for
+    identities in both contenders, so only head splitting, attention and merging remain).
+    """
+    n, window = args.window_n, args.window
+    full = make_selfattn(device=device).eval()
+    banded = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, window=window).to(device).eval()
+    banded.load_state_dict(full.state_dict())
+    bare_full = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS).to(device).eval()
+    bare_banded = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, window=window).to(device).eval()
+    for module in (bare_full, bare_banded):
+        module.W_q = module.W_k = module.W_v = module.W_o = _Bare(device)
+    x = torch.randn(1, n, NUM_HIDDENS, generator=torch.Generator().manual_seed(n)).to(device)
+    cases = {
+        ("module", "full"): lambda: full(x, x, x, causal=True),
+        ("module", "window"): lambda: banded(x, x, x, causal=True),
+        ("attention", "full"): lambda: bare_full(x, x, x, causal=True),
+        ("attention", "window"): lambda: bare_banded(x, x, x, causal=True),
+    }
+    log(f"window n={n} w={window}")
+    spread: dict = {}
+    with torch.no_grad():
+        r = measure(cases, device=device, spread=spread, **args.window_timing)
+    log(f"  {r}")
+    rows, speedups = [], {}
+    for part in ("module", "attention"):
+        speedups[part] = r[(part, "full")] / r[(part, "window")]
+        rows.append([part, ms(r[(part, "full")]), ms(r[(part, "window")]), ratio(speedups[part])])
+    # Matmul FLOPs: attention 4·n·d per scored pair; the module adds 8·n·d² of projections.
+    pairs_full, pairs_window = n * n / 2, n * window
+    projections = 2 * n * NUM_HIDDENS  # in units of 4·d FLOPs: 8·n·d² / (4·d)
+    text = [
+        f"**Sliding window**, causal, b=1, n={n}, d={NUM_HIDDENS}, {NUM_HEADS} heads, eval forward, window={window} "
+        "vs full causal (`attention`: the same modules with the four projections replaced by identities):",
+        "",
+        table(["part", "full causal ms", "window ms", "full / window"], rows),
+        "",
+        f"Matmul FLOP ratios: attention alone {pairs_full / pairs_window:.0f}x; the module with its projections "
+        f"{(pairs_full + projections) / (pairs_window + projections):.1f}x.",
+        "",
+        spread_note(spread),
+        "",
+    ]
+    targets = [
+        [f"window causal n={n} w={window}: attention forward >= 8x faster than full causal",
+         ratio(speedups["attention"]), verdict(speedups["attention"] >= 8)],
+        [f"(information) the same, whole module with projections", ratio(speedups["module"]), "-"],
+    ]
+    return text, targets
+
+
+def run_compiled(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
+    """torch.compile(fullgraph=True) vs eager on the same module and inputs."""
+    from selfattn.positional import build
+
+    n = args.compile_n
+    rows = []
+    spread: dict = {}
+    for label, position, kwargs in (
+        ("causal", None, {"causal": True}),
+        ("causal + ALiBi", "alibi", {"causal": True}),
+        ("valid_lens + rotary", "rotary", {"valid_lens": "lens"}),
+    ):
+        enc = None if position is None else build(position, num_hiddens=NUM_HIDDENS, num_heads=NUM_HEADS)
+        torch.manual_seed(0)
+        mha = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, position=enc).to(device).eval()
+        x = torch.randn(BATCH, n, NUM_HIDDENS, generator=torch.Generator().manual_seed(n)).to(device)
+        call_kwargs = {k: (torch.tensor([n, n // 2], device=device) if v == "lens" else v) for k, v in kwargs.items()}
+        compiled = torch.compile(mha, fullgraph=True)
+        log(f"compile {label} n={n}")
+        with torch.no_grad():
+            started = time.perf_counter()
+            compiled(x, x, x, **call_kwargs)
+            compile_s = time.perf_counter() - started
+            torch.testing.assert_close(compiled(x, x, x, **call_kwargs), mha(x, x, x, **call_kwargs), atol=1e-4, rtol=1e-4)
+            noise: dict = {}
+            r = measure({"eager": lambda: mha(x, x, x, **call_kwargs), "compiled": lambda: compiled(x, x, x, **call_kwargs)},
+                        device=device, spread=noise, **args.timing)
+        spread.update({(label, k): v for k, v in noise.items()})
+        log(f"  {r}")
+        rows.append([label, ms(r["eager"]), ms(r["compiled"]), ratio(r["eager"] / r["compiled"]), f"{compile_s:.0f} s"])
+    text = [
+        f"**torch.compile(fullgraph=True) vs eager**, eval forward, b={BATCH}, n={n}, d={NUM_HIDDENS}, "
+        f"{NUM_HEADS} heads (`eager / compiled` above 1: compiled is faster):",
+        "",
+        table(["case", "eager ms", "compiled ms", "eager / compiled", "first call (compiling)"], rows),
+        "",
+        spread_note(spread),
+        "",
+    ]
+    return text, []
+
+
+def run_models(args, device: torch.device) -> None:
+    started = time.perf_counter()
+    header = machine_lines(device)
+    ragged_text, ragged_targets = run_ragged(args, device)
+    window_text, window_targets = run_window(args, device)
+    compiled_text, _ = run_compiled(args, device)
+    parts = [f"## Attention for real models ({device.type}{', quick smoke run' if args.quick else ''})", "", *header]
+    parts += [f"- load average at end: {load_average()}; wall time {time.perf_counter() - started:.0f} s", ""]
+    parts += ["**Targets**:", "", table(["target", "measured", "status"], ragged_targets + window_targets), ""]
+    parts += [*ragged_text, *window_text, *compiled_text]
+    emit("\n".join(parts), output=args.output, section=f"attention-models-{device.type}")
+
+
 # --------------------------------------------------------------------------- memory
 
 
@@ -439,6 +620,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda (memory is measured on CPU only)")
     parser.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory subprocesses")
     parser.add_argument("--memory-margin-gib", type=float, default=4.0, help="RAM left free for others (GiB)")
+    parser.add_argument("--only", choices=["all", "core", "models"], default="all",
+                        help="core: speed/inference/padding/memory; models: ragged, window, compiled (own section)")
     parser.add_argument("--memory-child", nargs=3, metavar=("CONTENDER", "N", "ALLOWED_BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -446,12 +629,16 @@ def parse_args(argv=None):
         args.memory_sizes = [512, 1024]
         args.timing = {"min_repeats": 2, "max_repeats": 3, "budget_s": 0.5}
         args.gemm_size, args.gemm_repeats = 1024, 3
+        args.ragged_n, args.window_n, args.window, args.compile_n = 256, 1024, 64, 128
+        args.window_timing = args.timing
     else:
         args.sizes, args.inference_sizes = [128, 512, 1024, 2048, 4096], [1024, 4096]
         args.padding_sizes = [1024, 4096]
         args.memory_sizes = [1024, 2048, 4096, 8192, 16384]
         args.timing = {"min_repeats": 5, "max_repeats": 15, "budget_s": 6.0}
         args.gemm_size, args.gemm_repeats = 4096, 5
+        args.ragged_n, args.window_n, args.window, args.compile_n = 2048, 16384, 512, 1024
+        args.window_timing = {"min_repeats": 3, "max_repeats": 5, "budget_s": 30.0}
     if args.output is None and not args.quick:
         args.output = str(BENCHMARKS_MD)
     return args
@@ -464,6 +651,10 @@ def main(argv=None) -> int:
         print(json.dumps(memory_child(name, int(n), int(allowed))))
         return 0
     device = resolve_device(args.device)
+    if args.only in ("all", "models"):
+        run_models(args, device)
+    if args.only == "models":
+        return 0
     started = time.perf_counter()
     header = machine_lines(device)
     speed_text, speed = run_speed(args, device)

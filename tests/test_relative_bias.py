@@ -114,7 +114,7 @@ def test_t5_bad_inputs():
         T5RelativePositionBias(0)
     with pytest.raises(ValueError, match=r"q must have shape \(batch, 2, length, head_dim\)"):
         T5RelativePositionBias(2)(torch.randn(1, 3, 2, 4), q_positions=torch.arange(2), k_positions=torch.arange(2))
-    with pytest.raises(ValueError, match="q_positions must be a 1-D integer tensor"):
+    with pytest.raises(ValueError, match=r"q_positions must be a \(length,\) or \(batch, length\) integer tensor"):
         T5RelativePositionBias(2)(torch.randn(1, 2, 2, 4), q_positions=torch.arange(2.0), k_positions=torch.arange(2))
 
 
@@ -188,5 +188,5 @@ def test_alibi_bad_inputs():
         ALiBiPositionalBias(2.5)
     with pytest.raises(ValueError, match=r"q must have shape \(batch, 4, length, head_dim\)"):
         ALiBiPositionalBias(4)(torch.randn(1, 2, 3, 4), q_positions=torch.arange(3), k_positions=torch.arange(3))
-    with pytest.raises(ValueError, match="k_positions must be a 1-D integer tensor"):
+    with pytest.raises(ValueError, match=r"k_positions must be a \(length,\) or \(batch, length\) integer tensor"):
         ALiBiPositionalBias(2)(torch.randn(1, 2, 3, 4), q_positions=torch.arange(3), k_positions=torch.zeros(3))

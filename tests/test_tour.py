@@ -15,7 +15,7 @@ import torch
 from reference import naive_attention, sinusoidal_numpy
 
 from selfattn.cli.main import main
-from selfattn.tour import checks, depth, family, qualities, runner
+from selfattn.tour import checks, family, qualities, runner
 from selfattn.tour.report import render_report
 
 SECTION_FIGURES = (
@@ -267,23 +267,15 @@ def test_encoding_table_of_sinusoidal_honours_base_and_offset():
         family.encoding_table("sinusoidal", num_steps=3, num_hiddens=4, offset=-1)
 
 
-# Section 8 ------------------------------------------------------------------------------------
-
-
-def test_position_signal_collapses_without_residuals():
-    data = depth.position_signal_by_depth(depth=4, num_steps=12)
-    assert data["depth"] == [0, 1, 2, 3, 4]
-    assert data["without_residual"][-1] < 1e-6 * data["without_residual"][0]
-    assert data["with_residual"][-1] > 0.05 * data["with_residual"][0]
-    with pytest.raises(ValueError, match="depth"):
-        depth.position_signal_by_depth(depth=0)
-
-
-def test_position_signal_formula():
-    same = torch.ones(1, 5, 3)
-    assert depth.position_signal(same) == 0.0
-    h = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]])
-    assert depth.position_signal(h) == pytest.approx(1.0)  # rows are +-v: all of h is position
+def test_deep_stack_section_is_measured_for_every_encoding(tour):
+    page = (tour["out"] / "report.html").read_text()
+    section = page[page.index('id="s8"') :]
+    assert "re-inject" not in page and "untrained" in section
+    deep = tour["results"]["depth"]
+    assert set(deep["untrained"]) == {"none", "sinusoidal", "rotary", "alibi", "t5", "shaw"}
+    results = copy.deepcopy(tour["results"])
+    results["depth_study"] = {**deep, "trained": deep["untrained"], "config": {**deep["config"], "train_seeds": 2}}
+    assert "Trained stacks" in render_report(results, {})
 
 
 # Claims of the source pages and the report built from them -----------------------------------------

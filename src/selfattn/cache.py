@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from selfattn._validation import require_positive_int, require_tensor
 
-__all__ = ["KVCache"]
+__all__ = ["CachedKeys", "KVCache"]
+
+
+class CachedKeys(NamedTuple):
+    """What the queries of one call may see: the stored keys plus the new ones.
+
+    Attributes:
+        keys: ``(b, hk, n, dh)``.
+        values: ``(b, hk, n, dv)``.
+        positions: int64 positions of those keys, ``(n,)`` when every sequence shares them,
+            else ``(b, n)``.
+        padding: bool ``(b, n)``, True for keys marked as padding; None when none ever was.
+        first_index: index of ``keys[..., 0, :]`` in the whole sequence seen so far (0 unless
+            a windowed cache has dropped older keys).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    padding: torch.Tensor | None
+    first_index: int
 
 
 class KVCache:
@@ -16,87 +37,213 @@ class KVCache:
 
     Pass the same cache to every call of one layer: ``mha(x_t, x_t, x_t, cache=cache,
     causal=True)``. Keys are stored after any query/key encoding (rotary) has been applied at
-    their own positions, so earlier entries never need recomputing. Storage is allocated once,
-    at the first call, for ``max_len`` positions; the cache is meant for inference (wrap
-    decoding in ``torch.no_grad()``).
+    their own positions, so earlier entries never need recomputing; their positions and any
+    ``key_padding_mask`` are stored beside them. Storage is allocated once, at the first call,
+    for ``max_len`` positions; the cache is meant for inference (wrap decoding in
+    ``torch.no_grad()``).
 
-    A call that fails leaves the cache as it was: :meth:`append` checks everything before it
-    writes, and :class:`~selfattn.MultiHeadAttention` appends with ``commit=False`` and commits
+    With ``window=w`` (for a ``MultiHeadAttention(..., window=w)`` layer) only the last
+    ``w - 1`` keys are kept, the most a future query can see: memory is O(w) however long
+    the decoding runs, and ``max_len`` may be left out.
+
+    A call that fails leaves the cache as it was: :meth:`update` checks everything before it
+    writes, and :class:`~selfattn.MultiHeadAttention` updates with ``commit=False`` and commits
     only once attention has succeeded.
 
     Args:
-        max_len: the most positions the cache will hold.
+        max_len: the most positions the cache will hold (without a window).
+        window: keep only what a sliding window of this size can still see.
 
     Attributes:
-        length: positions stored so far; the default ``offset`` of the next call.
+        length: positions seen so far; the default ``offset`` of the next call.
     """
 
-    def __init__(self, max_len: int):
-        self.max_len = require_positive_int("max_len", max_len)
+    def __init__(self, max_len: int | None = None, *, window: int | None = None):
+        self.window = None if window is None else require_positive_int("window", window)
+        if max_len is None and self.window is None:
+            raise ValueError("max_len must be a positive integer (or give window=...), got None")
+        self.max_len = None if max_len is None else require_positive_int("max_len", max_len)
         self.length = 0
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None  # (b, capacity) int64
+        self._padding: torch.Tensor | None = None  # (b, capacity) bool, allocated at the first padding seen
+        self._shared_positions = True  # every append so far gave the same positions to every sequence
         self._pending = 0
+        self._pending_shared = True
+        self._pending_window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.encoding_state: dict[str, object] = {}  # what a query/key encoding notes about the stored keys
+
+    @property
+    def stored(self) -> int:
+        """Keys held now (``length``, or at most ``window - 1`` for a windowed cache)."""
+        return self.length if self.window is None else min(self.length, self.window - 1)
 
     def reset(self) -> None:
         """Forget everything stored, the batch size, shapes, dtype and device included."""
         self.length = 0
         self._pending = 0
-        self._keys = self._values = None
+        self._keys = self._values = self._positions = self._padding = None
+        self._shared_positions = self._pending_shared = True
+        self._pending_window = None
         self.encoding_state = {}
 
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Positions of the stored keys, ``(stored,)`` when shared by every sequence, else ``(b, stored)``."""
+        if self._positions is None or not self.stored:
+            return None
+        stored = self._positions[:, : self.stored]
+        return stored[0] if self._shared_positions else stored
+
     def update_keys(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace the stored keys ``(b, h, length, dh)`` by ``transform(keys)``, in place (re-rotation).
+        """Replace the stored keys ``(b, h, stored, dh)`` by ``transform(keys)``, in place (re-rotation).
 
         A query/key encoding that does this notes how the keys are now encoded in
         :attr:`encoding_state`, so a later call stays consistent even if the current one fails.
         """
-        if self._keys is not None and self.length:
-            self._keys[..., : self.length, :] = transform(self._keys[..., : self.length, :])
+        if self._keys is not None and self.stored:
+            self._keys[..., : self.stored, :] = transform(self._keys[..., : self.stored, :])
 
     def append(
         self, keys: torch.Tensor, values: torch.Tensor, *, commit: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``(b, h, l, dh)`` keys and ``(b, h, l, dv)`` values; return all stored so far.
+        """Store ``(b, h, l, dh)`` keys and ``(b, h, l, dv)`` values; return all the queries may see.
 
         Args:
             keys: ``(b, h, l, dh)``, of the dtype and device of the keys already stored.
             values: ``(b, h, l, dv)``, the same ``l`` as ``keys``.
-            commit: with False, the new entries are written past ``length`` and returned with
-                the stored ones, but ``length`` advances only at :meth:`commit`; a caller whose
-                later work fails leaves the cache as it was (the next append overwrites them).
+            commit: with False, the new entries are returned with the stored ones, but
+                ``length`` advances only at :meth:`commit`; a caller whose later work fails
+                leaves the cache as it was (the next append overwrites them).
 
         Returns:
-            ``(b, h, length, dh)`` keys and ``(b, h, length, dv)`` values (views of the storage).
+            ``(b, h, n, dh)`` keys and ``(b, h, n, dv)`` values.
 
         Raises:
             ValueError: past ``max_len``, or keys/values that do not fit each other or what is
                 stored (shape, dtype, device); nothing is written then.
         """
+        seen = self.update(keys, values, commit=commit)
+        return seen.keys, seen.values
+
+    def update(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        padding: torch.Tensor | None = None,
+        commit: bool = True,
+    ) -> CachedKeys:
+        """:meth:`append` that also stores positions ``(l,)``/``(b, l)`` and padding ``(b, l)``.
+
+        Positions default to ``length .. length + l - 1``.
+        """
         self._check(keys, values)
-        new = keys.shape[-2]
-        if self.length + new > self.max_len:
+        batch, new = keys.shape[0], keys.shape[-2]
+        if self.window is None and self.max_len is not None and self.length + new > self.max_len:
             raise ValueError(
                 f"cache overflow: {self.length} positions stored + {new} new > max_len={self.max_len}"
             )
+        if positions is None:
+            positions = torch.arange(self.length, self.length + new, device=keys.device)
+        if positions.shape not in ((new,), (batch, new)):
+            raise ValueError(f"positions must have shape ({new},) or ({batch}, {new}), got {tuple(positions.shape)}")
+        if padding is not None and tuple(padding.shape) != (batch, new):
+            raise ValueError(f"padding must have shape ({batch}, {new}), got {tuple(padding.shape)}")
+        self._pending_shared = self._shared_positions and positions.dim() == 1
+        positions = positions.to(keys.device, torch.long).expand(batch, new)  # (b, l)
+        if self.window is not None:
+            return self._update_window(keys, values, positions, padding, commit)
         if self.length == 0 and not self._fits(keys, values):
             # Nothing stored yet (or only the entries of a call that failed): size the storage now.
+            assert self.max_len is not None
             self._keys = keys.new_empty(*keys.shape[:-2], self.max_len, keys.shape[-1])
             self._values = values.new_empty(*values.shape[:-2], self.max_len, values.shape[-1])
-        assert self._keys is not None and self._values is not None
+            self._positions = positions.new_empty(batch, self.max_len)
+            self._padding = None
+        assert self._keys is not None and self._values is not None and self._positions is not None
+        if self.length == 0:
+            self._padding = None  # padding of a call that failed, or of a reset cache, is forgotten
+        if padding is not None and self._padding is None:
+            self._padding = torch.zeros(self._positions.shape, dtype=torch.bool, device=keys.device)
         end = self.length + new
         self._keys[..., self.length : end, :] = keys
         self._values[..., self.length : end, :] = values
+        self._positions[:, self.length : end] = positions
+        if self._padding is not None:
+            self._padding[:, self.length : end] = False if padding is None else padding
         self._pending = new
+        seen = self._seen(
+            self._keys[..., :end, :],
+            self._values[..., :end, :],
+            self._positions[:, :end],
+            None if self._padding is None else self._padding[:, :end],
+            0,
+        )
         if commit:
             self.commit()
-        return self._keys[..., :end, :], self._values[..., :end, :]
+        return seen
 
     def commit(self) -> None:
-        """Count the entries of the last ``append(..., commit=False)`` as stored."""
+        """Count the entries of the last ``update(..., commit=False)`` as stored."""
         self.length += self._pending
         self._pending = 0
+        self._shared_positions = self._pending_shared
+        if self._pending_window is not None:
+            self._keys, self._values, self._positions, self._padding = self._pending_window
+            self._pending_window = None
+
+    def _update_window(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        padding: torch.Tensor | None,
+        commit: bool,
+    ) -> CachedKeys:
+        assert self.window is not None
+        old = self.stored
+        if old == 0:
+            all_keys, all_values, all_positions = keys, values, positions
+        else:
+            assert self._keys is not None and self._values is not None and self._positions is not None
+            all_keys = torch.cat((self._keys, keys), dim=-2)  # (b, hk, old + l, dh)
+            all_values = torch.cat((self._values, values), dim=-2)
+            all_positions = torch.cat((self._positions, positions), dim=-1)  # (b, old + l)
+        all_padding = None
+        if padding is not None or (old and self._padding is not None):
+            old_padding = self._padding if old and self._padding is not None else None
+            if old_padding is None:
+                old_padding = torch.zeros(positions.shape[0], old, dtype=torch.bool, device=positions.device)
+            new_padding = torch.zeros_like(positions, dtype=torch.bool) if padding is None else padding.to(torch.bool)
+            all_padding = torch.cat((old_padding, new_padding), dim=-1)  # (b, old + l)
+        first_index = self.length - old
+        keep = self.window - 1
+        start = max(all_keys.shape[-2] - keep, 0)
+        # Copies, not views: the window slides, and nothing may keep the older keys alive.
+        self._pending_window = (
+            all_keys[..., start:, :].clone(),
+            all_values[..., start:, :].clone(),
+            all_positions[:, start:].clone(),
+            None if all_padding is None else all_padding[:, start:].clone(),
+        )
+        self._pending = keys.shape[-2]
+        seen = self._seen(all_keys, all_values, all_positions, all_padding, first_index)
+        if commit:
+            self.commit()
+        return seen
+
+    def _seen(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        padding: torch.Tensor | None,
+        first_index: int,
+    ) -> CachedKeys:
+        return CachedKeys(keys, values, positions[0] if self._pending_shared else positions, padding, first_index)
 
     def _fits(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
         stored_keys, stored_values = self._keys, self._values

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 
 import selfattn
 from selfattn.cli import compare, encode, plot, rotary, tour
+from selfattn.cli import study
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, stderr_line
 
 SUBCOMMANDS = (tour, encode, plot, compare)
 SUBCOMMANDS += (rotary,)
+SUBCOMMANDS += (study,)
 
 
 def build_parser() -> OneLineErrorParser:

@@ -34,6 +34,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="output folder (default: ./selfattn-report)",
     )
     parser.add_argument("--quick", action="store_true", help="smaller sweeps: under a minute on 2 cores")
+    parser.add_argument(
+        "--study", metavar="DIR", type=Path, default=None,
+        help="a `selfattn study` output folder: section 8 also shows its trained deep stacks "
+        "(default: $SELFATTN_STUDY or ./selfattn-study, if there)",
+    )  # fmt: skip
     add_progress_flag(parser)
     parser.set_defaults(handler=run)
 
@@ -58,6 +63,6 @@ def run(args: argparse.Namespace) -> int:
     from selfattn.tour.summary import print_summary
 
     with report_folder(args.out) as folder:
-        results = run_tour(folder, quick=args.quick, progress=args.progress and sys.stderr.isatty())
+        results = run_tour(folder, quick=args.quick, progress=args.progress and sys.stderr.isatty(), study=args.study)
     print_summary(results, args.out / "report.html")
     return 0 if all(check["ok"] for check in results["checks"]) else 1

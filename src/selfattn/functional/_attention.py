@@ -7,6 +7,7 @@ Shape legend:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ __all__ = ["attention", "attention_weights", "causal_mask", "valid_lens_mask"]
 # transposed views a head split produces, once its O(lq * lk) work outweighs the O(l * d) copy
 # (measured crossover: lq = lk between 1536 and 2048 at d = 512, 8 heads).
 _CONTIGUOUS_HEADS_MIN_PAIRS = 2048 * 2048
+
+# scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 def causal_mask(num_queries: int, num_keys: int, *, device: torch.device | str | None = None) -> torch.Tensor:
@@ -95,15 +99,25 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q and k must have a head size of at least 1, got q {tuple(q.shape)}")
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(f"k and v must have the same number of keys, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+    if not _leading_dims_fit(q, k, v):
         raise ValueError(
-            "q, k and v must have the same leading (batch, head) dimensions, "
+            "q, k and v must have the same leading (batch, head) dimensions (k and v may have a divisor "
+            "of q's heads: grouped-query attention), "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype} and v {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device} and v {v.device}")
+
+
+def _leading_dims_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Equal (batch, head) dimensions, except that k and v may have a divisor of q's heads (grouped-query)."""
+    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        return True
+    if q.dim() < 3 or not q.dim() == k.dim() == v.dim() or not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        return False
+    return k.shape[-3] == v.shape[-3] and k.shape[-3] > 0 and q.shape[-3] % k.shape[-3] == 0
 
 
 def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -124,6 +138,27 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
 
 def _scale(scale: object, head_size: int) -> float:
     return 1.0 / math.sqrt(head_size) if scale is None else require_positive_finite("scale", scale)
+
+
+def _repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Grouped-query heads: kv head ``j`` serves query heads ``j * g .. j * g + g - 1``."""
+    if kv.dim() < 3 or q.dim() != kv.dim() or kv.shape[-3] == q.shape[-3]:
+        return kv
+    return kv.repeat_interleave(q.shape[-3] // kv.shape[-3], dim=-3)  # (..., h, lk, d)
+
+
+def _check_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether k/v have fewer heads than q (grouped-query attention); raise if they do not divide."""
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        return False
+    if k.shape[-3] == q.shape[-3] and v.shape[-3] == q.shape[-3]:
+        return False
+    if k.shape[-3] != v.shape[-3] or q.shape[-3] % k.shape[-3]:
+        raise ValueError(
+            f"k and v must have the heads of q, or a divisor of them (grouped-query attention), got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    return True
 
 
 def _prepare(
@@ -162,7 +197,8 @@ def _prepare(
         lower_right = _causal_mask(num_queries, num_keys, q.device)  # (lq, lk)
         mask = lower_right if mask is None else mask & lower_right
     # -inf in the bias is a mask: move it there. (amin finds one 10x faster than isneginf().any().)
-    if bias is not None and bias.numel() and bool(bias.amin() == float("-inf")):
+    # Under torch.compile the test would read the tensor back (a graph break): always move it there.
+    if bias is not None and bias.numel() and (torch.compiler.is_compiling() or bool(bias.amin() == float("-inf"))):
         blocked = torch.isneginf(bias)
         bias = bias.masked_fill(blocked, 0.0)
         mask = ~blocked if mask is None else mask & ~blocked
@@ -172,11 +208,70 @@ def _prepare(
     empty_rows = None
     if mask is not None:
         empty_rows = ~mask.any(dim=-1, keepdim=True)  # (..., lq, 1)
-        if bool(empty_rows.any()):
+        if torch.compiler.is_compiling():
+            mask = mask | empty_rows  # no data-dependent branch inside a compiled graph
+        elif bool(empty_rows.any()):
             mask = mask | empty_rows
         else:
             empty_rows = None
     return mask, bias, empty_rows, use_is_causal, scale
+
+
+class _TwiceDifferentiable(torch.autograd.Function):
+    """The fused kernel forward and backward, and a math-kernel backward when a graph of the grads is wanted.
+
+    PyTorch's fused attention backward has no derivative of its own, so ``create_graph=True``
+    (gradient penalties, meta-learning, Hessian-vector products) would fail. Here the fused
+    kernel's own graph serves ordinary backward passes; a backward run with grad mode on
+    recomputes through the math kernel, whose every op is differentiable.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        options: dict[str, Any],
+    ) -> torch.Tensor:
+        q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+        mask_ = None if attn_mask is None else attn_mask.detach().requires_grad_(attn_mask.requires_grad)
+        inner = [q_, k_, v_, mask_]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask_, **options)
+        ctx.inner, ctx.inner_out, ctx.options = inner, out, options
+        ctx.save_for_backward(q, k, v, attn_mask)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        wanted = [t is not None and t.requires_grad for t in ctx.inner]
+        if torch.is_grad_enabled():  # create_graph=True
+            inputs = ctx.saved_tensors
+            with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+                out = F.scaled_dot_product_attention(
+                    inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **ctx.options
+                )
+            sources = [t for t, w in zip(inputs, wanted) if w]
+            grads = iter(torch.autograd.grad(out, sources, grad, create_graph=True))
+        else:
+            sources = [t for t, w in zip(ctx.inner, wanted) if w]
+            # Retained: the outer graph may be run again (retain_graph=True); both die together.
+            grads = iter(torch.autograd.grad(ctx.inner_out, sources, grad, retain_graph=True))
+        return (*(next(grads) if w else None for w in wanted), None)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, options: dict[str, Any]
+) -> torch.Tensor:
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, attn_mask)
+    )
+    if needs_grad and options["dropout_p"] == 0.0 and not torch.compiler.is_compiling():
+        out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)  # type: ignore[no-untyped-call]
+        return out
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
 
 
 def attention_weights(
@@ -194,6 +289,7 @@ def attention_weights(
     least float32 (as the fused kernels do), and the weights returned in the dtype of ``q``.
     """
     mask, bias, empty_rows, _, scale = _prepare(q, k, k, mask, bias, causal, scale, fused=False)
+    k = _repeat_kv(q, k)
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1)) * scale  # (b, h, lq, lk)
     if bias is not None:
@@ -228,13 +324,18 @@ def attention(
     asked for. A NaN or infinity in a query, or in a key or value it sees, gives NaN in that
     query's output on both paths, never a zero.
 
+    Second-order gradients (``create_graph=True``) work: such a backward pass goes through
+    PyTorch's math kernel, whose ops are all differentiable (without dropout).
+
     Note: ``dropout_p > 0`` makes the fused kernel fall back to PyTorch's O(lq * lk)-memory
     math path.
 
     Args:
         q: ``(b, h, lq, d)`` queries (any leading dimensions are allowed).
         k: ``(b, h, lk, d)`` keys.
-        v: ``(b, h, lk, dv)`` values.
+        v: ``(b, h, lk, dv)`` values. Keys and values may have fewer heads ``hk`` (a divisor
+            of ``h``: grouped-query attention, kv head ``j`` serving query heads
+            ``j * h / hk ..``); the fused kernel then reads them without copying.
         mask: bool, True = attend, broadcastable to ``(b, h, lq, lk)``.
         bias: float, broadcastable to ``(b, h, lq, lk)``, added to the *scaled* scores.
         causal: query ``i`` attends keys ``j <= i + lk - lq`` (lower-right aligned, see
@@ -251,8 +352,10 @@ def attention(
             or bias that does not broadcast to ``(b, h, lq, lk)``, a bad ``scale`` or ``dropout_p``.
     """
     dropout_p = require_probability("dropout_p", dropout_p)
+    _check_shapes(q, k, v)
+    grouped = _check_groups(q, k, v)
     if return_weights:
-        _check_shapes(q, k, v)
+        v = _repeat_kv(q, v)
         weights = attention_weights(q, k, mask=mask, bias=bias, causal=causal, scale=scale)
         dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
         return torch.matmul(dropped, v), weights  # (b, h, lq, dv), (b, h, lq, lk)
@@ -264,9 +367,12 @@ def attention(
     if bias is not None:
         bias = bias.to(q.dtype)
         attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale
-    )
+    if grouped and not _SDPA_HAS_GQA:
+        k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    options: dict[str, Any] = {"dropout_p": dropout_p, "is_causal": use_is_causal, "scale": scale}
+    if grouped and _SDPA_HAS_GQA:
+        options["enable_gqa"] = True
+    out = _sdpa(q, k, v, attn_mask, options)
     # PyTorch's CPU kernel returns a zero row for a query holding NaN or inf; the formula says NaN.
     # Adding 0 * (the query's sum) gives NaN exactly there, for one reduction and no host sync (an
     # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large

@@ -16,11 +16,16 @@ __all__ = ["alibi_slopes", "relative_distances", "relative_shift", "t5_relative_
 
 
 def relative_distances(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-    """``key_pos - query_pos`` for every pair, int64 ``(lq, lk)``; positive means the key is later."""
+    """``key_pos - query_pos`` for every pair; positive means the key is later.
+
+    Positions are ``(lq,)`` / ``(lk,)``, or per sequence ``(b, lq)`` / ``(b, lk)`` (the two may
+    mix); the result is int64 ``(lq, lk)``, or ``(b, lq, lk)`` when either is per sequence.
+    """
     for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
-        if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point():
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {getattr(positions, 'dtype', positions)!r}")
-    return k_positions.long()[None, :] - q_positions.long()[:, None]  # (lq, lk)
+        if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.is_floating_point():
+            got = getattr(positions, "dtype", positions)
+            raise ValueError(f"{name} must be a (length,) or (batch, length) integer tensor, got {got!r}")
+    return k_positions.long()[..., None, :] - q_positions.long()[..., :, None]  # (lq, lk) or (b, lq, lk)
 
 
 def t5_relative_bucket(

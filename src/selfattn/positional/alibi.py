@@ -28,19 +28,32 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
     Args:
         num_heads: number of heads ``h``.
         causal: ``-m (i - j)`` if True, ``-m |i - j|`` if False.
+        device: where the slopes live.
+        dtype: accepted for uniformity; the slopes stay float64.
 
     Shape:
-        bias ``(1, h, lq, lk)``.
+        bias ``(1, h, lq, lk)``, or ``(b, h, lq, lk)`` for per-sequence positions ``(b, l)``.
     """
 
     exact_tables = ("slopes",)
     slopes: torch.Tensor
 
-    def __init__(self, num_heads: int, causal: bool = True):
+    def __init__(
+        self,
+        num_heads: int,
+        causal: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.causal = bool(causal)
-        self.register_buffer("slopes", torch.empty(0, dtype=torch.float64), persistent=False)
+        self.register_buffer("slopes", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
+        self._build_tables()
+
+    def reset_parameters(self) -> None:
+        """Recompute the slopes (after ``to_empty()`` from the meta device)."""
         self._build_tables()
 
     def _build_tables(self) -> None:
@@ -52,12 +65,13 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
             raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         # Integer differences first: the bias is then exactly the same under any shift of positions.
-        distance = -relative_distances(q_positions, k_positions)  # (lq, lk): i - j
+        distance = -relative_distances(q_positions, k_positions)  # (lq, lk) or (b, lq, lk): i - j
         if not self.causal:
             distance = distance.abs()
         slopes = self.slopes.to(compute_dtype)[:, None, None]  # (h, 1, 1)
-        bias = -slopes * distance.to(compute_dtype)  # (h, lq, lk)
-        return bias.to(q.dtype)[None]  # (1, h, lq, lk)
+        distance = distance[None, None] if distance.dim() == 2 else distance[:, None]  # (1 or b, 1, lq, lk)
+        bias = -slopes * distance.to(compute_dtype)  # (1 or b, h, lq, lk)
+        return bias.to(q.dtype)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, causal={self.causal}"

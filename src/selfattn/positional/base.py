@@ -40,8 +40,32 @@ class PositionalEncoding(nn.Module):
     is_relative: ClassVar[bool]
 
 
+def require_positions(positions: object, x: torch.Tensor, offset: object = 0) -> torch.Tensor:
+    """Check per-token ``positions`` ``(l,)`` or ``(b, l)`` (non-negative integers) for an input ``(..., l, d)``."""
+    if offset != 0:
+        raise ValueError(f"give either offset or positions, not both; got offset={offset!r}")
+    length = x.shape[-2]
+    if (
+        not isinstance(positions, torch.Tensor)
+        or positions.is_floating_point()
+        or positions.is_complex()
+        or positions.dtype == torch.bool
+        or positions.dim() not in (1, 2)
+        or positions.shape[-1] != length
+    ):
+        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else repr(positions)
+        raise ValueError(f"positions must be integers of shape ({length},) or (batch, {length}), got {got}")
+    if not torch.compiler.is_compiling() and positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"positions must be non-negative, got minimum {int(positions.min())}")
+    return positions.long().to(x.device)
+
+
 class InputEncoding(PositionalEncoding):
-    """Added to the input: ``forward(x, offset=0)`` with x ``(..., l, d)`` returns ``(..., l, d)``."""
+    """Added to the input: ``forward(x, offset=0)`` with x ``(..., l, d)`` returns ``(..., l, d)``.
+
+    The 1-D encodings also take ``forward(x, positions=p)``: per-token positions ``(l,)`` or
+    ``(b, l)`` (left padding, packed documents).
+    """
 
     acts_on = "input"
     is_relative = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from selfattn._validation import require_floating, require_non_negative_int
-from selfattn.positional.base import InputEncoding
+from selfattn.positional.base import InputEncoding, require_positions
 
 __all__ = ["NoPositionalEncoding"]
 
@@ -23,7 +23,16 @@ class NoPositionalEncoding(InputEncoding):
 
     is_relative = True
 
-    def forward(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def __init__(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()  # nothing to create: device and dtype are accepted so every encoding takes them
+
+    def reset_parameters(self) -> None:
+        """Nothing to reset."""
+
+    def forward(self, X: torch.Tensor, offset: int = 0, *, positions: torch.Tensor | None = None) -> torch.Tensor:
         require_floating("X", X)
+        if positions is not None:
+            require_positions(positions, X, offset)
+            return X
         require_non_negative_int("offset", offset)
         return X

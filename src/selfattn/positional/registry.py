@@ -81,7 +81,8 @@ def build(name: str, *, num_hiddens: int, num_heads: int, **options: Any) -> Pos
     ]
     for key in options:
         if key not in accepted:
-            takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no options"
+            options_named = [name for name in accepted if name not in ("device", "dtype")]  # every encoding takes these
+            takes = f"it takes {', '.join(options_named)}" if options_named else "it takes no options"
             raise ValueError(f"option {key}={options[key]!r} is not accepted by {name!r}; {takes}")
     return entry.cls(**sizes, **{**entry.defaults, **options})
 

@@ -69,6 +69,9 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         cached_keys: ``"rerotate"`` or ``"keep"``: what cached keys do when a length-dependent
             scaling changes the frequencies (see above).
 
+        device: where the inverse frequencies live.
+        dtype: accepted for uniformity; the frequencies stay float64.
+
     Attributes:
         attention_factor: multiplies cos and sin (YaRN's and LongRoPE's temperature), else 1.
 
@@ -100,6 +103,8 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         scaling_factor: float = 1.0,
         p: float = 1.0,
         cached_keys: CachedKeys = "rerotate",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
@@ -120,7 +125,11 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.cached_keys = cached_keys
         self.attention_factor = 1.0
         self._last: tuple[int | None, torch.Tensor, float] | None = None
-        self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
+        self._build_tables()
+
+    def reset_parameters(self) -> None:
+        """Recompute ``inv_freq`` (after ``to_empty()`` from the meta device)."""
         self._build_tables()
 
     @property

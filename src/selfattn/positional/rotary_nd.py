@@ -51,6 +51,8 @@ class RotaryPositionalEncodingND(KeepsTablePrecision, QueryKeyEncoding):
         interleaved: bool = True,
         *,
         grid: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
@@ -68,7 +70,11 @@ class RotaryPositionalEncodingND(KeepsTablePrecision, QueryKeyEncoding):
         self.grid = grid
         self.base = float(base)
         self.interleaved = bool(interleaved)
-        self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
+        self._build_tables()
+
+    def reset_parameters(self) -> None:
+        """Recompute the tables (after ``to_empty()`` from the meta device)."""
         self._build_tables()
 
     def _build_tables(self) -> None:
@@ -130,15 +136,29 @@ class RotaryPositionalEncoding2D(RotaryPositionalEncodingND):
     """Axial rotary over an image's ``(row, column)`` coordinates; see :class:`RotaryPositionalEncodingND`."""
 
     def __init__(
-        self, head_dim: int, base: float = 10000.0, interleaved: bool = True, *, grid: Sequence[int] | None = None
+        self,
+        head_dim: int,
+        base: float = 10000.0,
+        interleaved: bool = True,
+        *,
+        grid: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(head_dim, 2, base, interleaved, grid=grid)
+        super().__init__(head_dim, 2, base, interleaved, grid=grid, device=device, dtype=dtype)
 
 
 class RotaryPositionalEncoding3D(RotaryPositionalEncodingND):
     """Axial rotary over a video's ``(frame, row, column)`` coordinates; see :class:`RotaryPositionalEncodingND`."""
 
     def __init__(
-        self, head_dim: int, base: float = 10000.0, interleaved: bool = True, *, grid: Sequence[int] | None = None
+        self,
+        head_dim: int,
+        base: float = 10000.0,
+        interleaved: bool = True,
+        *,
+        grid: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(head_dim, 3, base, interleaved, grid=grid)
+        super().__init__(head_dim, 3, base, interleaved, grid=grid, device=device, dtype=dtype)

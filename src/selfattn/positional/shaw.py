@@ -37,20 +37,32 @@ class ShawRelativePositionEncoding(ScoreEncoding):
             positions, leaving one embedding).
         keys: learn ``a^K``, the term in the scores.
         values: learn ``a^V``, the term in the values.
+        device: where the embeddings are created.
+        dtype: dtype of the embeddings.
 
     Shape:
         bias ``(b, h, lq, lk)``; value term ``(b, h, lq, dh)``.
     """
 
-    def __init__(self, head_dim: int, max_distance: int = 16, *, keys: bool = True, values: bool = True):
+    def __init__(
+        self,
+        head_dim: int,
+        max_distance: int = 16,
+        *,
+        keys: bool = True,
+        values: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
         self.max_distance = require_non_negative_int("max_distance", max_distance)
         if not (keys or values):
             raise ValueError(f"at least one of keys and values must be True, got keys={keys!r}, values={values!r}")
         num_distances = 2 * self.max_distance + 1
-        self.key_embeddings = nn.Parameter(torch.empty(num_distances, self.head_dim)) if keys else None
-        self.value_embeddings = nn.Parameter(torch.empty(num_distances, self.head_dim)) if values else None
+        shape = (num_distances, self.head_dim)
+        self.key_embeddings = nn.Parameter(torch.empty(shape, device=device, dtype=dtype)) if keys else None
+        self.value_embeddings = nn.Parameter(torch.empty(shape, device=device, dtype=dtype)) if values else None
         self.reset_parameters()
 
     @property
@@ -64,9 +76,13 @@ class ShawRelativePositionEncoding(ScoreEncoding):
                 nn.init.normal_(table, std=self.head_dim**-0.5)
 
     def distance_index(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        """Row of the embedding tables for each pair, ``clip(j - i, -k, k) + k``, int64 ``(lq, lk)``."""
+        """Row of the embedding tables for each pair, ``clip(j - i, -k, k) + k``, int64 ``([b,] lq, lk)``."""
         distance = relative_distances(q_positions, k_positions)  # (lq, lk)
         return distance.clamp(-self.max_distance, self.max_distance) + self.max_distance
+
+    def _head_index(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        index = self.distance_index(q_positions, k_positions)  # (lq, lk) or (b, lq, lk)
+        return index[None, None] if index.dim() == 2 else index[:, None]  # (1 or b, 1, lq, lk)
 
     def _check_heads(self, name: str, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -78,10 +94,10 @@ class ShawRelativePositionEncoding(ScoreEncoding):
             raise ValueError(f"q must have head size {self.head_dim}, got {tuple(q.shape)}")
         if self.key_embeddings is None:
             return q.new_zeros(1, 1, 1, 1)
-        index = self.distance_index(q_positions, k_positions)  # (lq, lk)
+        index = self._head_index(q_positions, k_positions)  # (1 or b, 1, lq, lk)
         batch, heads = q.shape[:2]
         by_distance = torch.matmul(q, self.key_embeddings.to(q.dtype).t())  # (b, h, lq, 2k+1)
-        scores = torch.gather(by_distance, -1, index.expand(batch, heads, *index.shape))  # (b, h, lq, lk)
+        scores = torch.gather(by_distance, -1, index.expand(batch, heads, *index.shape[-2:]))  # (b, h, lq, lk)
         return scores * (1.0 / math.sqrt(self.head_dim))
 
     def value_term(
@@ -90,9 +106,9 @@ class ShawRelativePositionEncoding(ScoreEncoding):
         self._check_heads("weights", weights)
         if self.value_embeddings is None:
             return super().value_term(weights, q_positions=q_positions, k_positions=k_positions)
-        index = self.distance_index(q_positions, k_positions)  # (lq, lk)
-        if weights.shape[-2:] != index.shape:
-            raise ValueError(f"weights must end in {tuple(index.shape)} (queries, keys), got {tuple(weights.shape)}")
+        index = self._head_index(q_positions, k_positions)  # (1 or b, 1, lq, lk)
+        if weights.shape[-2:] != index.shape[-2:]:
+            raise ValueError(f"weights must end in {tuple(index.shape[-2:])} (queries, keys), got {tuple(weights.shape)}")
         # Total weight each query puts on each clipped distance.
         per_distance = weights.new_zeros(*weights.shape[:-1], self.value_embeddings.shape[0])  # (b, h, lq, 2k+1)
         per_distance.scatter_add_(-1, index.expand(weights.shape), weights)

@@ -7,7 +7,7 @@ from torch import nn
 
 from selfattn._validation import require_floating, require_non_negative_int, require_positive_int, require_probability
 from selfattn.functional import sinusoidal_table
-from selfattn.positional.base import InputEncoding
+from selfattn.positional.base import InputEncoding, require_positions
 
 __all__ = ["SinusoidalPositionalEncoding"]
 
@@ -25,6 +25,8 @@ class SinusoidalPositionalEncoding(InputEncoding):
         dropout: dropout probability on the sum.
         max_len: rows to build up front.
         base: the 10000 of the formula.
+        device: where ``P`` is built.
+        dtype: dtype of ``P`` (default float32); its angles are float64 whatever this is.
 
     Shape:
         X ``(..., l, d)`` -> ``(..., l, d)``.
@@ -32,14 +34,28 @@ class SinusoidalPositionalEncoding(InputEncoding):
 
     P: torch.Tensor
 
-    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *, base: float = 10000.0):
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        *,
+        base: float = 10000.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.num_hiddens = require_positive_int("num_hiddens", num_hiddens)
         self.max_len = require_positive_int("max_len", max_len)
         self.base = float(base)
         self.dropout = nn.Dropout(require_probability("dropout", dropout))
         # (1, max_len, d), as in the chapter, so `pe.P[0, :n, 6:10]` reads the same.
-        self.register_buffer("P", sinusoidal_table(self.max_len, self.num_hiddens, base=self.base)[None], persistent=False)
+        table = sinusoidal_table(self.max_len, self.num_hiddens, base=self.base, dtype=dtype or torch.float32, device=device)
+        self.register_buffer("P", table[None], persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Rebuild ``P`` (after ``to_empty()`` from the meta device)."""
+        self._build_table(self.P.shape[1])
 
     def _build_table(self, num_positions: int) -> None:
         """(Re)build the cached ``P`` with ``num_positions`` rows, keeping its device and dtype."""
@@ -70,10 +86,17 @@ class SinusoidalPositionalEncoding(InputEncoding):
             num_positions, self.num_hiddens, base=self.base, offset=offset, dtype=self.P.dtype, device=self.P.device
         )
 
-    def forward(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, X: torch.Tensor, offset: int = 0, *, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Add rows ``offset .. offset + l - 1`` of ``P``, or rows ``positions`` (``(l,)`` or ``(b, l)``)."""
         require_floating("X", X)
         if X.dim() < 2 or X.shape[-1] != self.num_hiddens:
             raise ValueError(f"X must have shape (..., length, {self.num_hiddens}), got {tuple(X.shape)}")
+        if positions is not None:
+            positions = require_positions(positions, X, offset)
+            if not torch.compiler.is_compiling():
+                self.table(int(positions.max()) + 1 if positions.numel() else 1)  # grow P to cover them
+            encoded: torch.Tensor = self.dropout(X + self.P[0][positions].to(X.dtype))
+            return encoded
         rows = self.table(X.shape[-2], offset)  # (l, d)
         return self.dropout(X + rows.to(X.dtype))
 

@@ -30,6 +30,8 @@ class SinusoidalPositionalEncodingND(InputEncoding):
         dropout: dropout probability on the sum.
         max_len: positions per axis to build up front.
         base: the 10000 of the formula.
+        device: where the tables are built.
+        dtype: dtype of the tables (default float32).
 
     Shape:
         X ``(..., n_1, ..., n_k, d)`` -> the same; ``offset`` is one int for every axis or a
@@ -37,7 +39,15 @@ class SinusoidalPositionalEncodingND(InputEncoding):
     """
 
     def __init__(
-        self, num_hiddens: int, num_axes: int, dropout: float = 0.0, max_len: int = 1000, *, base: float = 10000.0
+        self,
+        num_hiddens: int,
+        num_axes: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        *,
+        base: float = 10000.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.num_hiddens = require_positive_int("num_hiddens", num_hiddens)
@@ -46,7 +56,15 @@ class SinusoidalPositionalEncodingND(InputEncoding):
             raise ValueError(f"num_hiddens must give each of the {num_axes} axes a channel, got {num_hiddens}")
         self.dropout = nn.Dropout(require_probability("dropout", dropout))
         widths = [num_hiddens // num_axes + (axis < num_hiddens % num_axes) for axis in range(num_axes)]
-        self.axes = nn.ModuleList(SinusoidalPositionalEncoding(width, max_len=max_len, base=base) for width in widths)
+        self.axes = nn.ModuleList(
+            SinusoidalPositionalEncoding(width, max_len=max_len, base=base, device=device, dtype=dtype) for width in widths
+        )
+
+    def reset_parameters(self) -> None:
+        """Rebuild every axis's table (after ``to_empty()`` from the meta device)."""
+        for encoding in self.axes:
+            assert isinstance(encoding, SinusoidalPositionalEncoding)
+            encoding.reset_parameters()
 
     def _offsets(self, offset: int | tuple[int, ...]) -> tuple[int, ...]:
         if isinstance(offset, numbers.Integral):
@@ -85,12 +103,30 @@ class SinusoidalPositionalEncodingND(InputEncoding):
 class SinusoidalPositionalEncoding2D(SinusoidalPositionalEncodingND):
     """:class:`SinusoidalPositionalEncodingND` over ``(height, width)``: X ``(..., H, W, d)``."""
 
-    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *, base: float = 10000.0):
-        super().__init__(num_hiddens, 2, dropout, max_len, base=base)
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        *,
+        base: float = 10000.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__(num_hiddens, 2, dropout, max_len, base=base, device=device, dtype=dtype)
 
 
 class SinusoidalPositionalEncoding3D(SinusoidalPositionalEncodingND):
     """:class:`SinusoidalPositionalEncodingND` over ``(time, height, width)``: X ``(..., T, H, W, d)``."""
 
-    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *, base: float = 10000.0):
-        super().__init__(num_hiddens, 3, dropout, max_len, base=base)
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        *,
+        base: float = 10000.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__(num_hiddens, 3, dropout, max_len, base=base, device=device, dtype=dtype)

@@ -26,12 +26,23 @@ class T5RelativePositionBias(ScoreEncoding):
         num_buckets: number of distance buckets.
         max_distance: distance from which every key shares the last bucket.
         bidirectional: separate buckets for keys in the future (encoders); False for decoders.
+        device: where the table is created.
+        dtype: dtype of the table.
 
     Shape:
-        bias ``(1, h, lq, lk)``.
+        bias ``(1, h, lq, lk)``, or ``(b, h, lq, lk)`` for per-sequence positions ``(b, l)``.
     """
 
-    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
+    def __init__(
+        self,
+        num_heads: int,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.num_buckets = require_positive_int("num_buckets", num_buckets)
@@ -39,7 +50,11 @@ class T5RelativePositionBias(ScoreEncoding):
         self.bidirectional = bool(bidirectional)
         # Fails here, not at the first call, if the bucket settings are impossible.
         t5_relative_bucket(torch.zeros(1, dtype=torch.long), **self._bucket_options())
-        self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
+        self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        """Draw the table from N(0, 1), as ``nn.Embedding`` does."""
+        self.relative_attention_bias.reset_parameters()
 
     def _bucket_options(self) -> dict:
         return {"bidirectional": self.bidirectional, "num_buckets": self.num_buckets, "max_distance": self.max_distance}
@@ -47,14 +62,20 @@ class T5RelativePositionBias(ScoreEncoding):
     def forward(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         if q.dim() != 4 or q.shape[1] != self.num_heads:
             raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
-        distance = relative_distances(q_positions, k_positions)  # (lq, lk)
-        # Bucket each distinct distance once (lq + lk - 1 of them for consecutive positions), then gather.
-        low = int(k_positions.min()) - int(q_positions.max())
-        high = int(k_positions.max()) - int(q_positions.min())
-        distinct = torch.arange(low, high + 1, device=distance.device)  # (n_distances,)
-        buckets = t5_relative_bucket(distinct, **self._bucket_options())  # (n_distances,)
-        per_distance = self.relative_attention_bias.weight.t()[:, buckets]  # (h, n_distances)
-        bias = per_distance[:, distance - low]  # (h, lq, lk)
+        distance = relative_distances(q_positions, k_positions)  # (lq, lk) or (b, lq, lk)
+        table = self.relative_attention_bias.weight.t()  # (h, num_buckets)
+        if torch.compiler.is_compiling():
+            # No data-dependent range under torch.compile: bucket every pair.
+            bias = table[:, t5_relative_bucket(distance, **self._bucket_options())]  # (h, [b,] lq, lk)
+        else:
+            # Bucket each distinct distance once (lq + lk - 1 of them for consecutive positions), then gather.
+            low = int(k_positions.min()) - int(q_positions.max())
+            high = int(k_positions.max()) - int(q_positions.min())
+            distinct = torch.arange(low, high + 1, device=distance.device)  # (n_distances,)
+            buckets = t5_relative_bucket(distinct, **self._bucket_options())  # (n_distances,)
+            bias = table[:, buckets][:, distance - low]  # (h, [b,] lq, lk)
+        if bias.dim() == 4:
+            return bias.transpose(0, 1).to(q.dtype)  # (b, h, lq, lk)
         return bias.to(q.dtype)[None]  # (1, h, lq, lk)
 
     def extra_repr(self) -> str:

@@ -35,6 +35,8 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
         interleaved: pair convention, as for :class:`RotaryPositionalEncoding`.
         scale_base: the 512 of the paper.
         gamma: the 0.4 of the paper.
+        device: where the tables live.
+        dtype: accepted for uniformity; the tables stay float64.
 
     Shape:
         x ``(b, h, l, dh)``, positions ``(l,)`` -> ``(b, h, l, dh)``.
@@ -52,6 +54,8 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
         *,
         scale_base: float = 512.0,
         gamma: float = 0.4,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = require_positive_int("head_dim", head_dim)
@@ -65,8 +69,12 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.interleaved = bool(interleaved)
         self.scale_base = float(scale_base)
         self.gamma = float(gamma)
-        self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64), persistent=False)
-        self.register_buffer("zeta", torch.empty(0, dtype=torch.float64), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("zeta", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
+        self._build_tables()
+
+    def reset_parameters(self) -> None:
+        """Recompute the tables (after ``to_empty()`` from the meta device)."""
         self._build_tables()
 
     def _build_tables(self) -> None:

@@ -1,56 +1,391 @@
-"""Section 8, exercise 1: what happens to the position signal in a deep self-attention stack.
+"""Section 8, exercise 1: what happens to position in a deep stack of self-attention layers.
 
-Attention outputs are convex combinations of the values, so a stack of attention layers pulls
-the token representations towards each other; without residual connections the positions,
-which the input carried only through P, become indistinguishable within a few layers.
+The measurement itself is :func:`selfattn.study.deep_stack.measure_deep_stack` (probes of
+absolute position and of order, rank collapse, position share, after every layer). The tour
+runs it on *untrained* stacks only; stacks trained by ``selfattn study`` are shown when its
+output is given (:func:`study_deep_stack`). This module also writes the section's HTML from
+the measured numbers (:func:`section_html`), so every sentence follows the data.
 
-Shape legend: b batch, n positions, d model size.
+Shape legend: b sequences, n positions, d model size.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
 
-from selfattn._validation import require_positive_int
-from selfattn.attention import MultiHeadAttention
-from selfattn.functional import sinusoidal_table
-from selfattn.tour._common import seeded
+from selfattn.study.deep_stack import measure_deep_stack
 
-__all__ = ["position_signal", "position_signal_by_depth"]
+__all__ = ["COLLAPSED", "CONVERGING", "measure", "section_html", "study_deep_stack", "summary_line", "verdict_numbers"]
+
+COLLAPSED = 1e-6
+"""A mean-row residual below this counts as collapsed: every row the same to 6 digits."""
+
+CONVERGING = 1e-3
+"""Rows whose mean-row residual fell below this fraction of the input's are described as collapsing."""
+
+_VARIANT_LABELS = {
+    "residual": "residual + MLP",
+    "residual_no_mlp": "residual, no MLP",
+    "no_residual": "no residual + MLP",
+    "no_residual_no_mlp": "no residual, no MLP",
+}
 
 
-def position_signal(h: torch.Tensor) -> float:
-    """How much the rows of ``h`` ``(b, n, d)`` still differ: ``|h - mean over positions| / |h|``.
+def measure(*, depth: int, seeds: int, quick: bool = False) -> dict[str, Any]:
+    """The untrained measurement the tour shows: every encoding; all four variants unless ``quick``."""
+    if quick:
+        return measure_deep_stack(
+            depth=depth, seeds=seeds, variants=("residual", "no_residual"), num_hiddens=16, num_heads=2,
+            ffn_hiddens=32, num_steps=16, num_sequences=32, test_sequences=8, train_steps=0,
+        )  # fmt: skip
+    return measure_deep_stack(depth=depth, seeds=seeds, train_steps=0)
 
-    0 when every position holds the same vector (nothing can tell positions apart).
+
+def study_deep_stack(study_dir: Path | str | None) -> dict[str, Any] | None:
+    """``results.json["deep_stack"]`` of a ``selfattn study`` output folder, or None when there is none.
+
+    Raises:
+        ValueError: the folder is given but holds no readable ``results.json``.
     """
-    centred = h - h.mean(dim=-2, keepdim=True)  # (b, n, d)
-    return float(centred.norm() / h.norm())
+    if study_dir is None:
+        return None
+    path = Path(study_dir) / "results.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"study_dir={str(study_dir)!r} holds no readable results.json ({error})") from None
+    stack = data.get("deep_stack") if isinstance(data, dict) else None
+    return stack if isinstance(stack, dict) else None
 
 
-def position_signal_by_depth(
-    depth: int = 12, num_hiddens: int = 32, num_heads: int = 4, num_steps: int = 32, seed: int = 0
-) -> dict[str, object]:
-    """The position signal after each layer of a random post-norm attention stack.
+# Reading the numbers ------------------------------------------------------------------------------
 
-    The input is the same token at every position plus P, so any difference between rows is
-    position. Each layer is ``LayerNorm(attention(h))`` without a residual connection or
-    ``LayerNorm(h + attention(h))`` with one. Computed in float64.
+
+def _metric(deep: dict[str, Any], which: str, encoding: str, variant: str, metric: str) -> dict[str, Any] | None:
+    try:
+        return deep[which][encoding][variant][metric]  # type: ignore[no-any-return]
+    except (KeyError, TypeError):
+        return None
+
+
+def _last(deep: dict[str, Any], which: str, encoding: str, variant: str, metric: str, stat: str = "mean") -> float:
+    entry = _metric(deep, which, encoding, variant, metric)
+    return float("nan") if entry is None else float(entry[stat][-1])
+
+
+def verdict_numbers(deep: dict[str, Any]) -> dict[str, float]:
+    """The numbers the tour's checks of section 8 test (sinusoidal input, untrained, over seeds).
+
+    ``collapse_ratio``: largest final mean-row residual without residuals over its value at the
+    input; ``residual_rows_min``: smallest final mean-row residual with residuals;
+    ``residual_share_min``: smallest final position share with residuals.
     """
-    depth = require_positive_int("depth", depth)
-    with seeded(seed):
-        token = torch.randn(num_hiddens, dtype=torch.float64)  # (d,)
-        layers = [MultiHeadAttention(num_hiddens, num_heads).double().eval() for _ in range(depth)]
-        norms = [nn.LayerNorm(num_hiddens).double() for _ in range(depth)]
-    x = (token + sinusoidal_table(num_steps, num_hiddens, dtype=torch.float64))[None]  # (1, n, d)
-    result: dict[str, object] = {"depth": list(range(depth + 1))}
-    with torch.no_grad():
-        for residual in (False, True):
-            h, signal = x, [position_signal(x)]
-            for attention, norm in zip(layers, norms):
-                update = attention(h, h, h)
-                h = norm(h + update if residual else update)
-                signal.append(position_signal(h))
-            result["with_residual" if residual else "without_residual"] = signal
-    return result
+    rows = _metric(deep, "untrained", "sinusoidal", "no_residual", "mean_row_residual")
+    kept = _metric(deep, "untrained", "sinusoidal", "residual", "mean_row_residual")
+    share = _metric(deep, "untrained", "sinusoidal", "residual", "position_share")
+    nan = float("nan")
+    return {
+        "collapse_ratio": nan if rows is None else float(rows["max"][-1] / rows["min"][0]),
+        "residual_rows_min": nan if kept is None else float(kept["min"][-1]),
+        "residual_share_min": nan if share is None else float(share["min"][-1]),
+    }
+
+
+def summary_line(deep: dict[str, Any]) -> str:
+    """One line for the terminal summary."""
+    depth, seeds = deep["layers"][-1], deep["config"]["seeds"]
+    share = _metric(deep, "untrained", "sinusoidal", "residual", "position_share")
+    collapsed = _collapsed(deep, "no_residual")
+    text = f"  8. deep stacks ({depth} untrained layers, {seeds} seeds): without residuals rows collapse with "
+    text += (", ".join(collapsed) or "no encoding") + "; "
+    if share is not None:
+        text += (
+            f"with residuals the sinusoidal position share goes {share['mean'][0]:.2f} -> {share['mean'][-1]:.2f} "
+            f"(seeds {share['min'][-1]:.2f}-{share['max'][-1]:.2f})"
+        )
+    return text
+
+
+def _shrink_factor(entry: dict[str, Any]) -> float:
+    """Per-layer factor of the largest (over seeds) curve over the last quarter of the layers."""
+    high = entry["max"]
+    span = max(1, len(high) // 4)
+    if high[-1 - span] <= 0:
+        return float("nan")
+    return float((max(high[-1], 0.0) / high[-1 - span]) ** (1 / span))
+
+
+def _collapsed(deep: dict[str, Any], variant: str) -> list[str]:
+    """Encodings whose rows collapse: in every seed the last layer's mean-row residual is below
+    :data:`CONVERGING` of the input's, or the largest one still halves (or faster) per layer."""
+    out = []
+    for encoding in deep["untrained"]:
+        entry = _metric(deep, "untrained", encoding, variant, "mean_row_residual")
+        if entry is not None and (entry["max"][-1] < CONVERGING * entry["min"][0] or _shrink_factor(entry) < 0.5):
+            out.append(encoding)
+    return out
+
+
+# HTML ---------------------------------------------------------------------------------------------
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text))
+
+
+def _num(value: float) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    if value == 0:
+        return "0"
+    return f"{value:.1e}" if abs(value) < 1e-2 else f"{value:.2f}"
+
+
+def _spread(entry: dict[str, Any] | None, layer: int = -1) -> str:
+    if entry is None:
+        return "n/a"
+    low, mean, high = entry["min"][layer], entry["mean"][layer], entry["max"][layer]
+    if len(entry["by_seed"]) == 1:
+        return _num(mean)
+    return f"{_num(mean)} ({_num(low)} to {_num(high)})"
+
+
+def _figure(figures: dict[str, str], name: str, caption: str) -> str:
+    if name not in figures:
+        return ""
+    png = figures[name]
+    svg = png[: -len(".png")] + ".svg"
+    return (
+        f'<figure id="fig-{_e(name)}"><a href="{_e(svg)}"><img src="{_e(png)}" alt="{_e(caption)}"></a>'
+        f'<figcaption>{_e(caption)} (<a href="{_e(svg)}">SVG</a>)</figcaption></figure>'
+    )
+
+
+def _table(deep: dict[str, Any], which: str) -> str:
+    layer_label = f"layer {deep['layers'][-1]}"
+    head = (
+        "<tr><th>encoding</th><th>block</th>"
+        + ("<th>task accuracy</th>" if which == "trained" else "")
+        + f"<th>position R&sup2;, {layer_label}</th><th>order accuracy, {layer_label}</th>"
+        f"<th>mean-row residual, {layer_label}</th><th>position share, layer 1</th>"
+        f"<th>position share, {layer_label}</th></tr>"
+    )
+    rows = []
+    for encoding, by_variant in deep[which].items():
+        for variant in by_variant:
+            cells = [f"<td><code>{_e(encoding)}</code></td><td>{_e(_VARIANT_LABELS.get(variant, variant))}</td>"]
+            if which == "trained":
+                accuracy = by_variant[variant].get("task_accuracy")
+                cells.append(f'<td class="num">{_e(_spread(_scalar_as_layers(accuracy)))}</td>')
+            for metric, layer in (
+                ("position_r2", -1),
+                ("order_accuracy", -1),
+                ("mean_row_residual", -1),
+                ("position_share", 1),
+                ("position_share", -1),
+            ):
+                cells.append(
+                    f'<td class="num">{_e(_spread(_metric(deep, which, encoding, variant, metric), layer))}</td>'
+                )
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<div class="table-scroll"><table><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
+
+
+def _scalar_as_layers(entry: dict[str, Any] | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    return {key: ([value] if key != "by_seed" else [[v] for v in value]) for key, value in entry.items()}
+
+
+def _falling(entry: dict[str, Any]) -> str:
+    """What the last quarter of the layers does to the mean curve, measured."""
+    mean = entry["mean"]
+    span = max(1, len(mean) // 4)
+    change = (mean[-1] - mean[-1 - span]) / span
+    if change < 0:
+        return f"and is still falling (by {_num(-change)} per layer over the last {span} layers)"
+    return f"and no longer falls (it changes by {_num(change)} per layer over the last {span} layers)"
+
+
+def _sentences(deep: dict[str, Any]) -> list[str]:
+    depth = deep["layers"][-1]
+    seeds = deep["config"]["seeds"]
+    out = []
+    collapsed = _collapsed(deep, "no_residual")
+    kept = [e for e in deep["untrained"] if e not in collapsed and "no_residual" in deep["untrained"][e]]
+    if collapsed:
+        r2_max = max(_last(deep, "untrained", e, "no_residual", "position_r2", "max") for e in collapsed)
+        order_max = max(_last(deep, "untrained", e, "no_residual", "order_accuracy", "max") for e in collapsed)
+        inside = [e for e in collapsed if e not in ("none", "sinusoidal", "learned")]
+        finals = []
+        for e in collapsed:
+            entry = _metric(deep, "untrained", e, "no_residual", "mean_row_residual")
+            assert entry is not None
+            factor = _shrink_factor(entry)
+            shrinking = f", still x{_num(factor)} per layer" if entry["max"][-1] >= COLLAPSED else ""
+            finals.append(f"<code>{_e(e)}</code> {_num(entry['max'][-1])}{shrinking}")
+        out.append(
+            f"<b>Without residual connections</b> the rows collapse towards one vector: after {depth} layers the "
+            f"largest mean-row residual over the seeds is {'; '.join(finals)}. Over these encodings and seeds the "
+            f"last layer gives position R&sup2; at most {_num(r2_max)} and order accuracy at most {_num(order_max)} "
+            "(0.5 is chance)."
+            + (
+                f" Encodings inside attention ({', '.join(f'<code>{_e(e)}</code>' for e in inside)}) are given to "
+                "every layer and collapse all the same."
+                if inside
+                else ""
+            )
+        )
+    for encoding in kept:
+        share = _metric(deep, "untrained", encoding, "no_residual", "position_share")
+        r2 = _metric(deep, "untrained", encoding, "no_residual", "position_r2")
+        rows = _metric(deep, "untrained", encoding, "no_residual", "mean_row_residual")
+        out.append(
+            f"With <code>{_e(encoding)}</code> the rows do not collapse without residuals (mean-row residual "
+            f"{_spread(rows)}): the position share after "
+            f"{depth} layers is {_spread(share)} and position R&sup2; is {_spread(r2)}."
+            + (
+                " (Shaw's encoding adds a learned vector per clipped offset to the values in every layer, and the "
+                "offsets a token sees depend on where it sits in the sequence.)"
+                if encoding == "shaw"
+                else ""
+            )
+        )
+    share = _metric(deep, "untrained", "sinusoidal", "residual", "position_share")
+    if share is not None:
+        out.append(
+            f"<b>With residual connections</b> nothing collapses (mean-row residual {_spread(_metric(deep, 'untrained', 'sinusoidal', 'residual', 'mean_row_residual'))} "
+            f"for <code>sinusoidal</code> after {depth} layers), but position does not simply survive either: its share "
+            f"of the rows of a repeated token falls from {_num(share['mean'][0])} at the input to {_spread(share)} "
+            f"after {depth} layers ({seeds} seeds: mean, then the smallest to the largest) {_falling(share)}."
+        )
+        r2 = _metric(deep, "untrained", "sinusoidal", "residual", "position_r2")
+        if r2 is not None:
+            reads = "still reads" if min(r2["mean"]) > 0.5 else "reads less and less of"
+            out.append(
+                f"A linear probe {reads} the absolute position from those rows: held-out R&sup2; "
+                f"{_num(r2['mean'][0])} at the input, {_spread(r2)} after {depth} layers."
+            )
+    relative = [e for e in deep["untrained"] if e not in ("none", "sinusoidal")]
+    if relative and "residual" in deep["untrained"][relative[0]]:
+        best = max(relative, key=lambda e: _last(deep, "untrained", e, "residual", "order_accuracy"))
+        at_input = _metric(deep, "untrained", relative[0], "residual", "position_r2")
+        out.append(
+            "Encodings inside attention add nothing to the input rows (position R&sup2; at the input "
+            f"{_num(float('nan') if at_input is None else at_input['mean'][0])}). With residuals, "
+            f"after {depth} layers: position R&sup2; "
+            + ", ".join(
+                f"<code>{_e(e)}</code> {_num(_last(deep, 'untrained', e, 'residual', 'position_r2'))}" for e in relative
+            )
+            + "; order accuracy "
+            + ", ".join(
+                f"<code>{_e(e)}</code> {_num(_last(deep, 'untrained', e, 'residual', 'order_accuracy'))}"
+                for e in relative
+            )
+            + f" (0.5 is chance; highest: <code>{_e(best)}</code>)."
+        )
+    blind = []
+    for encoding in relative:
+        share = _metric(deep, "untrained", encoding, "residual", "position_share")
+        if share is not None and max(share["max"]) < 1e-9:
+            blind.append((encoding, max(share["max"])))
+    if blind:
+        out.append(
+            "On a sequence of one repeated token, "
+            + ", ".join(f"<code>{_e(e)}</code>" for e, _ in blind)
+            + f" leave every row the same at every layer (position share at most {_num(max(v for _, v in blind))}): "
+            "they change only the attention weights, and here every value is the same vector."
+        )
+    if "none" in deep["untrained"]:
+        nope = _metric(deep, "untrained", "none", "residual", "position_r2") or _metric(
+            deep, "untrained", "none", "no_residual", "position_r2"
+        )
+        if nope is not None:
+            verdict = "no better than guessing the mean position" if max(nope["max"]) < 0.05 else "measured, not zero"
+            causal = "causal" if deep["config"]["causal"] else "bidirectional"
+            out.append(
+                f"Without any encoding (<code>none</code>), {causal} attention: position R&sup2; after {depth} layers "
+                f"is {_spread(nope)} ({verdict}; at most {_num(max(nope['max']))} at any layer)."
+            )
+    return out
+
+
+def _trained_sentences(trained: dict[str, Any]) -> list[str]:
+    """What the study's trained stacks measured: task accuracy, then what the probes read after training."""
+    data = trained["trained"]
+    depth = trained["layers"][-1]
+    out = []
+    variants = list(next(iter(data.values())))
+    for variant in variants:
+        accuracies = []
+        for encoding, by_variant in data.items():
+            entry = by_variant.get(variant, {}).get("task_accuracy")
+            if entry is not None:
+                accuracies.append(f"<code>{_e(encoding)}</code> {_num(float(entry['mean']))}")
+        out.append(f"Held-out task accuracy, {_e(_VARIANT_LABELS.get(variant, variant))}: {', '.join(accuracies)}.")
+    for variant in variants:
+        parts = []
+        for encoding in data:
+            r2 = _last(trained, "trained", encoding, variant, "position_r2")
+            order = _last(trained, "trained", encoding, variant, "order_accuracy")
+            rows = _last(trained, "trained", encoding, variant, "mean_row_residual", "max")
+            parts.append(f"<code>{_e(encoding)}</code> {_num(r2)} / {_num(order)} / {_num(rows)}")
+        out.append(
+            f"After training, {_e(_VARIANT_LABELS.get(variant, variant))}, layer {depth}: position R&sup2; / order "
+            f"accuracy / largest mean-row residual: {'; '.join(parts)}."
+        )
+    return out
+
+
+def section_html(deep: dict[str, Any], figures: dict[str, str], trained: dict[str, Any] | None = None) -> str:
+    """The deep-stack part of section 8, written from the measured numbers.
+
+    Args:
+        deep: the tour's untrained measurement (:func:`measure`), JSON-ready.
+        figures: ``{figure name: png path}``; ``depth`` (and ``depth_trained``) are shown if present.
+        trained: ``results.json["deep_stack"]`` of a study (:func:`study_deep_stack`), or None.
+    """
+    config = deep["config"]
+    variants = "; ".join(_VARIANT_LABELS.get(v, v) for v in deep["variants"])
+    intro = (
+        f"<p><b>Deep stacks of self-attention with positional encoding</b> (measured on <i>untrained</i>, randomly "
+        f"initialized stacks). Each stack is {deep['layers'][-1]} pre-LN blocks of "
+        f"<code>selfattn.models.TransformerBlock</code> (d = {config['num_hiddens']}, {config['num_heads']} heads, "
+        f"{'causal' if config['causal'] else 'bidirectional'} attention), {len(deep['variants'])} kinds "
+        f"({_e(variants)}); an input "
+        "encoding is added to the token embeddings once, an encoding inside attention is given to every block. "
+        f"Each reads {config['num_sequences']} random sequences of {config['num_steps']} tokens in float64, "
+        f"{config['seeds']} seeds per stack. After every layer: a linear probe of absolute position (ridge regression, "
+        f"fitted on {config['num_sequences'] - config['test_sequences']} sequences, R&sup2; on the other "
+        f"{config['test_sequences']}; 0 is no better than the mean position), a linear probe of order (is token i "
+        "before token j, from the pair of rows; 0.5 is chance), the <i>mean-row residual</i> "
+        "|H - mean row| / |H| (0 when every row is the same vector: rank collapse), and the <i>position share</i>, "
+        "the same residual on a sequence of one repeated token, where only position can tell the rows apart.</p>"
+    )
+    sentences = "".join(f"<p>{s}</p>" for s in _sentences(deep))
+    table = _table(deep, "untrained")
+    caption = "Untrained random stacks: position probe, order probe, position share and mean-row residual against depth"
+    parts = [intro, sentences, _figure(figures, "depth", caption), table]
+    if trained and trained.get("trained"):
+        tconf = trained["config"]
+        parts.append(
+            f"<p><b>Trained stacks</b> (from the <code>selfattn study</code> output): the same stacks trained for "
+            f"{tconf['train_steps']} steps of {tconf.get('train_batch_size', 16)} sequences to predict the previous "
+            f"token ({tconf['train_seeds']} seeds), then probed the same way. The task accuracy (held-out "
+            "sequences) tells which stacks learnt the task.</p>"
+        )
+        parts.append("".join(f"<p>{sentence}</p>" for sentence in _trained_sentences(trained)))
+        parts.append(_figure(figures, "depth_trained", "Trained stacks: the same measurements after training"))
+        parts.append(_table(trained, "trained"))
+    else:
+        parts.append(
+            '<p class="note">These are untrained stacks: they show what stacking does to position before any '
+            "learning, not what a trained model keeps. <code>selfattn study</code> also trains these stacks on a "
+            "task that needs positions and probes them again; <code>selfattn tour --study DIR</code> shows those "
+            "results here.</p>"
+        )
+    return "\n".join(p for p in parts if p)

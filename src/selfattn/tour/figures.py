@@ -23,7 +23,7 @@ __all__ = [
     "absolute_figure",
     "attention_weights_figure",
     "comparison_figure",
-    "depth_figure",
+    "deep_stack_figure",
     "encoding_panel_figure",
     "heatmap_figure",
     "note_figure",
@@ -351,18 +351,68 @@ def encoding_panel_figure(diagnostics: dict) -> Figure:
     return fig
 
 
-def depth_figure(depth: dict) -> Figure:
-    """Section 8: position signal after each layer of a deep stack, with and without residuals."""
-    fig, (ax,) = _figure(6.5, 3.4)
+_ENCODING_COLORS = {
+    "none": "tab:gray",
+    "sinusoidal": "tab:blue",
+    "learned": "tab:cyan",
+    "rotary": "tab:orange",
+    "alibi": "tab:green",
+    "t5": "tab:red",
+    "shaw": "tab:purple",
+}
+_DEEP_ROWS = (
+    ("position_r2", "position R$^2$ (held out)", "linear"),
+    ("order_accuracy", "order probe accuracy", "linear"),
+    ("position_share", "position share", "log"),
+    ("mean_row_residual", "mean-row residual", "log"),
+)
+
+
+def deep_stack_figure(deep: dict, which: str = "untrained") -> Figure:
+    """Section 8: each metric of the deep-stack measurement against depth, one panel per block kind.
+
+    Rows: position R^2, order accuracy, position share, mean-row residual; columns: the block
+    kinds (with / without residuals and MLP); one line per encoding (the mean over seeds) with
+    the range over seeds shaded. R^2 is drawn from -0.2 (lower values sit on the edge); the
+    log panels from 1e-17.
+    """
+    data = deep[which]
+    variants = list(next(iter(data.values())))
+    layers = np.asarray(deep["layers"])
+    fig, axes = _figure(3.3 * len(variants), 2.3 * len(_DEEP_ROWS), columns=len(variants), rows=len(_DEEP_ROWS))
     floor = 1e-17
-    ax.plot(depth["depth"], np.maximum(depth["without_residual"], floor), marker="o", label="LayerNorm(attention(h))")
-    ax.plot(depth["depth"], np.maximum(depth["with_residual"], floor), marker="s", label="LayerNorm(h + attention(h))")
-    ax.set_yscale("log")
-    ax.set_xlabel("layers of self-attention")
-    ax.set_ylabel("position signal |h - mean| / |h|")
-    ax.set_title("Without residual connections the positions collapse")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
+    for row, (metric, label, scale) in enumerate(_DEEP_ROWS):
+        for column, variant in enumerate(variants):
+            ax = axes[row * len(variants) + column]
+            for encoding, by_variant in data.items():
+                if variant not in by_variant:
+                    continue
+                entry = by_variant[variant][metric]
+                mean, low, high = (np.asarray(entry[k], dtype=float) for k in ("mean", "min", "max"))
+                if scale == "log":
+                    mean, low, high = (np.maximum(v, floor) for v in (mean, low, high))
+                else:
+                    mean, low, high = (np.maximum(v, -0.2) for v in (mean, low, high))
+                color = _ENCODING_COLORS.get(encoding)
+                ax.plot(layers, mean, marker=".", color=color, label=encoding, linewidth=1.2)
+                ax.fill_between(layers, low, high, color=color, alpha=0.15, linewidth=0)
+            ax.set_yscale(scale)
+            if metric == "position_r2":
+                ax.set_ylim(-0.22, 1.05)
+            elif metric == "order_accuracy":
+                ax.axhline(0.5, color="black", linewidth=0.6, linestyle=":")
+                ax.set_ylim(0.3, 1.02)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(True, which="major", alpha=0.3)
+            if row == 0:
+                ax.set_title(variant.replace("_", " "), fontsize=10)
+            if row == len(_DEEP_ROWS) - 1:
+                ax.set_xlabel("layer (0 = input)")
+            if column == 0:
+                ax.set_ylabel(label)
+    axes[0].legend(fontsize=7, ncol=2)
+    seeds = deep["config"]["train_seeds" if which == "trained" else "seeds"]
+    fig.suptitle(f"{which.capitalize()} deep stacks: mean over {seeds} seeds, range shaded", fontsize=11)
     return fig
 
 

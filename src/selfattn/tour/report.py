@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from selfattn import __version__
+from selfattn.study.summary import study_section_html
+from selfattn.tour import depth
 from selfattn.tour.comparison import CHAPTER, KINDS
 
 __all__ = ["format_number", "format_ratio", "render_report"]
@@ -335,7 +337,6 @@ def _family_context(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _section_depth(results: dict, figures: dict[str, str]) -> str:
-    deep = results["depth"]
     fam = results["family"]
     available = fam["encodings"] if fam["available"] else {}
     learned = (
@@ -350,15 +351,7 @@ def _section_depth(results: dict, figures: dict[str, str]) -> str:
     )
     return f"""
 <h2 id="s8">8. The exercises</h2>
-<p><b>Deep stacks of self-attention with positional encoding.</b> The input is the same token at every position
-plus P, so whatever tells the rows apart is position. Each attention output is a convex combination of the
-values, which pulls the rows together; the position signal |h - mean over positions| / |h| after
-{deep["depth"][-1]} random layers falls from {_e(_fmt(deep["without_residual"][0]))} to
-<b>{_e(_fmt(deep["without_residual"][-1]))}</b> without residual connections (the positions are lost: every row is
-the same), but stays at <b>{_e(_fmt(deep["with_residual"][-1]))}</b> with them, since each layer adds to its input
-instead of replacing it. Deep stacks also add P only once, at the bottom, so position has to survive every
-layer; relative encodings inside attention re-inject it at each layer.</p>
-{_figure(figures, "depth", "Position signal against depth, with and without residual connections")}
+{depth.section_html(results["depth"], figures, results.get("depth_study"))}
 <p><b>A learnable encoding</b>: {learned} (<code>selfattn.positional.LearnedPositionalEncoding</code>) learns one row
 per position; it has no row past its <code>max_len</code>, which is why it refuses positions far out in
 section 7. <b>Embeddings by offset</b> (Shaw et al. 2018; Huang et al. 2018) and their successors act inside
@@ -367,8 +360,8 @@ attention: {relative} in section 7, whose scores depend on the offset only.</p>
 
 
 def _section_study(results: dict[str, Any], figures: dict[str, str]) -> str:
-    """The study's section (its measured generalization and deep stacks), or nothing without it."""
-    return ""
+    """The study's section (its measured generalization and deep stacks), from the study's own loader."""
+    return study_section_html()
 
 
 def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:

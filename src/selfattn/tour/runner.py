@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,14 +32,14 @@ class TourSizes:
     Attributes:
         comparison: keyword arguments of :func:`selfattn.tour.comparison.compare` (the sweeps).
         absolute_positions: positions examined for the qualities of section 5.
-        depth: layers of the deep stacks of section 8.
+        depth: keyword arguments of :func:`selfattn.tour.depth.measure` (section 8's deep stacks).
         family_steps: positions of section 7's diagnostics.
         embedding_sizes: model sizes at which token recovery after adding P is measured.
     """
 
     comparison: dict
     absolute_positions: int
-    depth: int
+    depth: dict
     family_steps: int
     embedding_sizes: tuple[int, ...] = (8, 16, 32, 64)
 
@@ -54,7 +55,7 @@ FULL = TourSizes(
         "rounds": 5,
     },
     absolute_positions=4000,
-    depth=16,
+    depth={"depth": 16, "seeds": 5},
     family_steps=32,
     embedding_sizes=(8, 16, 32, 64, 128, 256),
 )
@@ -69,7 +70,7 @@ QUICK = TourSizes(
         "rounds": 3,
     },
     absolute_positions=1000,
-    depth=8,
+    depth={"depth": 8, "seeds": 2, "quick": True},
     family_steps=16,
 )
 
@@ -180,7 +181,7 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     }
     tick("6. the note and the other pages")
     results["family"] = _family(sizes, tick)
-    results["depth"] = depth.position_signal_by_depth(depth=sizes.depth)
+    results["depth"] = depth.measure(**sizes.depth)
     tick("8. deep stacks")
     return results
 
@@ -409,22 +410,22 @@ def verdicts(results: dict) -> list[dict[str, object]]:
                 diag["measured_relative"] == diag["is_relative"] and diag["position_aware"],
             )
         )
-    deep = results["depth"]
-    without, with_res = deep["without_residual"], deep["with_residual"]
+    deep = depth.verdict_numbers(results["depth"])
+    layers = results["depth"]["layers"][-1]
     out.append(
         _check(
-            f"8. without residuals, position collapses in {deep['depth'][-1]} layers",
-            without[-1] / without[0],
-            "ratio < 1e-3",
-            without[-1] / without[0] < 1e-3,
+            f"8. without residuals, the rows of {layers} random attention layers collapse (sinusoidal)",
+            deep["collapse_ratio"],
+            "mean-row residual / input's < 1e-6",
+            deep["collapse_ratio"] < depth.COLLAPSED,
         )
     )
     out.append(
         _check(
-            "8. with residuals, it survives",
-            with_res[-1] / with_res[0],
-            "ratio > 0.05",
-            with_res[-1] / with_res[0] > 0.05,
+            f"8. with residuals, rows and position stay apart after {layers} layers (sinusoidal)",
+            [deep["residual_rows_min"], deep["residual_share_min"]],
+            "mean-row residual and position share > 1e-3 in every seed",
+            min(deep["residual_rows_min"], deep["residual_share_min"]) > 1e-3,
         )
     )
     return out
@@ -469,7 +470,9 @@ def _figures(results: dict, directory: Path, advance: Callable[[str], None]) -> 
     }
     for name, diag in results["family"]["encodings"].items():
         drawings[f"family_{name}"] = lambda diag=diag: figures.encoding_panel_figure(diag)
-    drawings["depth"] = lambda: figures.depth_figure(results["depth"])
+    drawings["depth"] = lambda: figures.deep_stack_figure(results["depth"])
+    if (results.get("depth_study") or {}).get("trained"):
+        drawings["depth_trained"] = lambda: figures.deep_stack_figure(results["depth_study"], "trained")
     paths = {}
     for name, draw in drawings.items():
         png, _svg = figures.save_figure(draw(), directory, name)
@@ -491,15 +494,28 @@ def _prepare_output(out_dir: Path) -> Path:
     return out_dir
 
 
-def run_tour(out_dir: Path | str = "selfattn-report", *, quick: bool = False, progress: bool = True) -> dict:
+def run_tour(
+    out_dir: Path | str = "selfattn-report",
+    *,
+    quick: bool = False,
+    progress: bool = True,
+    study: Path | str | None = None,
+) -> dict:
     """Run every section, write ``report.html``, ``figures/`` and ``results.json`` into ``out_dir``.
 
-    Returns the results as written to ``results.json``, with ``"checks"`` (the verdicts) added.
+    ``study`` is a ``selfattn study`` output folder whose trained deep stacks section 8 shows
+    (``results["depth_study"]``); by default ``$SELFATTN_STUDY`` or ``./selfattn-study`` when it
+    holds a ``results.json``. Returns the results as written to ``results.json``, with
+    ``"checks"`` (the verdicts) added.
     """
     from selfattn.tour import figures  # noqa: F401  (fail now, not after the measurements, without matplotlib)
     from selfattn.tour.report import render_report
 
     out_dir = _prepare_output(Path(out_dir))
+    if study is None:  # the study's own default folder, as the report's study section looks for it
+        default = Path(os.environ.get("SELFATTN_STUDY", "selfattn-study"))
+        study = default if (default / "results.json").is_file() else None
+    depth_study = depth.study_deep_stack(study)  # fail now, not after the measurements
     sizes = QUICK if quick else FULL
     family_count = 0
     with contextlib.suppress(ImportError):
@@ -508,11 +524,13 @@ def run_tour(out_dir: Path | str = "selfattn-report", *, quick: bool = False, pr
     comparison_count = comparison.comparison_steps(
         sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
     )
-    # Seven section steps, the comparison's, two per encoding (measure, draw), nine figures, the report.
-    total = 7 + comparison_count + 2 * family_count + 9 + 1
+    # Seven section steps, the comparison's, two per encoding (measure, draw), nine figures (ten with a study),
+    # the report.
+    total = 7 + comparison_count + 2 * family_count + 9 + bool((depth_study or {}).get("trained")) + 1
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
+        results["depth_study"] = depth_study
         results["checks"] = verdicts(results)
         results["claims"] = claims.claims(results)
         figure_paths = _figures(results, out_dir / "figures", advance)
@@ -585,11 +603,7 @@ def summary_lines(results: dict, out_dir: Path | str | None = None) -> list[str]
         )
     else:
         lines.append(f"  7. family: skipped ({fam['note']})")
-    deep = results["depth"]
-    lines.append(
-        f"  8. position signal after {deep['depth'][-1]} layers: {deep['without_residual'][-1]:.1e} without "
-        f"residuals, {deep['with_residual'][-1]:.2f} with (from {deep['without_residual'][0]:.2f})"
-    )
+    lines.append(depth.summary_line(results["depth"]))
     for c in checks_:
         if not c["ok"]:
             lines.append(f"  FAILED: {c['name']}: measured {c['measured']}, expected {c['expected']}")

@@ -1,0 +1,254 @@
+"""A small causal transformer language model over any of selfattn's positional encodings.
+
+Shape legend: b batch, l positions, d model size (num_hiddens), v vocabulary size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from selfattn._validation import require_non_negative_int, require_positive_int, require_probability
+from selfattn.cache import KVCache
+from selfattn.models.block import TransformerBlock
+from selfattn.positional.base import InputEncoding, PositionalEncoding, QueryKeyEncoding
+from selfattn.positional.registry import NAMES, build
+
+__all__ = ["TransformerLM"]
+
+_ONE_DIMENSIONAL = tuple(name for name in NAMES if not name.startswith("sinusoidal") or name == "sinusoidal")
+
+
+class _MappedPositions(QueryKeyEncoding):
+    """Hands the wrapped query/key encoding ``map[p]`` instead of each position ``p``.
+
+    :class:`~selfattn.MultiHeadAttention` numbers tokens ``offset, offset + 1, ...``; training
+    with randomized positions (Ruoss et al. 2023) gives token ``i`` the position ``map[i]``.
+    """
+
+    def __init__(self, inner: QueryKeyEncoding):
+        super().__init__()
+        self.inner = inner
+        self.map: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.inner(x, positions if self.map is None else self.map[positions]))
+
+
+class TransformerLM(nn.Module):
+    """Token embedding, a positional encoding, ``num_layers`` causal blocks, a tied output head.
+
+    ``position`` names an encoding of :func:`selfattn.positional.build` (``"none"`` is NoPE,
+    the causal mask alone). An input encoding (sinusoidal, learned) is added to the scaled
+    token embeddings; a query/key encoding (rotary) or a score encoding (ALiBi, T5, Shaw) is
+    built once and given to every block, so its parameters, if any, are shared by the layers.
+    Token embeddings are drawn from N(0, 1/d) and multiplied by sqrt(d), so they are on the
+    scale of the sinusoids; the output head reuses the embedding matrix.
+
+    Args:
+        vocab_size: number of token ids ``v``.
+        num_hiddens: model size ``d``.
+        num_heads: attention heads; must divide ``d``.
+        num_layers: number of blocks.
+        position: encoding name, one of :data:`selfattn.positional.NAMES` except the N-D sinusoids.
+        max_len: positions the model serves: the learned table's size, and the default size of
+            the caches :meth:`generate` makes.
+        ffn_hiddens: MLP hidden size (default ``4 d``).
+        dropout: dropout in the blocks.
+        norm_first: pre-LN blocks if True, post-LN if False.
+        residual: keep the blocks' residual connections.
+        mlp: keep the blocks' MLPs.
+        position_options: extra constructor options for the encoding (e.g. ``{"max_distance": 8}``).
+
+    Shape:
+        tokens ``(b, l)`` int64 -> logits ``(b, l, v)``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_hiddens: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        position: str = "rotary",
+        max_len: int = 1024,
+        ffn_hiddens: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        residual: bool = True,
+        mlp: bool = True,
+        position_options: Mapping[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.vocab_size = require_positive_int("vocab_size", vocab_size)
+        self.num_hiddens = require_positive_int("num_hiddens", num_hiddens)
+        self.num_layers = require_positive_int("num_layers", num_layers)
+        self.max_len = require_positive_int("max_len", max_len)
+        require_probability("dropout", dropout)
+        if position not in _ONE_DIMENSIONAL:
+            raise ValueError(f"position must be one of {', '.join(_ONE_DIMENSIONAL)}; got {position!r}")
+        self.position_name = position
+        options = dict(position_options or {})
+        if position == "learned":
+            options.setdefault("max_len", self.max_len)
+        encoding = build(position, num_hiddens=num_hiddens, num_heads=num_heads, **options)
+        self.input_encoding: InputEncoding | None = encoding if isinstance(encoding, InputEncoding) else None
+        self.position: PositionalEncoding | None = None
+        if isinstance(encoding, QueryKeyEncoding):
+            self.position = _MappedPositions(encoding)
+        elif self.input_encoding is None:
+            self.position = encoding
+        self.embedding = nn.Embedding(vocab_size, num_hiddens)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                num_hiddens,
+                num_heads,
+                4 * num_hiddens if ffn_hiddens is None else ffn_hiddens,
+                dropout,
+                position=self.position,
+                norm_first=norm_first,
+                residual=residual,
+                mlp=mlp,
+            )
+            for _ in range(num_layers)
+        )
+        self.norm = nn.LayerNorm(num_hiddens)
+        nn.init.normal_(self.embedding.weight, std=num_hiddens**-0.5)
+
+    @property
+    def encoding(self) -> PositionalEncoding:
+        """The positional encoding module, as :func:`~selfattn.positional.build` made it."""
+        if self.input_encoding is not None:
+            return self.input_encoding
+        if isinstance(self.position, _MappedPositions):
+            return self.position.inner
+        assert self.position is not None
+        return self.position
+
+    def make_caches(self, max_len: int | None = None) -> list[KVCache]:
+        """One empty :class:`~selfattn.KVCache` per block, for ``max_len`` positions (default ``self.max_len``)."""
+        return [KVCache(self.max_len if max_len is None else max_len) for _ in self.blocks]
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape (batch, length), got {tuple(getattr(tokens, 'shape', ()))}")
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must hold integer ids (int64 or int32), got dtype {tokens.dtype}")
+        if tokens.shape[1] == 0:
+            raise ValueError("tokens must hold at least one position, got length 0")
+
+    def _check_positions(self, positions: torch.Tensor, length: int, caches: Sequence[KVCache] | None) -> torch.Tensor:
+        if caches is not None:
+            raise ValueError("positions and caches cannot be combined: decode with consecutive positions")
+        if self.input_encoding is None and not isinstance(self.position, _MappedPositions):
+            raise ValueError(
+                f"positions only apply to absolute and rotary encodings, not {self.position_name!r} "
+                "(a relative encoding sees distances only)"
+            )
+        if not isinstance(positions, torch.Tensor) or positions.shape != (length,) or positions.is_floating_point():
+            raise ValueError(f"positions must be an integer tensor of shape ({length},), got {positions!r}")
+        if length > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            raise ValueError("positions must be strictly increasing")
+        if int(positions[0]) < 0:
+            raise ValueError(f"positions must be non-negative, got {int(positions[0])}")
+        return positions.long()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        valid_lens: torch.Tensor | None = None,
+        *,
+        offset: int | None = None,
+        caches: Sequence[KVCache] | None = None,
+        positions: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Next-token logits for every position of ``tokens``.
+
+        Args:
+            tokens: ``(b, l)`` token ids.
+            valid_lens: ``(b,)`` lengths of right-padded sequences (causal attention never
+                looks right, so padding only matters to the positions past each length).
+            offset: absolute position of ``tokens[:, 0]`` (default 0, or the caches' length).
+            caches: one :class:`~selfattn.KVCache` per block (see :meth:`make_caches`).
+            positions: ``(l,)`` strictly increasing positions for the tokens instead of
+                ``offset, offset + 1, ...`` (randomized positions; absolute and rotary encodings).
+            return_hidden: also return the hidden states: the block input and each block's
+                output, ``num_layers + 1`` tensors ``(b, l, d)`` (before the final norm).
+
+        Returns:
+            ``(b, l, v)`` logits, or ``(logits, hidden)``.
+        """
+        self._check_tokens(tokens)
+        length = tokens.shape[1]
+        if caches is not None and len(caches) != self.num_layers:
+            raise ValueError(f"caches must hold one KVCache per block ({self.num_layers}), got {len(caches)}")
+        if positions is not None:
+            if offset is not None:
+                raise ValueError("give either offset or positions, not both")
+            positions = self._check_positions(positions, length, caches)
+        if offset is None:
+            offset = 0 if caches is None else caches[0].length
+        offset = require_non_negative_int("offset", offset)
+        if bool(((tokens < 0) | (tokens >= self.vocab_size)).any()):
+            raise ValueError(f"tokens must lie in [0, {self.vocab_size}), got {tokens.min().item()}..{tokens.max().item()}")
+
+        x = self.embedding(tokens) * math.sqrt(self.num_hiddens)  # (b, l, d)
+        if self.input_encoding is not None:
+            if positions is None:
+                x = self.input_encoding(x, offset=offset)
+            else:
+                # Rows 0..max of the table, gathered at the given positions: (l, d).
+                table = self.input_encoding(x.new_zeros(1, int(positions[-1]) + 1, self.num_hiddens))[0]
+                x = x + table[positions]
+        mapped = self.position if isinstance(self.position, _MappedPositions) else None
+        if mapped is not None and positions is not None:
+            mapped.map = positions  # attention numbers the tokens 0..l-1; token i sits at positions[i]
+        hidden = [x]
+        try:
+            for index, block in enumerate(self.blocks):
+                cache = None if caches is None else caches[index]
+                x = block(x, valid_lens, causal=True, offset=offset, cache=cache)
+                hidden.append(x)
+        finally:
+            if mapped is not None:
+                mapped.map = None
+        logits = self.norm(x) @ self.embedding.weight.T  # (b, l, v)
+        return (logits, hidden) if return_hidden else logits
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with one :class:`~selfattn.KVCache` per block.
+
+        Args:
+            prompt: ``(b, l)`` token ids.
+            max_new_tokens: tokens to append.
+
+        Returns:
+            ``(b, l + max_new_tokens)``: the prompt followed by the argmax tokens.
+        """
+        self._check_tokens(prompt)
+        max_new_tokens = require_non_negative_int("max_new_tokens", max_new_tokens)
+        total = prompt.shape[1] + max_new_tokens
+        if self.input_encoding is not None and self.position_name == "learned" and total > self.max_len:
+            raise ValueError(f"prompt + max_new_tokens = {total} positions exceed max_len={self.max_len}")
+        if max_new_tokens == 0:
+            return prompt.clone()
+        caches = self.make_caches(total)
+        logits = self(prompt, caches=caches)
+        assert isinstance(logits, torch.Tensor)
+        out = [prompt]
+        for step in range(max_new_tokens):
+            next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (b, 1)
+            out.append(next_token)
+            if step + 1 < max_new_tokens:
+                logits = self(next_token, caches=caches)
+        return torch.cat(out, dim=1)
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, position={self.position_name!r}, max_len={self.max_len}"

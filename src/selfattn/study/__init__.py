@@ -1,0 +1,1 @@
+"""Answers to the chapter's exercises with measured data."""

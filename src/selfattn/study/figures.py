@@ -1,0 +1,103 @@
+"""The study's figures, each saved as PNG and SVG (atomically).
+
+Shape legend: n positions, d model size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from selfattn.study._io import temporary_name
+
+__all__ = ["accuracy_figure", "cosine_similarity", "learned_table_figure", "save_figure"]
+
+
+def save_figure(fig: Any, folder: Path, stem: str) -> list[str]:
+    """Write ``folder/stem.png`` and ``.svg``; return their names."""
+    import matplotlib.pyplot as plt
+
+    names = []
+    for suffix in (".png", ".svg"):
+        path = folder / f"{stem}{suffix}"
+        tmp = temporary_name(path)
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+        names.append(path.name)
+    plt.close(fig)
+    return names
+
+
+def _by_label(runs: list[dict[str, Any]], task: str) -> dict[str, list[dict[str, Any]]]:
+    from selfattn.study.runner import encoding_label
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        if run["task"] == task:
+            groups.setdefault(encoding_label(run), []).append(run)
+    return groups
+
+
+def accuracy_figure(results: dict[str, Any], task: str, folder: Path) -> list[str]:
+    """Exact match against input length, one curve per encoding, shaded min..max over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    groups = _by_label(results["runs"], task)
+    for index, (label, members) in enumerate(groups.items()):
+        lengths = sorted(int(n) for n in members[0]["accuracy_by_length"])
+        table = np.array([[run["accuracy_by_length"][str(n)] for n in lengths] for run in members])  # (seeds, n)
+        style = "--" if label.endswith("+rand") else "-"
+        color = f"C{index % 10}"
+        ax.plot(lengths, table.mean(axis=0), style, color=color, label=f"{label} ({len(members)} seed{'s' if len(members) > 1 else ''})")
+        ax.fill_between(lengths, table.min(axis=0), table.max(axis=0), color=color, alpha=0.15, linewidth=0)
+    limit = int(results["config"]["train_len"])
+    ax.axvline(limit, color="black", linewidth=0.8)
+    ax.axhline(0.5, color="grey", linewidth=0.6, linestyle=":")
+    ax.text(limit, 1.02, " longest training input", fontsize=8, va="bottom")
+    ax.set(xlabel="input length n", ylabel="exact match of the answer", ylim=(-0.02, 1.08), title=f"{task}")
+    ax.legend(fontsize=7, ncol=2, loc="lower left")
+    return save_figure(fig, folder, f"accuracy_{task}")
+
+
+def cosine_similarity(table: np.ndarray) -> np.ndarray:
+    """``(n, n)`` cosine similarity of the rows of an ``(n, d)`` table."""
+    rows = table / np.maximum(np.linalg.norm(table, axis=1, keepdims=True), 1e-12)
+    similarity: np.ndarray = rows @ rows.T
+    return similarity
+
+
+def learned_table_figure(
+    learned: np.ndarray, initial: np.ndarray, sinusoid: np.ndarray, trained_rows: int, folder: Path
+) -> list[str]:
+    """The trained learned table's similarity matrix beside the sinusoid's, and how far each row moved."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), layout="constrained", gridspec_kw={"width_ratios": [1, 1, 1.3]})
+    for ax, table, title in (
+        (axes[0], learned, "learned P after training"),
+        (axes[1], sinusoid, "sinusoidal P"),
+    ):
+        image = ax.imshow(cosine_similarity(table), cmap="RdBu_r", vmin=-1, vmax=1)
+        ax.axvline(trained_rows - 0.5, color="black", linewidth=0.8)
+        ax.axhline(trained_rows - 0.5, color="black", linewidth=0.8)
+        ax.set(title=f"{title}: cosine similarity of rows", xlabel="position", ylabel="position")
+    fig.colorbar(image, ax=axes[1], fraction=0.046, pad=0.02)
+    moved = np.linalg.norm(learned - initial, axis=1) / np.maximum(np.linalg.norm(initial, axis=1), 1e-12)
+    axes[2].plot(np.arange(len(moved)), moved)
+    axes[2].axvline(trained_rows - 0.5, color="black", linewidth=0.8)
+    axes[2].set(
+        title="learned rows: distance moved in training",
+        xlabel="position (line: longest training sequence)",
+        ylabel="|P_trained - P_init| / |P_init|",
+    )
+    return save_figure(fig, folder, "learned_vs_sinusoidal")

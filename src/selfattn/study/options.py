@@ -1,0 +1,44 @@
+"""The study's defaults and the ``--quick`` settings, in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from selfattn.study.runner import Grid
+from selfattn.study.training import ENCODINGS, StudyConfig
+
+__all__ = ["DEFAULT_TASKS", "QUICK", "study_settings"]
+
+DEFAULT_TASKS = ("copy", "reverse", "sort", "addition")
+DEFAULT_SEEDS = 3
+# --quick: a smoke test of the whole pipeline, not a measurement.
+QUICK = StudyConfig(steps=30, batch_size=16, warmup=5, train_len=4, eval_factor=2, eval_samples=8, num_hiddens=16,
+                    num_heads=2, num_layers=1, ffn_hiddens=32)
+QUICK_TASKS = ("copy", "reverse")
+QUICK_ENCODINGS = ("none", "rotary", "learned")
+
+
+def study_settings(
+    *,
+    tasks: Sequence[str] | None = None,
+    encodings: Sequence[str] | None = None,
+    seeds: int | None = None,
+    steps: int | None = None,
+    train_len: int | None = None,
+    randomized_positions: bool = False,
+    quick: bool = False,
+) -> tuple[Grid, StudyConfig]:
+    """The grid and config for these command-line options (None: the default, or the quick one)."""
+    config = QUICK if quick else StudyConfig()
+    if steps is not None:
+        config = replace(config, steps=steps, warmup=min(config.warmup, max(1, steps // 10)))
+    if train_len is not None:
+        config = replace(config, train_len=train_len)
+    grid = Grid(
+        tuple(tasks or (QUICK_TASKS if quick else DEFAULT_TASKS)),
+        tuple(encodings or (QUICK_ENCODINGS if quick else ENCODINGS)),
+        seeds or (1 if quick else DEFAULT_SEEDS),
+        randomized_positions,
+    )
+    return grid, config

@@ -1,0 +1,185 @@
+"""``DIR/study.html`` and its figures, from ``results.json`` and the runs' final checkpoints.
+
+Every number in the report is read from the results or measured here from a saved model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from selfattn.positional.learned import LearnedPositionalEncoding
+from selfattn.study._io import write_text
+from selfattn.study.figures import accuracy_figure, learned_table_figure
+from selfattn.study.tasks import get_task
+from selfattn.study.training import RunSpec, StudyConfig, build_model
+
+__all__ = ["learned_table_analysis", "write_report"]
+
+_TEMPLATE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>selfattn study</title>
+<style>
+body { font-family: system-ui, sans-serif; max-width: 70rem; margin: 1rem auto; padding: 0 1rem; line-height: 1.45; }
+table { border-collapse: collapse; margin: .5rem 0 1rem; font-size: .9rem; }
+td, th { border-bottom: 1px solid #ddd; padding: .2rem .6rem; text-align: right; }
+td:first-child, th:first-child { text-align: left; }
+img { max-width: 100%; height: auto; }
+.bad { color: #b00; } .note { color: #555; font-size: .9rem; }
+</style></head><body>
+<h1>selfattn study: trained models answer the chapter's exercises</h1>
+<p class="note">{{ runs|length }} runs: tasks {{ config.tasks|join(", ") }}; encodings {{ config.encodings|join(", ") }};
+{{ config.seeds }} seed(s){% if config.randomized_positions %}; randomized positions for the absolute and rotary encodings{% endif %}.
+Each run trains a {{ config.num_layers }}-layer causal transformer (d={{ config.num_hiddens }}, {{ config.num_heads }} heads)
+for {{ config.steps }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }},
+then measures exact match of the answer at every input length 1..{{ config.eval_len }} ({{ config.eval_samples }} samples each).
+Training took {{ "%.0f"|format(total_seconds) }} s of wall-clock time in all (sum over runs){% if cpu_seconds %}; training and
+evaluation used {{ "%.0f"|format(cpu_seconds) }} s of CPU time ({{ "%.0f"|format(cpu_seconds / runs|length) }} s per run), so on
+two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|format(cpu_seconds / 120) }} minutes
+(an estimate from CPU time, which a busy machine inflates less than wall-clock time){% endif %}.</p>
+
+{% if shortfalls %}<p class="bad">Below 95% exact match at the training lengths (copy and reverse should reach it):
+{% for s in shortfalls %}{{ s }}{% if not loop.last %}; {% endif %}{% endfor %} (in brackets: the mean exact match at the
+shortest and at the longest training length). {{ config.steps }} steps of {{ config.batch_size }} samples were not
+enough for these models to learn the whole training range; rerun with more <code>--steps</code> for models that do.
+A model that did not learn the task says little about extrapolation.</p>
+{% elif checked_budget %}<p>Every encoding reached at least 95% exact match at the training lengths on copy and reverse.</p>{% endif %}
+
+<h2>Relative vs absolute: accuracy against length</h2>
+<p>Mean over seeds (line) and min..max (shaded). "in" is the mean exact match over the training lengths 1..{{ config.train_len }},
+"beyond" over lengths {{ config.train_len + 1 }}..{{ config.eval_len }}; "&lt;50% at" is the first length where the mean falls below one half.</p>
+{% for task, rows in tables.items() %}
+<h3>{{ task }}</h3>
+<img src="figures/{{ figures[task][0] }}" alt="accuracy against length, {{ task }}">
+<table><tr><th>encoding</th><th>in</th><th>beyond</th><th>&lt;50% at</th><th>seeds</th></tr>
+{% for label, s in rows.items() %}<tr><td>{{ label }}</td><td>{{ pct(s.in_distribution) }} ± {{ pct(s.spread.in_distribution) }}</td>
+<td>{{ pct(s.beyond) }}{% if s.spread.beyond is not none %} ± {{ pct(s.spread.beyond) }}{% endif %}</td>
+<td>{{ s.below_half_at if s.below_half_at is not none else "never" }}</td><td>{{ s.seeds }}</td></tr>
+{% endfor %}</table>
+{% endfor %}
+
+<h2>Learned vs fixed</h2>
+{% if learned %}
+<table><tr><th>task</th><th>learned in</th><th>sinusoidal in</th><th>learned beyond</th><th>sinusoidal beyond</th></tr>
+{% for row in learned.rows %}<tr><td>{{ row.task }}</td><td>{{ pct(row.learned_in) }}</td><td>{{ pct(row.sinusoidal_in) }}</td>
+<td>{{ pct(row.learned_beyond) }}</td><td>{{ pct(row.sinusoidal_beyond) }}</td></tr>{% endfor %}</table>
+{% if learned.figure %}<img src="figures/{{ learned.figure }}" alt="learned table vs sinusoid">
+<p>Run {{ learned.run }}. The table has {{ learned.max_len }} rows (every evaluated position); training sequences
+reach {{ learned.trained_rows }} positions (black lines). Rows inside moved by {{ "%.2f"|format(learned.moved_inside) }}x
+their initial norm on average, rows past it by {{ "%.2f"|format(learned.moved_outside) }}x: positions never seen in training keep their
+random initial vectors, so the model meets noise where it expects a position. Past the table itself the model cannot run at all:
+asking for {{ learned.max_len + 1 }} positions raised <code>{{ learned.past_max_len }}</code></p>{% endif %}
+{% else %}<p>Run the study with both <code>learned</code> and <code>sinusoidal</code> to compare them.</p>{% endif %}
+
+{% if deep_stack %}<h2>Deep stacks</h2><p>The deep-stack measurements are in <code>results.json["deep_stack"]</code>
+(the tour's report draws them).</p>{% endif %}
+</body></html>
+"""
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _mean_at(results: dict[str, Any], task: str, label: str, n: int) -> float:
+    """Mean over seeds of the exact match at length ``n`` of one task and encoding."""
+    from selfattn.study.runner import encoding_label
+
+    values = [r["accuracy_by_length"][str(n)] for r in results["runs"] if r["task"] == task and encoding_label(r) == label]
+    return sum(values) / len(values)
+
+
+def learned_table_analysis(out: Path, results: dict[str, Any], figures: Path) -> dict[str, Any] | None:
+    """Load the first finished ``learned`` run's model; compare its table with the sinusoid's."""
+    candidates = [r for r in results["runs"] if r["encoding"] == "learned" and not r["randomized_positions"]]
+    candidates.sort(key=lambda r: (r["task"] != "copy", r["seed"]))
+    for run in candidates:
+        spec = RunSpec(run["task"], "learned", int(run["seed"]), False)
+        checkpoint = out / "checkpoints" / f"{spec.key}.pt"
+        if not checkpoint.exists():
+            continue
+        fields = StudyConfig.__dataclass_fields__
+        config = StudyConfig(**{k: v for k, v in results["config"].items() if k in fields})
+        initial = build_model(spec, config)
+        model = build_model(spec, config)
+        model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["model"])
+        table = cast(LearnedPositionalEncoding, model.encoding).weight.detach().double().numpy()
+        start = cast(LearnedPositionalEncoding, initial.encoding).weight.detach().double().numpy()
+        from selfattn.functional import sinusoidal_table
+
+        sinusoid = sinusoidal_table(table.shape[0], table.shape[1], dtype=torch.float64).numpy()
+        trained_rows = get_task(spec.task).sequence_len(config.train_len)
+        moved = np.linalg.norm(table - start, axis=1) / np.linalg.norm(start, axis=1)
+        try:
+            model(torch.zeros(1, model.max_len + 1, dtype=torch.long))
+            past = "nothing: the model ran"
+        except ValueError as error:
+            past = str(error)
+        names = learned_table_figure(table, start, sinusoid, trained_rows, figures)
+        return {
+            "run": spec.key,
+            "figure": names[0],
+            "max_len": model.max_len,
+            "trained_rows": trained_rows,
+            "moved_inside": float(moved[:trained_rows].mean()),
+            "moved_outside": float(moved[trained_rows:].mean()) if trained_rows < len(moved) else float("nan"),
+            "past_max_len": past,
+        }
+    return None
+
+
+def write_report(out: Path, results: dict[str, Any]) -> Path:
+    """Write ``out/figures/*`` and ``out/study.html``; return the report's path."""
+    import jinja2
+
+    figures = out / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    config = dict(results["config"])
+    config["eval_len"] = config["eval_factor"] * config["train_len"]
+    summary = results["summary"]
+    figure_names = {task: accuracy_figure(results, task, figures) for task in summary}
+    shortfalls = [
+        f"{task} / {label}: {_pct(s['in_distribution'])} ({_pct(_mean_at(results, task, label, 1))} at n=1, "
+        f"{_pct(_mean_at(results, task, label, config['train_len']))} at n={config['train_len']})"
+        for task in ("copy", "reverse")
+        for label, s in summary.get(task, {}).items()
+        if s["in_distribution"] < 0.95
+    ]
+    learned: dict[str, Any] | None = None
+    rows = [
+        {
+            "task": task,
+            "learned_in": by["learned"]["in_distribution"],
+            "sinusoidal_in": by["sinusoidal"]["in_distribution"],
+            "learned_beyond": by["learned"]["beyond"],
+            "sinusoidal_beyond": by["sinusoidal"]["beyond"],
+        }
+        for task, by in summary.items()
+        if "learned" in by and "sinusoidal" in by
+    ]
+    if rows:
+        learned = {"rows": rows, **(learned_table_analysis(out, results, figures) or {})}
+    html = jinja2.Environment(autoescape=True).from_string(_TEMPLATE).render(
+        config=config,
+        runs=results["runs"],
+        total_seconds=sum(float(r["train_seconds"]) for r in results["runs"]),
+        cpu_seconds=sum(float(r.get("train_cpu_seconds", 0.0)) + float(r.get("eval_cpu_seconds", 0.0)) for r in results["runs"]),
+        shortfalls=shortfalls,
+        checked_budget=bool({"copy", "reverse"} & set(summary)),
+        tables=summary,
+        figures=figure_names,
+        learned=learned,
+        deep_stack=results.get("deep_stack"),
+        pct=_pct,
+    )
+    path = out / "study.html"
+    write_text(path, html)
+    return path
+
+
+def load_results(out: Path) -> dict[str, Any]:
+    return dict(json.loads((out / "results.json").read_text()))

@@ -1,0 +1,273 @@
+"""The grid of runs: which to do, who does them (torch.distributed ranks), and merging.
+
+Output folder::
+
+    DIR/config.json          the settings every run of this folder shares (checked on --resume)
+    DIR/runs/KEY.json        one finished run (accuracy by length, loss curve)
+    DIR/checkpoints/KEY.pt   model, optimizer, RNG state and step: where a run resumes; the
+                             final model once the run is finished
+    DIR/results.json         the merged results (see :func:`merge_results`)
+    DIR/study.html, DIR/figures/*.png|svg
+
+Under ``torchrun`` every rank takes its share of the unfinished runs (gloo on CPU, nccl on
+CUDA); with ``data_parallel=True`` all ranks train every run together instead
+(``DistributedDataParallel``). Rank 0 merges and writes the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfattn.study._io import write_json
+from selfattn.study.tasks import get_task
+from selfattn.study.training import ABSOLUTE_OR_ROTARY, ENCODINGS, RunSpec, StudyConfig, train_run
+
+__all__ = ["Grid", "encoding_label", "merge_results", "run_study", "summarize"]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Tasks x encodings x seeds, plus randomized-position variants of the absolute and rotary ones."""
+
+    tasks: tuple[str, ...]
+    encodings: tuple[str, ...]
+    seeds: int
+    randomized_positions: bool = False
+
+    def __post_init__(self) -> None:
+        for task in self.tasks:
+            get_task(task)
+        for encoding in self.encodings:
+            if encoding not in ENCODINGS:
+                raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
+        if not self.tasks or not self.encodings:
+            raise ValueError("the grid needs at least one task and one encoding")
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 1:
+            raise ValueError(f"seeds must be a positive integer, got {self.seeds!r}")
+        if self.randomized_positions and not set(self.encodings) & set(ABSOLUTE_OR_ROTARY):
+            raise ValueError(f"randomized positions need one of the encodings {', '.join(ABSOLUTE_OR_ROTARY)}")
+
+    def specs(self) -> list[RunSpec]:
+        specs: list[RunSpec] = []
+        for task in self.tasks:
+            for encoding in self.encodings:
+                variants = [False, True] if self.randomized_positions and encoding in ABSOLUTE_OR_ROTARY else [False]
+                for randomized in variants:
+                    specs.extend(RunSpec(task, encoding, seed, randomized) for seed in range(self.seeds))
+        return specs
+
+
+def encoding_label(run: dict[str, Any] | RunSpec) -> str:
+    """``"rotary"``, or ``"rotary+rand"`` for randomized positions."""
+    encoding, randomized = (
+        (run.encoding, run.randomized_positions) if isinstance(run, RunSpec) else (run["encoding"], run["randomized_positions"])
+    )
+    return f"{encoding}+rand" if randomized else str(encoding)
+
+
+def _sd(values: Sequence[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{task: {encoding: {...}}}``: means over seeds and their spread.
+
+    ``in_distribution`` is the mean accuracy over lengths 1..L (the training lengths),
+    ``beyond`` over lengths > L; ``spread`` holds the standard deviations of those two over
+    seeds; ``below_half_at`` is the first length where the mean over seeds falls below 50%
+    (None if it never does).
+    """
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["task"], encoding_label(run)), []).append(run)
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for (task, label), members in groups.items():
+        limit = int(members[0]["train_max_len"])
+        lengths = sorted(int(n) for n in members[0]["accuracy_by_length"])
+        inside = [statistics.fmean(r["accuracy_by_length"][str(n)] for n in lengths if n <= limit) for r in members]
+        outside = [statistics.fmean(r["accuracy_by_length"][str(n)] for n in lengths if n > limit) for r in members if lengths[-1] > limit]
+        mean_by_length = {n: statistics.fmean(r["accuracy_by_length"][str(n)] for r in members) for n in lengths}
+        below = next((n for n in lengths if mean_by_length[n] < 0.5), None)
+        summary.setdefault(task, {})[label] = {
+            "in_distribution": statistics.fmean(inside),
+            "beyond": statistics.fmean(outside) if outside else None,
+            "spread": {"in_distribution": _sd(inside), "beyond": _sd(outside) if outside else None},
+            "below_half_at": below,
+            "seeds": len(members),
+        }
+    return summary
+
+
+def merge_results(
+    specs: Sequence[RunSpec], runs_dir: Path, config: dict[str, Any], deep_stack: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``results.json``: ``{"config", "runs", "summary", "deep_stack"}`` from the finished run files."""
+    runs = []
+    for spec in specs:
+        run = json.loads((runs_dir / f"{spec.key}.json").read_text())
+        runs.append({k: v for k, v in run.items() if k != "loss_curve"})
+    return {"config": config, "runs": runs, "summary": summarize(runs), "deep_stack": deep_stack}
+
+
+class _Distributed:
+    """Rank, world size and device; starts (and later ends) a process group under torchrun."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.owns_group = False
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            # Long timeout: a rank that finished its share waits at the barrier for the others.
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=24))
+            self.owns_group = True
+        if dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.dist.barrier()
+
+    def close(self) -> None:
+        if self.owns_group:
+            self.dist.destroy_process_group()
+
+
+def _deep_stack(out: Path, quick: bool, resume: bool) -> dict[str, Any] | None:
+    """The deep-stack measurements, if :mod:`selfattn.study.deep_stack` is there; cached in DIR."""
+    try:
+        from selfattn.study.deep_stack import measure_deep_stack  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    cached = out / "deep_stack.json"
+    if resume and cached.exists():
+        return dict(json.loads(cached.read_text()))
+    options: dict[str, Any] = {"depth": 4, "seeds": 1, "train_steps": 0} if quick else {}
+    result = dict(measure_deep_stack(**options))
+    write_json(cached, result)
+    return result
+
+
+ProgressFactory = Callable[[int, int], Any]
+
+
+def run_study(
+    out: Path,
+    grid: Grid,
+    config: StudyConfig,
+    *,
+    resume: bool = False,
+    quick: bool = False,
+    data_parallel: bool = False,
+    checkpoint_seconds: float = 5.0,
+    deep_stack: bool = True,
+    report: bool = True,
+    progress: Callable[[Sequence[RunSpec], int], AbstractContextManager[Any]] | None = None,
+) -> dict[str, Any] | None:
+    """Run (or finish) the grid in ``out``; return the merged results on rank 0, None elsewhere.
+
+    Args:
+        out: output folder (created).
+        grid: which runs.
+        config: how each run trains and is measured.
+        resume: keep finished runs and checkpoints of an earlier call with the same ``config``;
+            without it the folder's runs and checkpoints are cleared first.
+        quick: a smaller deep-stack measurement (``--quick``).
+        data_parallel: every rank trains every run together (DistributedDataParallel).
+        checkpoint_seconds: the most work a kill loses.
+        deep_stack: include the deep-stack measurements (exercise 1).
+        report: write ``study.html`` and the figures.
+        progress: ``progress(my_specs, steps)`` returns a context manager whose value has
+            ``start_run(spec, done_steps)``, ``step(step, loss)`` and ``end_run()``.
+    """
+    env = _Distributed()
+    try:
+        runs_dir, checkpoints = out / "runs", out / "checkpoints"
+        saved = {"study": config.as_dict()}
+        if env.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            config_file = out / "config.json"
+            if resume and config_file.exists():
+                before = json.loads(config_file.read_text())
+                if before != saved:
+                    changed = sorted(k for k in saved["study"] if before.get("study", {}).get(k) != saved["study"][k])
+                    raise ValueError(
+                        f"--resume: {out} was made with other settings ({', '.join(changed)} differ); "
+                        "use the same options or another --out"
+                    )
+            elif not resume:
+                for folder in (runs_dir, checkpoints):
+                    shutil.rmtree(folder, ignore_errors=True)
+            runs_dir.mkdir(exist_ok=True)
+            checkpoints.mkdir(exist_ok=True)
+            write_json(config_file, saved)
+        env.barrier()
+        specs = grid.specs()
+        pending = [spec for spec in specs if not (runs_dir / f"{spec.key}.json").exists()]
+        env.barrier()  # every rank has listed the pending runs before any new one is written
+        mine = pending if data_parallel else pending[env.rank :: env.world]
+        shows = env.rank == 0 and progress is not None
+        context = progress(mine, config.steps) if shows and progress is not None else nullcontext(None)
+        with context as bars:
+            for spec in mine:
+                checkpoint = checkpoints / f"{spec.key}.pt"
+                if bars is not None:
+                    bars.start_run(spec, _checkpoint_step(checkpoint))
+                run = train_run(
+                    spec,
+                    config,
+                    checkpoint=checkpoint,
+                    checkpoint_seconds=checkpoint_seconds,
+                    on_step=None if bars is None else bars.step,
+                    device=env.device,
+                    data_parallel=data_parallel,
+                )
+                if env.rank == 0 or not data_parallel:
+                    write_json(runs_dir / f"{spec.key}.json", run)
+                if bars is not None:
+                    bars.end_run()
+        env.barrier()
+        if env.rank != 0:
+            return None
+        stack = _deep_stack(out, quick, resume) if deep_stack else None
+        full_config = {
+            **config.as_dict(),
+            "tasks": list(grid.tasks),
+            "encodings": list(grid.encodings),
+            "seeds": grid.seeds,
+            "randomized_positions": grid.randomized_positions,
+            "world_size": env.world,
+            "data_parallel": data_parallel,
+        }
+        results = merge_results(specs, runs_dir, full_config, stack)
+        write_json(out / "results.json", results)
+        if report:
+            from selfattn.study.report import write_report
+
+            write_report(out, results)
+        return results
+    finally:
+        env.close()
+
+
+def _checkpoint_step(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return int(torch.load(path, map_location="cpu", weights_only=True)["step"])

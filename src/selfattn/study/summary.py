@@ -1,0 +1,107 @@
+"""A study folder in a few lines: for the terminal and for the tour's report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StudySummary", "load_study", "study_section_html", "summary_lines"]
+
+
+@dataclass(frozen=True)
+class StudySummary:
+    """What the tour shows of a study.
+
+    Attributes:
+        folder: the study's folder.
+        report: its ``study.html`` (None if absent).
+        rows: ``(task, encoding, in_distribution, beyond, below_half_at)``, one per cell.
+        figures: PNG paths of the accuracy-against-length figures and the learned-table figure.
+        train_len: the longest training input.
+        runs: how many runs the results hold.
+    """
+
+    folder: Path
+    report: Path | None
+    rows: list[tuple[str, str, float, float | None, int | None]]
+    figures: list[Path]
+    train_len: int
+    runs: int
+
+
+def load_study(folder: Path) -> StudySummary | None:
+    """The summary of ``folder/results.json``; None if there is no readable study there."""
+    try:
+        results = json.loads((Path(folder) / "results.json").read_text())
+        summary: dict[str, dict[str, Any]] = results["summary"]
+        rows = [
+            (task, label, float(s["in_distribution"]), s["beyond"], s["below_half_at"])
+            for task, by in summary.items()
+            for label, s in by.items()
+        ]
+        train_len = int(results["config"]["train_len"])
+        runs = len(results["runs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    folder = Path(folder)
+    names = [f"accuracy_{task}.png" for task in summary] + ["learned_vs_sinusoidal.png"]
+    figures = [folder / "figures" / name for name in names if (folder / "figures" / name).exists()]
+    report = folder / "study.html"
+    return StudySummary(folder, report if report.exists() else None, rows, figures, train_len, runs)
+
+
+def summary_lines(results: dict[str, Any], folder: Path) -> list[str]:
+    """The terminal summary: per task, each encoding's accuracy inside and beyond the training lengths."""
+    limit = int(results["config"]["train_len"])
+    lines = [f"study: {len(results['runs'])} runs, trained on lengths 1..{limit}; exact match in / beyond:"]
+    for task, by in results["summary"].items():
+        cells = []
+        for label, s in by.items():
+            beyond = "n/a" if s["beyond"] is None else f"{100 * s['beyond']:.0f}%"
+            cells.append(f"{label} {100 * s['in_distribution']:.0f}%/{beyond}")
+        lines.append(f"  {task}: " + ", ".join(cells))
+    report = folder / "study.html"
+    lines.append(f"report: {report}" if report.exists() else f"results: {folder / 'results.json'}")
+    return lines
+
+
+def study_section_html(folder: Path | None = None) -> str:
+    """An HTML section for the tour's report: the study's numbers and figures, or how to make them.
+
+    ``folder`` defaults to ``$SELFATTN_STUDY`` or ``./selfattn-study`` (``selfattn study``'s
+    default ``--out``). Figures are inlined, so the tour's report stays one self-contained file.
+    """
+    import base64
+    import html
+    import os
+
+    folder = Path(folder or os.environ.get("SELFATTN_STUDY", "selfattn-study"))
+    study = load_study(folder)
+    head = '<h2 id="study">Trained models: the study</h2>'
+    if study is None:
+        return (
+            f"{head}<p>No study found in <code>{html.escape(str(folder))}</code>. The exercises are answered with "
+            "trained models by <code>selfattn study</code> (about an hour on 2 CPU cores: "
+            "<code>torchrun --standalone --nproc_per_node 2 -m selfattn study</code>; <code>selfattn study --quick</code> "
+            "for a smoke test); rerun the tour afterwards, or point <code>SELFATTN_STUDY</code> at its folder.</p>"
+        )
+    rows = "".join(
+        f"<tr><td>{html.escape(task)}</td><td>{html.escape(label)}</td><td>{100 * inside:.1f}%</td>"
+        f"<td>{'n/a' if beyond is None else f'{100 * beyond:.1f}%'}</td><td>{'never' if half is None else half}</td></tr>"
+        for task, label, inside, beyond, half in study.rows
+    )
+    images = "".join(
+        f'<img style="max-width:100%" alt="{html.escape(path.stem)}" '
+        f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}">'
+        for path in study.figures
+    )
+    link = f' Full report: <a href="{html.escape(str(study.report.resolve()))}">study.html</a>.' if study.report else ""
+    return (
+        f"{head}<p>{study.runs} trained runs from <code>{html.escape(str(folder))}</code>: exact match of the answer "
+        f"at the training lengths 1..{study.train_len} (in) and beyond them, and the first length where the mean "
+        f"over seeds falls below 50%.{link}</p>"
+        "<table><tr><th>task</th><th>encoding</th><th>in</th><th>beyond</th><th>&lt;50% at</th></tr>"
+        f"{rows}</table>{images}"
+    )

@@ -1,0 +1,323 @@
+"""Train one model on one task, checkpointing as it goes, and measure accuracy by length.
+
+A run is a function of its :class:`RunSpec` and :class:`StudyConfig`: the batch of step ``s``
+is drawn from a generator seeded by ``(seed, task, s)``, so a run resumed from a checkpoint
+sees the same data as one that never stopped, and every encoding sees the same samples.
+
+Shape legend: b batch, l sequence length, v vocabulary size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfattn.models import TransformerLM
+from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
+
+__all__ = [
+    "ABSOLUTE_OR_ROTARY",
+    "ENCODINGS",
+    "RunSpec",
+    "StudyConfig",
+    "build_model",
+    "evaluate",
+    "exact_match",
+    "train_run",
+]
+
+ENCODINGS = ("none", "sinusoidal", "learned", "rotary", "alibi", "t5", "shaw")
+ABSOLUTE_OR_ROTARY = ("sinusoidal", "learned", "rotary")
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Everything that decides a run's numbers (and nothing that does not, like the output folder).
+
+    Attributes:
+        steps: optimizer steps per run.
+        batch_size: samples per step (the global batch under data-parallel training).
+        lr: peak AdamW learning rate (linear warm-up, then cosine decay to a tenth).
+        warmup: warm-up steps.
+        weight_decay: AdamW weight decay.
+        train_len: inputs of length U(1, train_len) in training (one length per step).
+        eval_factor: evaluation at every length 1 .. eval_factor * train_len.
+        eval_samples: samples per evaluated length.
+        num_hiddens / num_heads / num_layers / ffn_hiddens: the model.
+        position_range: randomized positions are drawn from ``range(position_range *
+            longest evaluated sequence)``.
+    """
+
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    train_len: int = 20
+    eval_factor: int = 4
+    eval_samples: int = 64
+    num_hiddens: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    ffn_hiddens: int = 128
+    position_range: int = 2
+
+    @property
+    def eval_len(self) -> int:
+        return self.eval_factor * self.train_len
+
+    def longest_sequence(self) -> int:
+        """Tokens of the longest evaluated sample over all tasks: what every model must serve."""
+        return max(task.sequence_len(self.eval_len) for task in TASKS.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One cell of the grid."""
+
+    task: str
+    encoding: str
+    seed: int
+    randomized_positions: bool = False
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe identifier, e.g. ``copy-rotary-rand-s0``."""
+        rand = "-rand" if self.randomized_positions else ""
+        return f"{self.task}-{self.encoding}{rand}-s{self.seed}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_model(spec: RunSpec, config: StudyConfig) -> TransformerLM:
+    """The run's model, initialised from its seed."""
+    torch.manual_seed(spec.seed)
+    max_len = config.longest_sequence() * (config.position_range if spec.randomized_positions else 1)
+    options: dict[str, Any] = {"bidirectional": False} if spec.encoding == "t5" else {}
+    return TransformerLM(
+        VOCAB_SIZE,
+        config.num_hiddens,
+        config.num_heads,
+        config.num_layers,
+        position=spec.encoding,
+        max_len=max_len,
+        ffn_hiddens=config.ffn_hiddens,
+        position_options=options,
+    )
+
+
+def _generator(*parts: int | str) -> torch.Generator:
+    text = "/".join(str(p) for p in parts)
+    return torch.Generator().manual_seed(zlib.crc32(text.encode()))
+
+
+def _random_positions(length: int, model: TransformerLM, generator: torch.Generator) -> torch.Tensor:
+    """A sorted random subset of ``range(model.max_len)`` of size ``length`` (Ruoss et al. 2023)."""
+    return torch.randperm(model.max_len, generator=generator)[:length].sort().values
+
+
+def _learning_rate(step: int, config: StudyConfig) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per sample, 1.0 if the argmax is right at every answer position (targets != -100), else 0.0.
+
+    Teacher-forced exact match equals greedy decoding's: if every answer token is the argmax
+    given the right prefix, greedy decoding produces exactly that prefix.
+
+    Args:
+        logits: ``(b, l, v)``.
+        targets: ``(b, l)``, -100 where the position is not part of the answer.
+
+    Returns:
+        ``(b,)`` float.
+    """
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share (batch, length)")
+    scored = targets != -100
+    right = (logits.argmax(dim=-1) == targets) | ~scored  # (b, l)
+    return (right.all(dim=-1) & scored.any(dim=-1)).float()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, task: Task, spec: RunSpec, config: StudyConfig, *, chunk_tokens: int = 16384
+) -> dict[str, float]:
+    """Exact-match accuracy at every input length 1 .. ``config.eval_len``, ``{"1": acc, ...}``."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    accuracy: dict[str, float] = {}
+    for n in range(1, config.eval_len + 1):
+        generator = _generator("eval", spec.seed, spec.task, n)
+        tokens, targets, _ = make_batch(task, [n] * config.eval_samples, generator)
+        tokens, targets = tokens.to(device), targets.to(device)
+        positions = None
+        if spec.randomized_positions:
+            assert isinstance(model, TransformerLM)
+            positions = _random_positions(tokens.shape[1], model, generator).to(device)
+        per_chunk = max(1, chunk_tokens // tokens.shape[1])
+        hits = []
+        for start in range(0, tokens.shape[0], per_chunk):
+            logits = model(tokens[start : start + per_chunk], positions=positions)
+            hits.append(exact_match(logits, targets[start : start + per_chunk]))
+        accuracy[str(n)] = float(torch.cat(hits).mean())
+    model.train(was_training)
+    return accuracy
+
+
+@dataclass
+class _State:
+    step: int = 0
+    train_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+
+def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: _State) -> None:
+    payload = {
+        "step": state.step,
+        "train_seconds": state.train_seconds,
+        "cpu_seconds": state.cpu_seconds,
+        "losses": state.losses,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+    }
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)  # atomic: a kill leaves the old checkpoint or the new one, never half of one
+
+
+def _load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> _State:
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    torch.set_rng_state(payload["torch_rng"])
+    return _State(
+        int(payload["step"]), float(payload["train_seconds"]), float(payload["cpu_seconds"]), list(payload["losses"])
+    )
+
+
+def train_run(
+    spec: RunSpec,
+    config: StudyConfig,
+    *,
+    checkpoint: Path | None = None,
+    checkpoint_seconds: float = 5.0,
+    on_step: Callable[[int, float], None] | None = None,
+    device: torch.device | str = "cpu",
+    data_parallel: bool = False,
+) -> dict[str, Any]:
+    """Train ``spec`` under ``config`` and measure accuracy by length.
+
+    Args:
+        spec: task, encoding, seed and whether positions are randomized.
+        config: the training and evaluation settings.
+        checkpoint: file to resume from if it exists and to save to every
+            ``checkpoint_seconds`` of work and at the end.
+        checkpoint_seconds: how much work a kill may lose at most.
+        on_step: called with ``(step, loss)`` after every step (progress bars).
+        device: where to train.
+        data_parallel: split each batch over the ranks of the initialised process group with
+            ``DistributedDataParallel`` (every rank calls this with the same arguments).
+
+    Returns:
+        The run's entry of ``results.json["runs"]`` plus its loss curve.
+    """
+    task = get_task(spec.task)
+    if spec.encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}; got {spec.encoding!r}")
+    if spec.randomized_positions and spec.encoding not in ABSOLUTE_OR_ROTARY:
+        raise ValueError(
+            f"randomized positions apply to {', '.join(ABSOLUTE_OR_ROTARY)}, not {spec.encoding!r}"
+        )
+    rank, world = 0, 1
+    import torch.distributed as dist
+
+    if data_parallel and dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if config.batch_size % world:
+            raise ValueError(f"batch_size={config.batch_size} must be divisible by the {world} data-parallel ranks")
+
+    model = build_model(spec, config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    state = _State()
+    if checkpoint is not None and checkpoint.exists():
+        state = _load_checkpoint(checkpoint, model, optimizer)
+    trained: nn.Module = model
+    if data_parallel and world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model)
+    share = config.batch_size // world
+
+    last_save = time.perf_counter()
+    while state.step < config.steps:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        generator = _generator("train", spec.seed, spec.task, state.step)
+        # One length per step, drawn from U(1, train_len): no padding, so no compute on it.
+        n = int(torch.randint(1, config.train_len + 1, (1,), generator=generator))
+        tokens, targets, _ = make_batch(task, [n] * config.batch_size, generator)
+        count = int((targets != -100).sum())  # answer tokens in the global batch
+        positions = _random_positions(tokens.shape[1], model, generator) if spec.randomized_positions else None
+        tokens, targets = tokens[rank * share : (rank + 1) * share], targets[rank * share : (rank + 1) * share]
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(state.step, config)
+        logits = trained(tokens.to(device), positions=None if positions is None else positions.to(device))
+        loss_sum = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.to(device).reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        # DDP averages gradients over ranks, so scale each rank's sum to make the mean over the global batch.
+        (loss_sum * world / count).backward()  # type: ignore[no-untyped-call]
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss_sum.detach()
+        if world > 1:
+            dist.all_reduce(total)
+        loss = float(total) / count
+        state.losses.append(loss)
+        state.step += 1
+        state.train_seconds += time.perf_counter() - started
+        state.cpu_seconds += time.process_time() - cpu_started
+        if on_step is not None:
+            on_step(state.step, loss)
+        if checkpoint is not None and rank == 0 and (
+            time.perf_counter() - last_save >= checkpoint_seconds or state.step == config.steps
+        ):
+            _save_checkpoint(checkpoint, model, optimizer, state)
+            last_save = time.perf_counter()
+
+    eval_started = time.process_time()
+    accuracy = evaluate(model, task, spec, config)
+    return {
+        **spec.as_dict(),
+        "steps": config.steps,
+        "train_max_len": config.train_len,
+        "accuracy_by_length": accuracy,
+        "train_seconds": state.train_seconds,
+        # CPU time of this process: on a shared machine, what the run costs a quiet core.
+        "train_cpu_seconds": state.cpu_seconds,
+        "eval_cpu_seconds": time.process_time() - eval_started,
+        "final_loss": state.losses[-1] if state.losses else None,
+        "loss_curve": state.losses,
+    }

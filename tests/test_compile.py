@@ -1,0 +1,50 @@
+"""torch.compile(fullgraph=True) traces MultiHeadAttention without graph breaks (checked with dynamo.explain)."""
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from selfattn import KVCache, MultiHeadAttention
+from selfattn.positional import build
+
+D, H = 16, 4
+
+
+def _breaks(module, *args, **kwargs):
+    dynamo.reset()
+    explanation = dynamo.explain(module)(*args, **kwargs)
+    dynamo.reset()
+    return explanation.graph_break_count, [str(r.reason)[:200] for r in explanation.break_reasons]
+
+
+@pytest.mark.parametrize("name", ["none", "rotary", "alibi", "t5", "shaw"])
+def test_causal_with_every_encoding_and_valid_lens(name):
+    position = None if name == "none" else build(name, num_hiddens=D, num_heads=H)
+    mha = MultiHeadAttention(D, H, position=position).eval()
+    x = torch.randn(2, 8, D)
+    assert _breaks(mha, x, x, x, torch.tensor([8, 3]), causal=True) == (0, [])
+
+
+def test_positions_documents_window_gqa():
+    mha = MultiHeadAttention(D, H, num_kv_heads=2, window=3, position=build("alibi", num_hiddens=D, num_heads=H))
+    x = torch.randn(2, 60, D)  # long enough for the blocked window path
+    assert mha._banded_applies(torch.zeros(2, H, 60, 4), _keys(60))
+    documents = torch.tensor([[0] * 20 + [1] * 40, [0] * 60])
+    assert _breaks(mha, x, x, x, causal=True, document_ids=documents) == (0, [])
+    assert _breaks(mha, x, x, x, positions=torch.arange(60).expand(2, 60)) == (0, [])
+
+
+def _keys(length):
+    from selfattn.attention import _Keys
+
+    k = torch.zeros(1, 2, length, 4)
+    return _Keys(k, k, torch.arange(length), None, None, 0, length)
+
+
+def test_one_cache_decoding_step():
+    mha = MultiHeadAttention(D, H, num_kv_heads=1, position=build("rotary", num_hiddens=D, num_heads=H)).eval()
+    cache = KVCache(max_len=16)
+    x = torch.randn(2, 5, D)
+    with torch.no_grad():
+        mha(x, x, x, causal=True, cache=cache)
+        assert _breaks(mha, x[:, :1], x[:, :1], x[:, :1], causal=True, cache=cache) == (0, [])

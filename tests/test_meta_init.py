@@ -1,0 +1,64 @@
+"""device=/dtype= on every module, and meta-device construction + to_empty() + reset_parameters()."""
+
+import pytest
+import torch
+
+from selfattn import MultiHeadAttention
+from selfattn.positional import NAMES, build
+
+D, H = 24, 4
+
+
+def _state(module):
+    """Every tensor a module holds (parameters and buffers, persistent or not)."""
+    return {name: t.detach().clone() for name, t in [*module.named_parameters(), *module.named_buffers()]}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_meta_then_reset_equals_normal_construction(name):
+    torch.manual_seed(0)
+    normal = build(name, num_hiddens=D, num_heads=H)
+    meta = build(name, num_hiddens=D, num_heads=H, device="meta")
+    assert all(t.is_meta for t in _state(meta).values())
+    meta.to_empty(device="cpu")
+    torch.manual_seed(0)
+    meta.reset_parameters()
+    expected, got = _state(normal), _state(meta)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_device_and_dtype_arguments(name):
+    encoding = build(name, num_hiddens=D, num_heads=H, device="cpu", dtype=torch.float64)
+    for key, t in _state(encoding).items():
+        assert t.device.type == "cpu"
+        if t.is_floating_point() and key in dict(encoding.named_parameters()):
+            assert t.dtype == torch.float64, key
+
+
+def test_multihead_attention_meta_init_with_default_context():
+    torch.manual_seed(3)
+    normal = MultiHeadAttention(D, H, bias=True, num_kv_heads=2, position=build("t5", num_hiddens=D, num_heads=H))
+    with torch.device("meta"):
+        meta = MultiHeadAttention(D, H, bias=True, num_kv_heads=2, position=build("t5", num_hiddens=D, num_heads=H))
+    meta.to_empty(device="cpu")
+    torch.manual_seed(3)
+    meta.reset_parameters()
+    for key, value in normal.state_dict().items():
+        torch.testing.assert_close(meta.state_dict()[key], value, atol=0, rtol=0, msg=key)
+    half = MultiHeadAttention(D, H, dtype=torch.float64, device="cpu")
+    assert {p.dtype for p in half.parameters()} == {torch.float64}
+
+
+def test_alibi_meta_context_tables_are_exact_after_reset():
+    with torch.device("meta"):
+        alibi = build("alibi", num_hiddens=D, num_heads=H)
+        rotary = build("rotary", num_hiddens=D, num_heads=H)
+    for module, table in ((alibi, "slopes"), (rotary, "inv_freq")):
+        module.to_empty(device="cpu")
+        module.reset_parameters()
+        assert getattr(module, table).dtype == torch.float64
+    assert alibi.slopes.tolist() == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]
+    assert rotary.inv_freq.tolist() == [10000.0 ** (-2 * j / 6) for j in range(3)]

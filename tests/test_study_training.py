@@ -1,0 +1,126 @@
+"""Training runs: resume after an interruption gives the same numbers; the grid and its outputs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from study_settings import TINY
+
+from selfattn.study.runner import Grid, run_study, summarize
+from selfattn.study.training import RunSpec, train_run
+
+SHORT = replace(TINY, steps=12)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop_at(step_to_stop: int):  # type: ignore[no-untyped-def]
+    def on_step(step: int, loss: float) -> None:
+        if step == step_to_stop:
+            raise _Stop
+
+    return on_step
+
+
+@pytest.mark.parametrize("encoding", ["learned", "shaw"])
+def test_resumed_run_equals_uninterrupted(tmp_path: Path, encoding: str) -> None:
+    spec = RunSpec("copy", encoding, 3)
+    whole = train_run(spec, SHORT)
+    checkpoint = tmp_path / "run.pt"
+    with pytest.raises(_Stop):
+        train_run(spec, SHORT, checkpoint=checkpoint, checkpoint_seconds=0.0, on_step=_stop_at(7))
+    assert torch.load(checkpoint, weights_only=True)["step"] == 6  # saved after step 6, stopped during step 7's callback
+    resumed = train_run(spec, SHORT, checkpoint=checkpoint, checkpoint_seconds=0.0)
+    assert resumed["loss_curve"] == pytest.approx(whole["loss_curve"], rel=1e-6, abs=1e-9)
+    for n, accuracy in whole["accuracy_by_length"].items():
+        assert resumed["accuracy_by_length"][n] == pytest.approx(accuracy, abs=1e-6)
+    # A finished checkpoint is not trained again.
+    again = train_run(spec, SHORT, checkpoint=checkpoint, on_step=_stop_at(1))
+    assert again["loss_curve"] == resumed["loss_curve"]
+
+
+def test_randomized_positions_run_and_errors() -> None:
+    run = train_run(RunSpec("copy", "rotary", 0, True), replace(TINY, steps=3))
+    assert run["randomized_positions"] is True and len(run["accuracy_by_length"]) == 8
+    with pytest.raises(ValueError, match="randomized positions apply to sinusoidal, learned, rotary, not 'alibi'"):
+        train_run(RunSpec("copy", "alibi", 0, True), TINY)
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        train_run(RunSpec("copy", "xpos", 0), TINY)
+    with pytest.raises(ValueError, match="seeds must be a positive integer"):
+        Grid(("copy",), ("none",), 0)
+    with pytest.raises(ValueError, match="task must be one of"):
+        Grid(("parity",), ("none",), 1)
+    with pytest.raises(ValueError, match="randomized positions need one of"):
+        Grid(("copy",), ("alibi",), 1, randomized_positions=True)
+
+
+def test_summarize_means_spread_and_half_point() -> None:
+    def run(seed: int, acc: list[float]) -> dict:
+        return {"task": "copy", "encoding": "rotary", "randomized_positions": False, "seed": seed,
+                "train_max_len": 2, "accuracy_by_length": {str(i + 1): a for i, a in enumerate(acc)}}
+
+    summary = summarize([run(0, [1.0, 1.0, 0.6, 0.2]), run(1, [1.0, 0.8, 0.2, 0.0])])["copy"]["rotary"]
+    assert summary["in_distribution"] == pytest.approx(0.95)
+    assert summary["beyond"] == pytest.approx(0.25)
+    assert summary["spread"]["in_distribution"] == pytest.approx(0.0707106781, rel=1e-6)
+    assert summary["below_half_at"] == 3 and summary["seeds"] == 2
+
+
+def test_interrupted_grid_resumes_without_redoing_finished_runs(tmp_path: Path) -> None:
+    grid = Grid(("copy",), ("none", "alibi"), 1)
+    config = replace(TINY, steps=8)
+    whole = run_study(tmp_path / "whole", grid, config, deep_stack=False, report=False)
+    assert whole is not None
+
+    class Bars:
+        def __init__(self, specs, steps):  # type: ignore[no-untyped-def]
+            self.runs = 0
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            return self
+
+        def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+            return False
+
+        def start_run(self, spec, done):  # type: ignore[no-untyped-def]
+            self.runs += 1
+            self.done = done
+            started.append((spec.key, done))
+
+        def step(self, step, loss):  # type: ignore[no-untyped-def]
+            if self.runs == 2 and step == 5:
+                raise KeyboardInterrupt
+
+        def end_run(self) -> None:
+            pass
+
+    out = tmp_path / "cut"
+    started: list[tuple[str, int]] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_study(out, grid, config, deep_stack=False, report=False, progress=Bars, checkpoint_seconds=0.0)
+    assert not (out / "results.json").exists()
+    first = (out / "runs" / "copy-none-s0.json").stat().st_mtime_ns
+    resumed = run_study(out, grid, config, resume=True, deep_stack=False, report=False, progress=Bars)
+    assert resumed is not None
+    assert started[2:] == [("copy-alibi-s0", 4)]  # only the unfinished run, from its last checkpoint
+    assert (out / "runs" / "copy-none-s0.json").stat().st_mtime_ns == first
+    for a, b in zip(whole["runs"], resumed["runs"]):
+        assert a["accuracy_by_length"] == pytest.approx(b["accuracy_by_length"], abs=1e-6)
+    assert resumed["summary"] == whole["summary"]
+    for key in ("copy-none-s0", "copy-alibi-s0"):  # accuracy is near 0 after 8 steps: compare the losses too
+        cut_losses = json.loads((out / "runs" / f"{key}.json").read_text())["loss_curve"]
+        whole_losses = json.loads((tmp_path / "whole" / "runs" / f"{key}.json").read_text())["loss_curve"]
+        assert cut_losses == pytest.approx(whole_losses, rel=1e-6)
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved) == {"config", "runs", "summary", "deep_stack"}
+    assert set(saved["runs"][0]) >= {"task", "encoding", "seed", "randomized_positions", "steps", "train_max_len",
+                                     "accuracy_by_length", "train_seconds"}
+    # Resuming with other settings is refused.
+    with pytest.raises(ValueError, match="steps differ"):
+        run_study(out, grid, replace(config, steps=9), resume=True, deep_stack=False, report=False)

@@ -1,0 +1,111 @@
+"""Section 8 of the tour (deep stacks): the text follows the measurement, the figure, the study link."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from selfattn.study.deep_stack import measure_deep_stack
+from selfattn.tour import depth
+
+SMALL = {
+    "depth": 3,
+    "seeds": 2,
+    "num_hiddens": 8,
+    "num_heads": 2,
+    "ffn_hiddens": 8,
+    "num_steps": 8,
+    "num_sequences": 12,
+    "test_sequences": 4,
+    "vocab_size": 5,
+    "variants": ("residual", "no_residual"),
+}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return json.loads(json.dumps(measure_deep_stack(**SMALL, train_steps=2, train_seeds=1)))
+
+
+def test_section_shows_every_encoding_labelled_untrained_and_never_says_re_inject(measured):
+    page = depth.section_html(measured, {"depth": "figures/depth.png"})
+    assert "re-inject" not in page and "survives" not in page
+    assert "<i>untrained</i>" in page and "selfattn tour --study DIR" in page
+    for encoding in measured["untrained"]:
+        assert f"<code>{encoding}</code>" in page
+    assert 'src="figures/depth.png"' in page and "figures/depth.svg" in page
+    share = measured["untrained"]["sinusoidal"]["residual"]["position_share"]
+    assert f"falls from {share['mean'][0]:.2f}" in page  # the number comes from the measurement
+    assert "Trained stacks" not in page
+
+
+def test_section_shows_trained_stacks_from_a_study(measured):
+    page = depth.section_html(measured, {}, trained=measured)
+    assert "Trained stacks" in page and "task accuracy" in page
+    assert "selfattn tour --study DIR" not in page
+
+
+def test_section_sentences_follow_the_numbers(measured):
+    fake = json.loads(json.dumps(measured))
+    fake["untrained"]["shaw"]["no_residual"]["mean_row_residual"]["max"][-1] = 1e-9
+    fake["untrained"]["shaw"]["no_residual"]["mean_row_residual"]["mean"][-1] = 1e-9
+    assert "shaw" in depth._collapsed(fake, "no_residual")
+    fake["untrained"]["sinusoidal"]["no_residual"]["mean_row_residual"]["max"] = [0.8, 0.5, 0.5, 0.5]
+    assert "sinusoidal" not in depth._collapsed(fake, "no_residual")
+    page = depth.section_html(fake, {})
+    assert "With <code>sinusoidal</code> the rows do not collapse without residuals" in page
+
+
+def test_verdict_numbers_and_summary_line(measured):
+    numbers = depth.verdict_numbers(measured)
+    rows = measured["untrained"]["sinusoidal"]["no_residual"]["mean_row_residual"]
+    assert numbers["collapse_ratio"] == pytest.approx(rows["max"][-1] / rows["min"][0])
+    assert numbers["residual_share_min"] == measured["untrained"]["sinusoidal"]["residual"]["position_share"]["min"][-1]
+    line = depth.summary_line(measured)
+    assert line.startswith("  8. deep stacks (3 untrained layers, 2 seeds)")
+    missing = {**measured, "untrained": {"none": measured["untrained"]["none"]}}
+    assert all(math.isnan(v) for v in depth.verdict_numbers(missing).values())  # the check then fails
+
+
+def test_study_deep_stack_reads_a_study_folder(tmp_path, measured):
+    assert depth.study_deep_stack(None) is None
+    with pytest.raises(ValueError, match="study_dir="):
+        depth.study_deep_stack(tmp_path)
+    (tmp_path / "results.json").write_text("{not json")
+    with pytest.raises(ValueError, match="study_dir="):
+        depth.study_deep_stack(tmp_path)
+    (tmp_path / "results.json").write_text(json.dumps({"runs": [], "deep_stack": None}))
+    assert depth.study_deep_stack(tmp_path) is None
+    (tmp_path / "results.json").write_text(json.dumps({"deep_stack": measured}))
+    assert depth.study_deep_stack(tmp_path) == measured
+
+
+def test_deep_stack_figure_has_a_panel_per_metric_and_variant(tmp_path, measured):
+    from selfattn.tour import figures
+
+    fig = figures.deep_stack_figure(measured)
+    assert len(fig.axes) == 4 * 2
+    assert [line.get_label() for line in fig.axes[0].lines] == list(measured["untrained"])
+    png, svg = figures.save_figure(figures.deep_stack_figure(measured, "trained"), tmp_path, "depth_trained")
+    assert png.stat().st_size > 5000 and "<svg" in svg.read_text()[:2000]
+
+
+def test_tour_with_a_missing_study_fails_at_once_with_one_line(tmp_path, capsys):
+    from selfattn.cli.main import main
+
+    status = main(
+        ["tour", "--quick", "--out", str(tmp_path / "report"), "--study", str(tmp_path / "nowhere"), "--no-progress"]
+    )
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("selfattn tour: error: study_dir=") and "\n" not in err
+    assert not (tmp_path / "report" / "results.json").exists()
+
+
+def test_trained_sentences_quote_the_study_numbers(measured):
+    page = depth.section_html(measured, {}, trained=measured)
+    accuracy = measured["trained"]["rotary"]["residual"]["task_accuracy"]["mean"]
+    assert f"<code>rotary</code> {depth._num(accuracy)}" in page
+    assert "Held-out task accuracy, residual + MLP" in page and "After training, no residual + MLP" in page
