@@ -6,8 +6,8 @@ network; the page opens offline from the file system. Every number shown here is
 ``results.json``.
 
 The deep-stack section and the study's section are slots: their HTML comes from
-:func:`_section_depth` (the numbers of :mod:`selfattn.tour.depth`) and :func:`_section_study`
-(the study's results, when the tour has them).
+:func:`_section_depth` (:mod:`selfattn.tour.depth`) and
+:func:`selfattn.study.summary.study_section_html` (the study's results, when there are any).
 """
 
 from __future__ import annotations
@@ -359,11 +359,6 @@ attention: {relative} in section 7, whose scores depend on the offset only.</p>
 """
 
 
-def _section_study(results: dict[str, Any], figures: dict[str, str]) -> str:
-    """The study's section (its measured generalization and deep stacks), from the study's own loader."""
-    return study_section_html()
-
-
 def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
     """The report page for JSON-ready ``results`` and ``{figure name: relative png path}``."""
     checks: Sequence[dict[str, Any]] = results["checks"]
@@ -378,7 +373,7 @@ def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
         "passed": sum(c["ok"] for c in checks),
         "claims_held": sum(c["holds"] is True for c in claims),
         "depth_section": _section_depth(results, figures),
-        "study_section": _section_study(results, figures),
+        "study_section": study_section_html(),  # the study's own loader fills the slot
     }
     context.update(_comparison_context(results["comparison"]))
     context.update(_positional_context(results))
