@@ -192,8 +192,8 @@ def test_compare_prints_the_table_and_saves_json_and_plot(tmp_path, capsys):
     assert status == 0 and err == ""
     assert "Self-attention" in out and "O(n^2 d)" in out
     results = json.loads(json_path.read_text())
-    assert results["rnn"]["max_path_length"] == 15
+    assert results["rnn"]["max_path_length"] == 16  # input projection, then 15 recurrent products
     assert results["cnn"]["max_path_length"] == 8  # ceil(15 / 2)
-    assert results["self_attention"]["max_path_length"] == 1
+    assert results["self_attention"]["max_path_length"] == 3
     assert abs(results["self_attention"]["flops_exponent_n"] - 2) <= 0.1
     assert plot_path.read_bytes().startswith(b"\x89PNG")

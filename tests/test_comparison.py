@@ -71,19 +71,20 @@ def test_cnn_path_length_is_ceil_n_minus_1_over_k_minus_1(n, k):
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 9, 16, 31])
-def test_rnn_path_length_is_n_minus_1(n):
-    assert max_path_length("rnn", n) == n - 1
+def test_rnn_path_is_its_input_projection_then_one_product_per_step(n):
+    assert max_path_length("rnn", n) == n
 
 
 @pytest.mark.parametrize("n", [2, 5, 16, 64])
-def test_self_attention_path_length_is_1(n):
-    assert max_path_length("self_attention", n) == 1
+def test_self_attention_path_is_three_products_in_one_layer(n):
+    # value projection, weighted sum, output projection
+    assert comparison.path_lengths("self_attention", n) == {"layers": 1, "products": 3}
 
 
-def test_long_paths_survive_gradient_underflow():
-    # 200 random layers shrink an unscaled gradient below float64's smallest number; the rescaling keeps it.
+def test_long_paths_are_found_where_a_gradient_would_underflow():
+    # 200 random layers, or 300 recurrent steps, shrink a gradient below float64's smallest number.
     assert max_path_length("cnn", 401, kernel_size=3) == 200
-    assert max_path_length("rnn", 300) == 299
+    assert comparison.path_lengths("rnn", 300) == {"layers": 1, "products": 300}
 
 
 def test_receptive_field_reference_by_brute_force():

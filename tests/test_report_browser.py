@@ -1,5 +1,6 @@
 """The tour's report opened in a real browser: headless Chromium loads it, every image loads,
-and a screenshot of it is not blank.
+screenshots at 1280 and 420 px wide are not blank, and at 420 px nothing widens the page
+(tables scroll in their own box, figures shrink and stack).
 
 Chromium is installed by ``make test`` when missing (Debian package ``chromium``). Without it
 this test skips, except under ``CI=true``, where a missing browser is a failure.
@@ -84,14 +85,63 @@ def image_status(browser, tmp_path, page):
     return [tuple(entry.split(" ", 1)) for entry in entries]
 
 
-def screenshot(browser, tmp_path, page, name):
+# Headless Chromium will not make a window narrower than 500 px, so narrow layouts are rendered
+# in a 420 px iframe: its document lays out, and answers media queries, as in a 420 px window.
+FRAME = """<!DOCTYPE html><html><body style="margin:0;background:#fff">
+<iframe id="frame" src="{src}" style="width:{width}px;height:{height}px;border:0;display:block"></iframe>
+<script>
+document.getElementById("frame").addEventListener("load", function () {{
+  var doc = this.contentDocument, win = this.contentWindow, widest = 0, culprit = "";
+  Array.prototype.forEach.call(doc.body.querySelectorAll("*"), function (el) {{
+    if (el.closest(".table-scroll") && !el.classList.contains("table-scroll")) {{ return; }}
+    var right = el.getBoundingClientRect().right;
+    if (right > widest) {{ widest = right; culprit = el.tagName + "." + el.className; }}
+  }});
+  document.body.setAttribute("data-widths", JSON.stringify({{
+    scroll: doc.documentElement.scrollWidth, viewport: win.innerWidth,
+    widest: Math.ceil(widest), culprit: culprit}}));
+}});
+</script></body></html>"""
+
+
+def framed(page, width, height=2000):
+    """A page next to ``page`` showing it in a ``width`` px iframe."""
+    wrapper = page.with_name(f"frame-{width}-{page.name}")
+    wrapper.write_text(FRAME.format(src=page.name, width=width, height=height))
+    return wrapper
+
+
+def page_widths(browser, tmp_path, page, width):
+    """``{"scroll", "viewport", "widest", "culprit"}`` of ``page`` laid out ``width`` px wide."""
+    dom = run_browser(
+        browser,
+        tmp_path,
+        "--allow-file-access-from-files",
+        "--window-size=1280,2000",
+        "--virtual-time-budget=10000",
+        "--dump-dom",
+        framed(page, width).as_uri(),
+    )
+    found = re.search(r'data-widths="([^"]*)"', dom)
+    assert found, "the page never finished loading"
+    return json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+
+
+def screenshot(browser, tmp_path, page, name, width=1280):
+    """The page as a browser ``width`` px wide shows it: ``(height, width, rgb)`` floats in [0, 1]."""
     shot = tmp_path / name
+    target = page if width >= 500 else framed(page, width)
     run_browser(
-        browser, tmp_path, "--window-size=1280,2000", "--hide-scrollbars", f"--screenshot={shot}", page.as_uri()
+        browser,
+        tmp_path,
+        f"--window-size={max(width, 500)},2000",
+        "--hide-scrollbars",
+        f"--screenshot={shot}",
+        target.as_uri(),
     )
     import matplotlib.image
 
-    return matplotlib.image.imread(shot)[..., :3]  # (height, width, rgb) floats in [0, 1]
+    return matplotlib.image.imread(shot)[:, :width, :3]
 
 
 def looks_blank(pixels: np.ndarray) -> bool:
@@ -124,3 +174,23 @@ def test_a_blank_page_would_be_caught(browser, report, tmp_path):
     page = report / "blank.html"
     page.write_text("<html><body></body></html>")
     assert looks_blank(screenshot(browser, tmp_path, page, "blank.png"))
+
+
+def test_screenshot_at_420_px_is_not_blank(browser, report, tmp_path):
+    pixels = screenshot(browser, tmp_path, report / "report.html", "report-420.png", width=420)
+    assert pixels.shape[1] == 420 and pixels.shape[0] >= 1000
+    assert not looks_blank(pixels)
+
+
+def test_nothing_overflows_at_420_px(browser, report, tmp_path):
+    widths = page_widths(browser, tmp_path, report / "report.html", 420)
+    assert widths["viewport"] == 420
+    assert widths["scroll"] <= 420, widths
+    assert widths["widest"] <= 420, widths
+
+
+def test_an_overflowing_table_would_be_caught(browser, report, tmp_path):
+    page = report / "wide.html"
+    cells = "".join(f"<td>column-{i}-with-a-long-unbreakable-name</td>" for i in range(20))
+    page.write_text(f"<html><body><table><tr>{cells}</tr></table></body></html>")
+    assert page_widths(browser, tmp_path, page, 420)["scroll"] > 420

@@ -26,6 +26,7 @@ SECTION_FIGURES = (
     "pe_heatmap",
     "absolute",
     "relative",
+    "note",
     "depth",
 )
 
@@ -71,8 +72,8 @@ def test_results_hold_the_measured_comparison(tour):
         assert isinstance(entry["sequential_ops"], int)
     k = comparison["cnn"]["k"]
     assert comparison["cnn"]["max_path_length"] == math.ceil((largest_n - 1) / (k - 1))
-    assert comparison["rnn"]["max_path_length"] == largest_n - 1
-    assert comparison["self_attention"]["max_path_length"] == 1
+    assert comparison["rnn"]["max_path_length"] == largest_n
+    assert comparison["self_attention"]["max_path_length"] == 3
     assert comparison["rnn"]["sequential_ops"] == largest_n
     assert comparison["cnn"]["sequential_ops"] == 1
 
@@ -187,6 +188,9 @@ def test_columns_and_periods_follow_the_formula():
     np.testing.assert_allclose(columns, sinusoidal_numpy(np.arange(60), 32)[:, 6:10], atol=1e-6)
     periods = checks.column_periods(32, (6, 7, 8, 9))
     assert periods == pytest.approx([2 * math.pi * 10000 ** (6 / 32)] * 2 + [2 * math.pi * 10000 ** (8 / 32)] * 2)
+    measured = checks.measured_periods(60, 32, (6, 7, 8, 9))
+    assert measured["zero_crossings"] == pytest.approx(periods, rel=1e-3)
+    assert measured["fft"] == pytest.approx(periods, rel=1e-3)
 
 
 def test_binary_representations_of_0_to_7():
@@ -272,3 +276,56 @@ def test_deep_stack_section_is_measured_for_every_encoding(tour):
     results = copy.deepcopy(tour["results"])
     results["depth_study"] = {**deep, "trained": deep["untrained"], "config": {**deep["config"], "train_seeds": 2}}
     assert "Trained stacks" in render_report(results, {})
+
+
+# Claims of the source pages and the report built from them -----------------------------------------
+
+
+def test_claims_cover_the_five_pages_with_every_field(tour):
+    from selfattn.tour.claims import SOURCES
+
+    found = tour["results"]["claims"]
+    assert len(found) >= 20
+    assert len({c["id"] for c in found}) == len(found)
+    for claim in found:
+        assert set(claim) == {"id", "source", "statement", "measured", "expected", "holds"}
+        assert claim["source"] in SOURCES and claim["holds"] in (True, False, None)
+    assert {c["source"] for c in found} == set(SOURCES)
+
+
+def test_report_closes_with_one_row_per_claim(tour):
+    page = (tour["out"] / "report.html").read_text()
+    rows = re.findall(r'<tr id="claim-([^"]+)">', page)
+    assert rows == [c["id"] for c in tour["results"]["claims"]]
+    assert page.index('id="claims"') > page.index('id="s8"')
+
+
+def test_report_says_only_what_it_measured(tour):
+    page = (tour["out"] / "report.html").read_text()
+    assert "keep working past the longest" not in page
+    assert "selfattn study" in page  # where generalization is measured instead
+    assert "period from zero crossings" in page
+    assert "8nd<sup>2</sup>" in page and "(ratio)" in page
+    assert re.search(r"\d,\d{3}", page)  # thousands separators
+
+
+def test_summary_lists_no_position_apart_from_relative(tour):
+    text = " ".join(runner.summary_lines(tour["results"]))
+    assert "no position: none" in text
+    relative = re.search(r"relative \(shift-invariant, position-aware\): ([^;]+);", text)
+    assert relative and "none" not in relative.group(1).split(", ")
+
+
+def test_rich_summary_shows_failed_checks_verbatim(tour):
+    from rich.console import Console
+
+    from selfattn.tour.summary import print_summary
+
+    broken = copy.deepcopy(tour["results"])
+    broken["rotation_max_error"] = 1e-3
+    broken["checks"] = runner.verdicts(broken)
+    console = Console(file=io.StringIO(), width=200)
+    print_summary(broken, "out/report.html", console=console)
+    text = console.file.getvalue()
+    assert "FAILED checks" in text and "6. M_delta P[i] = P[i+delta]" in text
+    assert f"{len(broken['checks']) - 1}/{len(broken['checks'])} checks pass" in text

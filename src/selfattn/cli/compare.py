@@ -52,6 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--fixed-n", type=positive_int, default=64, help="n while d or k varies (default 64)")
     parser.add_argument("--fixed-k", type=positive_int, default=3, help="k while n or d varies (default 3)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per point (default 3)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=3, help="times the timing sweep is repeated, for its spread (default 3)"
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
     parser.add_argument(
         "--plot", type=Path, default=None, metavar="FILE", help="also draw the log-log figure (.png/.svg)"
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     _check_size(args)
     if args.plot is not None:
         from selfattn.tour import figures  # fail before measuring when matplotlib is missing
-    steps = comparison.comparison_steps(sorted(set(args.n)), sorted(set(args.d)), sorted(set(args.k)))
+    steps = comparison.comparison_steps(sorted(set(args.n)), sorted(set(args.d)), sorted(set(args.k)), args.rounds)
     with progress_bar(steps, args.progress and sys.stderr.isatty()) as advance:
         results = comparison.compare(
             args.n,
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             fixed_steps=args.fixed_n,
             fixed_kernel=args.fixed_k,
             repeats=args.repeats,
+            rounds=args.rounds,
             progress=advance,
         )
     print("\n".join(comparison_lines(results)))

@@ -25,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
         epilog="examples:\n  selfattn plot --kind sinusoidal --figure columns -n 60 -d 32 --columns 6 7 8 9 -o cols.png\n"
         "  selfattn plot --kind sinusoidal --figure table -n 60 -d 32 -o P.svg\n"
-        "  selfattn plot --kind alibi --figure panel -n 32 -d 64 --heads 8 -o alibi.png",
+        "  selfattn plot --kind alibi --figure panel -n 32 -d 64 --heads 8 -o alibi.png\n"
+        "  selfattn plot --kind alibi --figure panel --causal -o alibi-causal.png",
         formatter_class=ExamplesFormatter,
     )
     parser.add_argument("--kind", choices=kind_names(), default="sinusoidal", help="the encoding (default: sinusoidal)")
@@ -35,6 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "-d", "--num-hiddens", type=positive_int, default=32, metavar="D", help="model size (default 32)"
     )
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
+    parser.add_argument(
+        "--causal",
+        action="store_true",
+        help="causal attention; encodings with two forms (ALiBi) take the causal one (default: bidirectional)",
+    )
     parser.add_argument(
         "--columns",
         type=int,
@@ -56,11 +62,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _draw(args: argparse.Namespace):
     from selfattn.tour import figures
-    from selfattn.tour.family import encoding_diagnostics, encoding_table
+    from selfattn.tour.family import encoding_diagnostics, encoding_table, has_causal_form
 
     n, d, heads = args.num_steps, args.num_hiddens, args.heads
     if args.figure in ("table", "columns"):
-        table = encoding_table(args.kind, num_steps=n, num_hiddens=d, num_heads=heads).numpy()
+        options = {"causal": args.causal} if has_causal_form(args.kind) else {}
+        table = encoding_table(args.kind, num_steps=n, num_hiddens=d, num_heads=heads, **options).numpy()
         if args.figure == "columns":
             if table.ndim != 2 or table.shape[1] != d:
                 raise ValueError(f"--figure columns needs an encoding added to the input; {args.kind} is not")
@@ -71,7 +78,7 @@ def _draw(args: argparse.Namespace):
         if table.ndim == 3:  # one bias per head: show the first
             return figures.heatmap_figure(
                 table[0],
-                title=f"{args.kind}: bias of head 0",
+                title=f"{args.kind}: bias of head 0" + (" (causal form)" if options else ""),
                 xlabel="Key position",
                 ylabel="Query position",
                 colorbar="bias",
@@ -80,7 +87,7 @@ def _draw(args: argparse.Namespace):
         return figures.heatmap_figure(
             table, title=f"{args.kind}: n={n}, d={d}", xlabel=xlabel, ylabel="Row (position)", colorbar="value"
         )
-    diagnostics = encoding_diagnostics(args.kind, num_hiddens=d, num_heads=heads, num_steps=n)
+    diagnostics = encoding_diagnostics(args.kind, num_hiddens=d, num_heads=heads, num_steps=n, causal=args.causal)
     if args.figure == "panel":
         return figures.encoding_panel_figure(diagnostics)
     if args.figure == "similarity":

@@ -59,9 +59,10 @@ def report_folder(out: Path) -> Iterator[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from selfattn.tour.runner import run_tour, summary_lines
+    from selfattn.tour.runner import run_tour
+    from selfattn.tour.summary import print_summary
 
     with report_folder(args.out) as folder:
         results = run_tour(folder, quick=args.quick, progress=args.progress and sys.stderr.isatty(), study=args.study)
-    print("\n".join(summary_lines(results, args.out / "report.html")))
+    print_summary(results, args.out / "report.html")
     return 0 if all(check["ok"] for check in results["checks"]) else 1

@@ -19,12 +19,18 @@ __all__ = [
     "binary_representations",
     "bit_matrix",
     "column_periods",
+    "fft_period",
+    "fitted_rotation",
     "masked_attention_weights",
+    "measured_periods",
     "offset_similarity",
     "permutation_check",
+    "phase_offset",
     "rotation_max_error",
     "self_attention_shape",
     "table_columns",
+    "zero_crossing_period",
+    "zero_crossings",
 ]
 
 
@@ -105,6 +111,135 @@ def column_periods(num_hiddens: int = 32, columns: tuple[int, ...] = (6, 7, 8, 9
     """Period in positions of each column: ``2 pi / w_j`` for columns ``2j`` and ``2j + 1``."""
     freqs = sinusoidal_frequencies(num_hiddens)
     return [float(2 * math.pi / freqs[c // 2]) for c in columns]
+
+
+def zero_crossings(values: np.ndarray | torch.Tensor) -> list[float]:
+    """Where a column crosses zero, in samples, by linear interpolation around each sign change.
+
+    A sample that is exactly 0 is a crossing itself.
+    """
+    column = np.asarray(values, dtype=float)
+    if column.ndim != 1 or column.size < 3:
+        raise ValueError(f"values must be one column of at least 3 samples, got shape {column.shape}")
+    crossings = []
+    for i in range(column.size - 1):
+        a, b = column[i], column[i + 1]
+        if a == 0:
+            crossings.append(float(i))
+        elif a * b < 0:
+            crossings.append(float(i + a / (a - b)))
+    if column[-1] == 0:
+        crossings.append(float(column.size - 1))
+    return crossings
+
+
+def zero_crossing_period(values: np.ndarray | torch.Tensor) -> float:
+    """Period in samples of an oscillating column, measured from where it crosses zero.
+
+    Twice the mean spacing of successive crossings (:func:`zero_crossings`). Needs at least
+    two crossings, so a column must show half a period.
+    """
+    crossings = zero_crossings(values)
+    if len(crossings) < 2:
+        raise ValueError(f"a period needs two zero crossings, found {len(crossings)} in {len(values)} samples")
+    return float(2 * (crossings[-1] - crossings[0]) / (len(crossings) - 1))
+
+
+def phase_offset(first: np.ndarray | torch.Tensor, second: np.ndarray | torch.Tensor) -> float:
+    """How far ``second`` lags ``first``, in periods of ``first``, modulo half a period.
+
+    Zero crossings repeat every half period, so the offset is read modulo 0.5: a cosine column
+    beside its sine column measures 0.25.
+    """
+    period = zero_crossing_period(first)
+    a, b = zero_crossings(first), zero_crossings(second)
+    if not b:
+        raise ValueError("the second column never crosses zero")
+    return float(((b[0] - a[0]) / period) % 0.5)
+
+
+def fft_period(values: np.ndarray | torch.Tensor, oversample: int = 64) -> float:
+    """Period in samples of the strongest frequency of a column (mean removed, zero-padded FFT)."""
+    column = np.asarray(values, dtype=float)
+    if column.ndim != 1 or column.size < 4:
+        raise ValueError(f"values must be one column of at least 4 samples, got shape {column.shape}")
+    size = oversample * column.size
+    spectrum = np.abs(np.fft.rfft((column - column.mean()) * np.hanning(column.size), n=size))
+    peak = int(np.argmax(spectrum[1:])) + 1
+    return float(size / peak)
+
+
+def measured_periods(
+    num_positions: int = 60, num_hiddens: int = 32, columns: tuple[int, ...] = (6, 7, 8, 9), fft_positions: int = 2000
+) -> dict[str, list[float]]:
+    """Periods of the plotted columns read off the values, not off the formula.
+
+    ``zero_crossings``: from the ``num_positions`` plotted rows; ``fft``: from the same columns
+    over ``fft_positions`` rows (an FFT needs many periods to be sharp); ``formula``:
+    ``2 pi / w_j``, for comparison only.
+    """
+    plotted = table_columns(num_positions, num_hiddens, columns).double().numpy()  # (n, columns)
+    long = table_columns(fft_positions, num_hiddens, columns).double().numpy()
+    return {
+        "zero_crossings": [zero_crossing_period(plotted[:, c]) for c in range(len(columns))],
+        "fft": [fft_period(long[:, c]) for c in range(len(columns))],
+        "formula": column_periods(num_hiddens, columns),
+    }
+
+
+def fitted_rotation(
+    num_hiddens: int = 32,
+    deltas: tuple[int, ...] = (1, 5, 30),
+    windows: tuple[tuple[int, int], ...] = ((0, 20000), (20000, 40000), (40000, 60000)),
+    samples: int = 500,
+    seed: int = 0,
+) -> dict[str, object]:
+    """Fit ``M`` with ``P[i + delta] = M P[i]`` by least squares, separately on windows of i.
+
+    No rotation is assumed: ``M`` is a full ``d x d`` matrix fitted from ``samples`` random
+    positions of each window (float64). ``rotation_error`` is the largest entry of ``M`` minus
+    the chapter's block-diagonal rotation, ``window_spread`` the largest difference between
+    the matrices fitted on different windows (0 when the map does not depend on i),
+    ``residual`` the largest error of the fit itself.
+    """
+    generator = np.random.default_rng(seed)
+    freqs = sinusoidal_frequencies(num_hiddens).numpy()
+    full = sinusoidal_table(max(w[1] for w in windows) + max(deltas), num_hiddens, dtype=torch.float64).numpy()
+    rotation_error: dict[str, float] = {}
+    window_spread: dict[str, float] = {}
+    residual: dict[str, float] = {}
+    for delta in deltas:
+        angles = delta * freqs[: num_hiddens // 2]
+        rotation = np.zeros((num_hiddens, num_hiddens))
+        for j, angle in enumerate(angles):
+            cos, sin = np.cos(angle), np.sin(angle)
+            rotation[2 * j : 2 * j + 2, 2 * j : 2 * j + 2] = [[cos, sin], [-sin, cos]]
+        if num_hiddens % 2:  # an odd d's last sine column has no cosine partner: leave it out
+            rotation = rotation[:-1, :-1]
+        fits = []
+        for low, high in windows:
+            i = np.sort(generator.choice(np.arange(low, high), size=samples, replace=False))
+            before = full[i, : rotation.shape[0]]  # (samples, d)
+            after = full[i + delta, : rotation.shape[0]]
+            # torch's solver: NumPy's multi-threaded BLAS stalls for seconds on a busy machine.
+            solution = torch.linalg.lstsq(torch.from_numpy(before), torch.from_numpy(after), driver="gelsd")
+            solution = solution.solution.numpy()  # (d, d): after = before @ M^T
+            fit = solution.T
+            fits.append(fit)
+            residual[str(delta)] = max(residual.get(str(delta), 0.0), float(np.abs(before @ solution - after).max()))
+        rotation_error[str(delta)] = max(float(np.abs(fit - rotation).max()) for fit in fits)
+        window_spread[str(delta)] = max(float(np.abs(a - b).max()) for a in fits for b in fits)
+    return {
+        "num_hiddens": num_hiddens,
+        "deltas": list(deltas),
+        "windows": [list(w) for w in windows],
+        "samples": samples,
+        "rotation_error": rotation_error,
+        "rotation_error_max": max(rotation_error.values()),
+        "window_spread": window_spread,
+        "window_spread_max": max(window_spread.values()),
+        "residual_max": max(residual.values()),
+    }
 
 
 def binary_representations(count: int = 8) -> list[str]:

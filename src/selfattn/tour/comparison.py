@@ -7,15 +7,18 @@ of n tokens of size d to another one:
   and k, with the fitted power-law exponents;
 * sequential operations: the longest chain of dependent matrix products (convolutions,
   matrix multiplications) in the layer's autograd graph;
-* maximum path length: the fewest steps a gradient needs to carry output n back to input 1
-  (layers of a stack, or recurrent steps of the RNN);
-* wall-clock time of a forward pass on this machine.
+* maximum path length: the fewest matrix products on any dependency chain from input 1 to
+  output n, in the smallest stack of the layer that connects them, read off the operations
+  the layers really run (:mod:`selfattn.tour.paths`);
+* parallelism: positions per step of the dependency chain (the slides' extra row);
+* wall-clock time of a forward pass on this machine, the sweep repeated to show its spread.
 
 Shape legend: b batch, n positions, d features, k kernel width.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -29,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from selfattn._validation import require_positive_int
 from selfattn.attention import MultiHeadAttention
 from selfattn.tour._common import fit_exponent, seeded, single_threaded
+from selfattn.tour.paths import stack_path_length
 
 __all__ = [
     "CHAPTER",
@@ -41,6 +45,7 @@ __all__ = [
     "count_flops",
     "make_layer",
     "max_path_length",
+    "path_lengths",
     "sequential_ops",
     "time_forward",
 ]
@@ -217,53 +222,32 @@ def sequential_ops(kind: str, num_steps: int, num_hiddens: int = 8, *, kernel_si
         return _longest_product_chain(layer(x))
 
 
-def _smallest_true(predicate: Callable[[int], bool], low: int, high: int) -> int:
-    """Smallest v in [low, high] with predicate(v), for a predicate that stays true once true.
+def _path_stack(kind: str, num_hiddens: int, kernel_size: int) -> Callable[[int], list[nn.Module]]:
+    """``layers(depth)``: the first ``depth`` layers of one seeded float64 stack (grown on demand)."""
+    stack: list[nn.Module] = []
 
-    Galloping then bisection, so a small answer costs few probes and a large one log(high).
-    """
-    lo, step = low, 1
-    while True:
-        probe = min(lo + step - 1, high)
-        if predicate(probe):
-            hi = probe
-            break
-        if probe == high:
-            raise RuntimeError(f"no value in [{low}, {high}] satisfies the predicate")
-        lo, step = probe + 1, 2 * step
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if predicate(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    def layers(depth: int) -> list[nn.Module]:
+        with seeded(len(stack) + 1):
+            while len(stack) < depth:
+                stack.append(make_layer(kind, num_hiddens, kernel_size=kernel_size, explicit=True, dtype=torch.float64))
+        return stack[:depth]
+
+    return layers
 
 
-def _first_input_reaches_last_output(output: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether the gradient of output n (the last position) is nonzero at input 1."""
-    (grad,) = torch.autograd.grad(output[:, -1].sum(), x, allow_unused=True)
-    return grad is not None and bool(grad[:, 0].abs().max() > 0)
+def path_lengths(kind: str, num_steps: int, *, kernel_size: int = 3, num_hiddens: int = 4) -> dict[str, int]:
+    """The shortest path from input 1 to output n, measured two ways on real float64 layers.
 
+    * ``layers``: the smallest depth of a stack of this layer at which output n depends on
+      input 1 at all;
+    * ``products``: in that stack, the fewest matrix products on any dependency chain from
+      input 1 to output n.
 
-def _rescale_gradient(h: torch.Tensor) -> torch.Tensor:
-    """Rescale the gradient flowing back through ``h`` to a largest entry of 1.
-
-    A gradient through hundreds of layers would otherwise underflow to an exact zero; the
-    rescaling keeps every nonzero entry nonzero and changes no zero.
-    """
-    tiny = torch.finfo(h.dtype).tiny
-    h.register_hook(lambda grad: grad / grad.abs().amax().clamp_min(tiny))
-    return h
-
-
-def max_path_length(kind: str, num_steps: int, *, kernel_size: int = 3, num_hiddens: int = 4) -> int:
-    """Steps on the shortest path from input 1 to output n, read off gradients.
-
-    For stacks of convolutions or self-attention layers: the smallest depth at which output n
-    depends on input 1. For the RNN: the fewest recurrent steps back-propagation must go
-    through (truncating it earlier detaches input 1 from output n).
-    Runs in float64 with random weights, so a nonzero gradient is a real dependency.
+    Both are read off the operations the stack really runs
+    (:func:`selfattn.tour.paths.product_path_length`), not off gradients: a gradient through
+    thousands of recurrent steps underflows to an exact zero and would hide a real path. An
+    RNN reaches in one layer, through its input projection and then one recurrent product per
+    step.
     """
     _check_kind(kind)
     num_steps = require_positive_int("num_steps", num_steps)
@@ -272,31 +256,16 @@ def max_path_length(kind: str, num_steps: int, *, kernel_size: int = 3, num_hidd
     if kind == "cnn" and (isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 2):
         raise ValueError(f"kernel_size must be an integer >= 2 for a path to span the sequence, got {kernel_size!r}")
     with seeded(0):
-        x = torch.randn(1, num_steps, num_hiddens, dtype=torch.float64, requires_grad=True)
-        rnn = make_layer("rnn", num_hiddens, dtype=torch.float64) if kind == "rnn" else None
-    stack: list[nn.Module] = []
-
-    def rnn_reaches(recurrent_steps: int) -> bool:
-        # The hidden state entering position `start` is detached: at most `recurrent_steps` steps remain.
-        start = num_steps - 1 - recurrent_steps
-        hidden = rnn(x[:, :start])[:, -1:].transpose(0, 1).detach() if start > 0 else None  # (1, b, d)
-        for position in range(start, num_steps):
-            hidden = _rescale_gradient(rnn(x[:, position : position + 1], hidden).transpose(0, 1))  # (1, b, d)
-        return _first_input_reaches_last_output(hidden.transpose(0, 1), x)
-
-    def stack_reaches(depth: int) -> bool:
-        with seeded(len(stack) + 1):
-            while len(stack) < depth:
-                stack.append(make_layer(kind, num_hiddens, kernel_size=kernel_size, dtype=torch.float64))
-        h = x
-        for layer in stack[:depth]:
-            h = _rescale_gradient(layer(h))
-        return _first_input_reaches_last_output(h, x)
-
+        x = torch.randn(1, num_steps, num_hiddens, dtype=torch.float64)
+    layers = _path_stack(kind, num_hiddens, kernel_size)
     with single_threaded():
-        if kind == "rnn":
-            return _smallest_true(rnn_reaches, 0, num_steps - 1)
-        return _smallest_true(stack_reaches, 1, num_steps - 1)
+        depth, products = stack_path_length(lambda index: layers(index + 1)[index], x, max_depth=num_steps - 1)
+    return {"layers": depth, "products": int(products)}
+
+
+def max_path_length(kind: str, num_steps: int, *, kernel_size: int = 3, num_hiddens: int = 4) -> int:
+    """Matrix products on the shortest path from input 1 to output n (see :func:`path_lengths`)."""
+    return path_lengths(kind, num_steps, kernel_size=kernel_size, num_hiddens=num_hiddens)["products"]
 
 
 def time_forward(kind: str, num_steps: int, num_hiddens: int, *, kernel_size: int = 3, repeats: int = 3) -> float:
@@ -319,9 +288,26 @@ def time_forward(kind: str, num_steps: int, num_hiddens: int, *, kernel_size: in
     return statistics.median(times)
 
 
-def comparison_steps(num_steps: Sequence[int], num_hiddens: Sequence[int], kernel_sizes: Sequence[int]) -> int:
+def comparison_steps(
+    num_steps: Sequence[int], num_hiddens: Sequence[int], kernel_sizes: Sequence[int], rounds: int = 3
+) -> int:
     """Number of progress steps :func:`compare` reports for this sweep."""
-    return len(KINDS) * (4 * len(num_steps) + len(num_hiddens)) + 2 * len(kernel_sizes)
+    return len(KINDS) * ((3 + rounds) * len(num_steps) + len(num_hiddens)) + 2 * len(kernel_sizes)
+
+
+def crossing(xs: Sequence[float], ratios: Sequence[float]) -> float | None:
+    """Where ``ratios`` (positive, against ``xs``) first reaches 1, interpolated on log-log axes.
+
+    ``None`` when it stays on one side of 1 over the whole range.
+    """
+    points = list(zip(xs, ratios))
+    for (x0, r0), (x1, r1) in itertools.pairwise(points):
+        if r0 == 1:
+            return float(x0)
+        if (r0 - 1) * (r1 - 1) < 0 or r1 == 1:
+            t = -math.log(r0) / (math.log(r1) - math.log(r0))
+            return float(math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0))))
+    return None
 
 
 def _check_sweep(name: str, values: Sequence[int], minimum: int) -> list[int]:
@@ -351,6 +337,7 @@ def _measure_layer(
     n0: int,
     k0: int,
     repeats: int,
+    rounds: int,
     path_hiddens: int,
     tick: Callable[[str], None],
 ) -> dict[str, object]:
@@ -360,14 +347,24 @@ def _measure_layer(
     chains = _each(ns, lambda n: sequential_ops(kind, n, kernel_size=k0), f"{kind}: dependency chain at n={{}}", tick)
     paths = _each(
         ns,
-        lambda n: max_path_length(kind, n, kernel_size=k0, num_hiddens=path_hiddens),
+        lambda n: path_lengths(kind, n, kernel_size=k0, num_hiddens=path_hiddens),
         f"{kind}: path length at n={{}}",
         tick,
     )
-    seconds = _each(
-        ns, lambda n: time_forward(kind, n, d0, kernel_size=k0, repeats=repeats), f"{kind}: time at n={{}}", tick
-    )
+    # Whole sweeps repeated, so drift on a busy machine shows as spread between rounds.
+    seconds_rounds = [
+        _each(
+            ns,
+            lambda n: time_forward(kind, n, d0, kernel_size=k0, repeats=repeats),
+            f"{kind}: time at n={{}} (round {r + 1})",
+            tick,
+        )
+        for r in range(rounds)
+    ]
+    seconds = [statistics.median(times) for times in zip(*seconds_rounds)]
     timed = min(len(ns), max(3, math.ceil(len(ns) / 2)))  # the larger half of the n sweep, 3 points or more
+    exponents = [fit_exponent(ns[-timed:], times[-timed:]) for times in seconds_rounds]
+    products = [p["products"] for p in paths]
     core = "attention" if kind == "self_attention" else "total"
     entry: dict[str, object] = {
         "chapter": CHAPTER[kind],
@@ -378,15 +375,26 @@ def _measure_layer(
         "sequential_ops_by_n": chains,
         "sequential_ops": chains[-1],
         "sequential_ops_exponent_n": fit_exponent(ns, chains),
-        "path_length_by_n": paths,
-        "max_path_length": paths[-1],
-        "path_length_exponent_n": fit_exponent(ns, paths),
+        # Positions whose outputs one step of the dependency chain produces.
+        "parallelism_by_n": [n / chain for n, chain in zip(ns, chains)],
+        "parallelism_exponent_n": fit_exponent(ns, [n / chain for n, chain in zip(ns, chains)]),
+        "path_length_by_n": products,
+        "path_layers_by_n": [p["layers"] for p in paths],
+        "max_path_length": products[-1],
+        "path_layers": paths[-1]["layers"],
+        "path_length_exponent_n": fit_exponent(ns, products),
         "n": ns[-1],
         "k": k0 if kind == "cnn" else None,
         "seconds_by_n": seconds,
+        "seconds_by_n_rounds": seconds_rounds,
         # Small layers are dominated by fixed per-call costs: fit the time on the larger n only.
-        "time_exponent_n": fit_exponent(ns[-timed:], seconds[-timed:]),
+        "time_exponent_n": statistics.median(exponents),
+        "time_exponents": exponents,
+        "time_exponent_spread": [min(exponents), max(exponents)],
         "time_fit_from_n": ns[-timed],
+        # The whole time at the smallest n bounds the fixed per-call cost from above.
+        "fixed_cost_share": seconds[0] / seconds[-timed],
+        "fixed_costs_dominate": seconds[0] / seconds[-timed] > 0.5,
     }
     if kind == "self_attention":
         layer_by_n, layer_by_d = [f["total"] for f in by_n], [f["total"] for f in by_d]
@@ -400,7 +408,7 @@ def _measure_layer(
         flops_by_k = _each(ks, lambda k: count_flops("cnn", n0, d0, kernel_size=k)["total"], "cnn: FLOPs at k={}", tick)
         paths_by_k = _each(
             ks,
-            lambda k: max_path_length("cnn", ns[-1], kernel_size=k, num_hiddens=path_hiddens),
+            lambda k: path_lengths("cnn", ns[-1], kernel_size=k, num_hiddens=path_hiddens)["products"],
             "cnn: path at k={}",
             tick,
         )
@@ -413,6 +421,31 @@ def _measure_layer(
     return entry
 
 
+def _compute_crossings(results: dict, ns: list[int], ds: list[int], d0: int, n0: int) -> dict[str, object]:
+    """Attention against the RNN in counted FLOPs: where the core crosses, what the whole layer costs."""
+    rnn, sa = results["rnn"], results["self_attention"]
+    core_over_rnn_n = [a / r for a, r in zip(sa["flops_by_n"], rnn["flops_by_n"])]
+    core_over_rnn_d = [a / r for a, r in zip(sa["flops_by_d"], rnn["flops_by_d"])]
+    layer_over_rnn_n = [a / r for a, r in zip(sa["layer_flops_by_n"], rnn["flops_by_n"])]
+    layer_over_rnn_d = [a / r for a, r in zip(sa["layer_flops_by_d"], rnn["flops_by_d"])]
+    layer_formula = [8 * n * d0**2 + 4 * n**2 * d0 for n in ns] + [8 * n0 * d**2 + 4 * n0**2 * d for d in ds]
+    layer_counted = sa["layer_flops_by_n"] + sa["layer_flops_by_d"]
+    rnn_formula = [4 * n * d0**2 for n in ns] + [4 * n0 * d**2 for d in ds]
+    rnn_counted = rnn["flops_by_n"] + rnn["flops_by_d"]
+    return {
+        "core_over_rnn_by_n": core_over_rnn_n,
+        "core_over_rnn_by_d": core_over_rnn_d,
+        "layer_over_rnn_by_n": layer_over_rnn_n,
+        "layer_over_rnn_by_d": layer_over_rnn_d,
+        "core_equals_rnn_at_n": crossing(ns, core_over_rnn_n),
+        "core_equals_rnn_at_d": crossing(ds, [1 / r for r in core_over_rnn_d]),
+        "layer_equals_rnn_at_n": crossing(ns, layer_over_rnn_n),
+        "layer_over_rnn_min": min(layer_over_rnn_n + layer_over_rnn_d),
+        "layer_formula_error": max(abs(c - f) / f for c, f in zip(layer_counted, layer_formula)),
+        "rnn_formula_error": max(abs(c - f) / f for c, f in zip(rnn_counted, rnn_formula)),
+    }
+
+
 def compare(
     num_steps: Sequence[int] = (64, 128, 256, 512, 1024),
     num_hiddens: Sequence[int] = (16, 32, 64, 128),
@@ -422,6 +455,7 @@ def compare(
     fixed_steps: int = 128,
     fixed_kernel: int = 3,
     repeats: int = 3,
+    rounds: int = 3,
     path_hiddens: int = 4,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, object]:
@@ -433,6 +467,8 @@ def compare(
         kernel_sizes: the k sweep for the CNN (n = ``fixed_steps``, d = ``fixed_hiddens``;
             path lengths at the largest n).
         repeats: timed forward passes per point (the median is kept).
+        rounds: how many times the whole timing sweep runs; exponents are fitted per round and
+            reported as their median and spread.
         path_hiddens: feature size of the layers whose path lengths are measured.
         progress: called with a short description after each measurement.
 
@@ -449,13 +485,27 @@ def compare(
     k0 = require_positive_int("fixed_kernel", fixed_kernel)
     if k0 < 2:
         raise ValueError(f"fixed_kernel must be at least 2, got {k0}")
+    rounds = require_positive_int("rounds", rounds)
     tick = progress or (lambda _description: None)
     results: dict[str, object] = {
-        "sweep": {"n": ns, "d": ds, "k": ks, "fixed_d": d0, "fixed_n": n0, "fixed_k": k0, "repeats": repeats},
+        "sweep": {
+            "n": ns,
+            "d": ds,
+            "k": ks,
+            "fixed_d": d0,
+            "fixed_n": n0,
+            "fixed_k": k0,
+            "repeats": repeats,
+            "rounds": rounds,
+        },
     }
     for kind in KINDS:
-        results[kind] = _measure_layer(kind, ns, ds, ks, d0, n0, k0, repeats, path_hiddens, tick)
+        results[kind] = _measure_layer(kind, ns, ds, ks, d0, n0, k0, repeats, rounds, path_hiddens, tick)
+    # What the chapter's figure predicts, in matrix products: one convolution per layer of the
+    # smallest stack; the input projection and one recurrent product per later step; value
+    # projection, weighted sum and output projection.
     results["cnn"]["expected_path_length_by_n"] = [math.ceil((n - 1) / (k0 - 1)) for n in ns]
-    results["rnn"]["expected_path_length_by_n"] = [n - 1 for n in ns]
-    results["self_attention"]["expected_path_length_by_n"] = [1 for _ in ns]
+    results["rnn"]["expected_path_length_by_n"] = list(ns)
+    results["self_attention"]["expected_path_length_by_n"] = [3 for _ in ns]
+    results["crossings"] = _compute_crossings(results, ns, ds, d0, n0)
     return results

@@ -25,7 +25,7 @@ import torch
 from selfattn.attention import MultiHeadAttention
 from selfattn.tour._common import seeded
 
-__all__ = ["encoding_diagnostics", "encoding_table", "family_names", "position_scores"]
+__all__ = ["encoding_diagnostics", "encoding_table", "family_names", "has_causal_form", "position_scores"]
 
 
 def family_names() -> tuple[str, ...]:
@@ -39,6 +39,15 @@ def _build(name: str, num_hiddens: int, num_heads: int, **options):
     from selfattn.positional import build
 
     return build(name, num_hiddens=num_hiddens, num_heads=num_heads, **options)
+
+
+def has_causal_form(name: str) -> bool:
+    """Whether the encoding has a causal and a bidirectional form (ALiBi does)."""
+    import inspect
+
+    from selfattn.positional import registry
+
+    return "causal" in inspect.signature(registry._REGISTRY[name].cls).parameters
 
 
 def _as_grid(x: torch.Tensor, encoding) -> torch.Tensor:
@@ -87,6 +96,8 @@ def _offset_profile(scores: torch.Tensor) -> tuple[list[int], list[float], float
     deltas, means, spread = [], [], 0.0
     for delta in range(-(n - 1), n):
         diagonal = torch.diagonal(scores, offset=delta)
+        if bool(diagonal.isnan().all()):  # future keys under a causal mask
+            continue
         deltas.append(delta)
         means.append(float(diagonal.mean()))
         spread = max(spread, float(diagonal.max() - diagonal.min()))
@@ -101,15 +112,19 @@ def encoding_diagnostics(
     num_steps: int = 24,
     shift: int = 7,
     far_offset: int = 5000,
+    causal: bool = False,
     seed: int = 0,
 ) -> dict[str, object]:
     """All of the module docstring's diagnostics for the encoding called ``name``.
 
     Everything runs in float64 with seeded random weights (learned encodings are shown as
-    initialized: their pattern is noise until trained).
+    initialized: their pattern is noise until trained). ``causal`` picks causal attention;
+    an encoding with both forms (ALiBi) is built in the form that matches, and with causal
+    attention the scores of future keys, which the mask removes, are left out (NaN).
     """
+    options = {"causal": causal} if has_causal_form(name) else {}
     with seeded(seed):
-        encoding = _build(name, num_hiddens, num_heads).double().eval()
+        encoding = _build(name, num_hiddens, num_heads, **options).double().eval()
         attention = (
             MultiHeadAttention(num_hiddens, num_heads, position=None if encoding.acts_on == "input" else encoding)
             .double()
@@ -117,17 +132,25 @@ def encoding_diagnostics(
         )
         x = torch.randn(1, num_steps, num_hiddens, dtype=torch.float64)
 
-    def attend(offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(offset: int, tokens: torch.Tensor = x) -> tuple[torch.Tensor, torch.Tensor]:
         if encoding.acts_on == "input":
-            h = _add_input_encoding(encoding, x, offset)
-            return attention(h, h, h, return_weights=True)
-        return attention(x, x, x, return_weights=True, offset=offset)
+            h = _add_input_encoding(encoding, tokens, offset)
+            return attention(h, h, h, return_weights=True, causal=causal)
+        return attention(tokens, tokens, tokens, return_weights=True, offset=offset, causal=causal)
 
     with torch.no_grad():
         scores = position_scores(encoding, num_steps, num_hiddens, num_heads)
+        if causal:
+            future = torch.ones(num_steps, num_steps, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(future, float("nan"))
         deltas, by_delta, spread = _offset_profile(scores)
         output, weights = attend(0)
         shifted, _ = attend(shift)
+        # Without positions, attention commutes with permuting the tokens. A cyclic shift, not
+        # a reversal: a reversal keeps every |i - j|, so it cannot see a symmetric bias.
+        order = torch.arange(num_steps).roll(1)
+        permuted, _ = attend(0, x[:, order])
+        permutation_change = float((permuted - output[:, order]).abs().max() / output.abs().max().clamp_min(1e-300))
         try:
             attend(far_offset)
             far_positions = "ok"
@@ -148,6 +171,10 @@ def encoding_diagnostics(
         "shift": shift,
         "shift_change": shift_change,
         "measured_relative": shift_change < 1e-9,
+        "causal": causal,
+        "form": ("causal" if causal else "bidirectional") if options else None,
+        "permutation_change": permutation_change,
+        "position_aware": permutation_change > 1e-9,
         "far_offset": far_offset,
         "far_positions": far_positions,
     }

@@ -26,6 +26,7 @@ __all__ = [
     "deep_stack_figure",
     "encoding_panel_figure",
     "heatmap_figure",
+    "note_figure",
     "pe_columns_figure",
     "pe_heatmap_figure",
     "permutation_figure",
@@ -73,7 +74,8 @@ def _heatmap(
 ) -> None:
     values = np.asarray(values, dtype=float)
     if symmetric:
-        bound = float(np.abs(values).max()) or 1.0
+        bound = float(np.nanmax(np.abs(values))) if np.isfinite(values).any() else 1.0
+        bound = bound or 1.0
         imshow_options.update(vmin=-bound, vmax=bound)
     image = ax.imshow(values, cmap=cmap, aspect="auto", interpolation="nearest", **imshow_options)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -119,30 +121,67 @@ def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure
 
 
 def comparison_figure(results: dict) -> Figure:
-    """Section 3: measured FLOPs against n and d, path lengths and wall-clock time (log-log)."""
+    """Section 3: measured FLOPs against n and d, path lengths, parallelism and wall-clock time."""
     sweep = results["sweep"]
     ns, ds = sweep["n"], sweep["d"]
-    fig, axes = _figure(10.5, 7.6, columns=2, rows=2)
+    fig, axes = _figure(10.5, 11.0, columns=2, rows=3)
     panels = [
         (axes[0], ns, "flops_by_n", "flops_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "FLOPs (counted)"),
         (axes[1], ds, "flops_by_d", "flops_exponent_d", f"d (features), n = {sweep['fixed_n']}", "FLOPs (counted)"),
-        (axes[2], ns, "path_length_by_n", "path_length_exponent_n", "n (tokens)", "maximum path length (steps)"),
-        (axes[3], ns, "seconds_by_n", "time_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "forward time (s)"),
+        (axes[2], ns, "path_length_by_n", "path_length_exponent_n", "n (tokens)", "matrix products on the path"),
+        (axes[3], ns, "parallelism_by_n", "parallelism_exponent_n", "n (tokens)", "positions per sequential step"),
+        (axes[4], ns, "seconds_by_n", "time_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "forward time (s)"),
     ]
     for ax, xs, key, exponent_key, xlabel, ylabel in panels:
         for kind, (label, colour, marker) in _LAYER_STYLE.items():
             entry = results[kind]
-            ax.plot(xs, entry[key], marker=marker, color=colour, label=f"{label}: slope {entry[exponent_key]:.2f}")
+            ax.plot(
+                xs,
+                entry[key],
+                marker=marker,
+                color=colour,
+                label=f"{label}: slope {round(entry[exponent_key], 2) + 0.0:.2f}",
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0].set_title("Compute against n (attention: score and value matmuls)")
-    axes[1].set_title("Compute against d")
+    sa = results["self_attention"]
+    crossings = results.get("crossings", {})
+    for ax, xs, key in ((axes[0], ns, "layer_flops_by_n"), (axes[1], ds, "layer_flops_by_d")):
+        ax.plot(xs, sa[key], linestyle="--", color="tab:green", label="Self-attention layer (8nd² + 4n²d)")
+    for ax, key in ((axes[0], "core_equals_rnn_at_n"), (axes[1], "core_equals_rnn_at_d")):
+        if crossings.get(key):
+            ax.axvline(crossings[key], color="grey", linestyle=":", label=f"core = RNN at {crossings[key]:,.0f}")
+    for kind, (_label, colour, _marker) in _LAYER_STYLE.items():
+        rounds = np.asarray(results[kind]["seconds_by_n_rounds"])  # (rounds, len(ns))
+        axes[4].fill_between(ns, rounds.min(0), rounds.max(0), color=colour, alpha=0.2)
+    for ax in axes[:5]:
+        ax.legend(fontsize=7)
+    if crossings:
+        axes[5].plot(ns, crossings["core_over_rnn_by_n"], marker="^", color="tab:green", label="attention core / RNN")
+        axes[5].plot(
+            ns, crossings["layer_over_rnn_by_n"], linestyle="--", color="tab:green", label="attention layer / RNN"
+        )
+        axes[5].axhline(1.0, color="grey", linewidth=0.8)
+        axes[5].set_xscale("log", base=2)
+        axes[5].set_yscale("log")
+        axes[5].set_xlabel(f"n (tokens), d = {sweep['fixed_d']}")
+        axes[5].set_ylabel("FLOPs ratio")
+        axes[5].set_title("Attention against the RNN (ratio of counted FLOPs)")
+        axes[5].grid(True, which="both", alpha=0.3)
+        axes[5].legend(fontsize=7)
+    else:
+        axes[5].set_axis_off()
+    axes[0].set_title("Compute against n (solid: score and value matmuls)")
+    axes[1].set_title("Compute against d (dashed: whole attention layer)")
     axes[2].set_title(f"Shortest path from input 1 to output n (CNN k = {sweep['fixed_k']})")
-    axes[3].set_title(f"Wall-clock time, 1 thread (slopes from n = {results['cnn']['time_fit_from_n']})")
+    axes[3].set_title("Parallelism: n / sequential operations")
+    axes[4].set_title(
+        f"Wall-clock, 1 thread, {sweep.get('rounds', 1)} rounds (band: spread; slopes from n = "
+        f"{results['cnn']['time_fit_from_n']:,})"
+    )
     return fig
 
 
@@ -283,6 +322,9 @@ def profile_figure(diagnostics: dict) -> Figure:
 def encoding_panel_figure(diagnostics: dict) -> Figure:
     """Section 7: one encoding's position scores, offset profile and attention pattern."""
     name = diagnostics["name"]
+    short = name
+    if diagnostics.get("form"):
+        name = f"{name} ({diagnostics['form']})"
     fig, axes = _figure(13.0, 3.7, columns=3)
     _heatmap(
         fig,
@@ -295,14 +337,14 @@ def encoding_panel_figure(diagnostics: dict) -> Figure:
         cmap="RdBu_r",
         symmetric=True,
     )
-    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], name)
+    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], short)
     _heatmap(
         fig,
         axes[2],
         diagnostics["attention"],
         xlabel="Key position",
         ylabel="Query position",
-        title=f"{name}: attention on one input (head 0)",
+        title=f"{short}: attention on one input (head 0)",
         colorbar="attention weight",
         vmin=0.0,
     )
@@ -371,4 +413,32 @@ def deep_stack_figure(deep: dict, which: str = "untrained") -> Figure:
     axes[0].legend(fontsize=7, ncol=2)
     seeds = deep["config"]["train_seeds" if which == "trained" else "seeds"]
     fig.suptitle(f"{which.capitalize()} deep stacks: mean over {seeds} seeds, range shaded", fontsize=11)
+    return fig
+
+
+def note_figure(terms: dict, survival: dict) -> Figure:
+    """The study note's two questions: what each term contributes to the scores, what survives of a token."""
+    fig, axes = _figure(10.5, 3.6, columns=2)
+    labels = ["content-content", "content-position", "position-position"]
+    keys = ["content_content", "content_position", "position_position"]
+    width = 0.8 / len(terms["scales"])
+    for index, entry in enumerate(terms["scales"]):
+        offsets = np.arange(3) + index * width
+        bars = axes[0].bar(offsets, [entry[k] for k in keys], width, label=f"content scale {entry['scale']:g}")
+        axes[0].bar_label(bars, labels=[f"{entry[k]:.0%}" for k in keys], fontsize=7)
+    axes[0].set_xticks(np.arange(3) + width * (len(terms["scales"]) - 1) / 2, labels)
+    axes[0].set_ylabel("share of the scores (squared norm)")
+    axes[0].set_ylim(0, 1.1)
+    axes[0].set_title("Scores of x + P split into three terms")
+    axes[0].legend(fontsize=8)
+    sizes = survival["sizes"]
+    axes[1].plot(sizes, survival["recovered"], marker="o", label="N(0, 1) embeddings (nn.Embedding)")
+    axes[1].plot(sizes, survival["recovered_unit"], marker="s", label="unit-norm embeddings")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_ylim(-0.05, 1.05)
+    axes[1].set_xlabel("model size d")
+    axes[1].set_ylabel("tokens recovered after adding P")
+    axes[1].set_title(f"Nearest of {survival['vocabulary']:,} tokens to E[t] + P[i]")
+    axes[1].legend(fontsize=8)
+    axes[1].grid(True, alpha=0.3)
     return fig

@@ -14,7 +14,14 @@ import torch
 
 from selfattn.functional import sinusoidal_table
 
-__all__ = ["absolute_position_qualities", "offset_distance_curves", "table_precision", "textbook_table"]
+__all__ = [
+    "absolute_position_qualities",
+    "distance_across_lengths",
+    "fraction_encoding",
+    "offset_distance_curves",
+    "table_precision",
+    "textbook_table",
+]
 
 
 def absolute_position_qualities(
@@ -49,6 +56,8 @@ def absolute_position_qualities(
         gaps = (table[delta:] - table[:-delta]).norm(dim=-1)  # (n - delta,)
         spreads[str(delta)] = float(gaps.max() - gaps.min())
     seen, unseen = table[:num_seen], table[num_seen:]
+    gaps = torch.cdist(unseen, seen)  # (n - seen, seen)
+    new_row, seen_row = divmod(int(gaps.argmin()), num_seen)
     return {
         "num_hiddens": num_hiddens,
         "num_seen": num_seen,
@@ -60,7 +69,9 @@ def absolute_position_qualities(
         "row_norm_max": float(norms.max()),
         "offset_distance_spread": spreads,
         "offset_distance_spread_max": max(spreads.values()),
-        "unseen_nearest_distance": float(torch.cdist(unseen, seen).min()),
+        "unseen_nearest_distance": float(gaps.min()),
+        # Which pair attains it: the first new row and the last seen one are neighbours.
+        "unseen_nearest_pair": [num_seen + new_row, seen_row],
         "unseen_max_abs_value": float(unseen.abs().max()),
     }
 
@@ -96,3 +107,54 @@ def table_precision(num_hiddens: int = 32, lengths: tuple[int, ...] = (60, 1000,
         textbook.append(float((textbook_table(length, num_hiddens).double() - exact).abs().max()))
         ours.append(float((sinusoidal_table(length, num_hiddens).double() - exact).abs().max()))
     return {"lengths": list(lengths), "textbook_error": textbook, "selfattn_error": ours}
+
+
+def fraction_encoding(num_steps: int, num_hiddens: int) -> torch.Tensor:
+    """A foil for the note's second quality: sinusoids of the position as a fraction of the length.
+
+    Row i is the sinusoidal row of angle ``pi * i / n`` scaled per column: the encoding
+    depends on the sentence length n, which the chapter's P does not. ``(n, d)``, float64.
+    """
+    fractions = torch.arange(num_steps, dtype=torch.float64) / num_steps  # (n,)
+    table = sinusoidal_table(num_steps, num_hiddens, dtype=torch.float64)  # only for its shape
+    columns = torch.arange(1, (num_hiddens + 1) // 2 + 1, dtype=torch.float64)  # (ceil(d/2),)
+    angles = torch.pi * torch.outer(fractions, columns)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles[:, : num_hiddens // 2])
+    return table
+
+
+def distance_across_lengths(
+    num_hiddens: int = 32,
+    lengths: tuple[int, ...] = (10, 30, 60, 200),
+    pairs: tuple[tuple[int, int], ...] = ((0, 1), (2, 7), (3, 9)),
+) -> dict[str, object]:
+    """The note's "same distance between two time steps across sentence lengths", measured.
+
+    For each pair of positions ``(i, j)``, ``|P[i] - P[j]|`` in sentences of each length, with
+    P taken from :class:`~selfattn.positional.SinusoidalPositionalEncoding` applied to a
+    zero input of that length; ``spread`` is the largest difference across lengths (0 when
+    the length does not matter). The same for :func:`fraction_encoding`, which fails it.
+    """
+    from selfattn.positional import SinusoidalPositionalEncoding
+
+    encoding = SinusoidalPositionalEncoding(num_hiddens, dropout=0.0).double().eval()
+    usable = [length for length in lengths if length > max(max(p) for p in pairs)]
+    if len(usable) < 2:
+        raise ValueError(f"need two lengths longer than every pair's positions, got lengths {lengths} for {pairs}")
+    chapter, foil = {}, {}
+    with torch.no_grad():
+        for i, j in pairs:
+            key = f"{i}-{j}"
+            rows = [encoding(torch.zeros(1, n, num_hiddens, dtype=torch.float64))[0] for n in usable]
+            chapter[key] = [float((p[i] - p[j]).norm()) for p in rows]
+            foil_rows = [fraction_encoding(n, num_hiddens) for n in usable]
+            foil[key] = [float((p[i] - p[j]).norm()) for p in foil_rows]
+    return {
+        "lengths": usable,
+        "pairs": [list(p) for p in pairs],
+        "distances": chapter,
+        "spread": max(max(v) - min(v) for v in chapter.values()),
+        "fraction_distances": foil,
+        "fraction_spread": max(max(v) - min(v) for v in foil.values()),
+    }

@@ -1,38 +1,99 @@
 """The tour's HTML report: one self-contained page, figures beside it in ``figures/``.
 
-Nothing is fetched from the network; the page opens offline from the file system. Every
-number shown here is in ``results.json``.
+The page is rendered with jinja2 from ``templates/`` (one partial per section); this module
+turns ``results`` into the rows and numbers the templates show. Nothing is fetched from the
+network; the page opens offline from the file system. Every number shown here is in
+``results.json``.
+
+The deep-stack section and the study's section are slots: their HTML comes from
+:func:`_section_depth` (:mod:`selfattn.tour.depth`) and
+:func:`selfattn.study.summary.study_section_html` (the study's results, when there are any).
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from selfattn import __version__
+from selfattn.study.summary import study_section_html
 from selfattn.tour import depth
 from selfattn.tour.comparison import CHAPTER, KINDS
-from selfattn.study.summary import study_section_html
 
-__all__ = ["render_report"]
+__all__ = ["format_number", "format_ratio", "render_report"]
 
-_STYLE = """
-body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1100px; margin: 2em auto;
-       padding: 0 1em; color: #1d1d1f; line-height: 1.5; }
-h1 { border-bottom: 2px solid #ddd; padding-bottom: .3em; }
-h2 { margin-top: 2em; border-bottom: 1px solid #eee; }
-table { border-collapse: collapse; margin: 1em 0; font-size: 0.92em; }
-th, td { border: 1px solid #ccc; padding: .3em .6em; text-align: left; vertical-align: top; }
-th { background: #f4f4f6; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; font-family: ui-monospace, monospace; }
-.ok { color: #137333; font-weight: bold; }
-.fail { color: #b3261e; font-weight: bold; }
-figure { margin: 1em 0; }
-figure img { max-width: 100%; border: 1px solid #eee; }
-figcaption { font-size: 0.9em; color: #555; }
-code { background: #f4f4f6; padding: 0 .2em; }
-.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: .5em 1em; }
-"""
+_TEMPLATES = Path(__file__).parent / "templates"
+
+
+def format_number(value: object, digits: int | None = None) -> str:
+    """A number as a reader wants it: thousands separators, small values in scientific notation.
+
+    ``digits`` fixes the decimals of a value that is not in scientific notation.
+    """
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value == 0:
+            return "0"
+        if value.is_integer() and abs(value) >= 1 and digits is None:
+            return f"{int(value):,}"
+        magnitude = abs(value)
+        if magnitude < 1e-3 or magnitude >= 1e9:
+            return f"{value:.2e}"
+        if digits is not None:
+            return f"{value:,.{digits}f}"
+        if magnitude >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_ratio(value: object) -> str:
+    """A ratio, labelled as one: ``4.00x (ratio)``."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)
+    return f"{format_number(float(value), 2 if abs(value) < 1000 else 0)}\u00d7 (ratio)"
+
+
+def _show(value: object) -> str:
+    """Any value of ``results``: numbers formatted, lists and dicts element by element."""
+    if isinstance(value, (list, tuple)):
+        shown = [_show(v) for v in value[:12]]
+        return "[" + ", ".join(shown) + (", ..." if len(value) > 12 else "") + "]"
+    if isinstance(value, dict):
+        return "; ".join(f"{key}: {_show(item)}" for key, item in value.items())
+    return format_number(value)
+
+
+def _environment() -> Any:
+    try:
+        import jinja2
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError("the report needs jinja2: pip install 'selfattn[plot]'") from error
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
+        autoescape=jinja2.select_autoescape(["html", "j2"], default_for_string=True),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(
+        show=_show,
+        num=format_number,
+        ratio=format_ratio,
+        fixed=lambda value, digits=2: f"{value:.{digits}f}",
+        pct=lambda value: f"{100 * value:.1f}\u2009%" if value >= 0.001 else f"{100 * value:.2g}\u2009%",
+        tuple=lambda value: str(tuple(value)),
+        join_nums=lambda values, digits=None: ", ".join(format_number(v, digits) for v in values),
+    )
+    return env
 
 
 def _fmt(value: object) -> str:
@@ -53,18 +114,6 @@ def _e(text: object) -> str:
     return html.escape(str(text))
 
 
-def _table(header: Sequence[str], rows: Iterable[Sequence[object]], numeric_from: int = 1) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in header)
-    body = []
-    for row in rows:
-        cells = []
-        for index, cell in enumerate(row):
-            css = ' class="num"' if index >= numeric_from and not isinstance(cell, str) else ""
-            cells.append(f"<td{css}>{_e(_fmt(cell))}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-
-
 def _figure(figures: dict[str, str], name: str, caption: str) -> str:
     if name not in figures:
         return ""
@@ -76,58 +125,13 @@ def _figure(figures: dict[str, str], name: str, caption: str) -> str:
     )
 
 
-def _checks(results: dict) -> str:
-    rows = []
-    for check in results["checks"]:
-        mark = '<span class="ok">pass</span>' if check["ok"] else '<span class="fail">FAIL</span>'
-        rows.append(
-            f'<tr><td>{_e(check["name"])}</td><td class="num">{_e(_fmt(check["measured"]))}</td>'
-            f"<td>{_e(check['expected'])}</td><td>{mark}</td></tr>"
-        )
-    return (
-        "<table><thead><tr><th>claim</th><th>measured</th><th>expected</th><th></th></tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table>"
-    )
-
-
-def _section_self_attention(results: dict, figures: dict[str, str]) -> str:
-    shape = results["self_attention"]["shape"]
-    masked = results["self_attention"]["masked"]
-    return f"""
-<h2 id="s1">1. Self-attention</h2>
-<p>In self-attention the queries, keys and values all come from the same tokens
-x<sub>1</sub>, ..., x<sub>n</sub>: each output y<sub>i</sub> attends from x<sub>i</sub> to every
-(x<sub>j</sub>, x<sub>j</sub>). The chapter's cell runs multi-head attention with 100 hidden units and
-5 heads on a (2, 4, 100) input with <code>valid_lens = [3, 2]</code>: the output has shape
-<b>{_e(tuple(shape["shape"]))}</b>, the input's shape.</p>
-<p>Below, the first head's weights on a random input with <code>valid_lens = {_e(masked["valid_lens"])}</code>.
-Keys at or past the valid length are padding: the largest weight any of them receives is
-<b>{_e(_fmt(masked["masked_weight_max"]))}</b>, and every row sums to 1 within
-{_e(_fmt(masked["row_sum_error"]))}.</p>
-{_figure(figures, "attention_weights", "Attention weights with valid_lens: masked keys are exactly zero")}
-"""
-
-
-def _section_permutation(results: dict, figures: dict[str, str]) -> str:
-    perm = results["permutation"]
-    return f"""
-<h2 id="s2">2. Without positions, self-attention cannot tell the order</h2>
-<p>Self-attention treats its input as a set: permuting the {perm["num_steps"]} tokens permutes the outputs
-in the same way. Measured in float64, <code>max |f(X)[perm] - f(X[perm])|</code> is
-<b>{_e(_fmt(perm["without_pe_error"]))}</b> (rounding). After adding P the permuted tokens meet different
-rows of P and the outputs change by up to <b>{_e(_fmt(perm["with_pe_change"]))}</b> (outputs are of size
-{_e(_fmt(perm["output_scale"]))}). That is why the chapter adds a positional encoding.</p>
-{_figure(figures, "permutation", "Permutation error without and with the positional encoding")}
-"""
-
-
-def _section_comparison(results: dict, figures: dict[str, str]) -> str:
-    comp = results["comparison"]
+def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:
     sweep = comp["sweep"]
-    rows = []
+    slides = {"cnn": "O(n)", "rnn": "O(1)", "self_attention": "O(n)"}
+    rows, timing = [], []
     for kind in KINDS:
         entry, claim = comp[kind], CHAPTER[kind]
-        k = f", k={entry['k']}" if entry["k"] else ""
+        low, high = entry["time_exponent_spread"]
         rows.append(
             [
                 claim["label"],
@@ -135,142 +139,109 @@ def _section_comparison(results: dict, figures: dict[str, str]) -> str:
                 f"{entry['flops_exponent_n']:.3f}",
                 f"{entry['flops_exponent_d']:.3f}",
                 claim["sequential_ops"],
-                entry["sequential_ops"],
+                format_number(entry["sequential_ops"]),
+                slides[kind],
+                f"{entry['parallelism_exponent_n']:.2f}",
                 claim["max_path_length"],
-                f"{entry['max_path_length']} (n={entry['n']}{k})",
-                f"{entry['time_exponent_n']:.2f}",
+                format_number(entry["max_path_length"]) + (f" (k={entry['k']})" if entry["k"] else ""),
+                format_number(entry["path_layers"]),
+                f"{entry['time_exponent_n']:.2f} [{low:.2f}, {high:.2f}]",
             ]
         )
-    table = _table(
-        [
-            "layer",
-            "chapter: compute",
-            "measured FLOPs ~ n^",
-            "measured FLOPs ~ d^",
-            "chapter: sequential ops",
-            f"measured chain (n={sweep['n'][-1]})",
-            "chapter: max path",
-            "measured path",
-            "measured time ~ n^",
-        ],
-        rows,
-    )
-    sa = comp["self_attention"]
-    series_rows = [
+        timing.append(
+            {
+                "label": claim["label"],
+                "median": entry["time_exponent_n"],
+                "low": low,
+                "high": high,
+                "share": entry["fixed_cost_share"],
+                "dominated": entry["fixed_costs_dominate"],
+            }
+        )
+    sa, cnn, rnn = comp["self_attention"], comp["cnn"], comp["rnn"]
+    series = [
         [
             n,
-            comp["cnn"]["flops_by_n"][i],
-            comp["rnn"]["flops_by_n"][i],
+            cnn["flops_by_n"][i],
+            rnn["flops_by_n"][i],
             sa["flops_by_n"][i],
             sa["layer_flops_by_n"][i],
-            comp["cnn"]["sequential_ops_by_n"][i],
-            comp["rnn"]["sequential_ops_by_n"][i],
+            cnn["sequential_ops_by_n"][i],
+            rnn["sequential_ops_by_n"][i],
             sa["sequential_ops_by_n"][i],
-            comp["cnn"]["path_length_by_n"][i],
-            comp["rnn"]["path_length_by_n"][i],
+            cnn["path_length_by_n"][i],
+            rnn["path_length_by_n"][i],
             sa["path_length_by_n"][i],
         ]
         for i, n in enumerate(sweep["n"])
     ]
-    series = _table(
-        [
-            "n",
-            "CNN FLOPs",
-            "RNN FLOPs",
-            "attention FLOPs",
-            "attention layer FLOPs",
-            "CNN chain",
-            "RNN chain",
-            "attention chain",
-            "CNN path",
-            "RNN path",
-            "attention path",
-        ],
-        series_rows,
-        numeric_from=0,
-    )
-    cnn = comp["cnn"]
-    by_k = _table(
-        ["k", "CNN FLOPs", "measured path", "ceil((n-1)/(k-1))"],
-        zip(sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"]),
-        numeric_from=0,
-    )
-    return f"""
-<h2 id="s3">3. CNN vs RNN vs self-attention, measured</h2>
-<p>The chapter's table, with each column measured on real PyTorch layers that map n tokens of size d to n tokens:
-a width-k 1-D convolution (<code>nn.Conv1d</code>, padded on the left), a tanh RNN (<code>nn.RNN</code>)
-and a self-attention layer (<code>selfattn.MultiHeadAttention</code>, one head).</p>
-<ul>
-<li><b>Compute</b>: FLOPs counted by <code>torch.utils.flop_counter.FlopCounterMode</code> on one forward pass,
-for n in {_e(sweep["n"])} (d = {sweep["fixed_d"]}), d in {_e(sweep["d"])} (n = {sweep["fixed_n"]}) and, for the
-CNN, k in {_e(sweep["k"])}; the exponent is the least-squares slope on log-log axes. For self-attention the
-exponents are those of the score and value matmuls, the chapter's O(n<sup>2</sup>d); the whole layer adds
-the four d&times;d projections, O(nd<sup>2</sup>): its exponents are {sa["layer_flops_exponent_n"]:.2f} in n and
-{sa["layer_flops_exponent_d"]:.2f} in d over this sweep. PyTorch's counter has no formula for the fused CPU
-attention kernel, so the layer is counted on its explicit matmul path (same products).</li>
-<li><b>Sequential operations</b>: the length of the longest chain of matrix products that depend on each other,
-read from the layer's autograd graph.</li>
-<li><b>Maximum path length</b>: the fewest steps a gradient needs to carry output n back to input 1, read off
-gradients in float64: for stacked convolutions or self-attention layers, the smallest depth at which output n
-depends on input 1; for the RNN, the fewest recurrent steps back-propagation must run through.</li>
-<li><b>Wall-clock</b>: median forward time on this machine on one thread ({sweep["repeats"]} runs); the
-exponent is fitted from n = {comp["cnn"]["time_fit_from_n"]} up, where fixed per-call costs no longer dominate.</li>
-</ul>
-{table}
-{_figure(figures, "comparison", "Measured FLOPs, path lengths and wall-clock time against n and d (log-log)")}
-<p>The measured series:</p>
-{series}
-<p>The CNN against its kernel width k (FLOPs at n = {sweep["fixed_n"]}, paths at n = {cnn["n"]}): FLOPs grow as
-k<sup>{cnn["flops_exponent_k"]:.2f}</sup>.</p>
-{by_k}
-<p>Both the CNN and self-attention run in parallel (a chain that does not grow with n), self-attention has the
-shortest path, and its n<sup>2</sup> compute is what makes very long sequences slow.</p>
-"""
+    by_k = [
+        list(row)
+        for row in zip(sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"])
+    ]
+    cross = comp["crossings"]
+    places = []
+    if cross["core_equals_rnn_at_n"] is not None:
+        places.append(f"at n = {format_number(cross['core_equals_rnn_at_n'], 1)} tokens (d = {sweep['fixed_d']:,})")
+    if cross["core_equals_rnn_at_d"] is not None:
+        places.append(f"at d = {format_number(cross['core_equals_rnn_at_d'], 1)} features (n = {sweep['fixed_n']:,})")
+    core_meets = " and ".join(places) if places else "nowhere in these sweeps"
+    return {
+        "comparison_rows": rows,
+        "timing": timing,
+        "series_rows": series,
+        "by_k_rows": by_k,
+        "core_meets": html.escape(core_meets),
+    }
 
 
-def _section_positional(results: dict, figures: dict[str, str]) -> str:
+def _positional_context(results: dict[str, Any]) -> dict[str, Any]:
     pe = results["positional_encoding"]
-    binary = "".join(f"<tr><td>{i}</td><td><code>{_e(bits)}</code></td></tr>" for i, bits in enumerate(pe["binary"]))
-    periods = ", ".join(f"column {c}: {p:.1f}" for c, p in zip(pe["columns"], pe["column_periods"]))
-    return f"""
-<h2 id="s4">4. Positional encoding</h2>
-<p>The encoding adds P to the input X, with P[i, 2j] = sin(i / 10000<sup>2j/d</sup>) and
-P[i, 2j+1] = cos(i / 10000<sup>2j/d</sup>). Rows are positions, columns encoding dimensions. The chapter's plot,
-columns {_e(pe["columns"])} for d = {pe["num_hiddens"]} over {pe["num_steps"]} positions: columns 6 and 7 oscillate faster
-than 8 and 9 (periods in positions: {_e(periods)}), and each pair is offset by the sine/cosine alternation.</p>
-{_figure(figures, "pe_columns", "Columns 6 to 9 of P against the position")}
-<p>Like the bits of a binary number, where higher bits flip less often, the frequency falls along the columns.</p>
-{_figure(figures, "pe_heatmap", "Heat map of P beside the binary representations of 0..7")}
-<table><thead><tr><th>i</th><th>binary</th></tr></thead><tbody>{binary}</tbody></table>
-"""
+    measured = pe["period_measurements"]
+    periods = [
+        [column, zero, fft, formula]
+        for column, zero, fft, formula in zip(
+            pe["columns"], measured["zero_crossings"], measured["fft"], measured["formula"]
+        )
+    ]
+    return {"period_rows": periods, "binary_rows": [[i, bits] for i, bits in enumerate(pe["binary"])]}
 
 
-def _section_absolute(results: dict, figures: dict[str, str]) -> str:
+def _absolute_context(results: dict[str, Any]) -> dict[str, Any]:
     q = results["absolute"]["qualities"]
     precision = results["absolute"]["precision"]
-    rows = [
+    rows: list[list[object]] = [
         [
             "a unique row per position",
-            f"smallest distance between two rows among {q['num_positions']} positions",
+            f"smallest distance between two rows among {q['num_positions']:,} positions",
             q["min_row_distance"],
         ],
         ["bounded values", "largest |P[i, j]|", q["max_abs_value"]],
         ["bounded values", "row norms (min, max); sqrt(d/2) for even d", [q["row_norm_min"], q["row_norm_max"]]],
         [
-            "distance independent of i",
+            "same distance across sentence lengths",
+            "largest change of |P[i] - P[j]| across lengths "
+            + ", ".join(map(str, results["absolute"]["across_lengths"]["lengths"])),
+            results["absolute"]["across_lengths"]["spread"],
+        ],
+        [
+            "same distance wherever the positions sit",
             "max over delta of (max_i - min_i) |P[i] - P[i+delta]|",
             q["offset_distance_spread_max"],
         ],
         [
             f"past the longest position seen ({q['num_seen']})",
-            "smallest distance from a new row to a seen row",
+            (
+                "smallest distance from a new row to a seen row (rows "
+                f"{q['unseen_nearest_pair'][0]} and {q['unseen_nearest_pair'][1]}: neighbours)"
+            ),
             q["unseen_nearest_distance"],
         ],
         [f"past the longest position seen ({q['num_seen']})", "largest |P| of the new rows", q["unseen_max_abs_value"]],
     ]
     rows += [
         [
-            f"precision at {length} positions",
+            f"precision at {length:,} positions",
             "error of the textbook's float32 angles / of selfattn's float64 angles",
             [textbook, ours],
         ]
@@ -278,87 +249,91 @@ def _section_absolute(results: dict, figures: dict[str, str]) -> str:
             precision["lengths"], precision["textbook_error"], precision["selfattn_error"]
         )
     ]
-    return f"""
-<h2 id="s5">5. Absolute position: what a good encoding needs</h2>
-<p>An absolute encoding should give every position its own row, keep its values bounded whatever the length,
-keep the distance between two positions the same wherever they sit, and keep working past the longest
-sequence seen in training. Each quality measured on the float64 table (d = {q["num_hiddens"]}):</p>
-{_table(["quality", "measurement", "value"], rows, numeric_from=2)}
-{_figure(figures, "absolute", "Distance between positions i and i+delta along i, and float32 drift far out")}
-"""
+    return {"absolute_rows": rows}
 
 
-def _section_relative(results: dict, figures: dict[str, str]) -> str:
-    sim = results["relative"]["similarity"]
-    closed = sim.get("closed_form_error")
-    closed_text = (
-        ""
-        if closed is None
-        else (f" It equals the closed form sum<sub>j</sub> cos(&delta; w<sub>j</sub>) within {_e(_fmt(closed))}.")
+def _note_context(results: dict[str, Any]) -> dict[str, Any]:
+    terms, survival, fw = results["note"]["taylor"], results["note"]["embedding"], results["frameworks"]
+    taylor_rows = [
+        [
+            f"N(0, {entry['scale']:g}\u00b2)",
+            *(f"{100 * entry[k]:.1f}\u2009%" for k in ("content_content", "content_position", "position_position")),
+        ]
+        for entry in terms["scales"]
+    ]
+    survival_rows = [
+        [d, f"{100 * a:.1f}\u2009%", b, f"{100 * c:.1f}\u2009%", e]
+        for d, a, b, c, e in zip(
+            survival["sizes"],
+            survival["recovered"],
+            survival["cosine"],
+            survival["recovered_unit"],
+            survival["cosine_unit"],
+        )
+    ]
+    survive_from = next(
+        (d for d, a in zip(survival["sizes"], survival["recovered"]) if a > 0.99), survival["sizes"][-1]
     )
-    return f"""
-<h2 id="s6">6. Relative position</h2>
-<p>For any fixed offset &delta;, the pair (P[i, 2j], P[i, 2j+1]) is mapped to (P[i+&delta;, 2j], P[i+&delta;, 2j+1]) by the
-rotation M<sub>&delta;</sub> = [[cos &delta;w<sub>j</sub>, sin &delta;w<sub>j</sub>], [-sin &delta;w<sub>j</sub>,
-cos &delta;w<sub>j</sub>]], which does not depend on i. The largest error of M<sub>&delta;</sub>P[i] against
-P[i+&delta;] over all i, &delta; and pairs j is <b>{_e(_fmt(results["rotation_max_error"]))}</b> (float64).</p>
-<p>So the similarity P[i] &middot; P[i+&delta;] depends on &delta; only: curves from different starting positions lie on
-top of each other (largest difference {_e(_fmt(sim["spread"]))}).{closed_text}</p>
-{_figure(figures, "relative", "P[i] . P[i+delta] against delta for several i")}
-"""
-
-
-def _section_family(results: dict, figures: dict[str, str]) -> str:
-    fam = results["family"]
-    if not fam["available"]:
-        return f"""
-<h2 id="s7">7. The family of encodings</h2>
-<p class="note">Skipped: {_e(fam["note"])}.</p>
-"""
-    rows = [
+    precision = fw["precision"]
+    names = list(precision["errors"])
+    precision_rows = [
+        [length, *(precision["errors"][name][i] for name in names), precision["selfattn"][i]]
+        for i, length in enumerate(precision["lengths"])
+    ]
+    odd_rows = [
         [
             name,
-            d["class"],
-            d["acts_on"],
-            "relative" if d["is_relative"] else "absolute",
-            d["shift_spread"],
-            d["shift_change"],
-            d["far_positions"],
+            "yes" if entry["builds"] else "no",
+            f"largest error {format_number(entry['max_error'])} against selfattn's odd-d table"
+            if entry["builds"]
+            else entry["error"],
         ]
-        for name, d in fam["encodings"].items()
+        for name, entry in fw["odd_width"].items()
     ]
-    table = _table(
-        [
-            "name",
-            "class",
-            "acts on",
-            "declared",
-            "score spread at one offset",
-            "output change under a shift",
-            "positions far out",
-        ],
-        rows,
-        numeric_from=4,
-    )
-    panels = "".join(
-        _figure(figures, f"family_{name}", f"{name}: position scores, score against offset, attention on one input")
-        for name in fam["encodings"]
-    )
-    some = next(iter(fam["encodings"].values()))
-    return f"""
-<h2 id="s7">7. The family of encodings</h2>
-<p>Every encoding in <code>selfattn.positional</code> through the same diagnostics, on {some["num_steps"]} positions with
-seeded random weights (learned tables and biases are shown as initialized, so their patterns are noise until
-trained). The <i>position score</i> is what positions alone contribute to the attention scores when every token
-holds the same content: P<sub>i</sub>&middot;P<sub>j</sub>/&radic;d for an encoding added to the input,
-&lang;R<sub>i</sub>u, R<sub>j</sub>u&rang;/&radic;d<sub>h</sub> for rotary, the bias itself for a score encoding.
-Its spread along one offset is 0 when it depends on the offset only. The output change is how much a
-self-attention layer's output moves when every position shifts by {some["shift"]}: 0 for an encoding that is
-relative in practice. The sinusoidal table's scores depend on the offset only, yet the layer's output moves,
-because P is added to the content, not compared with itself alone.</p>
-{table}
-{panels}
-"""
+    return {
+        "taylor_rows": taylor_rows,
+        "survival_rows": survival_rows,
+        "survive_from": survive_from,
+        "framework_names": names,
+        "precision_rows": precision_rows,
+        "odd_rows": odd_rows,
+        "odd_d": results["positional_encoding"]["num_hiddens"] + 1,
+    }
+
+
+def _fit_context(results: dict[str, Any]) -> dict[str, Any]:
+    fit = results["relative"]["fitted_rotation"]
+    return {"fit_rows": [[int(d), fit["rotation_error"][d], fit["window_spread"][d]] for d in fit["rotation_error"]]}
+
+
+def _family_context(results: dict[str, Any]) -> dict[str, Any]:
+    fam = results["family"]
+    encodings = fam["encodings"] if fam["available"] else {}
+    rows: list[list[object]] = []
+    relative: list[str] = []
+    absolute: list[str] = []
+    nothing: list[str] = []
+    for name, d in encodings.items():
+        aware = d.get("position_aware", True)
+        measured = "no position" if not aware else ("relative" if d["measured_relative"] else "absolute")
+        (nothing if not aware else relative if d["measured_relative"] else absolute).append(name)
+        declared = (
+            "no position" if d["class"] == "NoPositionalEncoding" else ("relative" if d["is_relative"] else "absolute")
+        )
+        rows.append(
+            [
+                name + (f" ({d['form']})" if d.get("form") else ""),
+                d["class"],
+                d["acts_on"],
+                declared,
+                measured,
+                d["shift_spread"],
+                d["shift_change"],
+                d.get("permutation_change"),
+                d["far_positions"],
+            ]
+        )
+    return {"family_rows": rows, "relative_names": relative, "absolute_names": absolute, "no_position_names": nothing}
 
 
 def _section_depth(results: dict, figures: dict[str, str]) -> str:
@@ -384,43 +359,27 @@ attention: {relative} in section 7, whose scores depend on the offset only.</p>
 """
 
 
-def render_report(results: dict, figures: dict[str, str]) -> str:
+def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
     """The report page for JSON-ready ``results`` and ``{figure name: relative png path}``."""
-    passed = sum(c["ok"] for c in results["checks"])
-    mode = "quick sizes (<code>--quick</code>)" if results.get("quick") else "full sizes"
-    sections = [
-        _section_self_attention(results, figures),
-        _section_permutation(results, figures),
-        _section_comparison(results, figures),
-        _section_positional(results, figures),
-        _section_absolute(results, figures),
-        _section_relative(results, figures),
-        _section_family(results, figures),
-        _section_depth(results, figures),
-        study_section_html(),
-    ]
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>selfattn tour: self-attention and positional encoding, checked</title>
-<style>{_STYLE}</style>
-</head>
-<body>
-<h1>Self-attention and positional encoding, reproduced and checked</h1>
-<p>Each claim of the chapter (Dive into Deep Learning, "Self-Attention and Positional Encoding") measured on real
-numbers by <code>selfattn tour</code> (selfattn {_e(__version__)}, {mode}). Every number is also in
-<a href="results.json">results.json</a>. <b>{passed} of {len(results["checks"])} checks pass.</b></p>
-<nav><ol>
-<li><a href="#s1">Self-attention</a></li><li><a href="#s2">Permutation</a></li>
-<li><a href="#s3">CNN vs RNN vs self-attention</a></li><li><a href="#s4">Positional encoding</a></li>
-<li><a href="#s5">Absolute position</a></li><li><a href="#s6">Relative position</a></li>
-<li><a href="#s7">The family</a></li><li><a href="#s8">The exercises</a></li><li><a href="#checks">All checks</a></li>
-</ol></nav>
-{"".join(sections)}
-<h2 id="checks">All checks</h2>
-{_checks(results)}
-</body>
-</html>
-"""
+    checks: Sequence[dict[str, Any]] = results["checks"]
+    claims: Sequence[dict[str, Any]] = results.get("claims", [])
+    context: dict[str, Any] = {
+        "r": results,
+        "figures": figures,
+        "version": __version__,
+        "mode": "quick sizes (<code>--quick</code>)" if results.get("quick") else "full sizes",
+        "checks": checks,
+        "claims": claims,
+        "passed": sum(c["ok"] for c in checks),
+        "claims_held": sum(c["holds"] is True for c in claims),
+        "depth_section": _section_depth(results, figures),
+        "study_section": study_section_html(),  # the study's own loader fills the slot
+    }
+    context.update(_comparison_context(results["comparison"]))
+    context.update(_positional_context(results))
+    context.update(_absolute_context(results))
+    context.update(_fit_context(results))
+    context.update(_note_context(results))
+    context.update(_family_context(results))
+    page: str = _environment().get_template("report.html.j2").render(**context)
+    return page

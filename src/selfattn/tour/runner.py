@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from selfattn.functional import sinusoidal_table
-from selfattn.tour import checks, comparison, depth, family, qualities
+from selfattn.tour import checks, claims, comparison, depth, embedding, family, frameworks, qualities, taylor
 
 __all__ = ["FULL", "QUICK", "TourSizes", "comparison_lines", "progress_bar", "run_tour", "summary_lines", "verdicts"]
 
@@ -32,35 +34,40 @@ class TourSizes:
         absolute_positions: positions examined for the qualities of section 5.
         depth: keyword arguments of :func:`selfattn.tour.depth.measure` (section 8's deep stacks).
         family_steps: positions of section 7's diagnostics.
+        embedding_sizes: model sizes at which token recovery after adding P is measured.
     """
 
     comparison: dict
     absolute_positions: int
     depth: dict
     family_steps: int
+    embedding_sizes: tuple[int, ...] = (8, 16, 32, 64)
 
 
 FULL = TourSizes(
     comparison={
         "num_steps": (32, 64, 128, 256, 512, 1024, 2048),
-        "num_hiddens": (16, 32, 64, 128, 256),
+        "num_hiddens": (16, 32, 64, 128, 256, 512),
         "kernel_sizes": (3, 5, 7, 9),
         "fixed_hiddens": 64,
         "fixed_steps": 256,
         "repeats": 5,
+        "rounds": 5,
     },
     absolute_positions=4000,
     depth={"depth": 16, "seeds": 5},
     family_steps=32,
+    embedding_sizes=(8, 16, 32, 64, 128, 256),
 )
 QUICK = TourSizes(
     comparison={
         "num_steps": (16, 32, 64, 128),
-        "num_hiddens": (8, 16, 32, 64),
+        "num_hiddens": (8, 16, 32, 64, 128),
         "kernel_sizes": (3, 5, 7),
         "fixed_hiddens": 32,
         "fixed_steps": 64,
         "repeats": 3,
+        "rounds": 3,
     },
     absolute_positions=1000,
     depth={"depth": 8, "seeds": 2, "quick": True},
@@ -127,12 +134,23 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     results["permutation"] = checks.permutation_check()
     tick("2. permutation")
     results["comparison"] = comparison.compare(**sizes.comparison, progress=lambda d: tick(f"3. {d}"))
+    # The chapter's figure: x1 and x5 share the receptive field of a two-layer CNN with k = 3.
+    results["comparison"]["x1_to_x5"] = comparison.path_lengths("cnn", 5, kernel_size=3)
     results["positional_encoding"] = {
         "num_steps": _PLOT_STEPS,
         "num_hiddens": _PLOT_HIDDENS,
         "columns": list(_PLOT_COLUMNS),
         "column_values": checks.table_columns(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS).numpy(),
-        "column_periods": checks.column_periods(_PLOT_HIDDENS, _PLOT_COLUMNS),
+        # Read off the plotted values (zero crossings), not off the formula that built them.
+        "column_periods": checks.measured_periods(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS)["zero_crossings"],
+        "period_measurements": checks.measured_periods(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS),
+        "phase_offset": checks.phase_offset(*checks.table_columns(_PLOT_STEPS, _PLOT_HIDDENS, (6, 7)).double().T),
+        "all_column_periods": [
+            checks.zero_crossing_period(column)
+            for column in sinusoidal_table(4000, _PLOT_HIDDENS, dtype=torch.float64).T[
+                :24:2
+            ]  # sine columns 0, 2, .., 22
+        ],
         "table": sinusoidal_table(_PLOT_STEPS, _PLOT_HIDDENS).numpy(),
         "binary": checks.binary_representations(8),
     }
@@ -143,11 +161,25 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         ),
         "precision": qualities.table_precision(_PLOT_HIDDENS),
         "curves": qualities.offset_distance_curves(_PLOT_HIDDENS, num_positions=4 * _PLOT_STEPS),
+        "across_lengths": qualities.distance_across_lengths(_PLOT_HIDDENS),
+        "small_width": qualities.absolute_position_qualities(8, num_seen=_PLOT_STEPS, num_positions=2000),
     }
     tick("5. absolute position")
     results["rotation_max_error"] = checks.rotation_max_error(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_STEPS)
-    results["relative"] = {"similarity": checks.offset_similarity(_PLOT_HIDDENS, max_delta=_PLOT_STEPS)}
+    results["relative"] = {
+        "similarity": checks.offset_similarity(_PLOT_HIDDENS, max_delta=_PLOT_STEPS),
+        "fitted_rotation": checks.fitted_rotation(_PLOT_HIDDENS),
+    }
     tick("6. relative position")
+    results["note"] = {
+        "taylor": taylor.score_terms(_PLOT_HIDDENS, num_steps=_PLOT_STEPS),
+        "embedding": embedding.embedding_survival(sizes.embedding_sizes),
+    }
+    results["frameworks"] = {
+        "precision": frameworks.framework_precision(_PLOT_HIDDENS),
+        "odd_width": frameworks.odd_width(_PLOT_HIDDENS + 1),
+    }
+    tick("6. the note and the other pages")
     results["family"] = _family(sizes, tick)
     results["depth"] = depth.measure(**sizes.depth)
     tick("8. deep stacks")
@@ -212,6 +244,15 @@ def verdicts(results: dict) -> list[dict[str, object]]:
                 entry["path_length_by_n"] == entry["expected_path_length_by_n"],
             )
         )
+        want = 0 if kind == "rnn" else 1
+        out.append(
+            _check(
+                f"3. {label}: parallelism (n / sequential ops) grows as n^{want}",
+                round(entry["parallelism_exponent_n"], 4),
+                f"{want} +- 0.1",
+                abs(entry["parallelism_exponent_n"] - want) <= _EXPONENT_TOLERANCE,
+            )
+        )
     cnn = comp["cnn"]
     out.append(
         _check(
@@ -229,14 +270,52 @@ def verdicts(results: dict) -> list[dict[str, object]]:
             cnn["path_length_by_k"] == cnn["expected_path_length_by_k"],
         )
     )
-    pe = results["positional_encoding"]
-    periods = pe["column_periods"]
+    crossings = comp["crossings"]
     out.append(
         _check(
-            "4. columns 6-7 oscillate faster than 8-9",
+            "3. self-attention layer FLOPs counted = 8nd^2 + 4n^2 d",
+            crossings["layer_formula_error"],
+            "relative difference 0",
+            crossings["layer_formula_error"] == 0,
+        )
+    )
+    fixed_d = comp["sweep"]["fixed_d"]
+    at_n = crossings["core_equals_rnn_at_n"]
+    out.append(
+        _check(
+            f"3. attention's n^2 d core meets the RNN's n d^2 at n = d = {fixed_d}",
+            at_n,
+            f"{fixed_d} +- 1%",
+            at_n is not None and abs(at_n - fixed_d) <= 0.01 * fixed_d,
+        )
+    )
+    pe = results["positional_encoding"]
+    periods = pe["column_periods"]
+    formula = pe["period_measurements"]["formula"]
+    out.append(
+        _check(
+            "4. columns 6-7 oscillate faster than 8-9 (periods from zero crossings)",
             [round(p, 2) for p in periods],
             "periods of 6, 7 < periods of 8, 9",
             max(periods[:2]) < min(periods[2:]),
+        )
+    )
+    worst = max(abs(p - f) / f for p, f in zip(periods, formula))
+    out.append(
+        _check(
+            "4. measured periods agree with 2 pi / w_j",
+            worst,
+            "relative difference < 1%",
+            worst < 0.01,
+        )
+    )
+    every = pe["all_column_periods"]
+    out.append(
+        _check(
+            "4. frequency falls along the columns (measured periods increase)",
+            [round(p, 1) for p in every],
+            "increasing",
+            all(a < b for a, b in itertools.pairwise(every)),
         )
     )
     q = results["absolute"]["qualities"]
@@ -275,14 +354,60 @@ def verdicts(results: dict) -> list[dict[str, object]]:
     )
     spread = results["relative"]["similarity"]["spread"]
     out.append(_check("6. P[i] . P[i+delta] depends on delta only", spread, "rounding (< 1e-9)", spread < _ROUNDING))
+    fit = results["relative"]["fitted_rotation"]
+    out.append(
+        _check(
+            "6. least-squares M_delta equals the rotation",
+            fit["rotation_error_max"],
+            "< 1e-9",
+            fit["rotation_error_max"] < _ROUNDING,
+        )
+    )
+    out.append(
+        _check(
+            "6. least-squares M_delta is the same on every window of i",
+            fit["window_spread_max"],
+            "< 1e-9",
+            fit["window_spread_max"] < _ROUNDING,
+        )
+    )
+    across = results["absolute"]["across_lengths"]
+    out.append(
+        _check(
+            f"5. distance between two steps is the same in sentences of {across['lengths']} tokens",
+            across["spread"],
+            "0",
+            across["spread"] == 0,
+        )
+    )
+    taylor_terms = results["note"]["taylor"]
+    worst_sum = max(entry["sum_error"] for entry in taylor_terms["scales"])
+    out.append(
+        _check(
+            "note: the three score terms add up to the layer's scores",
+            worst_sum,
+            "rounding (< 1e-9)",
+            worst_sum < _ROUNDING,
+        )
+    )
     for name, diag in results["family"]["encodings"].items():
+        if diag["class"] == "NoPositionalEncoding":  # declares no position at all
+            out.append(
+                _check(
+                    f"7. {name}: carries no position (permuting tokens permutes outputs)",
+                    diag["permutation_change"],
+                    "rounding (< 1e-9)",
+                    diag["permutation_change"] < _ROUNDING,
+                )
+            )
+            continue
         claim = "relative" if diag["is_relative"] else "absolute"
         out.append(
             _check(
                 f"7. {name}: is {claim} (outputs under a shift of {diag['shift']})",
                 diag["shift_change"],
                 "0" if diag["is_relative"] else "> 0",
-                diag["measured_relative"] == diag["is_relative"],
+                diag["measured_relative"] == diag["is_relative"] and diag["position_aware"],
             )
         )
     deep = depth.verdict_numbers(results["depth"])
@@ -341,6 +466,7 @@ def _figures(results: dict, directory: Path, advance: Callable[[str], None]) -> 
         "pe_heatmap": lambda: figures.pe_heatmap_figure(pe["table"], checks.bit_matrix(8)),
         "absolute": lambda: figures.absolute_figure(results["absolute"]["curves"], results["absolute"]["precision"]),
         "relative": lambda: figures.relative_figure(results["relative"]["similarity"]),
+        "note": lambda: figures.note_figure(results["note"]["taylor"], results["note"]["embedding"]),
     }
     for name, diag in results["family"]["encodings"].items():
         drawings[f"family_{name}"] = lambda diag=diag: figures.encoding_panel_figure(diag)
@@ -369,7 +495,11 @@ def _prepare_output(out_dir: Path) -> Path:
 
 
 def run_tour(
-    out_dir: Path | str = "selfattn-report", *, quick: bool = False, progress: bool = True, study: Path | str | None = None
+    out_dir: Path | str = "selfattn-report",
+    *,
+    quick: bool = False,
+    progress: bool = True,
+    study: Path | str | None = None,
 ) -> dict:
     """Run every section, write ``report.html``, ``figures/`` and ``results.json`` into ``out_dir``.
 
@@ -391,14 +521,18 @@ def run_tour(
     with contextlib.suppress(ImportError):
         family_count = len(family.family_names())
     sweep = sizes.comparison
-    comparison_count = comparison.comparison_steps(sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"])
-    # Six section steps, the comparison's, two per encoding (measure, draw), eight figures (nine with a study), the report.
-    total = 6 + comparison_count + 2 * family_count + 8 + bool((depth_study or {}).get("trained")) + 1
+    comparison_count = comparison.comparison_steps(
+        sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
+    )
+    # Seven section steps, the comparison's, two per encoding (measure, draw), nine figures (ten with a study),
+    # the report.
+    total = 7 + comparison_count + 2 * family_count + 9 + bool((depth_study or {}).get("trained")) + 1
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
         results["depth_study"] = depth_study
         results["checks"] = verdicts(results)
+        results["claims"] = claims.claims(results)
         figure_paths = _figures(results, out_dir / "figures", advance)
         serializable = _jsonable(results)
         (out_dir / "results.json").write_text(json.dumps(serializable, indent=1, allow_nan=False))
@@ -411,15 +545,15 @@ def comparison_lines(comp: dict) -> list[str]:
     """The measured comparison as a small text table beside the chapter's claims."""
     n = comp["sweep"]["n"][-1]
     lines = [
-        f"{'':<16}{'compute (FLOPs)':<29}{'sequential ops':<22}max path length (n={n}, k={comp['cnn']['k']})",
+        f"{'':<16}{'compute (FLOPs)':<29}{'sequential ops':<22}max path, products (n={n:,}, k={comp['cnn']['k']})",
         f"{'':<16}{'chapter  measured':<29}{'chapter  measured':<22}chapter  measured",
     ]
     for kind in comparison.KINDS:
         e, claim = comp[kind], comparison.CHAPTER[kind]
         flops = f"n^{e['flops_exponent_n']:.2f} d^{e['flops_exponent_d']:.2f}"
         lines.append(
-            f"{claim['label']:<16}{claim['complexity']:<9}{flops:<20}{claim['sequential_ops']:<9}{e['sequential_ops']:<13}"
-            f"{claim['max_path_length']:<9}{e['max_path_length']}"
+            f"{claim['label']:<16}{claim['complexity']:<9}{flops:<20}{claim['sequential_ops']:<9}{e['sequential_ops']:<13,}"
+            f"{claim['max_path_length']:<9}{e['max_path_length']:,}"
         )
     return lines
 
@@ -449,12 +583,24 @@ def summary_lines(results: dict, out_dir: Path | str | None = None) -> list[str]
     )
     lines.append(
         f"  6. rotation max error {results['rotation_max_error']:.1e}; "
-        f"similarity spread over i {results['relative']['similarity']['spread']:.1e}"
+        f"similarity spread over i {results['relative']['similarity']['spread']:.1e}; least-squares M_delta "
+        f"minus rotation {results['relative']['fitted_rotation']['rotation_error_max']:.1e}"
+    )
+    shares = results["note"]["taylor"]["scales"][0]
+    lines.append(
+        f"  note: score shares content-content {shares['content_content']:.1%}, content-position "
+        f"{shares['content_position']:.1%}, position-position {shares['position_position']:.1%}; tokens recovered "
+        f"after adding P at d={results['note']['embedding']['sizes'][-1]}: {results['note']['embedding']['recovered'][-1]:.1%}"
     )
     fam = results["family"]
     if fam["available"]:
-        relative = [n for n, d in fam["encodings"].items() if d["measured_relative"]]
-        lines.append(f"  7. family: {len(fam['encodings'])} encodings; shift-invariant outputs: {', '.join(relative)}")
+        encodings = fam["encodings"]
+        relative = [n for n, d in encodings.items() if d["measured_relative"] and d.get("position_aware", True)]
+        nothing = [n for n, d in encodings.items() if not d.get("position_aware", True)]
+        lines.append(
+            f"  7. family: {len(encodings)} encodings; relative (shift-invariant, position-aware): "
+            f"{', '.join(relative) or '-'}; no position: {', '.join(nothing) or '-'}"
+        )
     else:
         lines.append(f"  7. family: skipped ({fam['note']})")
     lines.append(depth.summary_line(results["depth"]))
