@@ -254,6 +254,32 @@ def _scores(
     return scores
 
 
+def _differentiable_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The forward of :class:`_BlockwiseAttention` block by block in differentiable ops (for double backward)."""
+    compute = _compute_dtype(q.dtype)
+    inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
+    pieces = []
+    for index, start, end, keys in plan.blocks():
+        qc, kc, vc = q[..., start:end, :].to(compute), k[..., :keys, :].to(compute), v[..., :keys, :].to(compute)
+        visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
+        bias = plan.bias(qc, start, end, keys)
+        scores = torch.matmul(qc, kc.transpose(-2, -1)) * plan.scale  # (b, h, block, keys)
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        if plan.dropout_p > 0:
+            weights = weights * plan.keep(index, weights.shape, q.device) * inverse_keep
+        block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
+        if plan.value_term:
+            block_out = block_out + plan.value(weights, start, end, keys)
+        if empty is not None:
+            block_out = block_out.masked_fill(empty, 0.0)
+        pieces.append(block_out)
+    return torch.cat(pieces, dim=-2).to(q.dtype)  # (b, h, lq, dv)
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
@@ -297,8 +323,20 @@ class _BlockwiseAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True: differentiate a recomputation made of plain ops
+            q, k, v, _, _, *params = ctx.saved_tensors
+            inputs = [q, k, v, *params]
+            wanted = [t.requires_grad for t in inputs]
+            out = _differentiable_forward(ctx.plan, q, k, v)
+            sources = [t for t, w in zip(inputs, wanted) if w]
+            grads = iter(torch.autograd.grad(out, sources, grad_out, create_graph=True, allow_unused=True))
+            return (None, *(next(grads) if w else None for w in wanted))
+        with torch.no_grad():
+            return _BlockwiseAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan: _Plan = ctx.plan
         q, k, v, out, lse, *params = ctx.saved_tensors
         compute = _compute_dtype(q.dtype)
