@@ -569,7 +569,9 @@ class MultiHeadAttention(nn.Module):
         mask, leave_causal = self._visibility(q.shape[-2], keys, valid_lens, attn_mask, document_ids, causal)
         score = self.position if isinstance(self.position, ScoreEncoding) else None
         extra_bias = attn_mask is not None and attn_mask.is_floating_point()
-        if not return_weights and not extra_bias and (score is not None or dropout_p > 0):
+        # Compiled graphs keep the dense path: the blockwise loop is eager Python with a custom autograd Function.
+        blockwise = not return_weights and not extra_bias and not _is_compiling()
+        if blockwise and (score is not None or dropout_p > 0):
             k, v = _repeat_kv(q, keys.k), _repeat_kv(q, keys.v)  # (b, h, lk, dh)
             if q.device.type == "cuda" and score is not None and not score.uses_weights and dropout_p == 0:
                 out = flex_score_attention(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,23 +37,37 @@ class FIREPositionalBias(ScoreEncoding):
 
     is_relative = False
 
-    def __init__(self, num_heads: int, hidden_size: int = 32, threshold: float = 8.0):
+    def __init__(
+        self,
+        num_heads: int,
+        hidden_size: int = 32,
+        threshold: float = 8.0,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.hidden_size = require_positive_int("hidden_size", hidden_size)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
             raise ValueError(f"threshold must be a positive number, got {threshold!r}")
         self.initial_threshold = float(threshold)
-        self.mlp = nn.Sequential(nn.Linear(1, self.hidden_size), nn.ReLU(), nn.Linear(self.hidden_size, self.num_heads))
-        self.raw_c = nn.Parameter(torch.empty(()))
-        self.raw_threshold = nn.Parameter(torch.empty(()))
-        self.reset_parameters()
+        self.mlp = nn.Sequential(
+            nn.Linear(1, self.hidden_size, **factory), nn.ReLU(), nn.Linear(self.hidden_size, self.num_heads, **factory)
+        )
+        self.raw_c = nn.Parameter(torch.empty((), **factory))
+        self.raw_threshold = nn.Parameter(torch.empty((), **factory))
+        self._reset_scalars()  # the MLP's layers drew their weights above, as reset_parameters() does
 
     def reset_parameters(self) -> None:
         """Fresh MLP weights (PyTorch's default init), ``c = 1`` and ``L = threshold``."""
         for layer in self.mlp:
             if isinstance(layer, nn.Linear):
                 layer.reset_parameters()
+        self._reset_scalars()
+
+    def _reset_scalars(self) -> None:
         with torch.no_grad():
             for raw, value in ((self.raw_c, 1.0), (self.raw_threshold, self.initial_threshold)):
                 target = torch.tensor(value, dtype=torch.float64)

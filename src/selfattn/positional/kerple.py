@@ -31,11 +31,13 @@ class KerplePositionalBias(ScoreEncoding):
         bias ``(1, h, lq, lk)`` for ``(l,)`` positions.
     """
 
-    def __init__(self, num_heads: int):
+    def __init__(
+        self, num_heads: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ):
         super().__init__()
         self.num_heads = require_positive_int("num_heads", num_heads)
-        self.raw_r1 = nn.Parameter(torch.empty(self.num_heads))
-        self.raw_r2 = nn.Parameter(torch.empty(self.num_heads))
+        self.raw_r1 = nn.Parameter(torch.empty(self.num_heads, device=device, dtype=dtype))
+        self.raw_r2 = nn.Parameter(torch.empty(self.num_heads, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
