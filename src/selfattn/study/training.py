@@ -58,7 +58,7 @@ class StudyConfig:
             longest evaluated sequence)``.
     """
 
-    steps: int = 2000
+    steps: int = 2700
     batch_size: int = 32
     lr: float = 3e-3
     warmup: int = 100
@@ -68,7 +68,7 @@ class StudyConfig:
     eval_samples: int = 64
     num_hiddens: int = 64
     num_heads: int = 4
-    num_layers: int = 2
+    num_layers: int = 3
     ffn_hiddens: int = 128
     position_range: int = 2
 
