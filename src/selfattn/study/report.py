@@ -45,8 +45,9 @@ two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|
 {% if shortfalls %}<p class="bad">Below 95% exact match at the training lengths (copy and reverse should reach it):
 {% for s in shortfalls %}{{ s }}{% if not loop.last %}; {% endif %}{% endfor %} (in brackets: the mean exact match at the
 shortest and at the longest training length). {{ config.steps }} steps of {{ config.batch_size }} samples were not
-enough for these models to learn the whole training range; rerun with more <code>--steps</code> for models that do.
-A model that did not learn the task says little about extrapolation.</p>
+enough for these models ({{ config.num_layers }} layers, d={{ config.num_hiddens }}) to learn the whole training range:
+accuracy is high on short inputs and falls with length inside the range. A model that did not learn the task says
+little about extrapolation; larger models (<code>--steps</code>, or a bigger configuration in Python) cost more time.</p>
 {% elif checked_budget %}<p>Every encoding reached at least 95% exact match at the training lengths on copy and reverse.</p>{% endif %}
 
 <h2>Relative vs absolute: accuracy against length</h2>
