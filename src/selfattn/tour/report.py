@@ -336,7 +336,7 @@ def _family_context(results: dict[str, Any]) -> dict[str, Any]:
     return {"family_rows": rows, "relative_names": relative, "absolute_names": absolute, "no_position_names": nothing}
 
 
-def _section_depth(results: dict, figures: dict[str, str]) -> str:
+def _section_depth(results: dict[str, Any], figures: dict[str, str]) -> str:
     fam = results["family"]
     available = fam["encodings"] if fam["available"] else {}
     learned = (
