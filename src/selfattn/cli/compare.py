@@ -8,10 +8,17 @@ import sys
 from pathlib import Path
 
 from selfattn._atomic import atomic_write_path
-from selfattn.cli._args import ExamplesFormatter, add_progress_flag, positive_int, require_memory, require_output
+from selfattn.cli._args import (
+    ExamplesFormatter,
+    OneLineErrorParser,
+    add_progress_flag,
+    positive_int,
+    require_memory,
+    require_output,
+)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
     parser = subparsers.add_parser(
         "compare",
         help="measure CNN vs RNN vs self-attention: FLOPs, sequential ops, path lengths, time",
