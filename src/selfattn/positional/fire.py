@@ -84,11 +84,12 @@ class FIREPositionalBias(ScoreEncoding):
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """``f`` on every entry of ``x``: ``(...)`` -> ``(..., h)``, in ``x``'s dtype."""
         first, _, second = self.mlp
+        assert isinstance(first, nn.Linear) and isinstance(second, nn.Linear)  # built so in __init__
         hidden = F.relu(F.linear(x[..., None], first.weight.to(x.dtype), first.bias.to(x.dtype)))  # (..., hidden)
         return F.linear(hidden, second.weight.to(x.dtype), second.bias.to(x.dtype))  # (..., h)
 
     def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        heads, q_positions, k_positions = torch.broadcast_tensors(heads, q_positions, k_positions)
+        heads, q_positions, k_positions = torch.broadcast_tensors(heads, q_positions, k_positions)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         per_head = self._mlp(self._normalized_distance(q_positions, k_positions, torch.float32))  # (..., h)
         return per_head.gather(-1, heads.long()[..., None]).squeeze(-1)
 
