@@ -349,7 +349,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         def accumulate(grads: Sequence[torch.Tensor | None]) -> None:
             for i, g in enumerate(grads):
                 if g is not None:
-                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+                    previous = param_grads[i]
+                    param_grads[i] = g if previous is None else previous + g
 
         band = band_values = band_grad = None
         if plan.band_base is not None:
@@ -542,5 +543,5 @@ def blockwise_attention(
         band_base=band_base,
     )
     with torch.profiler.record_function("selfattn::blockwise_attention"):
-        out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)
+        out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
     return out

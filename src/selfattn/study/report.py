@@ -89,7 +89,7 @@ def _mean_at(results: dict[str, Any], task: str, label: str, n: int) -> float:
     """Mean over seeds of the exact match at length ``n`` of one task and encoding."""
     from selfattn.study.runner import encoding_label
 
-    values = [r["accuracy_by_length"][str(n)] for r in results["runs"] if r["task"] == task and encoding_label(r) == label]
+    values: list[float] = [r["accuracy_by_length"][str(n)] for r in results["runs"] if r["task"] == task and encoding_label(r) == label]
     return sum(values) / len(values)
 
 
