@@ -99,7 +99,7 @@ def check_forward_and_gradients(label, *, b, lq, lk, block, dtype=torch.float64,
     params = list(term.parameters())
     got = torch.autograd.grad(out, [q, k, v, *params], grad, allow_unused=True)
     want = torch.autograd.grad(ref, [q, k, v, *params], grad, allow_unused=True)
-    for name, g, w in zip(["q", "k", "v", *[n for n, _ in term.named_parameters()]], got, want):
+    for name, g, w in zip(["q", "k", "v", *[n for n, _ in term.named_parameters()]], got, want, strict=True):
         if w is None:
             assert g is None or not bool(g.any()), name
             continue
@@ -388,7 +388,7 @@ def test_flex_attention_on_cuda_forward_and_backward(label):  # pragma: no cover
     params = list(term.parameters())
     got = torch.autograd.grad(out.sum(), [q, *params])
     ref = torch.autograd.grad(want.sum(), [q, *params])
-    for g, w in zip(got, ref):
+    for g, w in zip(got, ref, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
 
 

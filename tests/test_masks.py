@@ -99,7 +99,7 @@ def test_from_torch_matches_nn_multihead_attention(bias, kdim):
 
 
 def test_from_torch_errors():
-    with pytest.raises(ValueError, match="module must be an nn.MultiheadAttention"):
+    with pytest.raises(ValueError, match=r"module must be an nn\.MultiheadAttention"):
         MultiHeadAttention.from_torch(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="add_bias_kv or add_zero_attn"):
         MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))

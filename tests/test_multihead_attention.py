@@ -22,9 +22,11 @@ def _naive_mha(mha, queries, keys, values, visible):
         return y if linear.bias is None else y + linear.bias.detach().double()
 
     b, lq, _ = queries.shape
-    split = lambda x: x.reshape(b, x.shape[1], mha.num_heads, -1).transpose(1, 2).numpy()  # (b, h, l, dh)
+    def split(x: torch.Tensor) -> np.ndarray:
+        return x.reshape(b, x.shape[1], mha.num_heads, -1).transpose(1, 2).numpy()  # (b, h, l, dh)
+
     q, k, v = split(project(mha.W_q, queries)), split(project(mha.W_k, keys)), split(project(mha.W_v, values))
-    out, weights = naive_attention(q, k, v, np.broadcast_to(visible, (b, mha.num_heads) + visible.shape[-2:]))
+    out, weights = naive_attention(q, k, v, np.broadcast_to(visible, (b, mha.num_heads, *visible.shape[-2:])))
     merged = torch.from_numpy(out).transpose(1, 2).reshape(b, lq, -1)  # (b, lq, d)
     return project(mha.W_o, merged), torch.from_numpy(weights)
 
@@ -48,7 +50,7 @@ def test_matches_torch_multihead_attention(bias):
     with torch.no_grad():
         expected, expected_w = ref(x, x, x, need_weights=True, average_attn_weights=False)
         torch.testing.assert_close(mha(x, x, x), expected, atol=1e-5, rtol=1e-5)
-        out, weights = mha(x, x, x, return_weights=True)
+        _, weights = mha(x, x, x, return_weights=True)
         torch.testing.assert_close(weights, expected_w, atol=1e-6, rtol=1e-5)
         padded = torch.arange(7)[None, :] >= valid_lens[:, None]  # True = ignore
         expected = ref(x, x, x, key_padding_mask=padded, need_weights=False)[0]

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, values in (("--n", args.n), ("--d", args.d), ("--k", args.k)):
         if len(set(values)) < 2:
             raise ValueError(f"{flag} needs at least two different values to fit an exponent, got {values}")
-    if min(args.n) < 2 or min(args.k + [args.fixed_k]) < 2:
+    if min(args.n) < 2 or min([*args.k, args.fixed_k]) < 2:
         raise ValueError(
             f"--n and --k values must be at least 2, got --n {args.n} --k {args.k} --fixed-k {args.fixed_k}"
         )

@@ -128,7 +128,7 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
     """
     scores_shape = (*q.shape[:-1], k.shape[-2])  # (b, h, lq, lk)
     fits = term.dim() <= len(scores_shape) and all(
-        size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape))
+        size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape), strict=False)
     )
     if not fits:
         raise ValueError(f"{name} of shape {tuple(term.shape)} does not broadcast to the scores' shape {scores_shape}")
@@ -254,10 +254,10 @@ class _TwiceDifferentiable(torch.autograd.Function):
                 out = F.scaled_dot_product_attention(
                     inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **ctx.options
                 )
-            sources = [t for t, w in zip(inputs, wanted) if w]
+            sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
             grads = iter(torch.autograd.grad(out, sources, grad, create_graph=True))
         else:
-            sources = [t for t, w in zip(ctx.inner, wanted) if w]
+            sources = [t for t, w in zip(ctx.inner, wanted, strict=True) if w]
             # Retained: the outer graph may be run again (retain_graph=True); both die together.
             grads = iter(torch.autograd.grad(ctx.inner_out, sources, grad, retain_graph=True))
         return (*(next(grads) if w else None for w in wanted), None)

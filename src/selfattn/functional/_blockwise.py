@@ -329,7 +329,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             inputs = [q, k, v, *params]
             wanted = [t.requires_grad for t in inputs]
             out = _differentiable_forward(ctx.plan, q, k, v)
-            sources = [t for t, w in zip(inputs, wanted) if w]
+            sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
             grads = iter(torch.autograd.grad(out, sources, grad_out, create_graph=True, allow_unused=True))
             return (None, *(next(grads) if w else None for w in wanted))
         with torch.no_grad():

@@ -309,7 +309,7 @@ def crossing(xs: Sequence[float], ratios: Sequence[float]) -> float | None:
 
     ``None`` when it stays on one side of 1 over the whole range.
     """
-    points = list(zip(xs, ratios))
+    points = list(zip(xs, ratios, strict=False))
     for (x0, r0), (x1, r1) in itertools.pairwise(points):
         if r0 == 1:
             return float(x0)
@@ -373,7 +373,7 @@ def _measure_layer(
         )
         for r in range(rounds)
     ]
-    seconds = [statistics.median(times) for times in zip(*seconds_rounds)]
+    seconds = [statistics.median(times) for times in zip(*seconds_rounds, strict=True)]
     timed = min(len(ns), max(3, math.ceil(len(ns) / 2)))  # the larger half of the n sweep, 3 points or more
     exponents = [fit_exponent(ns[-timed:], times[-timed:]) for times in seconds_rounds]
     products = [p["products"] for p in paths]
@@ -388,8 +388,8 @@ def _measure_layer(
         "sequential_ops": chains[-1],
         "sequential_ops_exponent_n": fit_exponent(ns, chains),
         # Positions whose outputs one step of the dependency chain produces.
-        "parallelism_by_n": [n / chain for n, chain in zip(ns, chains)],
-        "parallelism_exponent_n": fit_exponent(ns, [n / chain for n, chain in zip(ns, chains)]),
+        "parallelism_by_n": [n / chain for n, chain in zip(ns, chains, strict=True)],
+        "parallelism_exponent_n": fit_exponent(ns, [n / chain for n, chain in zip(ns, chains, strict=True)]),
         "path_length_by_n": products,
         "path_layers_by_n": [p["layers"] for p in paths],
         "max_path_length": products[-1],
@@ -436,10 +436,10 @@ def _measure_layer(
 def _compute_crossings(results: dict[str, Any], ns: list[int], ds: list[int], d0: int, n0: int) -> dict[str, object]:
     """Attention against the RNN in counted FLOPs: where the core crosses, what the whole layer costs."""
     rnn, sa = results["rnn"], results["self_attention"]
-    core_over_rnn_n = [a / r for a, r in zip(sa["flops_by_n"], rnn["flops_by_n"])]
-    core_over_rnn_d = [a / r for a, r in zip(sa["flops_by_d"], rnn["flops_by_d"])]
-    layer_over_rnn_n = [a / r for a, r in zip(sa["layer_flops_by_n"], rnn["flops_by_n"])]
-    layer_over_rnn_d = [a / r for a, r in zip(sa["layer_flops_by_d"], rnn["flops_by_d"])]
+    core_over_rnn_n = [a / r for a, r in zip(sa["flops_by_n"], rnn["flops_by_n"], strict=True)]
+    core_over_rnn_d = [a / r for a, r in zip(sa["flops_by_d"], rnn["flops_by_d"], strict=True)]
+    layer_over_rnn_n = [a / r for a, r in zip(sa["layer_flops_by_n"], rnn["flops_by_n"], strict=True)]
+    layer_over_rnn_d = [a / r for a, r in zip(sa["layer_flops_by_d"], rnn["flops_by_d"], strict=True)]
     layer_formula = [8 * n * d0**2 + 4 * n**2 * d0 for n in ns] + [8 * n0 * d**2 + 4 * n0**2 * d for d in ds]
     layer_counted = sa["layer_flops_by_n"] + sa["layer_flops_by_d"]
     rnn_formula = [4 * n * d0**2 for n in ns] + [4 * n0 * d**2 for d in ds]
@@ -453,8 +453,8 @@ def _compute_crossings(results: dict[str, Any], ns: list[int], ds: list[int], d0
         "core_equals_rnn_at_d": crossing(ds, [1 / r for r in core_over_rnn_d]),
         "layer_equals_rnn_at_n": crossing(ns, layer_over_rnn_n),
         "layer_over_rnn_min": min(layer_over_rnn_n + layer_over_rnn_d),
-        "layer_formula_error": max(abs(c - f) / f for c, f in zip(layer_counted, layer_formula)),
-        "rnn_formula_error": max(abs(c - f) / f for c, f in zip(rnn_counted, rnn_formula)),
+        "layer_formula_error": max(abs(c - f) / f for c, f in zip(layer_counted, layer_formula, strict=True)),
+        "rnn_formula_error": max(abs(c - f) / f for c, f in zip(rnn_counted, rnn_formula, strict=True)),
     }
 
 

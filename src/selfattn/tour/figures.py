@@ -91,7 +91,7 @@ def _heatmap(
 def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> Figure:
     """Section 1: one heat map per sequence of the batch, masked keys at exactly 0."""
     fig, axes = _figure(4.2 * len(valid_lens), 3.6, columns=len(valid_lens))
-    for ax, sequence, valid_len in zip(axes, weights, valid_lens):
+    for ax, sequence, valid_len in zip(axes, weights, valid_lens, strict=True):
         _heatmap(
             fig,
             ax,
@@ -248,7 +248,7 @@ def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figu
 def absolute_figure(curves: dict[str, Any], precision: dict[str, Any]) -> Figure:
     """Section 5: distance between positions i and i + delta along i, and float32 drift far out."""
     fig, axes = _figure(10.5, 3.6, columns=2)
-    for delta, gaps in zip(curves["deltas"], curves["distances"]):
+    for delta, gaps in zip(curves["deltas"], curves["distances"], strict=True):
         axes[0].plot(np.arange(len(gaps)), gaps, label=f"delta = {delta}")
     axes[0].set_xlabel("position i")
     axes[0].set_ylabel("|P[i] - P[i + delta]|")
@@ -270,7 +270,7 @@ def relative_figure(similarity: dict[str, Any]) -> Figure:
     """Section 6: ``P[i] . P[i + delta]`` against delta, one curve per starting position i."""
     fig, (ax,) = _figure(7.0, 3.2)
     styles = ["-", "--", "-.", ":"]
-    for index, (start, curve) in enumerate(zip(similarity["starts"], similarity["similarity"])):
+    for index, (start, curve) in enumerate(zip(similarity["starts"], similarity["similarity"], strict=True)):
         ax.plot(
             similarity["deltas"],
             curve,

@@ -177,7 +177,7 @@ def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:
     ]
     by_k = [
         list(row)
-        for row in zip(sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"])
+        for row in zip(sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"], strict=True)
     ]
     cross = comp["crossings"]
     places = []
@@ -202,7 +202,7 @@ def _positional_context(results: dict[str, Any]) -> dict[str, Any]:
         [column, zero, fft, formula]
         for column, zero, fft, formula in zip(
             pe["columns"], measured["zero_crossings"], measured["fft"], measured["formula"]
-        )
+        , strict=True)
     ]
     return {"period_rows": periods, "binary_rows": [[i, bits] for i, bits in enumerate(pe["binary"])]}
 
@@ -247,7 +247,7 @@ def _absolute_context(results: dict[str, Any]) -> dict[str, Any]:
         ]
         for length, textbook, ours in zip(
             precision["lengths"], precision["textbook_error"], precision["selfattn_error"]
-        )
+        , strict=True)
     ]
     return {"absolute_rows": rows}
 
@@ -268,11 +268,11 @@ def _note_context(results: dict[str, Any]) -> dict[str, Any]:
             survival["recovered"],
             survival["cosine"],
             survival["recovered_unit"],
-            survival["cosine_unit"],
+            survival["cosine_unit"], strict=True,
         )
     ]
     survive_from = next(
-        (d for d, a in zip(survival["sizes"], survival["recovered"]) if a > 0.99), survival["sizes"][-1]
+        (d for d, a in zip(survival["sizes"], survival["recovered"], strict=True) if a > 0.99), survival["sizes"][-1]
     )
     precision = fw["precision"]
     names = list(precision["errors"])

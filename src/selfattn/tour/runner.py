@@ -305,7 +305,7 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, object]]:
             max(periods[:2]) < min(periods[2:]),
         )
     )
-    worst = max(abs(p - f) / f for p, f in zip(periods, formula))
+    worst = max(abs(p - f) / f for p, f in zip(periods, formula, strict=True))
     out.append(
         _check(
             "4. measured periods agree with 2 pi / w_j",
