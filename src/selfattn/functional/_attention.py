@@ -266,9 +266,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, options: dict[str, Any]
 ) -> torch.Tensor:
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, attn_mask)
-    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
     if needs_grad and options["dropout_p"] == 0.0 and not torch.compiler.is_compiling():
         out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)  # type: ignore[no-untyped-call]
         return out

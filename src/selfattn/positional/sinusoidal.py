@@ -52,7 +52,9 @@ class SinusoidalPositionalEncoding(InputEncoding):
         self.base = float(base)
         self.dropout = nn.Dropout(require_probability("dropout", dropout))
         # (1, max_len, d), as in the chapter, so `pe.P[0, :n, 6:10]` reads the same.
-        table = sinusoidal_table(self.max_len, self.num_hiddens, base=self.base, dtype=dtype or torch.float32, device=device)
+        table = sinusoidal_table(
+            self.max_len, self.num_hiddens, base=self.base, dtype=dtype or torch.float32, device=device
+        )
         self.register_buffer("P", table[None], persistent=False)
 
     def reset_parameters(self) -> None:

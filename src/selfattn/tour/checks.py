@@ -103,7 +103,9 @@ def permutation_check(
     }
 
 
-def table_columns(num_positions: int = 60, num_hiddens: int = 32, columns: tuple[int, ...] = (6, 7, 8, 9)) -> torch.Tensor:
+def table_columns(
+    num_positions: int = 60, num_hiddens: int = 32, columns: tuple[int, ...] = (6, 7, 8, 9)
+) -> torch.Tensor:
     """Columns of P as in the chapter's plot: ``(n, len(columns))``."""
     return sinusoidal_table(num_positions, num_hiddens)[:, list(columns)]
 

@@ -177,7 +177,9 @@ def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:
     ]
     by_k = [
         list(row)
-        for row in zip(sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"], strict=True)
+        for row in zip(
+            sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"], strict=True
+        )
     ]
     cross = comp["crossings"]
     places = []
@@ -201,8 +203,8 @@ def _positional_context(results: dict[str, Any]) -> dict[str, Any]:
     periods = [
         [column, zero, fft, formula]
         for column, zero, fft, formula in zip(
-            pe["columns"], measured["zero_crossings"], measured["fft"], measured["formula"]
-        , strict=True)
+            pe["columns"], measured["zero_crossings"], measured["fft"], measured["formula"], strict=True
+        )
     ]
     return {"period_rows": periods, "binary_rows": [[i, bits] for i, bits in enumerate(pe["binary"])]}
 
@@ -246,8 +248,8 @@ def _absolute_context(results: dict[str, Any]) -> dict[str, Any]:
             [textbook, ours],
         ]
         for length, textbook, ours in zip(
-            precision["lengths"], precision["textbook_error"], precision["selfattn_error"]
-        , strict=True)
+            precision["lengths"], precision["textbook_error"], precision["selfattn_error"], strict=True
+        )
     ]
     return {"absolute_rows": rows}
 
@@ -268,7 +270,8 @@ def _note_context(results: dict[str, Any]) -> dict[str, Any]:
             survival["recovered"],
             survival["cosine"],
             survival["recovered_unit"],
-            survival["cosine_unit"], strict=True,
+            survival["cosine_unit"],
+            strict=True,
         )
     ]
     survive_from = next(
