@@ -511,7 +511,9 @@ def measure_deep_stack(
         variants: keys of :data:`VARIANTS`.
         depth: blocks per stack; every layer 0 (the input) .. depth is measured.
         seeds: untrained stacks per (encoding, variant).
-        num_hiddens, num_heads, ffn_hiddens: block sizes.
+        num_hiddens: model size of each block.
+        num_heads: attention heads of each block.
+        ffn_hiddens: hidden size of each block's MLP.
         num_steps: sequence length ``n``.
         num_sequences: sequences probed, held-out ones included.
         test_sequences: the held-out sequences.
@@ -527,9 +529,9 @@ def measure_deep_stack(
     Returns:
         ``{"config": {...the arguments...}, "layers": [0, ..., depth], "variants": VARIANTS
         (the chosen ones), "metrics": METRICS, "untrained": R, "trained": R or None,
-        "seconds": wall time}``, where ``R[encoding][variant][metric]`` is
-        ``{"mean", "std", "min", "max": one value per layer, "by_seed": [per-layer list per seed]}``
-        and the trained ``R[encoding][variant]`` also holds ``"task_accuracy"`` and
+        "seconds": wall time}``, where ``R`` maps encoding, then variant, then metric to
+        ``{"mean", "std", "min", "max": one value per layer, "by_seed": one per-layer list per seed}``,
+        and each trained (encoding, variant) entry also holds ``"task_accuracy"`` and
         ``"final_loss"`` (``{"mean", "std", "min", "max", "by_seed"}`` of one number per seed).
     """
     for name in encodings:
