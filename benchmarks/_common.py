@@ -92,8 +92,7 @@ def machine_lines(device: torch.device) -> list[str]:
         f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- command: `{command_line()}`",
         f"- CPU: {_cpu_model()}, {os.cpu_count()} logical cores ({_cpu_flags()}), "
-        f"torch threads {torch.get_num_threads()}"
-        + (f", {total / GIB:.1f} GiB RAM" if total else ""),
+        f"torch threads {torch.get_num_threads()}" + (f", {total / GIB:.1f} GiB RAM" if total else ""),
         f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} {platform.machine()}",
     ]
     if device.type == "cuda":

@@ -363,7 +363,9 @@ def run_ragged(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
     for label, goal in (("[n, n/4, n/4, n/4]", 1.8), ("all n/2", 1.7)):
         for kind in ("fwd", "fwd+bwd"):
             speedup = r[(base, kind)] / r[(label, kind)]
-            targets.append([f"ragged {label} {kind}: >= {goal}x faster than all full", ratio(speedup), verdict(speedup >= goal)])
+            targets.append(
+                [f"ragged {label} {kind}: >= {goal}x faster than all full", ratio(speedup), verdict(speedup >= goal)]
+            )
     same = r[(base, "fwd+bwd")] / r[("all full, valid_lens = n", "fwd+bwd")]
     targets.append(["ragged all full with valid_lens: no slower (ratio >= 0.95)", ratio(same), verdict(same >= 0.95)])
     return text, targets
@@ -423,8 +425,11 @@ def run_window(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
         "",
     ]
     targets = [
-        [f"window causal n={n} w={window}: attention forward >= 8x faster than full causal",
-         ratio(speedups["attention"]), verdict(speedups["attention"] >= 8)],
+        [
+            f"window causal n={n} w={window}: attention forward >= 8x faster than full causal",
+            ratio(speedups["attention"]),
+            verdict(speedups["attention"] >= 8),
+        ],
         [f"(information) the same, whole module with projections", ratio(speedups["module"]), "-"],
     ]
     return text, targets
@@ -453,10 +458,16 @@ def run_compiled(args, device: torch.device) -> tuple[list[str], list[list[str]]
             started = time.perf_counter()
             compiled(x, x, x, **call_kwargs)
             compile_s = time.perf_counter() - started
-            torch.testing.assert_close(compiled(x, x, x, **call_kwargs), mha(x, x, x, **call_kwargs), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                compiled(x, x, x, **call_kwargs), mha(x, x, x, **call_kwargs), atol=1e-4, rtol=1e-4
+            )
             noise: dict = {}
-            r = measure({"eager": lambda: mha(x, x, x, **call_kwargs), "compiled": lambda: compiled(x, x, x, **call_kwargs)},
-                        device=device, spread=noise, **args.timing)
+            r = measure(
+                {"eager": lambda: mha(x, x, x, **call_kwargs), "compiled": lambda: compiled(x, x, x, **call_kwargs)},
+                device=device,
+                spread=noise,
+                **args.timing,
+            )
         spread.update({(label, k): v for k, v in noise.items()})
         log(f"  {r}")
         rows.append([label, ms(r["eager"]), ms(r["compiled"]), ratio(r["eager"] / r["compiled"]), f"{compile_s:.0f} s"])
@@ -574,10 +585,16 @@ def targets(args, device: torch.device, speed: dict, inference: dict, padding: d
 
     n_train = 1024 if 1024 in args.sizes else max(args.sizes)
     fb = results[("fwd+bwd", n_train)]
-    add(f"fwd+bwd n={n_train}: >= 2x faster than the textbook", ratio(fb["textbook"] / fb["selfattn"]),
-        fb["textbook"] / fb["selfattn"] >= 2)
-    add(f"fwd+bwd n={n_train}: no slower than nn.MHA (time ratio <= 1.10)", f"{fb['selfattn'] / fb['nn.MHA']:.2f}",
-        fb["selfattn"] / fb["nn.MHA"] <= 1.10)
+    add(
+        f"fwd+bwd n={n_train}: >= 2x faster than the textbook",
+        ratio(fb["textbook"] / fb["selfattn"]),
+        fb["textbook"] / fb["selfattn"] >= 2,
+    )
+    add(
+        f"fwd+bwd n={n_train}: no slower than nn.MHA (time ratio <= 1.10)",
+        f"{fb['selfattn'] / fb['nn.MHA']:.2f}",
+        fb["selfattn"] / fb["nn.MHA"] <= 1.10,
+    )
 
     n_flops = 4096 if 4096 in args.sizes else max(args.sizes)
     fwd = results[("fwd", n_flops)]
@@ -586,21 +603,30 @@ def targets(args, device: torch.device, speed: dict, inference: dict, padding: d
     add(f"forward n={n_flops}: >= 75% of GEMM peak", f"{fraction:.0%} of {gemm_rate:.0f} GFLOP/s", fraction >= 0.75)
     if n_flops in inference["results"]:
         r = inference["results"][n_flops]
-        add(f"(information) inference forward n={n_flops}: % of GEMM peak",
-            f"{percent_of_peak(r, inference['selfattn'], n_flops, inference['gemm_flops']):.0%}", None)
+        add(
+            f"(information) inference forward n={n_flops}: % of GEMM peak",
+            f"{percent_of_peak(r, inference['selfattn'], n_flops, inference['gemm_flops']):.0%}",
+            None,
+        )
 
     for n, r in inference["results"].items():
         speedup = r[inference["defaults"]] / r[inference["selfattn"]]
         # What the speedup would be if selfattn ran every FLOP at the GEMM rate: a hard ceiling.
         ceiling = r[inference["defaults"]] / (forward_flops(BATCH, n) / (inference["gemm_flops"] / r[GEMM]))
-        add(f"inference n={n}: >= 2x faster than nn.MHA defaults",
-            f"{ratio(speedup)} (ceiling at 100% of GEMM peak: {ratio(ceiling)})", speedup >= 2)
+        add(
+            f"inference n={n}: >= 2x faster than nn.MHA defaults",
+            f"{ratio(speedup)} (ceiling at 100% of GEMM peak: {ratio(ceiling)})",
+            speedup >= 2,
+        )
 
     n_memory = 16384 if 16384 in args.memory_sizes or not args.memory_sizes else max(args.memory_sizes)
     result = memory["measured"].get(("selfattn", n_memory), {})
     peak = result.get("peak_bytes")
-    add(f"forward n={n_memory} b=1: < 1 GiB peak", "not measured" if peak is None else size(peak),
-        None if peak is None else peak < GIB)
+    add(
+        f"forward n={n_memory} b=1: < 1 GiB peak",
+        "not measured" if peak is None else size(peak),
+        None if peak is None else peak < GIB,
+    )
 
     for n, r in padding["results"].items():
         speedup = r[("selfattn", "full")] / r[("selfattn", "half")]
@@ -620,8 +646,12 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda (memory is measured on CPU only)")
     parser.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory subprocesses")
     parser.add_argument("--memory-margin-gib", type=float, default=4.0, help="RAM left free for others (GiB)")
-    parser.add_argument("--only", choices=["all", "core", "models"], default="all",
-                        help="core: speed/inference/padding/memory; models: ragged, window, compiled (own section)")
+    parser.add_argument(
+        "--only",
+        choices=["all", "core", "models"],
+        default="all",
+        help="core: speed/inference/padding/memory; models: ragged, window, compiled (own section)",
+    )
     parser.add_argument("--memory-child", nargs=3, metavar=("CONTENDER", "N", "ALLOWED_BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:

@@ -205,7 +205,12 @@ def run_speed(args, device: torch.device) -> tuple[str, dict]:
     largest = max(args.sizes)
     final = results[("fwd+bwd", largest)]
     goal_rows = [
-        [label, f"{final[label] / final['(no encoding)']:.2f}", f"<= {goal:.2f}", verdict(final[label] / final["(no encoding)"] <= goal)]
+        [
+            label,
+            f"{final[label] / final['(no encoding)']:.2f}",
+            f"<= {goal:.2f}",
+            verdict(final[label] / final["(no encoding)"] <= goal),
+        ]
         for label, goal in SPEED_GOALS
         if label in final
     ]
@@ -267,7 +272,11 @@ def run_memory(args) -> tuple[str, dict]:
         measured[(label, n, mode)] = r
         peak = size(r["peak_bytes"]) if "peak_bytes" in r else f"failed: {r.get('error')}"
         seconds = f"{r['seconds']:.1f}" if "seconds" in r else "-"
-        met = "-" if goal is None else (verdict("peak_bytes" in r and r["peak_bytes"] <= goal * GIB) + f" (<= {goal} GiB)")
+        met = (
+            "-"
+            if goal is None
+            else (verdict("peak_bytes" in r and r["peak_bytes"] <= goal * GIB) + f" (<= {goal} GiB)")
+        )
         rows.append([label, str(n), "forward+backward" if mode == "train" else "forward", peak, seconds, met])
     n = 4096
     scores = NUM_HEADS * n * n * 4
@@ -297,12 +306,18 @@ def parse_args(argv=None):
     parser.add_argument("--skip-memory", action="store_true", help="leave out the peak-memory subprocesses")
     parser.add_argument("--memory-margin-gib", type=float, default=4.0, help="RAM left free for others (GiB)")
     parser.add_argument("--memory-cap-gib", type=float, default=6.0, help="most RAM one memory case may use (GiB)")
-    parser.add_argument("--memory-timeout-s", type=float, default=1800.0, help="give up on a memory case after this long")
+    parser.add_argument(
+        "--memory-timeout-s", type=float, default=1800.0, help="give up on a memory case after this long"
+    )
     parser.add_argument("--skip-speed", action="store_true", help="measure peak memory only (its own section)")
     parser.add_argument("--only", help="comma-separated row labels to time (default: all)")
     parser.add_argument("--min-repeats", type=int, help="timed rounds at least (default 4; 2 with --quick)")
-    parser.add_argument("--sizes", dest="sizes_arg", help="comma-separated sequence lengths to time (default 1024,4096)")
-    parser.add_argument("--memory-child", nargs=4, metavar=("LABEL", "N", "MODE", "ALLOWED_BYTES"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sizes", dest="sizes_arg", help="comma-separated sequence lengths to time (default 1024,4096)"
+    )
+    parser.add_argument(
+        "--memory-child", nargs=4, metavar=("LABEL", "N", "MODE", "ALLOWED_BYTES"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes = [128, 256]
@@ -338,7 +353,11 @@ def main(argv=None) -> int:
         memory_text = "*Peak memory not measured in this run.*\n"
     else:
         memory_text, _ = run_memory(args)
-    title = "Peak memory of positional encodings inside attention" if args.skip_speed else "Positional encodings inside attention"
+    title = (
+        "Peak memory of positional encodings inside attention"
+        if args.skip_speed
+        else "Positional encodings inside attention"
+    )
     parts = [f"## {title} ({device.type}{', quick smoke run' if args.quick else ''})", ""]
     parts += [*header, f"- load average at end: {load_average()}; wall time {time.perf_counter() - started:.0f} s", ""]
     parts += [speed_text, memory_text]

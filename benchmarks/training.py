@@ -62,12 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[10, 20], help="input lengths n (tokens: 2n + 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the study uses 1 per rank)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", default=None, help="markdown file to update (default BENCHMARKS.md; none with --quick)")
+    parser.add_argument(
+        "--output", default=None, help="markdown file to update (default BENCHMARKS.md; none with --quick)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     config = StudyConfig()
-    timing = {"min_repeats": 2, "max_repeats": 3, "budget_s": 0.5} if args.quick else {"min_repeats": 10, "max_repeats": 40, "budget_s": 20.0}
+    timing = (
+        {"min_repeats": 2, "max_repeats": 3, "budget_s": 0.5}
+        if args.quick
+        else {"min_repeats": 10, "max_repeats": 40, "budget_s": 20.0}
+    )
     if args.quick:
         config = StudyConfig(num_hiddens=16, num_heads=2, num_layers=1, ffn_hiddens=32, batch_size=4)
         args.lengths = args.lengths[:1]
@@ -85,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         row = [encoding]
         for n in args.lengths:
             per_second = sizes[(encoding, n)] / seconds[(encoding, n)]
-            row += [ms(seconds[(encoding, n)]), f"{per_second:,.0f}", ratio(seconds[(encoding, n)] / seconds[("none", n)])]
+            row += [
+                ms(seconds[(encoding, n)]),
+                f"{per_second:,.0f}",
+                ratio(seconds[(encoding, n)] / seconds[("none", n)]),
+            ]
         rows.append(row)
     columns = ["encoding"]
     for n in args.lengths:

@@ -44,7 +44,7 @@ def naive_attention(q, k, v, visible, bias=None, scale=None):
                 w = np.exp(scores - scores.max())
                 w /= w.sum()
                 weights[bi, hi, i, keys] = w
-                out[bi, hi, i] = sum(wj * v[bi, hi, j] for wj, j in zip(w, keys))
+                out[bi, hi, i] = sum(wj * v[bi, hi, j] for wj, j in zip(w, keys, strict=True))
     return out, weights
 
 

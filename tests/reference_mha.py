@@ -92,9 +92,9 @@ def naive_mha(mha, queries, keys, values, visible, q_positions, k_positions):
                 w = np.exp(scores - scores.max())
                 w /= w.sum()
                 weights[bi, hi, i, cols] = w
-                out[bi, i, hi] = sum(wj * vh[j] for wj, j in zip(w, cols))
+                out[bi, i, hi] = sum(wj * vh[j] for wj, j in zip(w, cols, strict=True))
                 if isinstance(enc, ShawRelativePositionEncoding) and enc.value_embeddings is not None:
-                    for wj, j in zip(w, cols):
+                    for wj, j in zip(w, cols, strict=True):
                         rel = int(k_positions[bi, j] - q_positions[bi, i])
                         row = max(-enc.max_distance, min(enc.max_distance, rel)) + enc.max_distance
                         out[bi, i, hi] += wj * enc.value_embeddings[row].detach().double().numpy()

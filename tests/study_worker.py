@@ -18,7 +18,9 @@ def main() -> None:
     run = train_run(RunSpec("reverse", "rotary", 0), TINY, data_parallel=True)
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"world": dist.get_world_size(), "losses": run["loss_curve"], "acc": run["accuracy_by_length"]}, f)
+            json.dump(
+                {"world": dist.get_world_size(), "losses": run["loss_curve"], "acc": run["accuracy_by_length"]}, f
+            )
     dist.destroy_process_group()
 
 

@@ -79,5 +79,5 @@ def test_backward_matches_selfattn():
     ours(x1, x1, x1, valid_lens).square().sum().backward()
     baseline(x2, x2, x2, valid_lens).square().sum().backward()
     torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-9, atol=1e-10)
-    for (name, p), q in zip(ours.named_parameters(), baseline.parameters()):
+    for (name, p), q in zip(ours.named_parameters(), baseline.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-10, msg=name)

@@ -99,7 +99,7 @@ def check_forward_and_gradients(label, *, b, lq, lk, block, dtype=torch.float64,
     params = list(term.parameters())
     got = torch.autograd.grad(out, [q, k, v, *params], grad, allow_unused=True)
     want = torch.autograd.grad(ref, [q, k, v, *params], grad, allow_unused=True)
-    for name, g, w in zip(["q", "k", "v", *[n for n, _ in term.named_parameters()]], got, want):
+    for name, g, w in zip(["q", "k", "v", *[n for n, _ in term.named_parameters()]], got, want, strict=True):
         if w is None:
             assert g is None or not bool(g.any()), name
             continue
@@ -160,7 +160,9 @@ def test_low_precision_blockwise_agrees_with_float64(label, dtype, atol):
     q64, k64, v64 = (t.double() for t in (q, k, v))
     positions = torch.arange(100, 121)
     with torch.no_grad():
-        out = blockwise_attention(q, k, v, term=term, q_positions=positions, k_positions=positions, causal=True, block_size=8)
+        out = blockwise_attention(
+            q, k, v, term=term, q_positions=positions, k_positions=positions, causal=True, block_size=8
+        )
         want = dense(term64, q64, k64, v64, positions, positions, visibility(2, 21, 21, causal=True))
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), want, rtol=0, atol=atol)
@@ -198,7 +200,9 @@ def test_fully_masked_rows_are_zero_and_their_gradients_finite():
 def test_unbiased_attention_without_dropout_is_dense_attention():
     q, k, v = qkv(2, 9, 9)
     got = blockwise_attention(q, k, v, causal=True, valid_lens=torch.tensor([4, 9]), block_size=4)
-    want = attention(q, k, v, causal=True, mask=torch.arange(9)[None, None, None, :] < torch.tensor([4, 9])[:, None, None, None])
+    want = attention(
+        q, k, v, causal=True, mask=torch.arange(9)[None, None, None, :] < torch.tensor([4, 9])[:, None, None, None]
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
@@ -370,7 +374,9 @@ def test_flex_attention_forward_on_cpu_equals_dense(label):
     lens = torch.tensor([0, 6])
     mask = (torch.arange(8) < lens[:, None])[:, None, None, :]  # (b, 1, 1, lk)
     with torch.no_grad():
-        got = flex_score_attention(q, k, v, term=term, q_positions=positions, k_positions=positions, mask=mask, causal=True)
+        got = flex_score_attention(
+            q, k, v, term=term, q_positions=positions, k_positions=positions, mask=mask, causal=True
+        )
         want = dense(term, q, k, v, positions, positions, visibility(2, 8, 8, causal=True, valid_lens=lens))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -388,7 +394,7 @@ def test_flex_attention_on_cuda_forward_and_backward(label):  # pragma: no cover
     params = list(term.parameters())
     got = torch.autograd.grad(out.sum(), [q, *params])
     ref = torch.autograd.grad(want.sum(), [q, *params])
-    for g, w in zip(got, ref):
+    for g, w in zip(got, ref, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
 
 

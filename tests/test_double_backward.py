@@ -35,6 +35,6 @@ def test_gradient_penalty_runs_and_first_order_grads_unchanged():
     plain = torch.autograd.grad(attention(q, k, v, bias=bias, causal=True).square().sum(), (q, k, v, bias))
     explicit = attention(q, k, v, bias=bias, causal=True, return_weights=True)[0]
     reference = torch.autograd.grad(explicit.square().sum(), (q, k, v, bias))
-    for a, b, c in zip(grads, plain, reference):
+    for a, b, c in zip(grads, plain, reference, strict=True):
         torch.testing.assert_close(a, c, atol=1e-12, rtol=1e-10)
         torch.testing.assert_close(b, c, atol=1e-12, rtol=1e-10)

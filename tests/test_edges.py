@@ -161,11 +161,11 @@ def test_broadcastable_masks_and_biases_still_work() -> None:
 
 def test_mixed_dtypes_and_devices_name_q_k_v() -> None:
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="one dtype.*float64"):
+    with pytest.raises(ValueError, match=r"one dtype.*float64"):
         attention(q, k.double(), v)
     with pytest.raises(ValueError, match="one dtype"):
         attention(q, k, v.half(), return_weights=True)
-    with pytest.raises(ValueError, match="one device.*meta"):
+    with pytest.raises(ValueError, match=r"one device.*meta"):
         attention(q, k, v.to("meta"))
     with pytest.raises(ValueError, match="mask must be on the device of q"):
         attention(q, k, v, mask=torch.ones(2, 3, dtype=torch.bool, device="meta"))
@@ -217,12 +217,12 @@ def test_causal_mask_refuses_negative_sizes() -> None:
 
 
 def test_sinusoidal_table_refuses_inexact_offsets_and_string_dtypes() -> None:
-    with pytest.raises(ValueError, match="offset .*2\\*\\*53"):
+    with pytest.raises(ValueError, match=r"offset .*2\*\*53"):
         sinusoidal_table(2, 4, offset=2**60)
     with pytest.raises(ValueError, match="offset"):
         sinusoidal_table(2, 4, offset=2**53)  # the second row would sit at 2**53 + 1
     assert sinusoidal_table(2, 4, offset=2**53 - 1).shape == (2, 4)
-    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+    with pytest.raises(TypeError, match=r"dtype must be a torch\.dtype"):
         sinusoidal_table(2, 4, dtype="float32")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dtype must be a floating-point"):
         sinusoidal_table(2, 4, dtype=torch.int64)
@@ -234,13 +234,13 @@ def test_sinusoidal_table_refuses_inexact_offsets_and_string_dtypes() -> None:
 def test_cache_append_checks_values_against_keys() -> None:
     keys = torch.randn(1, 2, 3, 4)
     cache = KVCache(4)
-    with pytest.raises(ValueError, match="values of shape .* do not match keys"):
+    with pytest.raises(ValueError, match=r"values of shape .* do not match keys"):
         cache.append(keys, torch.randn(1, 2, 2, 4))
-    with pytest.raises(ValueError, match="values of shape .* do not match keys"):
+    with pytest.raises(ValueError, match=r"values of shape .* do not match keys"):
         cache.append(keys, torch.randn(2, 2, 3, 4))
     with pytest.raises(ValueError, match="share dtype and device"):
         cache.append(keys, torch.randn(1, 2, 3, 4).double())
-    with pytest.raises(TypeError, match="values must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"values must be a torch\.Tensor"):
         cache.append(keys, "abc")  # type: ignore[arg-type]
     assert cache.length == 0
 
@@ -248,7 +248,7 @@ def test_cache_append_checks_values_against_keys() -> None:
 def test_cache_refuses_keys_of_another_dtype_or_device() -> None:
     cache = KVCache(4)
     cache.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
-    with pytest.raises(ValueError, match="dtype torch.float64 .* cache holding torch.float32"):
+    with pytest.raises(ValueError, match=r"dtype torch\.float64 .* cache holding torch\.float32"):
         cache.append(torch.randn(1, 2, 1, 4).double(), torch.randn(1, 2, 1, 4).double())
     with pytest.raises(ValueError, match="on meta"):
         cache.append(torch.randn(1, 2, 1, 4, device="meta"), torch.randn(1, 2, 1, 4, device="meta"))

@@ -20,7 +20,7 @@ def _random_qkv(b=2, h=3, lq=5, lk=7, d=8, dv=6, seed=0, dtype=torch.float64):
 
 
 def _visible(mask, causal, shape):
-    b, h, lq, lk = shape
+    _, _, lq, lk = shape
     visible = np.ones(shape, dtype=bool)
     if mask is not None:
         visible &= np.broadcast_to(mask.numpy(), shape)

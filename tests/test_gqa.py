@@ -13,7 +13,11 @@ D, H = 16, 4
 def _pair(name, num_kv_heads, bias=False):
     """A grouped module and a full-head one whose W_k/W_v rows repeat kv head j for query heads j*g..j*g+g-1."""
     torch.manual_seed(0)
-    grouped = MultiHeadAttention(D, H, num_kv_heads=num_kv_heads, bias=bias, position=make_encoding(name, D, H)).double().eval()
+    grouped = (
+        MultiHeadAttention(D, H, num_kv_heads=num_kv_heads, bias=bias, position=make_encoding(name, D, H))
+        .double()
+        .eval()
+    )
     full = MultiHeadAttention(D, H, bias=bias, position=grouped.position).double().eval()
     dh, g = D // H, H // num_kv_heads
     with torch.no_grad():
@@ -39,7 +43,15 @@ def test_grouped_equals_repeated_heads(name, num_kv_heads):
         for kwargs in ({}, {"causal": True}, {"return_weights": True}):
             a, b = grouped(x, x, x, valid_lens, **kwargs), full(x, x, x, valid_lens, **kwargs)
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
-    expected, _ = naive_mha(grouped, x, x, x, visibility(2, 6, 6, valid_lens=[6, 4]), torch.arange(6).expand(2, 6), torch.arange(6).expand(2, 6))
+    expected, _ = naive_mha(
+        grouped,
+        x,
+        x,
+        x,
+        visibility(2, 6, 6, valid_lens=[6, 4]),
+        torch.arange(6).expand(2, 6),
+        torch.arange(6).expand(2, 6),
+    )
     with torch.no_grad():
         torch.testing.assert_close(grouped(x, x, x, valid_lens), expected, atol=1e-10, rtol=1e-9)
 
@@ -71,7 +83,9 @@ def test_functional_grouped_kv_without_copies():
     repeated = attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), causal=True)
     torch.testing.assert_close(attention(q, k, v, causal=True), repeated, atol=1e-6, rtol=1e-5)
     out, weights = attention(q, k, v, return_weights=True)
-    torch.testing.assert_close(out, attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        out, attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)), atol=1e-6, rtol=1e-5
+    )
     assert weights.shape == (2, 6, 5, 5)
     v = torch.randn(2, 2, 5, 4)  # the flash kernel wants equal head sizes; with unequal ones torch's math path repeats
     with torch.profiler.profile() as prof:

@@ -31,7 +31,7 @@ def test_learned_refuses_to_extrapolate():
     learned = LearnedPositionalEncoding(4, max_len=8)
     with pytest.raises(ValueError, match=r"positions 5\.\.8 reach past max_len=8: .*cannot extrapolate"):
         learned(torch.randn(1, 4, 4), offset=5)
-    with pytest.raises(ValueError, match="max_len=8.*cannot extrapolate"):
+    with pytest.raises(ValueError, match=r"max_len=8.*cannot extrapolate"):
         learned(torch.randn(9, 4))
 
 

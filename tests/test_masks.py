@@ -29,7 +29,9 @@ def test_masks_combine_with_each_other(name, causal):
     padding = torch.tensor([[False, True, False, False, False, False], [False] * 5 + [True]])
     valid_lens = torch.tensor([5, 6])
     with torch.no_grad():
-        out, weights = mha(x, x, x, valid_lens, causal=causal, attn_mask=attend, key_padding_mask=padding, return_weights=True)
+        out, weights = mha(
+            x, x, x, valid_lens, causal=causal, attn_mask=attend, key_padding_mask=padding, return_weights=True
+        )
         fused = mha(x, x, x, valid_lens, causal=causal, attn_mask=attend, key_padding_mask=padding)
     visible = visibility(2, 6, 6, causal=causal, valid_lens=[5, 6], key_padding=padding.tolist()) & attend.numpy()
     positions = torch.arange(6).expand(2, 6)
@@ -99,7 +101,7 @@ def test_from_torch_matches_nn_multihead_attention(bias, kdim):
 
 
 def test_from_torch_errors():
-    with pytest.raises(ValueError, match="module must be an nn.MultiheadAttention"):
+    with pytest.raises(ValueError, match=r"module must be an nn\.MultiheadAttention"):
         MultiHeadAttention.from_torch(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="add_bias_kv or add_zero_attn"):
         MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, add_bias_kv=True))

@@ -14,8 +14,14 @@ ENCODINGS = ["none", "sinusoidal", "learned", "rotary", "alibi", "t5", "shaw"]
 def _copy_into_torch(block: TransformerBlock, norm_first: bool) -> nn.TransformerEncoderLayer:
     d = block.num_hiddens
     layer = nn.TransformerEncoderLayer(
-        d, block.attention.num_heads, block.ffn_hiddens, dropout=0.0, activation="gelu",
-        batch_first=True, norm_first=norm_first, bias=False,
+        d,
+        block.attention.num_heads,
+        block.ffn_hiddens,
+        dropout=0.0,
+        activation="gelu",
+        batch_first=True,
+        norm_first=norm_first,
+        bias=False,
     )
     attn = block.attention
     with torch.no_grad():

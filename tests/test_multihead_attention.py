@@ -17,14 +17,18 @@ def _mha(num_hiddens=16, num_heads=4, seed=0, **kwargs):
 
 def _naive_mha(mha, queries, keys, values, visible):
     """Projections and per-query softmax in float64, from the module's weights."""
+
     def project(linear, x):
         y = x.double() @ linear.weight.detach().double().T
         return y if linear.bias is None else y + linear.bias.detach().double()
 
     b, lq, _ = queries.shape
-    split = lambda x: x.reshape(b, x.shape[1], mha.num_heads, -1).transpose(1, 2).numpy()  # (b, h, l, dh)
+
+    def split(x: torch.Tensor) -> np.ndarray:
+        return x.reshape(b, x.shape[1], mha.num_heads, -1).transpose(1, 2).numpy()  # (b, h, l, dh)
+
     q, k, v = split(project(mha.W_q, queries)), split(project(mha.W_k, keys)), split(project(mha.W_v, values))
-    out, weights = naive_attention(q, k, v, np.broadcast_to(visible, (b, mha.num_heads) + visible.shape[-2:]))
+    out, weights = naive_attention(q, k, v, np.broadcast_to(visible, (b, mha.num_heads, *visible.shape[-2:])))
     merged = torch.from_numpy(out).transpose(1, 2).reshape(b, lq, -1)  # (b, lq, d)
     return project(mha.W_o, merged), torch.from_numpy(weights)
 
@@ -48,7 +52,7 @@ def test_matches_torch_multihead_attention(bias):
     with torch.no_grad():
         expected, expected_w = ref(x, x, x, need_weights=True, average_attn_weights=False)
         torch.testing.assert_close(mha(x, x, x), expected, atol=1e-5, rtol=1e-5)
-        out, weights = mha(x, x, x, return_weights=True)
+        _, weights = mha(x, x, x, return_weights=True)
         torch.testing.assert_close(weights, expected_w, atol=1e-6, rtol=1e-5)
         padded = torch.arange(7)[None, :] >= valid_lens[:, None]  # True = ignore
         expected = ref(x, x, x, key_padding_mask=padded, need_weights=False)[0]
@@ -161,7 +165,10 @@ def test_cache_token_by_token_equals_one_causal_pass():
     with torch.no_grad():
         full = mha(x, x, x, valid_lens, causal=True)
         cache = KVCache(max_len=9)
-        steps = [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], valid_lens, causal=True, cache=cache) for t in range(9)]
+        steps = [
+            mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], valid_lens, causal=True, cache=cache)
+            for t in range(9)
+        ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-6, rtol=1e-5)
     assert cache.length == 9
     with torch.no_grad():  # a prompt of 4, then one token at a time
@@ -185,7 +192,10 @@ def test_chapter_shape_check():
         (lambda: MultiHeadAttention(8, -2), "num_heads must be a positive integer, got -2"),
         (lambda: MultiHeadAttention(8, 2, key_size=0), "key_size must be a positive integer, got 0"),
         (lambda: MultiHeadAttention(8, 2, dropout=2), "dropout must be a probability in"),
-        (lambda: MultiHeadAttention(8, 2, position=SinusoidalPositionalEncoding(8)), "add input encodings to the input"),
+        (
+            lambda: MultiHeadAttention(8, 2, position=SinusoidalPositionalEncoding(8)),
+            "add input encodings to the input",
+        ),
         (lambda: KVCache(0), "max_len must be a positive integer, got 0"),
     ],
 )
@@ -197,7 +207,10 @@ def test_constructor_errors(make, message):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda m, x: m(x, x, x, torch.tensor([1, 2, 3])), r"valid_lens must have shape \(2,\) or \(2, 5\), got \(3,\)"),
+        (
+            lambda m, x: m(x, x, x, torch.tensor([1, 2, 3])),
+            r"valid_lens must have shape \(2,\) or \(2, 5\), got \(3,\)",
+        ),
         (lambda m, x: m(x, x, x, torch.tensor([-1, 2])), r"valid_lens must lie in \[0, 5\].*\[-1, 2\]"),
         (lambda m, x: m(x, x, x, torch.tensor([6, 2])), r"valid_lens must lie in \[0, 5\].*\[6, 2\]"),
         (lambda m, x: m(x, x, x, torch.tensor([1.5, 2.0])), r"valid_lens must hold whole numbers, got \[1.5, 2.0\]"),
@@ -208,7 +221,10 @@ def test_constructor_errors(make, message):
         (lambda m, x: m(x, x, x[:, :3]), "keys and values must have the same length, got 5 and 3"),
         (lambda m, x: m(x[:1], x, x), "queries, keys and values must share the batch size, got 1, 2, 2"),
         (lambda m, x: m(x.long(), x, x), "queries must be floating point"),
-        (lambda m, x: [m(x, x, x, cache=c) for c in [KVCache(6)] for _ in range(2)], "cache overflow: 5 positions stored"),
+        (
+            lambda m, x: [m(x, x, x, cache=c) for c in [KVCache(6)] for _ in range(2)],
+            "cache overflow: 5 positions stored",
+        ),
     ],
 )
 def test_forward_errors(call, message):

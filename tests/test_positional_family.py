@@ -121,7 +121,7 @@ def test_dtypes_agree_with_float64(name, dtype, atol, causal):
         reference = full_pass(name, reference_encoding, reference_mha, x, valid_lens, offset=300, causal=causal)
     torch.testing.assert_close(out.double(), reference, rtol=0, atol=max(atol, 1e-12))
     out.float().square().sum().backward()
-    trained = [p for p in list(encoding.parameters()) + list(mha.parameters())]
+    trained = list(encoding.parameters()) + list(mha.parameters())
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in trained)
 
 
@@ -187,16 +187,17 @@ def test_score_terms_reach_the_fused_kernel(name, options, fused):
     encoding, mha = make(name, **options)
     x = inputs()
     if not isinstance(encoding, ScoreEncoding):
-        with mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as spy:
-            with torch.no_grad():
-                mha(x, x, x, torch.tensor([4, 6]), causal=True)
+        with (
+            mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as spy,
+            torch.no_grad(),
+        ):
+            mha(x, x, x, torch.tensor([4, 6]), causal=True)
         assert spy.called == fused
         return
     # Score terms go blockwise, each block to the CPU flash kernel with its bias as a float mask.
     flash = blockwise._flash_forward
-    with mock.patch.object(blockwise, "_flash_forward", wraps=flash) as spy:
-        with torch.no_grad():
-            mha(x, x, x, torch.tensor([4, 6]), causal=True)
+    with mock.patch.object(blockwise, "_flash_forward", wraps=flash) as spy, torch.no_grad():
+        mha(x, x, x, torch.tensor([4, 6]), causal=True)
     assert spy.called == fused
     if fused:
         assert spy.call_args.kwargs["attn_mask"].is_floating_point()

@@ -38,7 +38,10 @@ def test_per_token_positions_match_naive(name, causal):
 def test_key_positions_for_cross_attention(name):
     mha = _mha(name)
     g = torch.Generator().manual_seed(4)
-    q, kv = torch.randn(2, 3, D, generator=g, dtype=torch.float64), torch.randn(2, 5, D, generator=g, dtype=torch.float64)
+    q, kv = (
+        torch.randn(2, 3, D, generator=g, dtype=torch.float64),
+        torch.randn(2, 5, D, generator=g, dtype=torch.float64),
+    )
     q_pos, k_pos = torch.tensor([[7, 8, 9], [1, 1, 3]]), torch.tensor([[0, 2, 4, 6, 8], [9, 3, 1, 0, 0]])
     with torch.no_grad():
         out = mha(q, kv, kv, positions=q_pos, key_positions=k_pos)
@@ -63,7 +66,10 @@ def test_left_padded_decoding_equals_unpadded(name):
     """Two prompts of lengths 5 and 3, the second left-padded by 2, then 3 greedy-free decode steps."""
     mha = _mha(name, num_kv_heads=2)
     g = torch.Generator().manual_seed(7)
-    long, short = torch.randn(1, 8, D, generator=g, dtype=torch.float64), torch.randn(1, 6, D, generator=g, dtype=torch.float64)
+    long, short = (
+        torch.randn(1, 8, D, generator=g, dtype=torch.float64),
+        torch.randn(1, 6, D, generator=g, dtype=torch.float64),
+    )
     prompt = torch.cat([long[:, :5], torch.cat([torch.zeros(1, 2, D, dtype=torch.float64), short[:, :3]], 1)])
     padding = torch.tensor([[False] * 5, [True, True, False, False, False]])
     positions = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]])  # pads' positions do not matter
@@ -89,9 +95,18 @@ def test_cache_stores_positions_and_padding():
     cache = KVCache(max_len=6)
     x = torch.randn(2, 3, D, dtype=torch.float64)
     with torch.no_grad():
-        mha(x, x, x, causal=True, cache=cache, positions=torch.tensor([[4, 5, 6], [0, 1, 2]]),
-            key_padding_mask=torch.tensor([[True, False, False], [False] * 3]))
-    seen = cache.update(torch.zeros(2, H, 1, D // H, dtype=torch.float64), torch.zeros(2, H, 1, D // H, dtype=torch.float64))
+        mha(
+            x,
+            x,
+            x,
+            causal=True,
+            cache=cache,
+            positions=torch.tensor([[4, 5, 6], [0, 1, 2]]),
+            key_padding_mask=torch.tensor([[True, False, False], [False] * 3]),
+        )
+    seen = cache.update(
+        torch.zeros(2, H, 1, D // H, dtype=torch.float64), torch.zeros(2, H, 1, D // H, dtype=torch.float64)
+    )
     assert seen.positions.tolist() == [[4, 5, 6, 3], [0, 1, 2, 3]]
     assert seen.padding.tolist() == [[True, False, False, False], [False] * 4]
 

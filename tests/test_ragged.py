@@ -32,7 +32,7 @@ def test_grouped_lengths_match_naive_and_masked_gradients(causal, name, monkeypa
     monkeypatch.setattr(attention_module, "_MAX_LENGTH_GROUPS", 0)  # one masked call instead
     masked = mha(x, x, x, valid_lens, causal=causal)
     masked_grads = torch.autograd.grad(masked, (x, *mha.parameters()), grad)
-    for a, b in zip(grouped_grads, masked_grads):
+    for a, b in zip(grouped_grads, masked_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
 
 

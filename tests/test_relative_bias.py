@@ -41,7 +41,7 @@ def test_t5_published_boundaries_causal():
     assert buckets([-16, -17], bidirectional=False) == [16, 16]
     assert buckets([-112, -113, -128, -10_000], bidirectional=False) == [30, 31, 31, 31]
     first = {}
-    for n in range(0, 400):
+    for n in range(400):
         first.setdefault(buckets([-n], bidirectional=False)[0], n)
     assert first[16] == 16 and first[31] == 113
     assert sorted(first) == list(range(32))  # every bucket is used
@@ -51,10 +51,10 @@ def test_t5_published_boundaries_causal():
 def test_t5_published_boundaries_bidirectional():
     assert buckets([-n for n in range(8)]) == list(range(8))
     assert buckets([-90, -91, -200]) == [14, 15, 15]
-    assert buckets([n for n in range(1, 8)]) == [16 + n for n in range(1, 8)]
+    assert buckets(list(range(1, 8))) == [16 + n for n in range(1, 8)]
     assert buckets([90, 91, 5000]) == [30, 31, 31]
     first = {}
-    for n in range(0, 200):
+    for n in range(200):
         first.setdefault(buckets([-n])[0], n)
     assert first[8] == 8 and first[15] == 91
 
@@ -160,7 +160,7 @@ def test_alibi_inside_attention_is_added_to_scaled_scores_unscaled():
     mha = MultiHeadAttention(d, h, position=ALiBiPositionalBias(h, causal=False)).double()
     x = torch.randn(1, length, d, dtype=torch.float64)
     with torch.no_grad():
-        out, weights = mha(x, x, x, return_weights=True)
+        _, weights = mha(x, x, x, return_weights=True)
         q, k, v = (mha._split_heads(w(x)).numpy() for w in (mha.W_q, mha.W_k, mha.W_v))
     slopes = [1 / 16, 1 / 256]
     bias = np.array([[[-slopes[head] * abs(i - j) for j in range(length)] for i in range(length)] for head in range(h)])
@@ -184,7 +184,7 @@ def test_alibi_slopes_are_exact_non_persistent_buffers():
 def test_alibi_bad_inputs():
     with pytest.raises(ValueError, match="num_heads must be a positive integer, got 0"):
         alibi_slopes(0)
-    with pytest.raises(ValueError, match="num_heads must be a positive integer, got 2.5"):
+    with pytest.raises(ValueError, match=r"num_heads must be a positive integer, got 2\.5"):
         ALiBiPositionalBias(2.5)
     with pytest.raises(ValueError, match=r"q must have shape \(batch, 4, length, head_dim\)"):
         ALiBiPositionalBias(4)(torch.randn(1, 2, 3, 4), q_positions=torch.arange(3), k_positions=torch.arange(3))

@@ -239,7 +239,9 @@ def test_layout_conversion_of_nested_and_grouped_checkpoints():
     assert out["layers.0.attn.v_proj.weight"] is state["layers.0.attn.v_proj.weight"]
     with pytest.raises(ValueError, match="to must be 'half_split' or 'interleaved'"):
         convert_rotary_layout(state, num_heads=2, to="neox")
-    with pytest.raises(ValueError, match="state_dict has no W_q.weight / W_q.bias / W_k.weight / W_k.bias entries"):
+    with pytest.raises(
+        ValueError, match=r"state_dict has no W_q\.weight / W_q\.bias / W_k\.weight / W_k\.bias entries"
+    ):
         convert_rotary_layout(state, num_heads=2, to="half_split")
     with pytest.raises(ValueError, match="not divisible by num_heads=3"):
         convert_rotary_layout(state, num_heads=3, to="half_split", projections=("q_proj", "k_proj"))

@@ -123,9 +123,15 @@ def test_module_dropout_in_training_only():
         (lambda: SinusoidalPositionalEncoding(8, dropout=1.0), "dropout must be a probability"),
         (lambda: SinusoidalPositionalEncoding(8, max_len=-5), "max_len must be a positive integer, got -5"),
         (lambda: SinusoidalPositionalEncoding(8, base=0.5), "base must be a number greater than 1"),
-        (lambda: SinusoidalPositionalEncoding(8)(torch.zeros(1, 4, 8), offset=-3), "offset must be a non-negative integer, got -3"),
+        (
+            lambda: SinusoidalPositionalEncoding(8)(torch.zeros(1, 4, 8), offset=-3),
+            "offset must be a non-negative integer, got -3",
+        ),
         (lambda: SinusoidalPositionalEncoding(8)(torch.zeros(1, 4, 9)), r"X must have shape \(\.\.\., length, 8\)"),
-        (lambda: SinusoidalPositionalEncoding(8)(torch.zeros(1, 4, 8, dtype=torch.long)), "X must be a floating-point tensor"),
+        (
+            lambda: SinusoidalPositionalEncoding(8)(torch.zeros(1, 4, 8, dtype=torch.long)),
+            "X must be a floating-point tensor",
+        ),
     ],
 )
 def test_module_errors(make, message):

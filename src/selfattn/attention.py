@@ -231,7 +231,9 @@ class MultiHeadAttention(nn.Module):
             ("values", values, self.value_size),
         ):
             if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != size:
-                raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
+                raise ValueError(
+                    f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}"
+                )
             if not t.is_floating_point():
                 raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
             weight = self.W_q.weight
@@ -272,7 +274,9 @@ class MultiHeadAttention(nn.Module):
         if valid_lens.numel():
             low, high = int(valid_lens.min()), int(valid_lens.max())
             if low < 0 or high > max_keys:
-                raise ValueError(f"valid_lens must lie in [0, {max_keys}] (the number of keys), got {valid_lens.tolist()}")
+                raise ValueError(
+                    f"valid_lens must lie in [0, {max_keys}] (the number of keys), got {valid_lens.tolist()}"
+                )
         return valid_lens
 
     def _check_masks(
@@ -307,10 +311,14 @@ class MultiHeadAttention(nn.Module):
                 else repr(key_padding_mask)
             )
             where = " (the new keys; the cache remembers earlier ones)" if cache is not None else ""
-            raise ValueError(f"key_padding_mask must be bool (True = padding) of shape ({batch}, {num_new_keys}){where}, got {got}")
+            raise ValueError(
+                f"key_padding_mask must be bool (True = padding) of shape ({batch}, {num_new_keys}){where}, got {got}"
+            )
         if document_ids is not None:
             if cache is not None or num_queries != num_new_keys:
-                raise ValueError("document_ids needs self-attention over one packed sequence: no cache, as many keys as queries")
+                raise ValueError(
+                    "document_ids needs self-attention over one packed sequence: no cache, as many keys as queries"
+                )
             document_ids = _require_int_tensor("document_ids", document_ids, ((batch, num_queries),))
         return attn_mask, key_padding_mask, document_ids
 
@@ -537,7 +545,9 @@ class MultiHeadAttention(nn.Module):
             mask = mask & part
         return mask, leave_causal
 
-    def _bias(self, q: torch.Tensor, q_positions: torch.Tensor, keys: _Keys, attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    def _bias(
+        self, q: torch.Tensor, q_positions: torch.Tensor, keys: _Keys, attn_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
         bias = None
         if isinstance(self.position, ScoreEncoding):
             bias = self.position(q, q_positions=q_positions, k_positions=keys.positions)

@@ -143,9 +143,7 @@ class KVCache:
         self._check(keys, values)
         batch, new = keys.shape[0], keys.shape[-2]
         if self.window is None and self.max_len is not None and self.length + new > self.max_len:
-            raise ValueError(
-                f"cache overflow: {self.length} positions stored + {new} new > max_len={self.max_len}"
-            )
+            raise ValueError(f"cache overflow: {self.length} positions stored + {new} new > max_len={self.max_len}")
         if positions is None:
             positions = torch.arange(self.length, self.length + new, device=keys.device)
         if positions.shape not in ((new,), (batch, new)):

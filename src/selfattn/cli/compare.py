@@ -8,10 +8,17 @@ import sys
 from pathlib import Path
 
 from selfattn._atomic import atomic_write_path
-from selfattn.cli._args import ExamplesFormatter, add_progress_flag, positive_int, require_memory, require_output
+from selfattn.cli._args import (
+    ExamplesFormatter,
+    OneLineErrorParser,
+    add_progress_flag,
+    positive_int,
+    require_memory,
+    require_output,
+)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
     parser = subparsers.add_parser(
         "compare",
         help="measure CNN vs RNN vs self-attention: FLOPs, sequential ops, path lengths, time",
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, values in (("--n", args.n), ("--d", args.d), ("--k", args.k)):
         if len(set(values)) < 2:
             raise ValueError(f"{flag} needs at least two different values to fit an exponent, got {values}")
-    if min(args.n) < 2 or min(args.k + [args.fixed_k]) < 2:
+    if min(args.n) < 2 or min([*args.k, args.fixed_k]) < 2:
         raise ValueError(
             f"--n and --k values must be at least 2, got --n {args.n} --k {args.k} --fixed-k {args.fixed_k}"
         )

@@ -13,6 +13,7 @@ from selfattn._atomic import atomic_write_path
 from selfattn._validation import require_position
 from selfattn.cli._args import (
     ExamplesFormatter,
+    OneLineErrorParser,
     kind_names,
     non_negative_int,
     positive_float,
@@ -25,7 +26,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _FORMATS = (".npy", ".csv", ".pt")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
     parser = subparsers.add_parser(
         "encode",
         help="write an encoding's table (P, rotated heads or biases) to a file",

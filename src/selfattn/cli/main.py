@@ -13,13 +13,10 @@ import sys
 from collections.abc import Sequence
 
 import selfattn
-from selfattn.cli import compare, encode, plot, rotary, tour
-from selfattn.cli import study
+from selfattn.cli import compare, encode, plot, rotary, study, tour
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, stderr_line
 
-SUBCOMMANDS = (tour, encode, plot, compare)
-SUBCOMMANDS += (rotary,)
-SUBCOMMANDS += (study,)
+SUBCOMMANDS = (tour, encode, plot, compare, rotary, study)
 
 
 def build_parser() -> OneLineErrorParser:

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from selfattn._atomic import atomic_write_path
-from selfattn.cli._args import ExamplesFormatter, kind_names, positive_int, require_memory, require_output
+from selfattn.cli._args import (
+    ExamplesFormatter,
+    OneLineErrorParser,
+    kind_names,
+    positive_int,
+    require_memory,
+    require_output,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 FIGURES = ("panel", "scores", "similarity", "attention", "table", "columns")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
     parser = subparsers.add_parser(
         "plot",
         help="draw a figure of the tour for any encoding and size",
@@ -60,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def _draw(args: argparse.Namespace):
+def _draw(args: argparse.Namespace) -> Figure:
     from selfattn.tour import figures
     from selfattn.tour.family import encoding_diagnostics, encoding_table, has_causal_form
 

@@ -127,7 +127,7 @@ def frequency_rows(encoding: Any, context: int) -> list[dict[str, Any]]:
     unscaled = rotary_frequencies(encoding.rotary_dim, encoding.base)
     scaled, _ = encoding.frequencies_at(context)
     rows = []
-    for j, (w0, w) in enumerate(zip(unscaled.tolist(), scaled.tolist())):
+    for j, (w0, w) in enumerate(zip(unscaled.tolist(), scaled.tolist(), strict=True)):
         wavelength = math.inf if w == 0 else 2 * math.pi / w
         turns = 0.0 if w == 0 else (context - 1) * w / (2 * math.pi)
         if w == 0:

@@ -28,26 +28,60 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         "  torchrun --standalone --nproc_per_node 2 -m selfattn study --out study --resume",
         formatter_class=ExamplesFormatter,
     )
-    parser.add_argument("--tasks", nargs="+", choices=tuple(TASKS), default=None, metavar="TASK",
-                        help=f"tasks ({', '.join(TASKS)}; default: copy reverse sort addition)")
-    parser.add_argument("--encodings", nargs="+", choices=ENCODINGS, default=None, metavar="ENCODING",
-                        help=f"encodings ({', '.join(ENCODINGS)}; default: all)")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=tuple(TASKS),
+        default=None,
+        metavar="TASK",
+        help=f"tasks ({', '.join(TASKS)}; default: copy reverse sort addition)",
+    )
+    parser.add_argument(
+        "--encodings",
+        nargs="+",
+        choices=ENCODINGS,
+        default=None,
+        metavar="ENCODING",
+        help=f"encodings ({', '.join(ENCODINGS)}; default: all)",
+    )
     parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per cell (default 3)")
     parser.add_argument("--steps", type=positive_int, default=None, help="training steps per run")
-    parser.add_argument("--train-len", type=positive_int, default=None, metavar="L",
-                        help="train on input lengths 1..L, evaluate on 1..4L (default 20)")
-    parser.add_argument("--randomized-positions", action="store_true",
-                        help="also train sinusoidal, learned and rotary with randomized positions (Ruoss et al. 2023)")
-    parser.add_argument("--data-parallel", action="store_true",
-                        help="under torchrun: train each run on all ranks with DistributedDataParallel")
-    parser.add_argument("--out", metavar="DIR", type=Path, default=Path("selfattn-study"),
-                        help="output folder (default: ./selfattn-study)")
+    parser.add_argument(
+        "--train-len",
+        type=positive_int,
+        default=None,
+        metavar="L",
+        help="train on input lengths 1..L, evaluate on 1..4L (default 20)",
+    )
+    parser.add_argument(
+        "--randomized-positions",
+        action="store_true",
+        help="also train sinusoidal, learned and rotary with randomized positions (Ruoss et al. 2023)",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        action="store_true",
+        help="under torchrun: train each run on all ranks with DistributedDataParallel",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        default=Path("selfattn-study"),
+        help="output folder (default: ./selfattn-study)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small grid and short runs: a smoke test")
     parser.add_argument("--resume", action="store_true", help="keep finished runs and continue from checkpoints")
-    parser.add_argument("--checkpoint-seconds", type=positive_float, default=5.0, metavar="S",
-                        help="save each run's state after every S seconds of work (default 5)")
-    parser.add_argument("--no-deep-stack", dest="deep_stack", action="store_false",
-                        help="skip the deep-stack measurements")
+    parser.add_argument(
+        "--checkpoint-seconds",
+        type=positive_float,
+        default=5.0,
+        metavar="S",
+        help="save each run's state after every S seconds of work (default 5)",
+    )
+    parser.add_argument(
+        "--no-deep-stack", dest="deep_stack", action="store_false", help="skip the deep-stack measurements"
+    )
     add_progress_flag(parser)
     parser.set_defaults(handler=run)
 
@@ -62,8 +96,13 @@ def run(args: argparse.Namespace) -> int:
     from selfattn.study.runner import run_study
 
     grid, config = study_settings(
-        tasks=args.tasks, encodings=args.encodings, seeds=args.seeds, steps=args.steps,
-        train_len=args.train_len, randomized_positions=args.randomized_positions, quick=args.quick,
+        tasks=args.tasks,
+        encodings=args.encodings,
+        seeds=args.seeds,
+        steps=args.steps,
+        train_len=args.train_len,
+        randomized_positions=args.randomized_positions,
+        quick=args.quick,
     )
     import os
 
@@ -75,8 +114,15 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
         results = run_study(
-            args.out, grid, config, resume=args.resume, quick=args.quick, data_parallel=args.data_parallel,
-            deep_stack=args.deep_stack, checkpoint_seconds=args.checkpoint_seconds, progress=grid_progress if args.progress and sys.stderr.isatty() else None,
+            args.out,
+            grid,
+            config,
+            resume=args.resume,
+            quick=args.quick,
+            data_parallel=args.data_parallel,
+            deep_stack=args.deep_stack,
+            checkpoint_seconds=args.checkpoint_seconds,
+            progress=grid_progress if args.progress and sys.stderr.isatty() else None,
         )
     except KeyboardInterrupt:
         print(f"selfattn study: interrupted; rerun with --resume --out {args.out} to continue", file=sys.stderr)

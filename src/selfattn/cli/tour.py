@@ -12,7 +12,7 @@ from selfattn._atomic import atomic_directory
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, add_progress_flag
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
     parser: OneLineErrorParser = subparsers.add_parser(
         "tour",
         help="walk through the chapter, checking each claim; writes an HTML report",

@@ -128,7 +128,7 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
     """
     scores_shape = (*q.shape[:-1], k.shape[-2])  # (b, h, lq, lk)
     fits = term.dim() <= len(scores_shape) and all(
-        size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape))
+        size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape), strict=False)
     )
     if not fits:
         raise ValueError(f"{name} of shape {tuple(term.shape)} does not broadcast to the scores' shape {scores_shape}")
@@ -254,10 +254,10 @@ class _TwiceDifferentiable(torch.autograd.Function):
                 out = F.scaled_dot_product_attention(
                     inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **ctx.options
                 )
-            sources = [t for t, w in zip(inputs, wanted) if w]
+            sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
             grads = iter(torch.autograd.grad(out, sources, grad, create_graph=True))
         else:
-            sources = [t for t, w in zip(ctx.inner, wanted) if w]
+            sources = [t for t, w in zip(ctx.inner, wanted, strict=True) if w]
             # Retained: the outer graph may be run again (retain_graph=True); both die together.
             grads = iter(torch.autograd.grad(ctx.inner_out, sources, grad, retain_graph=True))
         return (*(next(grads) if w else None for w in wanted), None)
@@ -266,9 +266,7 @@ class _TwiceDifferentiable(torch.autograd.Function):
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, options: dict[str, Any]
 ) -> torch.Tensor:
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, attn_mask)
-    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
     if needs_grad and options["dropout_p"] == 0.0 and not torch.compiler.is_compiling():
         out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)  # type: ignore[no-untyped-call]
         return out

@@ -282,7 +282,9 @@ def _differentiable_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: to
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:
         compute = _compute_dtype(q.dtype)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (b, h, lq, dv)
         out_compute = out if compute == q.dtype else out.to(compute)
@@ -293,7 +295,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
             if plan.flash_forward:
-                bias = plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
+                bias = (
+                    plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
+                )
                 mask = _float_mask(bias, visible, compute)
                 block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
                 block_lse = block_lse.to(compute)
@@ -329,7 +333,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             inputs = [q, k, v, *params]
             wanted = [t.requires_grad for t in inputs]
             out = _differentiable_forward(ctx.plan, q, k, v)
-            sources = [t for t, w in zip(inputs, wanted) if w]
+            sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
             grads = iter(torch.autograd.grad(out, sources, grad_out, create_graph=True, allow_unused=True))
             return (None, *(next(grads) if w else None for w in wanted))
         with torch.no_grad():
@@ -349,7 +353,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         def accumulate(grads: Sequence[torch.Tensor | None]) -> None:
             for i, g in enumerate(grads):
                 if g is not None:
-                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+                    previous = param_grads[i]
+                    param_grads[i] = g if previous is None else previous + g
 
         band = band_values = band_grad = None
         if plan.band_base is not None:
@@ -410,7 +415,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                 window += grad_scores.sum_to_size(window.shape)
             elif bias is not None and bias.requires_grad:
                 inputs = ([q_leaf] if plan.queries_in_term else []) + list(params)
-                grads = torch.autograd.grad(bias, inputs, grad_scores.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True)
+                grads = torch.autograd.grad(
+                    bias, inputs, grad_scores.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True
+                )
                 if plan.queries_in_term:
                     if grads[0] is not None:
                         dq[..., start:end, :] += grads[0]
@@ -430,7 +437,9 @@ def _consecutive(positions: torch.Tensor) -> int | None:
     return first if torch.equal(positions.long(), expected) else None
 
 
-def _term_reads_queries(term: ScoreTerm, q: torch.Tensor, q_positions: torch.Tensor | None, k_positions: torch.Tensor | None) -> bool:
+def _term_reads_queries(
+    term: ScoreTerm, q: torch.Tensor, q_positions: torch.Tensor | None, k_positions: torch.Tensor | None
+) -> bool:
     """Whether the term's bias depends on the queries (Shaw's key term does), probed on one pair."""
     assert q_positions is not None and k_positions is not None
     with torch.enable_grad():
@@ -491,7 +500,9 @@ def blockwise_attention(
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"q, k, v do not fit together: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
-        raise ValueError(f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}")
+        raise ValueError(
+            f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
+        )
     batch, heads, num_queries, head_dim = q.shape
     num_keys = k.shape[-2]
     if mask is not None and mask.dim() < 2:
@@ -515,7 +526,12 @@ def blockwise_attention(
     reads_queries = term is not None and _term_reads_queries(term, q, q_positions, k_positions)
     queries_in_term = bool(grad and q.requires_grad and reads_queries)
     band_base = None
-    if term is not None and getattr(term, "is_relative", False) and not reads_queries and not (causal and num_queries > num_keys):
+    if (
+        term is not None
+        and getattr(term, "is_relative", False)
+        and not reads_queries
+        and not (causal and num_queries > num_keys)
+    ):
         assert q_positions is not None and k_positions is not None
         first_query, first_key = _consecutive(q_positions), _consecutive(k_positions)
         if first_query is not None and first_key is not None:
@@ -542,5 +558,5 @@ def blockwise_attention(
         band_base=band_base,
     )
     with torch.profiler.record_function("selfattn::blockwise_attention"):
-        out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)
+        out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
     return out

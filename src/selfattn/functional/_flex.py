@@ -62,7 +62,9 @@ def flex_score_attention(
         return score
 
     kernel = torch.compile(flex_attention) if q.device.type == "cuda" else flex_attention
-    out: torch.Tensor = kernel(q, k, v, score_mod=score_mod, scale=1.0 / math.sqrt(head_dim) if scale is None else scale)
+    out: torch.Tensor = kernel(
+        q, k, v, score_mod=score_mod, scale=1.0 / math.sqrt(head_dim) if scale is None else scale
+    )
     empty = None
     if full_mask is not None:
         empty = ~full_mask.any(dim=-1, keepdim=True)  # (b, h, lq, 1)

@@ -109,7 +109,9 @@ class TransformerBlock(nn.Module):
             ``(b, l, d)``.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.num_hiddens:
-            raise ValueError(f"x must have shape (batch, length, {self.num_hiddens}), got {tuple(getattr(x, 'shape', ()))}")
+            raise ValueError(
+                f"x must have shape (batch, length, {self.num_hiddens}), got {tuple(getattr(x, 'shape', ()))}"
+            )
         if self.norm_first:
             x = self._add(x, self._attend(self.norm_1(x), valid_lens, causal, offset, cache))
             if self.mlp is not None and self.norm_2 is not None:

@@ -196,7 +196,9 @@ class TransformerLM(nn.Module):
             offset = 0 if caches is None else caches[0].length
         offset = require_non_negative_int("offset", offset)
         if bool(((tokens < 0) | (tokens >= self.vocab_size)).any()):
-            raise ValueError(f"tokens must lie in [0, {self.vocab_size}), got {tokens.min().item()}..{tokens.max().item()}")
+            raise ValueError(
+                f"tokens must lie in [0, {self.vocab_size}), got {tokens.min().item()}..{tokens.max().item()}"
+            )
 
         x = self.embedding(tokens) * math.sqrt(self.num_hiddens)  # (b, l, d)
         if self.input_encoding is not None:

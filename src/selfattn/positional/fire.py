@@ -73,7 +73,9 @@ class FIREPositionalBias(ScoreEncoding):
                 target = torch.tensor(value, dtype=torch.float64)
                 raw.copy_(target + torch.log(-torch.expm1(-target)))  # softplus^-1
 
-    def _normalized_distance(self, q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _normalized_distance(
+        self, q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """``psi(|i - j|) / psi(max(i, L))`` for broadcastable integer positions."""
         c = F.softplus(self.raw_c).to(dtype)
         threshold = F.softplus(self.raw_threshold).to(dtype)
@@ -84,11 +86,12 @@ class FIREPositionalBias(ScoreEncoding):
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """``f`` on every entry of ``x``: ``(...)`` -> ``(..., h)``, in ``x``'s dtype."""
         first, _, second = self.mlp
+        assert isinstance(first, nn.Linear) and isinstance(second, nn.Linear)  # built so in __init__
         hidden = F.relu(F.linear(x[..., None], first.weight.to(x.dtype), first.bias.to(x.dtype)))  # (..., hidden)
         return F.linear(hidden, second.weight.to(x.dtype), second.bias.to(x.dtype))  # (..., h)
 
     def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-        heads, q_positions, k_positions = torch.broadcast_tensors(heads, q_positions, k_positions)
+        heads, q_positions, k_positions = torch.broadcast_tensors(heads, q_positions, k_positions)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         per_head = self._mlp(self._normalized_distance(q_positions, k_positions, torch.float32))  # (..., h)
         return per_head.gather(-1, heads.long()[..., None]).squeeze(-1)
 
@@ -96,7 +99,9 @@ class FIREPositionalBias(ScoreEncoding):
         if q.dim() != 4 or q.shape[1] != self.num_heads:
             raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        x = self._normalized_distance(q_positions[..., :, None], k_positions[..., None, :], compute_dtype)  # (..., lq, lk)
+        x = self._normalized_distance(
+            q_positions[..., :, None], k_positions[..., None, :], compute_dtype
+        )  # (..., lq, lk)
         bias = self._mlp(x).movedim(-1, -3)  # (..., h, lq, lk)
         return (bias if bias.dim() == 4 else bias[None]).to(q.dtype)  # (1 or b, h, lq, lk)
 

@@ -12,8 +12,10 @@ from selfattn.positional.base import ScoreEncoding
 
 __all__ = ["KerplePositionalBias"]
 
+
 def _inverse_softplus(x: torch.Tensor) -> torch.Tensor:
     return x + torch.log(-torch.expm1(-x))
+
 
 class KerplePositionalBias(ScoreEncoding):
     """Adds ``-r1_h * log(1 + r2_h * |i - j|)`` to the scores, with learned ``r1_h, r2_h > 0``.
@@ -31,9 +33,7 @@ class KerplePositionalBias(ScoreEncoding):
         bias ``(1, h, lq, lk)`` for ``(l,)`` positions.
     """
 
-    def __init__(
-        self, num_heads: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ):
+    def __init__(self, num_heads: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.raw_r1 = nn.Parameter(torch.empty(self.num_heads, device=device, dtype=dtype))

@@ -109,7 +109,9 @@ class ShawRelativePositionEncoding(ScoreEncoding):
             return super().value_term(weights, q_positions=q_positions, k_positions=k_positions)
         index = self._head_index(q_positions, k_positions)  # (1 or b, 1, lq, lk)
         if weights.shape[-2:] != index.shape[-2:]:
-            raise ValueError(f"weights must end in {tuple(index.shape[-2:])} (queries, keys), got {tuple(weights.shape)}")
+            raise ValueError(
+                f"weights must end in {tuple(index.shape[-2:])} (queries, keys), got {tuple(weights.shape)}"
+            )
         # Total weight each query puts on each clipped distance.
         per_distance = weights.new_zeros(*weights.shape[:-1], self.value_embeddings.shape[0])  # (b, h, lq, 2k+1)
         per_distance.scatter_add_(-1, index.expand(weights.shape), weights)
@@ -129,7 +131,9 @@ class ShawRelativePositionEncoding(ScoreEncoding):
         self._check_heads("q", q)
         if self.key_embeddings is None:
             return (lambda score, b, h, q_idx, kv_idx: score), []
-        by_distance = torch.matmul(q, self.key_embeddings.to(q.dtype).t()) / math.sqrt(self.head_dim)  # (b, h, lq, 2k+1)
+        by_distance = torch.matmul(q, self.key_embeddings.to(q.dtype).t()) / math.sqrt(
+            self.head_dim
+        )  # (b, h, lq, 2k+1)
 
         def score_mod(
             score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

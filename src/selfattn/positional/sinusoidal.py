@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -50,7 +52,9 @@ class SinusoidalPositionalEncoding(InputEncoding):
         self.base = float(base)
         self.dropout = nn.Dropout(require_probability("dropout", dropout))
         # (1, max_len, d), as in the chapter, so `pe.P[0, :n, 6:10]` reads the same.
-        table = sinusoidal_table(self.max_len, self.num_hiddens, base=self.base, dtype=dtype or torch.float32, device=device)
+        table = sinusoidal_table(
+            self.max_len, self.num_hiddens, base=self.base, dtype=dtype or torch.float32, device=device
+        )
         self.register_buffer("P", table[None], persistent=False)
 
     def reset_parameters(self) -> None:
@@ -63,10 +67,10 @@ class SinusoidalPositionalEncoding(InputEncoding):
             num_positions, self.num_hiddens, base=self.base, dtype=self.P.dtype, device=self.P.device
         )[None]
 
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         # A dtype cast would round the float32 table; rebuild it from float64 angles instead.
         dtype_before = self.P.dtype
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves Module._apply untyped
         if self.P.dtype != dtype_before:
             self._build_table(self.P.shape[1])
         return self
@@ -98,7 +102,8 @@ class SinusoidalPositionalEncoding(InputEncoding):
             encoded: torch.Tensor = self.dropout(X + self.P[0][positions].to(X.dtype))
             return encoded
         rows = self.table(X.shape[-2], offset)  # (l, d)
-        return self.dropout(X + rows.to(X.dtype))
+        added: torch.Tensor = self.dropout(X + rows.to(X.dtype))
+        return added
 
     def extra_repr(self) -> str:
         return f"num_hiddens={self.num_hiddens}, max_len={self.max_len}, base={self.base:g}"

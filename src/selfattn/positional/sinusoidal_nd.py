@@ -57,7 +57,8 @@ class SinusoidalPositionalEncodingND(InputEncoding):
         self.dropout = nn.Dropout(require_probability("dropout", dropout))
         widths = [num_hiddens // num_axes + (axis < num_hiddens % num_axes) for axis in range(num_axes)]
         self.axes = nn.ModuleList(
-            SinusoidalPositionalEncoding(width, max_len=max_len, base=base, device=device, dtype=dtype) for width in widths
+            SinusoidalPositionalEncoding(width, max_len=max_len, base=base, device=device, dtype=dtype)
+            for width in widths
         )
 
     def reset_parameters(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -56,7 +58,7 @@ class T5RelativePositionBias(ScoreEncoding):
         """Draw the table from N(0, 1), as ``nn.Embedding`` does."""
         self.relative_attention_bias.reset_parameters()
 
-    def _bucket_options(self) -> dict:
+    def _bucket_options(self) -> dict[str, Any]:
         return {"bidirectional": self.bidirectional, "num_buckets": self.num_buckets, "max_distance": self.max_distance}
 
     def forward(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

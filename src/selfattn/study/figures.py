@@ -55,7 +55,13 @@ def accuracy_figure(results: dict[str, Any], task: str, folder: Path) -> list[st
         table = np.array([[run["accuracy_by_length"][str(n)] for n in lengths] for run in members])  # (seeds, n)
         style = "--" if label.endswith("+rand") else "-"
         color = f"C{index % 10}"
-        ax.plot(lengths, table.mean(axis=0), style, color=color, label=f"{label} ({len(members)} seed{'s' if len(members) > 1 else ''})")
+        ax.plot(
+            lengths,
+            table.mean(axis=0),
+            style,
+            color=color,
+            label=f"{label} ({len(members)} seed{'s' if len(members) > 1 else ''})",
+        )
         ax.fill_between(lengths, table.min(axis=0), table.max(axis=0), color=color, alpha=0.15, linewidth=0)
     limit = int(results["config"]["train_len"])
     ax.axvline(limit, color="black", linewidth=0.8)

@@ -90,7 +90,9 @@ def _mean_at(results: dict[str, Any], task: str, label: str, n: int) -> float:
     """Mean over seeds of the exact match at length ``n`` of one task and encoding."""
     from selfattn.study.runner import encoding_label
 
-    values = [r["accuracy_by_length"][str(n)] for r in results["runs"] if r["task"] == task and encoding_label(r) == label]
+    values: list[float] = [
+        r["accuracy_by_length"][str(n)] for r in results["runs"] if r["task"] == task and encoding_label(r) == label
+    ]
     return sum(values) / len(values)
 
 
@@ -164,18 +166,24 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     ]
     if rows:
         learned = {"rows": rows, **(learned_table_analysis(out, results, figures) or {})}
-    html = jinja2.Environment(autoescape=True).from_string(_TEMPLATE).render(
-        config=config,
-        runs=results["runs"],
-        total_seconds=sum(float(r["train_seconds"]) for r in results["runs"]),
-        cpu_seconds=sum(float(r.get("train_cpu_seconds", 0.0)) + float(r.get("eval_cpu_seconds", 0.0)) for r in results["runs"]),
-        shortfalls=shortfalls,
-        checked_budget=bool({"copy", "reverse"} & set(summary)),
-        tables=summary,
-        figures=figure_names,
-        learned=learned,
-        deep_stack=results.get("deep_stack"),
-        pct=_pct,
+    html = (
+        jinja2.Environment(autoescape=True)
+        .from_string(_TEMPLATE)
+        .render(
+            config=config,
+            runs=results["runs"],
+            total_seconds=sum(float(r["train_seconds"]) for r in results["runs"]),
+            cpu_seconds=sum(
+                float(r.get("train_cpu_seconds", 0.0)) + float(r.get("eval_cpu_seconds", 0.0)) for r in results["runs"]
+            ),
+            shortfalls=shortfalls,
+            checked_budget=bool({"copy", "reverse"} & set(summary)),
+            tables=summary,
+            figures=figure_names,
+            learned=learned,
+            deep_stack=results.get("deep_stack"),
+            pct=_pct,
+        )
     )
     path = out / "study.html"
     write_text(path, html)

@@ -71,7 +71,9 @@ class Grid:
 def encoding_label(run: dict[str, Any] | RunSpec) -> str:
     """``"rotary"``, or ``"rotary+rand"`` for randomized positions."""
     encoding, randomized = (
-        (run.encoding, run.randomized_positions) if isinstance(run, RunSpec) else (run["encoding"], run["randomized_positions"])
+        (run.encoding, run.randomized_positions)
+        if isinstance(run, RunSpec)
+        else (run["encoding"], run["randomized_positions"])
     )
     return f"{encoding}+rand" if randomized else str(encoding)
 
@@ -96,7 +98,11 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
         limit = int(members[0]["train_max_len"])
         lengths = sorted(int(n) for n in members[0]["accuracy_by_length"])
         inside = [statistics.fmean(r["accuracy_by_length"][str(n)] for n in lengths if n <= limit) for r in members]
-        outside = [statistics.fmean(r["accuracy_by_length"][str(n)] for n in lengths if n > limit) for r in members if lengths[-1] > limit]
+        outside = [
+            statistics.fmean(r["accuracy_by_length"][str(n)] for n in lengths if n > limit)
+            for r in members
+            if lengths[-1] > limit
+        ]
         mean_by_length = {n: statistics.fmean(r["accuracy_by_length"][str(n)] for r in members) for n in lengths}
         below = next((n for n in lengths if mean_by_length[n] < 0.5), None)
         summary.setdefault(task, {})[label] = {

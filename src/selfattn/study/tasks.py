@@ -104,9 +104,15 @@ TASKS: dict[str, Task] = {
     "reverse": Task("reverse", "repeat the symbols backwards", lambda n: n, lambda n: n, _reverse),
     "sort": Task("sort", "sort the symbols", lambda n: n, lambda n: n, _sort),
     "addition": Task(
-        "addition", "add two n-digit numbers, least significant digit first", lambda n: 2 * n + 1, lambda n: n + 1, _addition
+        "addition",
+        "add two n-digit numbers, least significant digit first",
+        lambda n: 2 * n + 1,
+        lambda n: n + 1,
+        _addition,
     ),
-    "flipflop": Task("flipflop", "the bit of the last write among n write/ignore instructions", lambda n: n, lambda n: 1, _flip_flop),
+    "flipflop": Task(
+        "flipflop", "the bit of the last write among n write/ignore instructions", lambda n: n, lambda n: 1, _flip_flop
+    ),
 }
 
 

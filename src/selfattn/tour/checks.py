@@ -87,7 +87,8 @@ def permutation_check(
     P = sinusoidal_table(num_steps, num_hiddens, dtype=torch.float64)  # (n, d)
 
     def attend(Z: torch.Tensor) -> torch.Tensor:
-        return mha(Z, Z, Z)
+        attended: torch.Tensor = mha(Z, Z, Z)
+        return attended
 
     with torch.no_grad():
         without = (attend(X)[:, perm] - attend(X[:, perm])).abs().max()
@@ -102,7 +103,9 @@ def permutation_check(
     }
 
 
-def table_columns(num_positions: int = 60, num_hiddens: int = 32, columns: tuple[int, ...] = (6, 7, 8, 9)):
+def table_columns(
+    num_positions: int = 60, num_hiddens: int = 32, columns: tuple[int, ...] = (6, 7, 8, 9)
+) -> torch.Tensor:
     """Columns of P as in the chapter's plot: ``(n, len(columns))``."""
     return sinusoidal_table(num_positions, num_hiddens)[:, list(columns)]
 

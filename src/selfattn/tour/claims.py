@@ -189,7 +189,7 @@ def claims(results: dict[str, Any]) -> list[dict[str, object]]:
             "The encoding decreases frequencies along the encoding dimension, like higher bits of a binary number.",
             [round(p, 1) for p in pe["all_column_periods"]],
             "measured periods increase column pair by column pair",
-            all(a < b for a, b in zip(pe["all_column_periods"], pe["all_column_periods"][1:])),
+            all(a < b for a, b in zip(pe["all_column_periods"], pe["all_column_periods"][1:], strict=False)),
         ),
         _claim(
             "space-efficient",
@@ -290,7 +290,7 @@ def claims(results: dict[str, Any]) -> list[dict[str, object]]:
             "embeddings-survive",
             "note",
             "Adding P changes the word embeddings, but not destructively.",
-            dict(zip([f"d={d}" for d in survival["sizes"]], [round(r, 4) for r in survival["recovered"]])),
+            dict(zip([f"d={d}" for d in survival["sizes"]], [round(r, 4) for r in survival["recovered"]], strict=True)),
             "nearest-token recovery of E[t] + P[i] close to 1 (N(0,1) embeddings)",
             survival["recovered"][-1] > 0.99,
         ),

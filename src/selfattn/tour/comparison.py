@@ -23,10 +23,12 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import Node
 from torch.utils.flop_counter import FlopCounterMode
 
 from selfattn._validation import require_positive_int
@@ -105,7 +107,8 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_first = F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))  # (b, d, n + k - 1)
-        return self.conv(channels_first).transpose(1, 2)  # (b, n, d)
+        convolved: torch.Tensor = self.conv(channels_first)  # (b, d, n)
+        return convolved.transpose(1, 2)  # (b, n, d)
 
 
 class RecurrentLayer(nn.Module):
@@ -119,7 +122,8 @@ class RecurrentLayer(nn.Module):
         self.rnn = nn.RNN(num_hiddens, num_hiddens, batch_first=True)
 
     def forward(self, x: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        return self.rnn(x, hidden)[0]
+        states: torch.Tensor = self.rnn(x, hidden)[0]
+        return states
 
 
 class SelfAttentionLayer(nn.Module):
@@ -139,8 +143,10 @@ class SelfAttentionLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.explicit:
-            return self.attention(x, x, x, return_weights=True)[0]
-        return self.attention(x, x, x)
+            outputs: torch.Tensor = self.attention(x, x, x, return_weights=True)[0]
+            return outputs
+        attended: torch.Tensor = self.attention(x, x, x)
+        return attended
 
 
 def _check_kind(kind: str) -> str:
@@ -192,8 +198,11 @@ def _longest_product_chain(output: torch.Tensor) -> int:
 
     Iterative post-order walk (an RNN's graph is thousands of nodes deep).
     """
-    longest: dict[object, int] = {}
-    stack: list[tuple[object, bool]] = [(output.grad_fn, False)]
+    root = output.grad_fn
+    if root is None:
+        raise ValueError("output has no autograd graph (grad_fn is None): compute it with gradients enabled")
+    longest: dict[Node, int] = {}
+    stack: list[tuple[Node | None, bool]] = [(root, False)]
     while stack:
         node, children_done = stack.pop()
         if node is None or node in longest:
@@ -205,7 +214,7 @@ def _longest_product_chain(output: torch.Tensor) -> int:
             continue
         is_product = type(node).__name__.startswith(_PRODUCT_NODES)
         longest[node] = int(is_product) + max((longest[child] for child in children), default=0)
-    return longest[output.grad_fn]
+    return longest[root]
 
 
 def sequential_ops(kind: str, num_steps: int, num_hiddens: int = 8, *, kernel_size: int = 3) -> int:
@@ -300,7 +309,7 @@ def crossing(xs: Sequence[float], ratios: Sequence[float]) -> float | None:
 
     ``None`` when it stays on one side of 1 over the whole range.
     """
-    points = list(zip(xs, ratios))
+    points = list(zip(xs, ratios, strict=False))
     for (x0, r0), (x1, r1) in itertools.pairwise(points):
         if r0 == 1:
             return float(x0)
@@ -319,7 +328,10 @@ def _check_sweep(name: str, values: Sequence[int], minimum: int) -> list[int]:
     return sorted(set(values))
 
 
-def _each(values: Sequence[int], measure: Callable[[int], object], what: str, tick: Callable[[str], None]) -> list:
+_T = TypeVar("_T")
+
+
+def _each(values: Sequence[int], measure: Callable[[int], _T], what: str, tick: Callable[[str], None]) -> list[_T]:
     """``[measure(v) for v in values]``, reporting progress after each."""
     measured = []
     for value in values:
@@ -361,7 +373,7 @@ def _measure_layer(
         )
         for r in range(rounds)
     ]
-    seconds = [statistics.median(times) for times in zip(*seconds_rounds)]
+    seconds = [statistics.median(times) for times in zip(*seconds_rounds, strict=True)]
     timed = min(len(ns), max(3, math.ceil(len(ns) / 2)))  # the larger half of the n sweep, 3 points or more
     exponents = [fit_exponent(ns[-timed:], times[-timed:]) for times in seconds_rounds]
     products = [p["products"] for p in paths]
@@ -376,8 +388,8 @@ def _measure_layer(
         "sequential_ops": chains[-1],
         "sequential_ops_exponent_n": fit_exponent(ns, chains),
         # Positions whose outputs one step of the dependency chain produces.
-        "parallelism_by_n": [n / chain for n, chain in zip(ns, chains)],
-        "parallelism_exponent_n": fit_exponent(ns, [n / chain for n, chain in zip(ns, chains)]),
+        "parallelism_by_n": [n / chain for n, chain in zip(ns, chains, strict=True)],
+        "parallelism_exponent_n": fit_exponent(ns, [n / chain for n, chain in zip(ns, chains, strict=True)]),
         "path_length_by_n": products,
         "path_layers_by_n": [p["layers"] for p in paths],
         "max_path_length": products[-1],
@@ -421,13 +433,13 @@ def _measure_layer(
     return entry
 
 
-def _compute_crossings(results: dict, ns: list[int], ds: list[int], d0: int, n0: int) -> dict[str, object]:
+def _compute_crossings(results: dict[str, Any], ns: list[int], ds: list[int], d0: int, n0: int) -> dict[str, object]:
     """Attention against the RNN in counted FLOPs: where the core crosses, what the whole layer costs."""
     rnn, sa = results["rnn"], results["self_attention"]
-    core_over_rnn_n = [a / r for a, r in zip(sa["flops_by_n"], rnn["flops_by_n"])]
-    core_over_rnn_d = [a / r for a, r in zip(sa["flops_by_d"], rnn["flops_by_d"])]
-    layer_over_rnn_n = [a / r for a, r in zip(sa["layer_flops_by_n"], rnn["flops_by_n"])]
-    layer_over_rnn_d = [a / r for a, r in zip(sa["layer_flops_by_d"], rnn["flops_by_d"])]
+    core_over_rnn_n = [a / r for a, r in zip(sa["flops_by_n"], rnn["flops_by_n"], strict=True)]
+    core_over_rnn_d = [a / r for a, r in zip(sa["flops_by_d"], rnn["flops_by_d"], strict=True)]
+    layer_over_rnn_n = [a / r for a, r in zip(sa["layer_flops_by_n"], rnn["flops_by_n"], strict=True)]
+    layer_over_rnn_d = [a / r for a, r in zip(sa["layer_flops_by_d"], rnn["flops_by_d"], strict=True)]
     layer_formula = [8 * n * d0**2 + 4 * n**2 * d0 for n in ns] + [8 * n0 * d**2 + 4 * n0**2 * d for d in ds]
     layer_counted = sa["layer_flops_by_n"] + sa["layer_flops_by_d"]
     rnn_formula = [4 * n * d0**2 for n in ns] + [4 * n0 * d**2 for d in ds]
@@ -441,8 +453,8 @@ def _compute_crossings(results: dict, ns: list[int], ds: list[int], d0: int, n0:
         "core_equals_rnn_at_d": crossing(ds, [1 / r for r in core_over_rnn_d]),
         "layer_equals_rnn_at_n": crossing(ns, layer_over_rnn_n),
         "layer_over_rnn_min": min(layer_over_rnn_n + layer_over_rnn_d),
-        "layer_formula_error": max(abs(c - f) / f for c, f in zip(layer_counted, layer_formula)),
-        "rnn_formula_error": max(abs(c - f) / f for c, f in zip(rnn_counted, rnn_formula)),
+        "layer_formula_error": max(abs(c - f) / f for c, f in zip(layer_counted, layer_formula, strict=True)),
+        "rnn_formula_error": max(abs(c - f) / f for c, f in zip(rnn_counted, rnn_formula, strict=True)),
     }
 
 
@@ -487,7 +499,7 @@ def compare(
         raise ValueError(f"fixed_kernel must be at least 2, got {k0}")
     rounds = require_positive_int("rounds", rounds)
     tick = progress or (lambda _description: None)
-    results: dict[str, object] = {
+    results: dict[str, Any] = {
         "sweep": {
             "n": ns,
             "d": ds,

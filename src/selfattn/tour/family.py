@@ -19,11 +19,15 @@ Shape legend: b batch, h heads, n positions, d model size, dh head size.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from selfattn.attention import MultiHeadAttention
 from selfattn.tour._common import seeded
+
+if TYPE_CHECKING:
+    from selfattn.positional import PositionalEncoding
 
 __all__ = ["encoding_diagnostics", "encoding_table", "family_names", "has_causal_form", "position_scores"]
 
@@ -35,7 +39,7 @@ def family_names() -> tuple[str, ...]:
     return tuple(NAMES)
 
 
-def _build(name: str, num_hiddens: int, num_heads: int, **options):
+def _build(name: str, num_hiddens: int, num_heads: int, **options: Any) -> PositionalEncoding:
     from selfattn.positional import build
 
     return build(name, num_hiddens=num_hiddens, num_heads=num_heads, **options)
@@ -50,18 +54,21 @@ def has_causal_form(name: str) -> bool:
     return "causal" in inspect.signature(registry._REGISTRY[name].cls).parameters
 
 
-def _as_grid(x: torch.Tensor, encoding) -> torch.Tensor:
+def _as_grid(x: torch.Tensor, encoding: PositionalEncoding) -> torch.Tensor:
     """Give a grid encoding (2-D, 3-D) its extra axes: the sequence runs along its last axis."""
     extra_axes = getattr(encoding, "num_axes", 1) - 1
     return x.reshape(*x.shape[:-2], *([1] * extra_axes), *x.shape[-2:])  # (b, 1.., n, d)
 
 
-def _add_input_encoding(encoding, x: torch.Tensor, offset: int) -> torch.Tensor:
+def _add_input_encoding(encoding: PositionalEncoding, x: torch.Tensor, offset: int) -> torch.Tensor:
     """``x + P`` for a sequence ``(b, n, d)``, through the grid axes if the encoding has them."""
-    return encoding(_as_grid(x, encoding), offset=offset).reshape(x.shape)  # (b, n, d)
+    encoded: torch.Tensor = encoding(_as_grid(x, encoding), offset=offset)
+    return encoded.reshape(x.shape)  # (b, n, d)
 
 
-def _contribution(encoding, positions: torch.Tensor, num_hiddens: int, num_heads: int, dtype: torch.dtype):
+def _contribution(
+    encoding: PositionalEncoding, positions: torch.Tensor, num_hiddens: int, num_heads: int, dtype: torch.dtype
+) -> torch.Tensor:
     """What the encoding does at ``positions`` (n,) on content that is the same everywhere.
 
     Input encodings: the rows of P ``(n, d)``; query/key encodings: an all-ones head after
@@ -73,18 +80,21 @@ def _contribution(encoding, positions: torch.Tensor, num_hiddens: int, num_heads
         return _add_input_encoding(encoding, zeros, int(positions[0]))[0]  # (n, d)
     same = torch.ones(1, num_heads, num_steps, num_hiddens // num_heads, dtype=dtype)  # (1, h, n, dh)
     if encoding.acts_on == "query_key":
-        return encoding(same, positions)[0, 0]  # (n, dh)
-    bias = encoding(same, q_positions=positions, k_positions=positions)  # broadcastable to (1, h, n, n)
+        rotated: torch.Tensor = encoding(same, positions)
+        return rotated[0, 0]  # (n, dh)
+    bias: torch.Tensor = encoding(same, q_positions=positions, k_positions=positions)  # broadcastable to (1, h, n, n)
     return bias.expand(1, num_heads, num_steps, num_steps)[0].clone()  # (h, n, n)
 
 
-def position_scores(encoding, num_steps: int, num_hiddens: int, num_heads: int) -> torch.Tensor:
+def position_scores(encoding: PositionalEncoding, num_steps: int, num_hiddens: int, num_heads: int) -> torch.Tensor:
     """The ``(n, n)`` score contribution of positions alone (see the module docstring), float64."""
     contribution = _contribution(encoding, torch.arange(num_steps), num_hiddens, num_heads, torch.float64)
     if encoding.acts_on == "scores":
         return contribution[0]  # first head's bias
+    from selfattn.positional.base import QueryKeyEncoding
+
     keys = contribution
-    if encoding.acts_on == "query_key":  # keys may be encoded differently (xPos)
+    if isinstance(encoding, QueryKeyEncoding):  # keys may be encoded differently (xPos)
         same = torch.ones(1, 1, num_steps, contribution.shape[-1], dtype=torch.float64)
         keys = encoding.encode_keys(same, torch.arange(num_steps))[0, 0]  # (n, dh)
     return contribution @ keys.T / math.sqrt(contribution.shape[-1])  # (n, n)
@@ -114,7 +124,7 @@ def encoding_diagnostics(
     far_offset: int = 5000,
     causal: bool = False,
     seed: int = 0,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """All of the module docstring's diagnostics for the encoding called ``name``.
 
     Everything runs in float64 with seeded random weights (learned encodings are shown as
@@ -133,10 +143,13 @@ def encoding_diagnostics(
         x = torch.randn(1, num_steps, num_hiddens, dtype=torch.float64)
 
     def attend(offset: int, tokens: torch.Tensor = x) -> tuple[torch.Tensor, torch.Tensor]:
+        outputs: tuple[torch.Tensor, torch.Tensor]
         if encoding.acts_on == "input":
             h = _add_input_encoding(encoding, tokens, offset)
-            return attention(h, h, h, return_weights=True, causal=causal)
-        return attention(tokens, tokens, tokens, return_weights=True, offset=offset, causal=causal)
+            outputs = attention(h, h, h, return_weights=True, causal=causal)
+        else:
+            outputs = attention(tokens, tokens, tokens, return_weights=True, offset=offset, causal=causal)
+        return outputs
 
     with torch.no_grad():
         scores = position_scores(encoding, num_steps, num_hiddens, num_heads)
@@ -188,7 +201,7 @@ def encoding_table(
     num_heads: int = 1,
     offset: int = 0,
     dtype: torch.dtype = torch.float32,
-    **options,
+    **options: Any,
 ) -> torch.Tensor:
     """What the encoding called ``name`` contributes at positions ``offset .. offset + n - 1``.
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 try:
+    from matplotlib.axes import Axes
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -42,11 +44,11 @@ _LAYER_STYLE = {
 }
 
 
-def _figure(width: float, height: float, columns: int = 1, rows: int = 1):
+def _figure(width: float, height: float, columns: int = 1, rows: int = 1) -> tuple[Figure, list[Axes]]:
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, columns, squeeze=False)
-    return fig, axes.ravel()
+    return fig, list(axes.ravel())
 
 
 def save_figure(fig: Figure, directory: Path | str, name: str) -> list[Path]:
@@ -61,7 +63,7 @@ def save_figure(fig: Figure, directory: Path | str, name: str) -> list[Path]:
 
 def _heatmap(
     fig: Figure,
-    ax,
+    ax: Axes,
     values: np.ndarray,
     *,
     xlabel: str,
@@ -70,7 +72,7 @@ def _heatmap(
     cmap: str = "Blues",
     colorbar: str | None = None,
     symmetric: bool = False,
-    **imshow_options,
+    **imshow_options: Any,
 ) -> None:
     values = np.asarray(values, dtype=float)
     if symmetric:
@@ -89,7 +91,7 @@ def _heatmap(
 def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> Figure:
     """Section 1: one heat map per sequence of the batch, masked keys at exactly 0."""
     fig, axes = _figure(4.2 * len(valid_lens), 3.6, columns=len(valid_lens))
-    for ax, sequence, valid_len in zip(axes, weights, valid_lens):
+    for ax, sequence, valid_len in zip(axes, weights, valid_lens, strict=True):
         _heatmap(
             fig,
             ax,
@@ -120,7 +122,7 @@ def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure
     return fig
 
 
-def comparison_figure(results: dict) -> Figure:
+def comparison_figure(results: dict[str, Any]) -> Figure:
     """Section 3: measured FLOPs against n and d, path lengths, parallelism and wall-clock time."""
     sweep = results["sweep"]
     ns, ds = sweep["n"], sweep["d"]
@@ -243,10 +245,10 @@ def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figu
     return fig
 
 
-def absolute_figure(curves: dict, precision: dict) -> Figure:
+def absolute_figure(curves: dict[str, Any], precision: dict[str, Any]) -> Figure:
     """Section 5: distance between positions i and i + delta along i, and float32 drift far out."""
     fig, axes = _figure(10.5, 3.6, columns=2)
-    for delta, gaps in zip(curves["deltas"], curves["distances"]):
+    for delta, gaps in zip(curves["deltas"], curves["distances"], strict=True):
         axes[0].plot(np.arange(len(gaps)), gaps, label=f"delta = {delta}")
     axes[0].set_xlabel("position i")
     axes[0].set_ylabel("|P[i] - P[i + delta]|")
@@ -264,11 +266,11 @@ def absolute_figure(curves: dict, precision: dict) -> Figure:
     return fig
 
 
-def relative_figure(similarity: dict) -> Figure:
+def relative_figure(similarity: dict[str, Any]) -> Figure:
     """Section 6: ``P[i] . P[i + delta]`` against delta, one curve per starting position i."""
     fig, (ax,) = _figure(7.0, 3.2)
     styles = ["-", "--", "-.", ":"]
-    for index, (start, curve) in enumerate(zip(similarity["starts"], similarity["similarity"])):
+    for index, (start, curve) in enumerate(zip(similarity["starts"], similarity["similarity"], strict=True)):
         ax.plot(
             similarity["deltas"],
             curve,
@@ -301,7 +303,7 @@ def heatmap_figure(
     return fig
 
 
-def _draw_profile(ax, deltas: Sequence[int], scores: Sequence[float], spread: float, name: str) -> None:
+def _draw_profile(ax: Axes, deltas: Sequence[int], scores: Sequence[float], spread: float, name: str) -> None:
     ax.plot(deltas, scores, color="tab:purple", label=f"mean over i (spread {spread:.1e})")
     ax.axvline(0, color="grey", linewidth=0.8)
     ax.set_xlabel("delta = key position - query position")
@@ -310,7 +312,7 @@ def _draw_profile(ax, deltas: Sequence[int], scores: Sequence[float], spread: fl
     ax.legend(fontsize=8)
 
 
-def profile_figure(diagnostics: dict) -> Figure:
+def profile_figure(diagnostics: dict[str, Any]) -> Figure:
     """The position score against the offset delta (used by ``selfattn plot``)."""
     fig, (ax,) = _figure(6.0, 3.2)
     _draw_profile(
@@ -319,7 +321,7 @@ def profile_figure(diagnostics: dict) -> Figure:
     return fig
 
 
-def encoding_panel_figure(diagnostics: dict) -> Figure:
+def encoding_panel_figure(diagnostics: dict[str, Any]) -> Figure:
     """Section 7: one encoding's position scores, offset profile and attention pattern."""
     name = diagnostics["name"]
     short = name
@@ -368,7 +370,7 @@ _DEEP_ROWS = (
 )
 
 
-def deep_stack_figure(deep: dict, which: str = "untrained") -> Figure:
+def deep_stack_figure(deep: dict[str, Any], which: str = "untrained") -> Figure:
     """Section 8: each metric of the deep-stack measurement against depth, one panel per block kind.
 
     Rows: position R^2, order accuracy, position share, mean-row residual; columns: the block
@@ -416,7 +418,7 @@ def deep_stack_figure(deep: dict, which: str = "untrained") -> Figure:
     return fig
 
 
-def note_figure(terms: dict, survival: dict) -> Figure:
+def note_figure(terms: dict[str, Any], survival: dict[str, Any]) -> Figure:
     """The study note's two questions: what each term contributes to the scores, what survives of a token."""
     fig, axes = _figure(10.5, 3.6, columns=2)
     labels = ["content-content", "content-position", "position-position"]

@@ -133,7 +133,7 @@ class _Distances(TorchDispatchMode):  # type: ignore[no-untyped-call]
         distance = self._rule(func, args, kwargs, out)
         outs, _ = tree_flatten(out)
         dists, _ = tree_flatten(distance)
-        for tensor, dist in zip(outs, dists):
+        for tensor, dist in zip(outs, dists, strict=False):
             if isinstance(tensor, torch.Tensor):
                 self.track(tensor, dist)
         return out

@@ -177,7 +177,9 @@ def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:
     ]
     by_k = [
         list(row)
-        for row in zip(sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"])
+        for row in zip(
+            sweep["k"], cnn["flops_by_k"], cnn["path_length_by_k"], cnn["expected_path_length_by_k"], strict=True
+        )
     ]
     cross = comp["crossings"]
     places = []
@@ -201,7 +203,7 @@ def _positional_context(results: dict[str, Any]) -> dict[str, Any]:
     periods = [
         [column, zero, fft, formula]
         for column, zero, fft, formula in zip(
-            pe["columns"], measured["zero_crossings"], measured["fft"], measured["formula"]
+            pe["columns"], measured["zero_crossings"], measured["fft"], measured["formula"], strict=True
         )
     ]
     return {"period_rows": periods, "binary_rows": [[i, bits] for i, bits in enumerate(pe["binary"])]}
@@ -246,7 +248,7 @@ def _absolute_context(results: dict[str, Any]) -> dict[str, Any]:
             [textbook, ours],
         ]
         for length, textbook, ours in zip(
-            precision["lengths"], precision["textbook_error"], precision["selfattn_error"]
+            precision["lengths"], precision["textbook_error"], precision["selfattn_error"], strict=True
         )
     ]
     return {"absolute_rows": rows}
@@ -269,10 +271,11 @@ def _note_context(results: dict[str, Any]) -> dict[str, Any]:
             survival["cosine"],
             survival["recovered_unit"],
             survival["cosine_unit"],
+            strict=True,
         )
     ]
     survive_from = next(
-        (d for d, a in zip(survival["sizes"], survival["recovered"]) if a > 0.99), survival["sizes"][-1]
+        (d for d, a in zip(survival["sizes"], survival["recovered"], strict=True) if a > 0.99), survival["sizes"][-1]
     )
     precision = fw["precision"]
     names = list(precision["errors"])
@@ -336,7 +339,7 @@ def _family_context(results: dict[str, Any]) -> dict[str, Any]:
     return {"family_rows": rows, "relative_names": relative, "absolute_names": absolute, "no_position_names": nothing}
 
 
-def _section_depth(results: dict, figures: dict[str, str]) -> str:
+def _section_depth(results: dict[str, Any], figures: dict[str, str]) -> str:
     fam = results["family"]
     available = fam["encodings"] if fam["available"] else {}
     learned = (

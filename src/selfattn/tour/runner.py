@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -15,12 +16,16 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from selfattn.functional import sinusoidal_table
 from selfattn.tour import checks, claims, comparison, depth, embedding, family, frameworks, qualities, taylor
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["FULL", "QUICK", "TourSizes", "comparison_lines", "progress_bar", "run_tour", "summary_lines", "verdicts"]
 
@@ -37,9 +42,9 @@ class TourSizes:
         embedding_sizes: model sizes at which token recovery after adding P is measured.
     """
 
-    comparison: dict
+    comparison: dict[str, Any]
     absolute_positions: int
-    depth: dict
+    depth: dict[str, Any]
     family_steps: int
     embedding_sizes: tuple[int, ...] = (8, 16, 32, 64)
 
@@ -102,11 +107,11 @@ def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
         except ImportError:
             pass
         else:
-            with tqdm(total=total, file=sys.stderr, desc="selfattn tour") as bar:
+            with tqdm(total=total, file=sys.stderr, desc="selfattn tour") as tqdm_bar:
 
                 def advance(description: str) -> None:
-                    bar.set_description(description[:48])
-                    bar.update(1)
+                    tqdm_bar.set_description(description[:48])
+                    tqdm_bar.update(1)
 
                 yield advance
             return
@@ -125,10 +130,10 @@ def _family(sizes: TourSizes, advance: Callable[[str], None]) -> dict[str, objec
     return {"available": True, "encodings": encodings}
 
 
-def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> dict[str, object]:
+def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every section's numbers (arrays as numpy), in the chapter's order."""
     tick = advance or (lambda description: None)
-    results: dict[str, object] = {}
+    results: dict[str, Any] = {}
     results["self_attention"] = {"shape": checks.self_attention_shape(), "masked": checks.masked_attention_weights()}
     tick("1. self-attention")
     results["permutation"] = checks.permutation_check()
@@ -190,7 +195,7 @@ def _check(name: str, measured: object, expected: str, ok: bool) -> dict[str, ob
     return {"name": name, "measured": measured, "expected": expected, "ok": bool(ok)}
 
 
-def verdicts(results: dict) -> list[dict[str, object]]:
+def verdicts(results: dict[str, Any]) -> list[dict[str, object]]:
     """Each claim of the chapter against its measured value: ``name, measured, expected, ok``."""
     out = []
     shape = results["self_attention"]["shape"]
@@ -300,7 +305,7 @@ def verdicts(results: dict) -> list[dict[str, object]]:
             max(periods[:2]) < min(periods[2:]),
         )
     )
-    worst = max(abs(p - f) / f for p, f in zip(periods, formula))
+    worst = max(abs(p - f) / f for p, f in zip(periods, formula, strict=True))
     out.append(
         _check(
             "4. measured periods agree with 2 pi / w_j",
@@ -401,10 +406,10 @@ def verdicts(results: dict) -> list[dict[str, object]]:
                 )
             )
             continue
-        claim = "relative" if diag["is_relative"] else "absolute"
+        kind = "relative" if diag["is_relative"] else "absolute"
         out.append(
             _check(
-                f"7. {name}: is {claim} (outputs under a shift of {diag['shift']})",
+                f"7. {name}: is {kind} (outputs under a shift of {diag['shift']})",
                 diag["shift_change"],
                 "0" if diag["is_relative"] else "> 0",
                 diag["measured_relative"] == diag["is_relative"] and diag["position_aware"],
@@ -431,7 +436,7 @@ def verdicts(results: dict) -> list[dict[str, object]]:
     return out
 
 
-def _round_array(values: np.ndarray) -> list:
+def _round_array(values: np.ndarray) -> list[Any]:
     """Arrays go to JSON with 6 significant digits: enough for any figure, a fraction of the size."""
     return np.vectorize(lambda v: float(f"{v:.6g}"), otypes=[float])(values).tolist() if values.size else []
 
@@ -450,13 +455,13 @@ def _jsonable(value: object) -> object:
     return value
 
 
-def _figures(results: dict, directory: Path, advance: Callable[[str], None]) -> dict[str, str]:
+def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], None]) -> dict[str, str]:
     """Draw and save every figure; returns ``{name: path of the png relative to the report}``."""
     from selfattn.tour import figures
 
     masked = results["self_attention"]["masked"]
     pe = results["positional_encoding"]
-    drawings = {
+    drawings: dict[str, Callable[[], Figure]] = {
         "attention_weights": lambda: figures.attention_weights_figure(masked["weights"], masked["valid_lens"]),
         "permutation": lambda: figures.permutation_figure(
             results["permutation"]["without_pe_error"], results["permutation"]["with_pe_change"]
@@ -469,7 +474,7 @@ def _figures(results: dict, directory: Path, advance: Callable[[str], None]) -> 
         "note": lambda: figures.note_figure(results["note"]["taylor"], results["note"]["embedding"]),
     }
     for name, diag in results["family"]["encodings"].items():
-        drawings[f"family_{name}"] = lambda diag=diag: figures.encoding_panel_figure(diag)
+        drawings[f"family_{name}"] = functools.partial(figures.encoding_panel_figure, diag)
     drawings["depth"] = lambda: figures.deep_stack_figure(results["depth"])
     if (results.get("depth_study") or {}).get("trained"):
         drawings["depth_trained"] = lambda: figures.deep_stack_figure(results["depth_study"], "trained")
@@ -500,7 +505,7 @@ def run_tour(
     quick: bool = False,
     progress: bool = True,
     study: Path | str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Run every section, write ``report.html``, ``figures/`` and ``results.json`` into ``out_dir``.
 
     ``study`` is a ``selfattn study`` output folder whose trained deep stacks section 8 shows
@@ -535,13 +540,14 @@ def run_tour(
         results["claims"] = claims.claims(results)
         figure_paths = _figures(results, out_dir / "figures", advance)
         serializable = _jsonable(results)
+        assert isinstance(serializable, dict)  # _jsonable keeps a dict a dict
         (out_dir / "results.json").write_text(json.dumps(serializable, indent=1, allow_nan=False))
         (out_dir / "report.html").write_text(render_report(serializable, figure_paths), encoding="utf-8")
         advance("report written")
     return serializable
 
 
-def comparison_lines(comp: dict) -> list[str]:
+def comparison_lines(comp: dict[str, Any]) -> list[str]:
     """The measured comparison as a small text table beside the chapter's claims."""
     n = comp["sweep"]["n"][-1]
     lines = [
@@ -558,7 +564,7 @@ def comparison_lines(comp: dict) -> list[str]:
     return lines
 
 
-def summary_lines(results: dict, out_dir: Path | str | None = None) -> list[str]:
+def summary_lines(results: dict[str, Any], out_dir: Path | str | None = None) -> list[str]:
     """A short text summary of the results and checks."""
     checks_ = results["checks"]
     passed = sum(c["ok"] for c in checks_)
