@@ -31,6 +31,9 @@ tour: $(VENV)/.tour-installed
 test: $(VENV)/.dev-installed
 	@command -v chromium >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
 		|| echo "warning: could not install chromium; tests/test_report_browser.py fails under CI=true"
+	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
+	$(PY) -m mypy --strict src/selfattn
 	$(PY) -m pytest -n 2
 
 bench: $(VENV)/.dev-installed

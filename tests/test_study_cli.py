@@ -34,8 +34,16 @@ def test_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert set(results) == {"config", "runs", "summary", "deep_stack"}
     assert len(results["runs"]) == 4 and set(results["summary"]) == {"copy", "reverse"}
     run = results["runs"][0]
-    assert {"task", "encoding", "seed", "randomized_positions", "steps", "train_max_len", "accuracy_by_length",
-            "train_seconds"} <= set(run)
+    assert {
+        "task",
+        "encoding",
+        "seed",
+        "randomized_positions",
+        "steps",
+        "train_max_len",
+        "accuracy_by_length",
+        "train_seconds",
+    } <= set(run)
     assert list(run["accuracy_by_length"]) == [str(n) for n in range(1, 9)]
     assert set(results["summary"]["copy"]["learned"]) >= {"in_distribution", "beyond", "spread"}
     html = (out / "study.html").read_text()
@@ -50,16 +58,39 @@ def test_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     from selfattn.study.summary import study_section_html
 
     section = study_section_html(out)
-    assert "4 trained runs" in section and section.count("data:image/png;base64,") == 3 and "<td>learned</td>" in section
+    assert (
+        "4 trained runs" in section and section.count("data:image/png;base64,") == 3 and "<td>learned</td>" in section
+    )
 
 
 def _start(out: Path, *extra: str, steps: int = 600) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "selfattn", "study", "--quick", "--tasks", "copy", "--encodings", "rotary",
-               "--steps", str(steps), "--no-deep-stack", "--no-progress", "--checkpoint-seconds", "0.2", "--out", str(out),
-               *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "selfattn",
+        "study",
+        "--quick",
+        "--tasks",
+        "copy",
+        "--encodings",
+        "rotary",
+        "--steps",
+        str(steps),
+        "--no-deep-stack",
+        "--no-progress",
+        "--checkpoint-seconds",
+        "0.2",
+        "--out",
+        str(out),
+        *extra,
+    ]
     # Restore SIGINT in the child: a pytest-xdist worker ignores it, and ignored signals survive exec.
     return subprocess.Popen(
-        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
@@ -80,7 +111,9 @@ def test_killed_study_resumes_to_the_same_numbers(tmp_path: Path) -> None:
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not (out / "results.json").exists()
-    resumed = subprocess.run(_start(out, "--resume").args, env=_env(), capture_output=True, text=True, timeout=300, check=False)
+    resumed = subprocess.run(
+        _start(out, "--resume").args, env=_env(), capture_output=True, text=True, timeout=300, check=False
+    )
     assert resumed.returncode == 0, resumed.stderr
     grid, config = study_settings(quick=True, tasks=["copy"], encodings=["rotary"], steps=600)
     whole = run_study(tmp_path / "whole", grid, config, deep_stack=False, report=False)

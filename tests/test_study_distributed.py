@@ -43,17 +43,34 @@ def test_data_parallel_two_processes_match_one_process(tmp_path: Path) -> None:
 
 
 def test_grid_spread_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
-    options = ["--quick", "--tasks", "copy", "--encodings", "none", "rotary", "alibi", "--steps", "6",
-               "--no-deep-stack", "--no-progress"]
-    one = subprocess.run([sys.executable, "-m", "selfattn", "study", *options, "--out", str(tmp_path / "one")],
-                         env=_env(), capture_output=True, text=True, timeout=240, check=False)
+    options = [
+        "--quick",
+        "--tasks",
+        "copy",
+        "--encodings",
+        "none",
+        "rotary",
+        "alibi",
+        "--steps",
+        "6",
+        "--no-deep-stack",
+        "--no-progress",
+    ]
+    one = subprocess.run(
+        [sys.executable, "-m", "selfattn", "study", *options, "--out", str(tmp_path / "one")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     _torchrun("-m", "selfattn", "study", *options, "--out", str(tmp_path / "two"))
     a = json.loads((tmp_path / "one" / "results.json").read_text())
     b = json.loads((tmp_path / "two" / "results.json").read_text())
     assert b["config"]["world_size"] == 2 and a["config"]["world_size"] == 1
     assert [r["encoding"] for r in a["runs"]] == [r["encoding"] for r in b["runs"]] == ["none", "rotary", "alibi"]
-    for x, y in zip(a["runs"], b["runs"]):
+    for x, y in zip(a["runs"], b["runs"], strict=True):
         assert x["accuracy_by_length"] == pytest.approx(y["accuracy_by_length"], abs=1e-6)
     for key in ("copy-none-s0", "copy-rotary-s0", "copy-alibi-s0"):
         la = json.loads((tmp_path / "one" / "runs" / f"{key}.json").read_text())["loss_curve"]

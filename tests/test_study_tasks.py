@@ -25,7 +25,6 @@ def _digits(*values: int) -> torch.Tensor:
     return torch.tensor([values]) + DIGIT0
 
 
-
 def test_tasks_on_hand_written_examples(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.tensor([[3, 1, 4, 1, 5]])
     y = torch.tensor([[9, 2, 6, 5, 3]])
@@ -50,12 +49,12 @@ def test_tasks_on_hand_written_examples(monkeypatch: pytest.MonkeyPatch) -> None
 def test_addition_and_sort_agree_with_python_on_random_draws() -> None:
     g = torch.Generator().manual_seed(0)
     inputs, answer = TASKS["addition"].draw(50, 7, g)
-    for row, out in zip(inputs - DIGIT0, answer - DIGIT0):
+    for row, out in zip(inputs - DIGIT0, answer - DIGIT0, strict=True):
         a = int("".join(map(str, row[:7].flip(0).tolist())))
         b = int("".join(map(str, row[8:].flip(0).tolist())))
         assert int("".join(map(str, out.flip(0).tolist()))) == a + b
     inputs, answer = TASKS["sort"].draw(20, 9, g)
-    assert all(sorted(i.tolist()) == a.tolist() for i, a in zip(inputs, answer))
+    assert all(sorted(i.tolist()) == a.tolist() for i, a in zip(inputs, answer, strict=True))
     assert int(inputs.max()) == DIGIT0 + ALPHABET - 1  # the whole alphabet
     inputs, _ = TASKS["addition"].draw(20, 9, g)
     assert int(inputs[:, :9].max()) <= DIGIT0 + 9
@@ -66,7 +65,7 @@ def test_flip_flop_hand_written_and_random() -> None:
     inputs, answer = TASKS["flipflop"].draw(200, 6, g)
     ops = inputs - WRITE0
     assert bool((ops[:, 0] < 2).all())
-    for row, a in zip(ops.tolist(), answer[:, 0].tolist()):
+    for row, a in zip(ops.tolist(), answer[:, 0].tolist(), strict=True):
         last = [op for op in row if op < 2][-1]
         assert a - DIGIT0 == last
 

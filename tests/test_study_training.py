@@ -35,7 +35,9 @@ def test_resumed_run_equals_uninterrupted(tmp_path: Path, encoding: str) -> None
     checkpoint = tmp_path / "run.pt"
     with pytest.raises(_Stop):
         train_run(spec, SHORT, checkpoint=checkpoint, checkpoint_seconds=0.0, on_step=_stop_at(7))
-    assert torch.load(checkpoint, weights_only=True)["step"] == 6  # saved after step 6, stopped during step 7's callback
+    assert (
+        torch.load(checkpoint, weights_only=True)["step"] == 6
+    )  # saved after step 6, stopped during step 7's callback
     resumed = train_run(spec, SHORT, checkpoint=checkpoint, checkpoint_seconds=0.0)
     assert resumed["loss_curve"] == pytest.approx(whole["loss_curve"], rel=1e-6, abs=1e-9)
     for n, accuracy in whole["accuracy_by_length"].items():
@@ -62,8 +64,14 @@ def test_randomized_positions_run_and_errors() -> None:
 
 def test_summarize_means_spread_and_half_point() -> None:
     def run(seed: int, acc: list[float]) -> dict:
-        return {"task": "copy", "encoding": "rotary", "randomized_positions": False, "seed": seed,
-                "train_max_len": 2, "accuracy_by_length": {str(i + 1): a for i, a in enumerate(acc)}}
+        return {
+            "task": "copy",
+            "encoding": "rotary",
+            "randomized_positions": False,
+            "seed": seed,
+            "train_max_len": 2,
+            "accuracy_by_length": {str(i + 1): a for i, a in enumerate(acc)},
+        }
 
     summary = summarize([run(0, [1.0, 1.0, 0.6, 0.2]), run(1, [1.0, 0.8, 0.2, 0.0])])["copy"]["rotary"]
     assert summary["in_distribution"] == pytest.approx(0.95)
@@ -110,7 +118,7 @@ def test_interrupted_grid_resumes_without_redoing_finished_runs(tmp_path: Path) 
     assert resumed is not None
     assert started[2:] == [("copy-alibi-s0", 4)]  # only the unfinished run, from its last checkpoint
     assert (out / "runs" / "copy-none-s0.json").stat().st_mtime_ns == first
-    for a, b in zip(whole["runs"], resumed["runs"]):
+    for a, b in zip(whole["runs"], resumed["runs"], strict=True):
         assert a["accuracy_by_length"] == pytest.approx(b["accuracy_by_length"], abs=1e-6)
     assert resumed["summary"] == whole["summary"]
     for key in ("copy-none-s0", "copy-alibi-s0"):  # accuracy is near 0 after 8 steps: compare the losses too
@@ -119,8 +127,16 @@ def test_interrupted_grid_resumes_without_redoing_finished_runs(tmp_path: Path) 
         assert cut_losses == pytest.approx(whole_losses, rel=1e-6)
     saved = json.loads((out / "results.json").read_text())
     assert set(saved) == {"config", "runs", "summary", "deep_stack"}
-    assert set(saved["runs"][0]) >= {"task", "encoding", "seed", "randomized_positions", "steps", "train_max_len",
-                                     "accuracy_by_length", "train_seconds"}
+    assert set(saved["runs"][0]) >= {
+        "task",
+        "encoding",
+        "seed",
+        "randomized_positions",
+        "steps",
+        "train_max_len",
+        "accuracy_by_length",
+        "train_seconds",
+    }
     # Resuming with other settings is refused.
     with pytest.raises(ValueError, match="steps differ"):
         run_study(out, grid, replace(config, steps=9), resume=True, deep_stack=False, report=False)

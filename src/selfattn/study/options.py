@@ -13,8 +13,18 @@ __all__ = ["DEFAULT_TASKS", "QUICK", "study_settings"]
 DEFAULT_TASKS = ("copy", "reverse", "sort", "addition")
 DEFAULT_SEEDS = 3
 # --quick: a smoke test of the whole pipeline, not a measurement.
-QUICK = StudyConfig(steps=30, batch_size=16, warmup=5, train_len=4, eval_factor=2, eval_samples=8, num_hiddens=16,
-                    num_heads=2, num_layers=1, ffn_hiddens=32)
+QUICK = StudyConfig(
+    steps=30,
+    batch_size=16,
+    warmup=5,
+    train_len=4,
+    eval_factor=2,
+    eval_samples=8,
+    num_hiddens=16,
+    num_heads=2,
+    num_layers=1,
+    ffn_hiddens=32,
+)
 QUICK_TASKS = ("copy", "reverse")
 QUICK_ENCODINGS = ("none", "rotary", "learned")
 

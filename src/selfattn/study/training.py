@@ -247,9 +247,7 @@ def train_run(
     if spec.encoding not in ENCODINGS:
         raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}; got {spec.encoding!r}")
     if spec.randomized_positions and spec.encoding not in ABSOLUTE_OR_ROTARY:
-        raise ValueError(
-            f"randomized positions apply to {', '.join(ABSOLUTE_OR_ROTARY)}, not {spec.encoding!r}"
-        )
+        raise ValueError(f"randomized positions apply to {', '.join(ABSOLUTE_OR_ROTARY)}, not {spec.encoding!r}")
     rank, world = 0, 1
     import torch.distributed as dist
 
@@ -301,8 +299,10 @@ def train_run(
         state.cpu_seconds += time.process_time() - cpu_started
         if on_step is not None:
             on_step(state.step, loss)
-        if checkpoint is not None and rank == 0 and (
-            time.perf_counter() - last_save >= checkpoint_seconds or state.step == config.steps
+        if (
+            checkpoint is not None
+            and rank == 0
+            and (time.perf_counter() - last_save >= checkpoint_seconds or state.step == config.steps)
         ):
             _save_checkpoint(checkpoint, model, optimizer, state)
             last_save = time.perf_counter()
