@@ -74,7 +74,8 @@ def print_summary(results: dict[str, Any], report: Path | str | None = None, con
         sections.add_row(
             "claims",
             f"{held} of {len(claims)} claims of the source pages hold as measured, "
-            f"{len(claims) - held - undecided} do not, {undecided} not shown (report: closing table)",
+            f"{len(claims) - held - undecided} {'does' if len(claims) - held - undecided == 1 else 'do'} not, "
+            f"{undecided} not shown (report: closing table)",
         )
     console.print(sections)
     if failed:
