@@ -114,17 +114,6 @@ def _e(text: object) -> str:
     return html.escape(str(text))
 
 
-def _figure(figures: dict[str, str], name: str, caption: str) -> str:
-    if name not in figures:
-        return ""
-    png = figures[name]
-    svg = png[: -len(".png")] + ".svg"
-    return (
-        f'<figure id="fig-{_e(name)}"><a href="{_e(svg)}"><img src="{_e(png)}" alt="{_e(caption)}"></a>'
-        f'<figcaption>{_e(caption)} (<a href="{_e(svg)}">SVG</a>)</figcaption></figure>'
-    )
-
-
 def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:
     sweep = comp["sweep"]
     slides = {"cnn": "O(n)", "rnn": "O(1)", "self_attention": "O(n)"}
