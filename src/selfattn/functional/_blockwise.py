@@ -130,6 +130,12 @@ class _Plan:
     num_keys: int
     on_cpu: bool
     band_base: int | None = None  # set when the term is read from one band (see band())
+    key_bias: torch.Tensor | None = None  # set when one row of bias serves every query (see _key_only_bias)
+
+    def key_mask(self, rows: int) -> torch.Tensor:
+        """The float mask of a block of ``rows`` queries when the bias is the same for every query: a view."""
+        assert self.key_bias is not None
+        return self.key_bias.expand(*self.key_bias.shape[:-2], rows, self.key_bias.shape[-1])
 
     @property
     def last_start(self) -> int:
@@ -294,11 +300,14 @@ class _BlockwiseAttention(torch.autograd.Function):
         for index, start, end, keys in plan.blocks():
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
-            if plan.flash_forward:
+            if plan.flash_forward and plan.key_bias is not None:
+                mask = plan.key_mask(end - start)
+            elif plan.flash_forward:
                 bias = (
                     plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
                 )
                 mask = _float_mask(bias, visible, compute)
+            if plan.flash_forward:
                 block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
                 block_lse = block_lse.to(compute)
                 # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
@@ -370,12 +379,15 @@ class _BlockwiseAttention(torch.autograd.Function):
             gb = grad_out[..., start:end, :]
             if empty is not None:
                 gb = gb.masked_fill(empty, 0.0)  # the output of an empty row is a constant zero
-            if plan.flash_backward:
+            if plan.flash_backward and plan.key_bias is not None:
+                mask = plan.key_mask(end - start)
+            elif plan.flash_backward:
                 if band_values is None:
                     bias = plan.bias(qb.to(compute), start, end, keys)
                 else:
                     bias = plan.window(band_values, start, end, keys)
                 mask = _float_mask(bias, visible, compute)
+            if plan.flash_backward:
                 ob = out[..., start:end, :].to(q.dtype)
                 gq, gk, gv = _flash_backward(
                     gb.contiguous(), qb, kb, vb, ob, lse[..., start:end], 0.0, False, attn_mask=mask, scale=plan.scale
@@ -451,6 +463,46 @@ def _term_reads_queries(
     return grad is not None
 
 
+def _key_only_bias(
+    term: ScoreTerm,
+    k_positions: torch.Tensor,
+    mask: torch.Tensor | None,
+    valid_lens: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """One ``(1 or b, h, 1, lk)`` row of float mask serving every query, or None if the term has none.
+
+    A term that is a function of the key alone up to a constant per query (ALiBi's causal form,
+    ``m (j - a)``; see its ``key_only_term``) needs no ``(lq, lk)`` bias, only this row, so one
+    expanded view is the mask of any block. The anchor ``a`` is the last visible key of each
+    sequence: the keys a query weighs most then get a bias near zero, where float32 is as
+    exact as on the term itself. Hidden keys hold ``-inf``; a sequence that sees no key sees
+    them all here (its rows are zeroed afterwards). Only for visibility that is the same for
+    every query: no causal mask, 1-D ``valid_lens``, a mask with one row.
+    """
+    key_only_term = getattr(term, "key_only_term", None)
+    if key_only_term is None or k_positions.shape[-1] == 0 or (valid_lens is not None and valid_lens.dim() != 1):
+        return None
+    if mask is not None and (mask.dim() >= 2 and mask.shape[-2] != 1):
+        return None
+    num_keys = k_positions.shape[-1]
+    positions = k_positions.long().reshape(-1, 1, 1, num_keys)  # (1 or b, 1, 1, lk)
+    visible = torch.ones(1, 1, 1, num_keys, dtype=torch.bool, device=positions.device)
+    if valid_lens is not None:
+        columns = torch.arange(num_keys, device=positions.device)
+        visible = visible & (columns < valid_lens[:, None].to(positions.device))[:, None, None, :]  # (b, 1, 1, lk)
+    if mask is not None:
+        visible = visible & _as_4d(mask)
+    anyone = visible.any(dim=-1, keepdim=True)  # (.., 1): sequences with a visible key
+    anchor = torch.where(visible, positions, positions.min()).amax(dim=-1, keepdim=True)
+    anchor = torch.where(anyone, anchor, 0)
+    row = key_only_term(positions - anchor, dtype)  # (1 or b, h, 1, lk)
+    if row is None:
+        return None
+    assert isinstance(row, torch.Tensor)
+    return _as_4d(row).masked_fill(~(visible | ~anyone), float("-inf"))
+
+
 def blockwise_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -507,6 +559,7 @@ def blockwise_attention(
     num_keys = k.shape[-2]
     if mask is not None and mask.dim() < 2:
         mask = mask.reshape(1, -1)  # (1, lk)
+    block_size_given = block_size
     if block_size is None:
         block_size = choose_block_size(batch, heads, num_queries, num_keys, dtype=q.dtype)
     block_size = require_positive_int("block_size", block_size)
@@ -520,14 +573,22 @@ def blockwise_attention(
                 f"q_positions and k_positions must end in {num_queries} and {num_keys}, "
                 f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}"
             )
-    block_size = max(1, min(block_size, num_queries))
     grad = torch.is_grad_enabled()
     params = [p for p in term.parameters() if p.requires_grad] if (term is not None and grad) else []
     reads_queries = term is not None and _term_reads_queries(term, q, q_positions, k_positions)
+    key_bias = None
+    uses_weights = bool(term is not None and getattr(term, "uses_weights", False))
+    if term is not None and not (causal or reads_queries or params or uses_weights or dropout_p > 0) and q.device.type == "cpu":
+        assert k_positions is not None
+        key_bias = _key_only_bias(term, k_positions, mask, valid_lens, _compute_dtype(q.dtype))
+        if key_bias is not None and block_size_given is None:
+            block_size = num_queries  # the mask is one row: a block costs O(lk) however many queries it has
+    block_size = max(1, min(block_size, num_queries))
     queries_in_term = bool(grad and q.requires_grad and reads_queries)
     band_base = None
     if (
         term is not None
+        and key_bias is None
         and getattr(term, "is_relative", False)
         and not reads_queries
         and not (causal and num_queries > num_keys)
@@ -556,6 +617,7 @@ def blockwise_attention(
         num_keys=num_keys,
         on_cpu=q.device.type == "cpu",
         band_base=band_base,
+        key_bias=key_bias,
     )
     with torch.profiler.record_function("selfattn::blockwise_attention"):
         out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped

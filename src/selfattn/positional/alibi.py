@@ -73,6 +73,26 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
         bias = -slopes * distance.to(compute_dtype)  # (1 or b, h, lq, lk)
         return bias.to(q.dtype)
 
+    def key_only_term(self, key_offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The term up to a constant per query, as a function of the key alone; None if it is not one.
+
+        ``-m (i - j) = m (j - a) - m (i - a)`` for any anchor ``a``, and a softmax ignores the
+        constant ``m (i - a)`` of a query's row, so the causal form is ``m (j - a)``: one row of
+        bias serves every query (blockwise attention then needs no ``(lq, lk)`` mask at all).
+        The bidirectional form ``-m |i - j|`` is not of this kind.
+
+        Args:
+            key_offsets: integer ``j - a``, ``(..., 1 or h, 1, lk)``.
+            dtype: float dtype of the result.
+
+        Returns:
+            ``m_h (j - a)``, ``(..., h, 1, lk)``, or None for ``causal=False``.
+        """
+        if not self.causal:
+            return None
+        slopes = self.slopes.to(dtype)[:, None, None]  # (h, 1, 1)
+        return slopes * key_offsets.to(dtype)
+
     def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         distance = q_positions.long() - k_positions.long()  # i - j
         if not self.causal:
