@@ -90,6 +90,47 @@ class FIREPositionalBias(ScoreEncoding):
         hidden = F.relu(F.linear(x[..., None], first.weight.to(x.dtype), first.bias.to(x.dtype)))  # (..., hidden)
         return F.linear(hidden, second.weight.to(x.dtype), second.bias.to(x.dtype))  # (..., h)
 
+    def _pieces(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``f`` as a piecewise linear function: sorted kinks ``(k,)``, slopes and intercepts ``(h, k + 1)``.
+
+        ``f(x) = W2 relu(w1 x + b1) + b2`` of a scalar ``x`` has a kink where a hidden unit
+        switches, at ``x = -b1 / w1``. Between two kinks the same units are on, so ``f`` is
+        ``slope * x + intercept`` there, with slope ``W2[:, on] w1[on]`` and intercept
+        ``b2 + W2[:, on] b1[on]``. Which units are on is read from the kinks alone (no gradient
+        is lost: at a kink the unit's output is zero); the slopes and intercepts are ordinary
+        differentiable functions of the weights, so autograd gives the MLP's exact gradients.
+        """
+        first, _, second = self.mlp
+        assert isinstance(first, nn.Linear) and isinstance(second, nn.Linear)  # built so in __init__
+        w1, b1 = first.weight[:, 0].to(dtype), first.bias.to(dtype)  # (hidden,)
+        w2, b2 = second.weight.to(dtype), second.bias.to(dtype)  # (h, hidden), (h,)
+        with torch.no_grad():
+            kinks = torch.where(w1 != 0, -b1 / w1.where(w1 != 0, 1.0), float("inf"))  # (hidden,)
+            kinks, order = torch.sort(kinks)
+            rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+            # Segment s holds kinks[s - 1] < x <= kinks[s] (torch.bucketize): a unit rising at
+            # its kink is on past it, a falling one before it, a flat one by its bias.
+            segment = torch.arange(order.numel() + 1, device=order.device)[:, None]  # (k + 1, 1)
+            on = ((w1 > 0) & (rank < segment)) | ((w1 < 0) & (rank >= segment)) | ((w1 == 0) & (b1 > 0))
+            on = on.to(dtype)  # (k + 1, hidden)
+        slopes = (on * w1) @ w2.T  # (k + 1, h)
+        intercepts = (on * b1) @ w2.T + b2
+        return kinks, slopes.T.contiguous(), intercepts.T.contiguous()
+
+    def _mlp_piecewise(self, x: torch.Tensor) -> torch.Tensor:
+        """``f`` on every entry of ``x`` through :meth:`_pieces`: ``(...)`` -> ``(h, ...)``, in ``x``'s dtype.
+
+        Equal to :meth:`_mlp` (moved to the front) up to rounding, but it reads one slope and
+        one intercept per entry and head instead of a ``(..., hidden)`` layer, several times
+        faster in the forward and the backward pass.
+        """
+        kinks, slopes, intercepts = self._pieces(x.dtype)
+        segments = torch.bucketize(x.detach(), kinks).reshape(-1)  # (entries,)
+        shape = (slopes.shape[0], *x.shape)
+        slope = slopes.index_select(1, segments).view(shape)  # (h, ...)
+        intercept = intercepts.index_select(1, segments).view(shape)
+        return torch.addcmul(intercept, slope, x)
+
     def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         heads, q_positions, k_positions = torch.broadcast_tensors(heads, q_positions, k_positions)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         per_head = self._mlp(self._normalized_distance(q_positions, k_positions, torch.float32))  # (..., h)
@@ -102,7 +143,8 @@ class FIREPositionalBias(ScoreEncoding):
         x = self._normalized_distance(
             q_positions[..., :, None], k_positions[..., None, :], compute_dtype
         )  # (..., lq, lk)
-        bias = self._mlp(x).movedim(-1, -3)  # (..., h, lq, lk)
+        bias = self._mlp_piecewise(x)  # (h, lq, lk) or (h, b, lq, lk)
+        bias = bias if bias.dim() == 3 else bias.movedim(0, 1)  # (..., h, lq, lk)
         return (bias if bias.dim() == 4 else bias[None]).to(q.dtype)  # (1 or b, h, lq, lk)
 
     def extra_repr(self) -> str:
