@@ -13,6 +13,8 @@ from selfattn.positional.base import ScoreEncoding
 
 __all__ = ["FIREPositionalBias"]
 
+_LANES = 8  # partial sums per segment in the backward of _PiecewiseLinear
+
 
 class FIREPositionalBias(ScoreEncoding):
     """Adds ``f(psi(|i - j|) / psi(max(i, L)))`` to the scores, with ``psi(x) = log(c x + 1)``.
@@ -125,11 +127,9 @@ class FIREPositionalBias(ScoreEncoding):
         faster in the forward and the backward pass.
         """
         kinks, slopes, intercepts = self._pieces(x.dtype)
-        segments = torch.bucketize(x.detach(), kinks).reshape(-1)  # (entries,)
-        shape = (slopes.shape[0], *x.shape)
-        slope = slopes.index_select(1, segments).view(shape)  # (h, ...)
-        intercept = intercepts.index_select(1, segments).view(shape)
-        return torch.addcmul(intercept, slope, x)
+        segments = torch.bucketize(x.detach(), kinks)  # (...)
+        out: torch.Tensor = _PiecewiseLinear.apply(x, segments, slopes, intercepts)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+        return out
 
     def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         heads, q_positions, k_positions = torch.broadcast_tensors(heads, q_positions, k_positions)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -149,3 +149,49 @@ class FIREPositionalBias(ScoreEncoding):
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, hidden_size={self.hidden_size}"
+
+
+class _PiecewiseLinear(torch.autograd.Function):
+    """``slopes[:, s] * x + intercepts[:, s]`` with ``s`` the segment of each entry: ``(...)`` -> ``(h, ...)``.
+
+    Autograd of the same expression written with ``index_select`` reduces the gradient into
+    the ``(h, segments)`` tables through a slow ``index_add``; here one ``scatter_add`` per
+    table does it. The backward is made of differentiable ops, so double backward works.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, segments: torch.Tensor, slopes: torch.Tensor, intercepts: torch.Tensor
+    ) -> torch.Tensor:
+        flat = segments.reshape(-1)  # (entries,)
+        shape = (slopes.shape[0], *x.shape)
+        slope = slopes.index_select(1, flat).view(shape)  # (h, ...)
+        intercept = intercepts.index_select(1, flat).view(shape)
+        ctx.save_for_backward(x, segments, slopes)
+        return torch.addcmul(intercept, slope, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, segments, slopes = ctx.saved_tensors
+        heads, count = slopes.shape
+        flat = segments.reshape(-1)  # (entries,)
+        grad_flat = grad.reshape(heads, -1)  # (h, entries)
+        grad_x = grad_slopes = grad_intercepts = None
+        if ctx.needs_input_grad[0]:
+            slope = slopes.index_select(1, flat).view(grad.shape)  # (h, ...)
+            grad_x = (grad * slope).sum(dim=0)
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            # Neighbouring entries mostly share a segment; adding them into the same slot one
+            # after the other is a chain of dependent adds, so entry e goes to lane e % LANES.
+            lane = torch.arange(flat.numel(), device=flat.device) % _LANES
+            slots = (flat * _LANES + lane).expand(heads, -1)  # (h, entries)
+
+            def per_segment(values: torch.Tensor) -> torch.Tensor:
+                sums = values.new_zeros(heads, count * _LANES).scatter_add(1, slots, values)
+                return sums.view(heads, count, _LANES).sum(dim=-1)  # (h, segments)
+
+            if ctx.needs_input_grad[2]:
+                grad_slopes = per_segment(grad_flat * x.reshape(1, -1))
+            if ctx.needs_input_grad[3]:
+                grad_intercepts = per_segment(grad_flat)
+        return grad_x, None, grad_slopes, grad_intercepts
