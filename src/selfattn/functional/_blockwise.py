@@ -14,6 +14,16 @@ positions and the keys they may see (a block is just a smaller call of the encod
   queries for Shaw's key term) comes from autograd run on the block's bias alone, so any
   encoding with parameters gets its gradient without writing one.
 
+A term that is a function of the key alone up to a constant per query (ALiBi's causal form:
+``-m (i - j) = m (j - a) - m (i - a)``, and softmax ignores ``m (i - a)``) needs no
+``(lq, lk)`` bias at all when every query sees the same keys (no causal mask, 1-D
+``valid_lens``, a mask with one row): one ``(1 or b, h, 1, lk)`` row, anchored at the last
+visible key so that float32 keeps the precision of the term itself, is expanded into the
+float mask of every block, and the default block is then all queries at once (one call of the
+flash kernel, forward and backward; :func:`_key_only_bias`). Terms with parameters evaluate
+cheaply per block where they can (FIRE's MLP of a scalar is read as a piecewise linear
+function, see :class:`~selfattn.positional.FIREPositionalBias`).
+
 Dropout draws a fresh mask per block from a generator seeded by (call seed, block index), so
 the backward pass redraws exactly the forward's mask. The keep test compares 16 random bits
 with a threshold: the drop probability is ``p`` rounded to a multiple of ``2**-16`` (0.1 becomes
@@ -539,7 +549,9 @@ def blockwise_attention(
         dropout_p: dropout on the attention weights (drawn per block, redrawn identically in
             the backward pass; see :func:`dropout_keep_probability`).
         scale: score scale, default ``1 / sqrt(d)``.
-        block_size: queries per block; default :func:`choose_block_size`.
+        block_size: queries per block; default :func:`choose_block_size`, or all queries when
+            the term is one key-only row of bias for every query (ALiBi's causal form without
+            a causal mask; see the module's notes).
 
     Returns:
         ``(b, h, lq, dv)``.

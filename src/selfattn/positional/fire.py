@@ -28,6 +28,11 @@ class FIREPositionalBias(ScoreEncoding):
     ``is_relative`` is False. Keys after the query count by ``|i - j|`` (causal attention
     never sees them).
 
+    ``f`` of a scalar is piecewise linear with at most ``hidden`` kinks, so the term is
+    evaluated as one slope and one intercept per entry and head, chosen by ``torch.bucketize``
+    of the entry among the sorted kinks: the same values and parameter gradients as the MLP
+    (up to rounding), without a ``(..., lq, lk, hidden)`` layer in the forward or backward pass.
+
     Args:
         num_heads: number of heads ``h``.
         hidden_size: width of the MLP's hidden layer (32 in the paper).
