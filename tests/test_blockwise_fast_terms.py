@@ -99,7 +99,9 @@ def test_alibi_key_only_path_keeps_its_precision_far_from_position_zero(dtype, a
     lens = torch.tensor([40, 17])
     with torch.no_grad():
         out = blockwise_attention(q, k, v, term=term, q_positions=positions, k_positions=positions, valid_lens=lens)
-        want = dense(term64, *(t.double() for t in (q, k, v)), positions, positions, visibility(2, 40, 40, valid_lens=lens))
+        want = dense(
+            term64, *(t.double() for t in (q, k, v)), positions, positions, visibility(2, 40, 40, valid_lens=lens)
+        )
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), want, rtol=0, atol=atol)
 
@@ -203,7 +205,9 @@ def test_gradcheck_fire_term_through_its_parameters():
 @pytest.mark.parametrize("causal", [False, True])
 def test_fire_blockwise_equals_dense_in_both_directions(lq, lk, block, causal):
     check_forward_and_gradients("fire", b=2, lq=lq, lk=lk, block=block, causal=causal)
-    check_forward_and_gradients("fire", b=3, lq=lq, lk=lk, block=block, causal=causal, valid_lens=torch.tensor([lk, 0, 3]))
+    check_forward_and_gradients(
+        "fire", b=3, lq=lq, lk=lk, block=block, causal=causal, valid_lens=torch.tensor([lk, 0, 3])
+    )
 
 
 def test_fire_blockwise_equals_the_written_out_mlp():

@@ -590,7 +590,11 @@ def blockwise_attention(
     reads_queries = term is not None and _term_reads_queries(term, q, q_positions, k_positions)
     key_bias = None
     uses_weights = bool(term is not None and getattr(term, "uses_weights", False))
-    if term is not None and not (causal or reads_queries or params or uses_weights or dropout_p > 0) and q.device.type == "cpu":
+    if (
+        term is not None
+        and not (causal or reads_queries or params or uses_weights or dropout_p > 0)
+        and q.device.type == "cpu"
+    ):
         assert k_positions is not None
         key_bias = _key_only_bias(term, k_positions, mask, valid_lens, _compute_dtype(q.dtype))
         if key_bias is not None and block_size_given is None:
