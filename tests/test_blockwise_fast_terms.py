@@ -221,3 +221,14 @@ def test_fire_blockwise_equals_the_written_out_mlp():
     params = [q, k, v, *fire.parameters()]
     for g, w in zip(torch.autograd.grad(out.sum(), params), torch.autograd.grad(want.sum(), params), strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("parameter", ["mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "raw_c"])
+def test_fire_piecewise_term_keeps_a_nan_parameter_visible(parameter):
+    fire = awkward_fire()
+    with torch.no_grad():
+        dict(fire.named_parameters())[parameter].view(-1)[0] = float("nan")
+    q = torch.zeros(1, HEADS, 4, 8, dtype=torch.float64)
+    term = fire(q, q_positions=torch.arange(4), k_positions=torch.arange(4))
+    want = fire_reference(fire, torch.arange(4), torch.arange(4))
+    assert torch.equal(term.isnan(), want.isnan()[None].expand_as(term)) and bool(term.isnan().any())
