@@ -176,7 +176,7 @@ def test_report_explains_cells_below_95_percent(tmp_path: Path) -> None:
     ]
     results = {
         "config": {"train_len": 2, "eval_factor": 2, "eval_samples": 4, "tasks": ["copy"], "encodings": ["none"]}
-        | {k: 1 for k in ("seeds", "num_layers", "num_hiddens", "num_heads", "steps", "batch_size")},
+        | dict.fromkeys(("seeds", "num_layers", "num_hiddens", "num_heads", "steps", "batch_size"), 1),
         "runs": runs,
         "summary": summarize(runs),
     }
