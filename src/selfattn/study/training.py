@@ -140,6 +140,14 @@ def _learning_rate(step: int, config: StudyConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
+def _answer_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(argmax right, scored)``, both bool ``(b, l)``; scored marks the answer positions."""
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share (batch, length)")
+    scored = targets != -100
+    return (logits.argmax(dim=-1) == targets) & scored, scored
+
+
 def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per sample, 1.0 if the argmax is right at every answer position (targets != -100), else 0.0.
 
@@ -153,30 +161,17 @@ def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     Returns:
         ``(b,)`` float.
     """
-    if logits.shape[:2] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share (batch, length)")
-    scored = targets != -100
-    right = (logits.argmax(dim=-1) == targets) | ~scored  # (b, l)
-    return (right.all(dim=-1) & scored.any(dim=-1)).float()
+    right, scored = _answer_hits(logits, targets)
+    return ((right | ~scored).all(dim=-1) & scored.any(dim=-1)).float()
 
 
 def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per sample, the fraction of answer positions (targets != -100) whose argmax is right.
+    """Per sample, the fraction of answer positions whose argmax is right (arguments as :func:`exact_match`).
 
     Beside :func:`exact_match` it tells a model that gets most of a long answer right (and
     loses exact match to a few wrong tokens) from one that has not learned the task.
-
-    Args:
-        logits: ``(b, l, v)``.
-        targets: ``(b, l)``, -100 where the position is not part of the answer.
-
-    Returns:
-        ``(b,)`` float.
     """
-    if logits.shape[:2] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share (batch, length)")
-    scored = targets != -100
-    right = (logits.argmax(dim=-1) == targets) & scored  # (b, l)
+    right, scored = _answer_hits(logits, targets)
     return right.sum(dim=-1).float() / scored.sum(dim=-1).clamp(min=1).float()
 
 
