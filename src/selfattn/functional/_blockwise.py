@@ -311,7 +311,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
             if plan.flash_forward and plan.key_bias is not None:
-                mask = plan.key_mask(end - start)
+                mask: torch.Tensor | None = plan.key_mask(end - start)
             elif plan.flash_forward:
                 bias = (
                     plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
@@ -390,7 +390,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             if empty is not None:
                 gb = gb.masked_fill(empty, 0.0)  # the output of an empty row is a constant zero
             if plan.flash_backward and plan.key_bias is not None:
-                mask = plan.key_mask(end - start)
+                mask: torch.Tensor | None = plan.key_mask(end - start)
             elif plan.flash_backward:
                 if band_values is None:
                     bias = plan.bias(qb.to(compute), start, end, keys)
