@@ -458,8 +458,8 @@ class MultiHeadAttention(nn.Module):
         if cache is None and attn_mask is None and key_padding_mask is None and document_ids is None:
             lengths = self._ragged_lengths(num_queries, total, valid_lens, return_weights)
         if lengths is not None:
-            merged = self._ragged(q, keys, values, k_positions, lengths, causal)
-            projected: torch.Tensor = self.W_o(merged.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens))
+            merged = self._ragged(q, keys, values, k_positions, lengths, causal)  # (b, lq, d)
+            projected: torch.Tensor = self.W_o(merged)
             return projected  # (b, lq, d)
         k = self._split_heads(self.W_k(keys), self.num_kv_heads)  # (b, hk, lk_new, dh)
         v = self._split_heads(self.W_v(values), self.num_kv_heads)  # (b, hk, lk_new, dh)
@@ -642,41 +642,48 @@ class MultiHeadAttention(nn.Module):
     ) -> torch.Tensor:
         """Each group of equal valid length projects and attends over its own keys only: no mask, no waste.
 
-        Returns ``(b, h, lq, dh)``.
+        Query rows past a sequence's valid length are kept, and see its valid keys, as on the
+        masked path. A group whose sequences are neighbours in the batch is read as a view; the
+        others are gathered with one ``index_select`` each. Outputs are written straight into
+        one buffer, so nothing is concatenated or permuted afterwards.
+
+        Returns ``(b, lq, h * dh)``: the heads merged, ready for ``W_o``.
         """
         dropout_p = self.dropout if self.training else 0.0
-        num_queries = q.shape[-2]
-        pieces, order = [], []
+        batch, heads, num_queries, head_dim = q.shape
+        merged = q.new_empty(batch, num_queries, heads * head_dim)  # (b, lq, d)
         for length in sorted(set(lengths)):
             rows = [row for row, value in enumerate(lengths) if value == length]
-            order.extend(rows)
-            index = None if len(rows) == len(lengths) else torch.tensor(rows, device=q.device)
-            q_g = q if index is None else q[index]  # (b_g, h, lq, dh)
+            take: slice | torch.Tensor
+            if rows == list(range(rows[0], rows[-1] + 1)):
+                take = slice(rows[0], rows[-1] + 1)
+            else:
+                take = torch.tensor(rows, device=q.device)
+
+            def pick(x: torch.Tensor, take: slice | torch.Tensor = take) -> torch.Tensor:
+                return x[take] if isinstance(take, slice) else x.index_select(0, take)
+
+            def put(start: int, out_g: torch.Tensor, take: slice | torch.Tensor = take) -> None:
+                # (b_g, h, l_g, dh) -> (b_g, l_g, d): a view of the kernel's (b_g, l_g, h, dh) output
+                merged[take, start : start + out_g.shape[-2]] = out_g.transpose(1, 2).flatten(2)
+
             if length == 0:
-                pieces.append(torch.zeros_like(q_g))
+                merged[take] = 0.0  # no key to see: a zero row, as on the masked path
                 continue
-            keys_g = keys[:, :length] if index is None else keys[index, :length]  # (b_g, length, dk)
-            values_g = values[:, :length] if index is None else values[index, :length]
-            k_g = self._split_heads(self.W_k(keys_g), self.num_kv_heads)  # (b_g, hk, length, dh)
-            v_g = self._split_heads(self.W_v(values_g), self.num_kv_heads)
+            q_g = pick(q)  # (b_g, h, lq, dh)
+            k_g = self._split_heads(self.W_k(pick(keys[:, :length])), self.num_kv_heads)  # (b_g, hk, length, dh)
+            v_g = self._split_heads(self.W_v(pick(values[:, :length])), self.num_kv_heads)
             if isinstance(self.position, QueryKeyEncoding):
                 positions = k_positions[..., :length]
-                if positions.dim() == 2 and index is not None:
-                    positions = positions[index]
+                positions = pick(positions) if positions.dim() == 2 else positions
                 k_g = self.position.encode_keys(k_g, self._per_head(positions))
             if causal and length < num_queries:
                 # Queries before the valid length are a square causal problem; later ones see all `length` keys.
-                head = _fused(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p)
-                tail = _fused(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p)
-                pieces.append(torch.cat((head, tail), dim=-2))  # (b_g, h, lq, dh)
+                put(0, _fused(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p))
+                put(length, _fused(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p))
             else:
-                pieces.append(_fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p))
-        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (b, h, lq, dh) in group order
-        if order == sorted(order):
-            return out
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        return out[inverse.to(q.device)]
+                put(0, _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p))
+        return merged
 
     # ------------------------------------------------------------------ sliding window
 
