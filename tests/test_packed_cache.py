@@ -202,3 +202,21 @@ def test_cumulative_lengths_with_document_ids_or_cross_attention():
         mha(x, x, x, document_ids=torch.zeros(2, 5, dtype=torch.long), cumulative_lengths=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="cumulative_lengths describe whole packed sequences: self-attention"):
         mha(x, kv, kv, cumulative_lengths=torch.tensor([0, 5]))
+
+
+def test_compiles_without_graph_breaks():
+    import torch._dynamo as dynamo
+
+    mha = MultiHeadAttention(D, H, num_kv_heads=2, position=make_encoding("rotary", D, H)).eval()
+    x = torch.randn(2, 5, D)
+    cache = KVCache(max_len=8)
+    with torch.no_grad():
+        mha(x, x, x, causal=True, cache=cache, document_ids=IDS[:, :5])
+        for call, kwargs in (
+            ((x[:, :1],) * 3, {"cache": cache, "document_ids": IDS[:, 5:6]}),  # one packed decoding step
+            ((x,) * 3, {"cumulative_lengths": torch.tensor([0, 2, 5])}),
+        ):
+            dynamo.reset()
+            explanation = dynamo.explain(mha)(*call, causal=True, **kwargs)
+            dynamo.reset()
+            assert explanation.graph_break_count == 0, [str(r.reason)[:200] for r in explanation.break_reasons]
