@@ -7,7 +7,9 @@ Shape legend:
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -63,13 +65,90 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> 
     return out
 
 
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 where ``document_ids`` ``(b, l)`` changes, ``(b, l)`` int64."""
+def document_positions(
+    document_ids: torch.Tensor, *, previous: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Positions that restart at 0 where ``document_ids`` ``(b, l)`` changes, ``(b, l)`` int64.
+
+    Args:
+        document_ids: ``(b, l)`` integer document labels.
+        previous: document id and position ``(b,)`` of the token just before these (a cache's
+            newest key): tokens that continue its document continue its positions.
+    """
     index = torch.arange(document_ids.shape[-1], device=document_ids.device)  # (l,)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values  # (b, l)
-    return index - first
+    if previous is not None:
+        starts[:, 0] = document_ids[:, 0] != previous[0]
+    first = torch.where(starts, index, torch.full_like(index, -1)).cummax(dim=-1).values  # (b, l); -1: no start yet
+    positions = index - first
+    if previous is None:
+        return positions
+    return torch.where(first < 0, previous[1][:, None] + 1 + index, positions)
+
+
+def cumulative_lengths_to_document_ids(
+    cumulative_lengths: torch.Tensor | Sequence[torch.Tensor | Sequence[int]], batch: int, length: int
+) -> torch.Tensor:
+    """Document ids ``(b, l)`` from cumulative lengths (flash-attn's ``cu_seqlens``): document ``i`` gets id ``i``.
+
+    Args:
+        cumulative_lengths: ``(k + 1,)`` integers ``0 = c_0 < c_1 < ... < c_k = l`` shared by
+            every row (document ``i`` holds tokens ``c_i .. c_{i+1} - 1``), or one such
+            sequence per row (a list of ``b``, each with its own ``k``; or a ``(b, k + 1)`` tensor).
+        batch: ``b``.
+        length: the packed length ``l``.
+
+    Raises:
+        ValueError: not integers, fewer than 2 entries, not starting at 0, not strictly
+            increasing, or not ending at ``length``; a list of the wrong length.
+    """
+    shared = isinstance(cumulative_lengths, torch.Tensor) and cumulative_lengths.dim() == 1
+    if not shared and isinstance(cumulative_lengths, (list, tuple)):
+        shared = all(isinstance(item, int) and not isinstance(item, bool) for item in cumulative_lengths)
+    if shared:
+        rows = [_check_cumulative_lengths("cumulative_lengths", cumulative_lengths, length)]
+    else:
+        if not isinstance(cumulative_lengths, (torch.Tensor, list, tuple)) or len(cumulative_lengths) != batch:
+            got = (
+                tuple(cumulative_lengths.shape) if isinstance(cumulative_lengths, torch.Tensor) else cumulative_lengths
+            )
+            raise ValueError(
+                f"cumulative_lengths must be a 1-D integer tensor (k + 1,) shared by every row, or {batch} of them "
+                f"(one per row), got {got!r}"
+            )
+        rows = [
+            _check_cumulative_lengths(f"cumulative_lengths[{i}]", row, length)
+            for i, row in enumerate(cumulative_lengths)
+        ]
+    tokens = torch.arange(length, device=rows[0].device)  # (l,)
+    ids = torch.stack([torch.searchsorted(row, tokens, right=True) - 1 for row in rows])  # (1 or b, l)
+    return ids.expand(batch, length)
+
+
+def _check_cumulative_lengths(name: str, value: object, length: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"{name} must be integers, got {value!r}") from None
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
+    if value.dim() != 1 or value.numel() < 2:
+        raise ValueError(
+            f"{name} must be 1-D with at least 2 entries (0 and the packed length), got shape {tuple(value.shape)}"
+        )
+    value = value.long()
+    if _is_compiling():
+        return value  # value checks would read the tensor back: eager mode only
+    listed = value.tolist()
+    if listed[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {listed}")
+    if any(b <= a for a, b in itertools.pairwise(listed)):
+        raise ValueError(f"{name} must be strictly increasing (no empty document), got {listed}")
+    if listed[-1] != length:
+        raise ValueError(f"{name} must end at the packed length {length}, got {listed}")
+    return value
 
 
 class MultiHeadAttention(nn.Module):
@@ -315,11 +394,16 @@ class MultiHeadAttention(nn.Module):
                 f"key_padding_mask must be bool (True = padding) of shape ({batch}, {num_new_keys}){where}, got {got}"
             )
         if document_ids is not None:
-            if cache is not None or num_queries != num_new_keys:
+            if num_queries != num_new_keys:
                 raise ValueError(
-                    "document_ids needs self-attention over one packed sequence: no cache, as many keys as queries"
+                    "document_ids needs self-attention over packed sequences: as many new keys as queries, "
+                    f"got {num_queries} queries and {num_new_keys} keys"
                 )
             document_ids = _require_int_tensor("document_ids", document_ids, ((batch, num_queries),))
+        if cache is not None and cache.length and (document_ids is None) == cache.has_documents:
+            if cache.has_documents:
+                raise ValueError("the cache holds a packed sequence: give document_ids for the new tokens too")
+            raise ValueError("the cache holds keys without document ids: reset() it before passing document_ids")
         return attn_mask, key_padding_mask, document_ids
 
     def _positions(
@@ -339,7 +423,8 @@ class MultiHeadAttention(nn.Module):
         if offset is not None and (positions is not None or document_ids is not None):
             raise ValueError("give either offset or positions/document_ids, not both (offset is the shorthand)")
         if positions is None and document_ids is not None:
-            positions = document_positions(document_ids)  # (b, l): each document starts at 0
+            # (b, l): each document starts at 0, or goes on from the cache's newest key
+            positions = document_positions(document_ids, previous=None if cache is None else cache.last_documents)
         first = 0
         if positions is not None:
             q_positions = _require_int_tensor("positions", positions, ((num_queries,), (batch, num_queries))).to(device)
@@ -379,6 +464,7 @@ class MultiHeadAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        cumulative_lengths: torch.Tensor | Sequence[torch.Tensor | Sequence[int]] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``queries`` to ``keys``/``values``.
 
@@ -413,7 +499,15 @@ class MultiHeadAttention(nn.Module):
                 cache, it covers the new keys and the cache remembers it.
             document_ids: ``(b, l)`` integers labelling packed documents: a token sees only
                 tokens of its own document, and positions restart at 0 at each document
-                (unless ``positions`` are given). Self-attention without a cache.
+                (unless ``positions`` are given). Self-attention. A cache stores them with the
+                keys: pass the new tokens' ids on every later call; a token whose id is that
+                of the previous token continues its document (and its positions), another
+                starts a new one at position 0.
+            cumulative_lengths: the packed documents as cumulative lengths instead (flash-attn's
+                ``cu_seqlens``): ``(k + 1,)`` integers ``0 = c_0 < ... < c_k = l`` shared by
+                every row, or a list of ``b`` of them (one per row); document ``i`` is tokens
+                ``c_i .. c_{i+1} - 1`` and gets document id ``i``. With a cache, only while it is
+                empty (later calls give ``document_ids``).
 
         Returns:
             ``(b, lq, d)``, or ``(output, weights)``.
@@ -427,6 +521,15 @@ class MultiHeadAttention(nn.Module):
                 f"cache keeps only a window of {cache.window} keys, and this layer has window={self.window}"
             )
         total = (0 if cache is None else cache.length) + num_new_keys
+        if cumulative_lengths is not None:
+            if document_ids is not None:
+                raise ValueError("give document_ids or cumulative_lengths, not both")
+            if num_queries != num_new_keys or (cache is not None and cache.length):
+                raise ValueError(
+                    "cumulative_lengths describe whole packed sequences: self-attention, and no keys in the cache "
+                    "(give document_ids for the tokens that follow)"
+                )
+            document_ids = cumulative_lengths_to_document_ids(cumulative_lengths, batch, num_queries).to(queries.device)
         attn_mask, key_padding_mask, document_ids = self._check_masks(
             attn_mask, key_padding_mask, document_ids, batch, num_queries, num_new_keys, total, cache
         )
@@ -458,8 +561,8 @@ class MultiHeadAttention(nn.Module):
         if cache is None and attn_mask is None and key_padding_mask is None and document_ids is None:
             lengths = self._ragged_lengths(num_queries, total, valid_lens, return_weights)
         if lengths is not None:
-            merged = self._ragged(q, keys, values, k_positions, lengths, causal)
-            projected: torch.Tensor = self.W_o(merged.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens))
+            merged = self._ragged(q, keys, values, k_positions, lengths, causal)  # (b, lq, d)
+            projected: torch.Tensor = self.W_o(merged)
             return projected  # (b, lq, d)
         k = self._split_heads(self.W_k(keys), self.num_kv_heads)  # (b, hk, lk_new, dh)
         v = self._split_heads(self.W_v(values), self.num_kv_heads)  # (b, hk, lk_new, dh)
@@ -503,8 +606,12 @@ class MultiHeadAttention(nn.Module):
     ) -> _Keys:
         if cache is None:
             return _Keys(k, v, k_positions, key_padding_mask, document_ids, 0, total)
-        stored = cache.update(k, v, positions=k_positions, padding=key_padding_mask, commit=False)
-        return _Keys(stored.keys, stored.values, stored.positions, stored.padding, None, stored.first_index, total)
+        stored = cache.update(
+            k, v, positions=k_positions, padding=key_padding_mask, documents=document_ids, commit=False
+        )
+        return _Keys(
+            stored.keys, stored.values, stored.positions, stored.padding, stored.documents, stored.first_index, total
+        )
 
     def _visibility(
         self,
@@ -642,41 +749,48 @@ class MultiHeadAttention(nn.Module):
     ) -> torch.Tensor:
         """Each group of equal valid length projects and attends over its own keys only: no mask, no waste.
 
-        Returns ``(b, h, lq, dh)``.
+        Query rows past a sequence's valid length are kept, and see its valid keys, as on the
+        masked path. A group whose sequences are neighbours in the batch is read as a view; the
+        others are gathered with one ``index_select`` each. Outputs are written straight into
+        one buffer, so nothing is concatenated or permuted afterwards.
+
+        Returns ``(b, lq, h * dh)``: the heads merged, ready for ``W_o``.
         """
         dropout_p = self.dropout if self.training else 0.0
-        num_queries = q.shape[-2]
-        pieces, order = [], []
+        batch, heads, num_queries, head_dim = q.shape
+        merged = q.new_empty(batch, num_queries, heads * head_dim)  # (b, lq, d)
         for length in sorted(set(lengths)):
             rows = [row for row, value in enumerate(lengths) if value == length]
-            order.extend(rows)
-            index = None if len(rows) == len(lengths) else torch.tensor(rows, device=q.device)
-            q_g = q if index is None else q[index]  # (b_g, h, lq, dh)
+            take: slice | torch.Tensor
+            if rows == list(range(rows[0], rows[-1] + 1)):
+                take = slice(rows[0], rows[-1] + 1)
+            else:
+                take = torch.tensor(rows, device=q.device)
+
+            def pick(x: torch.Tensor, take: slice | torch.Tensor = take) -> torch.Tensor:
+                return x[take] if isinstance(take, slice) else x.index_select(0, take)
+
+            def put(start: int, out_g: torch.Tensor, take: slice | torch.Tensor = take) -> None:
+                # (b_g, h, l_g, dh) -> (b_g, l_g, d): a view of the kernel's (b_g, l_g, h, dh) output
+                merged[take, start : start + out_g.shape[-2]] = out_g.transpose(1, 2).flatten(2)
+
             if length == 0:
-                pieces.append(torch.zeros_like(q_g))
+                merged[take] = 0.0  # no key to see: a zero row, as on the masked path
                 continue
-            keys_g = keys[:, :length] if index is None else keys[index, :length]  # (b_g, length, dk)
-            values_g = values[:, :length] if index is None else values[index, :length]
-            k_g = self._split_heads(self.W_k(keys_g), self.num_kv_heads)  # (b_g, hk, length, dh)
-            v_g = self._split_heads(self.W_v(values_g), self.num_kv_heads)
+            q_g = pick(q)  # (b_g, h, lq, dh)
+            k_g = self._split_heads(self.W_k(pick(keys[:, :length])), self.num_kv_heads)  # (b_g, hk, length, dh)
+            v_g = self._split_heads(self.W_v(pick(values[:, :length])), self.num_kv_heads)
             if isinstance(self.position, QueryKeyEncoding):
                 positions = k_positions[..., :length]
-                if positions.dim() == 2 and index is not None:
-                    positions = positions[index]
+                positions = pick(positions) if positions.dim() == 2 else positions
                 k_g = self.position.encode_keys(k_g, self._per_head(positions))
             if causal and length < num_queries:
                 # Queries before the valid length are a square causal problem; later ones see all `length` keys.
-                head = _fused(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p)
-                tail = _fused(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p)
-                pieces.append(torch.cat((head, tail), dim=-2))  # (b_g, h, lq, dh)
+                put(0, _fused(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p))
+                put(length, _fused(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p))
             else:
-                pieces.append(_fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p))
-        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (b, h, lq, dh) in group order
-        if order == sorted(order):
-            return out
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        return out[inverse.to(q.device)]
+                put(0, _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p))
+        return merged
 
     # ------------------------------------------------------------------ sliding window
 

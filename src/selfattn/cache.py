@@ -23,6 +23,7 @@ class CachedKeys(NamedTuple):
         padding: bool ``(b, n)``, True for keys marked as padding; None when none ever was.
         first_index: index of ``keys[..., 0, :]`` in the whole sequence seen so far (0 unless
             a windowed cache has dropped older keys).
+        documents: int64 document ids ``(b, n)`` of packed sequences; None when none were given.
     """
 
     keys: torch.Tensor
@@ -30,6 +31,7 @@ class CachedKeys(NamedTuple):
     positions: torch.Tensor
     padding: torch.Tensor | None
     first_index: int
+    documents: torch.Tensor | None = None
 
 
 class KVCache:
@@ -37,8 +39,8 @@ class KVCache:
 
     Pass the same cache to every call of one layer: ``mha(x_t, x_t, x_t, cache=cache,
     causal=True)``. Keys are stored after any query/key encoding (rotary) has been applied at
-    their own positions, so earlier entries never need recomputing; their positions and any
-    ``key_padding_mask`` are stored beside them. Storage is allocated once, at the first call,
+    their own positions, so earlier entries never need recomputing; their positions, any
+    ``key_padding_mask`` and any ``document_ids`` (packed sequences) are stored beside them. Storage is allocated once, at the first call,
     for ``max_len`` positions; the cache is meant for inference (wrap decoding in
     ``torch.no_grad()``).
 
@@ -68,10 +70,16 @@ class KVCache:
         self._values: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None  # (b, capacity) int64
         self._padding: torch.Tensor | None = None  # (b, capacity) bool, allocated at the first padding seen
+        self._documents: torch.Tensor | None = None  # (b, capacity) int64, when the keys carry document ids
+        # Document id and position of each sequence's newest key, (b,) each: where a new token continues.
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending_last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._shared_positions = True  # every append so far gave the same positions to every sequence
         self._pending = 0
         self._pending_shared = True
-        self._pending_window: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self._pending_window: (
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None
+        ) = None
         self.encoding_state: dict[str, object] = {}  # what a query/key encoding notes about the stored keys
 
     @property
@@ -83,7 +91,8 @@ class KVCache:
         """Forget everything stored, the batch size, shapes, dtype and device included."""
         self.length = 0
         self._pending = 0
-        self._keys = self._values = self._positions = self._padding = None
+        self._keys = self._values = self._positions = self._padding = self._documents = None
+        self._last = self._pending_last = None
         self._shared_positions = self._pending_shared = True
         self._pending_window = None
         self.encoding_state = {}
@@ -95,6 +104,20 @@ class KVCache:
             return None
         stored = self._positions[:, : self.stored]
         return stored[0] if self._shared_positions else stored
+
+    @property
+    def has_documents(self) -> bool:
+        """Whether the stored keys carry document ids (a packed sequence is being decoded)."""
+        return self.length > 0 and self._last is not None
+
+    @property
+    def last_documents(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Document id and position of each sequence's newest stored key, ``(b,)`` each.
+
+        None unless the stored keys carry document ids. Kept even when a windowed cache has
+        dropped the key itself, so a new token knows whether it continues that document.
+        """
+        return self._last if self.has_documents else None
 
     def update_keys(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace the stored keys ``(b, h, stored, dh)`` by ``transform(keys)``, in place (re-rotation).
@@ -134,11 +157,13 @@ class KVCache:
         *,
         positions: torch.Tensor | None = None,
         padding: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
         commit: bool = True,
     ) -> CachedKeys:
-        """:meth:`append` that also stores positions ``(l,)``/``(b, l)`` and padding ``(b, l)``.
+        """:meth:`append` that also stores positions ``(l,)``/``(b, l)``, padding ``(b, l)`` and documents ``(b, l)``.
 
-        Positions default to ``length .. length + l - 1``.
+        Positions default to ``length .. length + l - 1``. Document ids must be given on every
+        call of a cache that holds them, and on none of one that does not.
         """
         self._check(keys, values)
         batch, new = keys.shape[0], keys.shape[-2]
@@ -150,10 +175,21 @@ class KVCache:
             raise ValueError(f"positions must have shape ({new},) or ({batch}, {new}), got {tuple(positions.shape)}")
         if padding is not None and tuple(padding.shape) != (batch, new):
             raise ValueError(f"padding must have shape ({batch}, {new}), got {tuple(padding.shape)}")
+        if documents is not None and tuple(documents.shape) != (batch, new):
+            raise ValueError(f"documents must have shape ({batch}, {new}), got {tuple(documents.shape)}")
+        if self.length and (documents is None) == self.has_documents:
+            if self.has_documents:
+                raise ValueError("this cache holds document ids: give documents for the new keys too, or reset() it")
+            raise ValueError("this cache holds keys without document ids: give none for the new keys, or reset() it")
         self._pending_shared = self._shared_positions and positions.dim() == 1
         positions = positions.to(keys.device, torch.long).expand(batch, new)  # (b, l)
+        if documents is not None:
+            documents = documents.to(keys.device, torch.long)
+            self._pending_last = (documents[:, -1], positions[:, -1]) if new else self._last
+        else:
+            self._pending_last = None
         if self.window is not None:
-            return self._update_window(keys, values, positions, padding, commit)
+            return self._update_window(keys, values, positions, padding, documents, commit)
         if self.length == 0 and not self._fits(keys, values):
             # Nothing stored yet (or only the entries of a call that failed): size the storage now.
             assert self.max_len is not None
@@ -164,14 +200,19 @@ class KVCache:
         assert self._keys is not None and self._values is not None and self._positions is not None
         if self.length == 0:
             self._padding = None  # padding of a call that failed, or of a reset cache, is forgotten
+            self._documents = None
         if padding is not None and self._padding is None:
             self._padding = torch.zeros(self._positions.shape, dtype=torch.bool, device=keys.device)
+        if documents is not None and self._documents is None:
+            self._documents = torch.zeros(self._positions.shape, dtype=torch.long, device=keys.device)
         end = self.length + new
         self._keys[..., self.length : end, :] = keys
         self._values[..., self.length : end, :] = values
         self._positions[:, self.length : end] = positions
         if self._padding is not None:
             self._padding[:, self.length : end] = False if padding is None else padding
+        if self._documents is not None and documents is not None:
+            self._documents[:, self.length : end] = documents
         self._pending = new
         seen = self._seen(
             self._keys[..., :end, :],
@@ -179,6 +220,7 @@ class KVCache:
             self._positions[:, :end],
             None if self._padding is None else self._padding[:, :end],
             0,
+            None if documents is None or self._documents is None else self._documents[:, :end],
         )
         if commit:
             self.commit()
@@ -189,8 +231,9 @@ class KVCache:
         self.length += self._pending
         self._pending = 0
         self._shared_positions = self._pending_shared
+        self._last = self._pending_last
         if self._pending_window is not None:
-            self._keys, self._values, self._positions, self._padding = self._pending_window
+            self._keys, self._values, self._positions, self._padding, self._documents = self._pending_window
             self._pending_window = None
 
     def _update_window(
@@ -199,10 +242,12 @@ class KVCache:
         values: torch.Tensor,
         positions: torch.Tensor,
         padding: torch.Tensor | None,
+        documents: torch.Tensor | None,
         commit: bool,
     ) -> CachedKeys:
         assert self.window is not None
         old = self.stored
+        all_documents = documents
         if old == 0:
             all_keys, all_values, all_positions = keys, values, positions
         else:
@@ -210,6 +255,8 @@ class KVCache:
             all_keys = torch.cat((self._keys, keys), dim=-2)  # (b, hk, old + l, dh)
             all_values = torch.cat((self._values, values), dim=-2)
             all_positions = torch.cat((self._positions, positions), dim=-1)  # (b, old + l)
+            if documents is not None and self._documents is not None:
+                all_documents = torch.cat((self._documents, documents), dim=-1)  # (b, old + l)
         all_padding = None
         if padding is not None or (old and self._padding is not None):
             old_padding = self._padding if old and self._padding is not None else None
@@ -226,9 +273,10 @@ class KVCache:
             all_values[..., start:, :].clone(),
             all_positions[:, start:].clone(),
             None if all_padding is None else all_padding[:, start:].clone(),
+            None if all_documents is None else all_documents[:, start:].clone(),
         )
         self._pending = keys.shape[-2]
-        seen = self._seen(all_keys, all_values, all_positions, all_padding, first_index)
+        seen = self._seen(all_keys, all_values, all_positions, all_padding, first_index, all_documents)
         if commit:
             self.commit()
         return seen
@@ -240,8 +288,10 @@ class KVCache:
         positions: torch.Tensor,
         padding: torch.Tensor | None,
         first_index: int,
+        documents: torch.Tensor | None = None,
     ) -> CachedKeys:
-        return CachedKeys(keys, values, positions[0] if self._pending_shared else positions, padding, first_index)
+        shared = positions[0] if self._pending_shared else positions
+        return CachedKeys(keys, values, shared, padding, first_index, documents)
 
     def _fits(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
         stored_keys, stored_values = self._keys, self._values

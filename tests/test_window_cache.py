@@ -1,0 +1,32 @@
+"""The windowed cache with every encoding: decoding == the full windowed pass, storage O(window)."""
+
+import pytest
+import torch
+from reference_mha import ENCODINGS, make_encoding, naive_mha, visibility
+
+from selfattn import KVCache, MultiHeadAttention
+
+D, H, W, L = 8, 2, 4, 30
+
+
+@pytest.mark.parametrize("name", ENCODINGS)
+@pytest.mark.parametrize("chunks", [[6] + [1] * (L - 6), [5, 3, 10, 2, 10]], ids=["tokens", "chunks"])
+def test_window_cache_decoding_equals_full_pass(name, chunks):
+    position = make_encoding(name, D, H)
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(D, H, position=position, window=W, num_kv_heads=1).double().eval()
+    x = torch.randn(2, L, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    cache = KVCache(window=W)
+    outs, start, stored = [], 0, []
+    with torch.no_grad():
+        for size in chunks:
+            part = x[:, start : start + size]
+            outs.append(mha(part, part, part, causal=True, cache=cache))
+            stored.append(cache._keys.shape[-2])
+            start += size
+        full = mha(x, x, x, causal=True)
+    positions = torch.arange(L).expand(2, L)
+    expected, _ = naive_mha(mha, x, x, x, visibility(2, L, L, causal=True, window=W), positions, positions)
+    torch.testing.assert_close(full, expected, atol=1e-10, rtol=1e-9)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=1e-10)
+    assert max(stored) == W - 1 and cache.length == L  # never more than the window keeps
