@@ -88,15 +88,50 @@ def _drop_units(p: float) -> int:
     return min(round(p * 65536), 65535)
 
 
-def _keep_mask(shape: Sequence[int], seed: int, p: float, device: torch.device) -> torch.Tensor:
-    """Bool mask, True = keep, from 16 random bits per entry (four per 64-bit draw)."""
+def _random_lanes(shape: Sequence[int], seed: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """16 random bits per entry (int16, four per 64-bit draw) from a generator seeded by ``seed``.
+
+    ``out``: an int64 buffer of at least ``ceil(numel / 4)`` entries to draw into (no new allocation).
+    """
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     count = math.prod(shape)
-    bits = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
+    words = (count + 3) // 4
+    bits = torch.empty(words, dtype=torch.int64, device=device) if out is None else out[:words]
     bits.random_(-(2**63), None, generator=generator)  # the full 64-bit range
-    lanes = bits.view(torch.int16)[:count].view(*shape)
-    return lanes >= _drop_units(p) - 32768
+    return bits.view(torch.int16)[:count].view(*shape)
+
+
+def _keep_mask(shape: Sequence[int], seed: int, p: float, device: torch.device) -> torch.Tensor:
+    """Bool mask, True = keep, from 16 random bits per entry (four per 64-bit draw)."""
+    return _random_lanes(shape, seed, device) >= _drop_units(p) - 32768
+
+
+def _drop_mask(shape: Sequence[int], seed: int, p: float, workspace: _Workspace) -> torch.Tensor:
+    """``~_keep_mask(...)`` (True = drop), drawn into the workspace's buffers."""
+    lanes = _random_lanes(shape, seed, workspace.device, out=workspace.get("bits", (math.prod(shape) + 3) // 4, torch.int64))
+    return torch.lt(lanes, _drop_units(p) - 32768, out=workspace.get("drop", shape, torch.bool))
+
+
+class _Workspace:
+    """Buffers reused by every block of one pass.
+
+    A fresh ``(b, h, block, lk)`` tensor per block is tens of MiB that the allocator maps and
+    the kernel page-faults in each time; reusing one buffer per role skips that.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        count = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < count:
+            buffer = torch.empty(count, dtype=dtype, device=self.device)
+            self.buffers[name] = buffer
+        return buffer[:count].view(shape)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -218,7 +253,14 @@ class _Plan:
         return visible
 
     def keep(self, index: int, shape: Sequence[int], device: torch.device) -> torch.Tensor:
-        return _keep_mask(shape, (self.seed + index * 0x9E3779B1) % 2**63, self.dropout_p, device)
+        return _keep_mask(shape, self.block_seed(index), self.dropout_p, device)
+
+    def drop(self, index: int, shape: Sequence[int], workspace: _Workspace) -> torch.Tensor:
+        """Block ``index``'s drop mask (``~keep``) in a workspace buffer."""
+        return _drop_mask(shape, self.block_seed(index), self.dropout_p, workspace)
+
+    def block_seed(self, index: int) -> int:
+        return (self.seed + index * 0x9E3779B1) % 2**63
 
 
 def _settle_empty_rows(visible: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -252,6 +294,40 @@ def _scores(
     if visible is not None:
         scores = scores.masked_fill_(~visible, float("-inf"))
     return scores
+
+
+def _block_probs(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    bias: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    scale: float,
+    workspace: _Workspace,
+) -> torch.Tensor:
+    """Softmax of one block's scores, ``(b, h, block, keys)``, computed in the workspace's score buffer.
+
+    The scale goes on the queries (a ``(block, d)`` product instead of a ``(block, keys)`` one)
+    and the softmax is PyTorch's fused kernel, in place on CPU: one pass where
+    logsumexp-then-exp takes several.
+    """
+    shape = (*torch.broadcast_shapes(qc.shape[:-2], kc.shape[:-2]), qc.shape[-2], kc.shape[-2])
+    scores = torch.matmul(qc * scale, kc.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
+    if bias is not None:
+        scores.add_(bias.to(scores.dtype))
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
+    if scores.device.type == "cpu":
+        return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+    return torch.softmax(scores, dim=-1)
+
+
+def _softmax_backward(grad_weights: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``probs * (grad_weights - sum(grad_weights * probs))`` row by row, fused (in place on CPU)."""
+    if grad_weights.device.type == "cpu":
+        return torch.ops.aten._softmax_backward_data.out(
+            grad_weights, probs, -1, probs.dtype, grad_input=grad_weights
+        )
+    return torch.ops.aten._softmax_backward_data(grad_weights, probs, -1, probs.dtype)
 
 
 def _differentiable_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -291,6 +367,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)  # (b, h, lq)
         inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
         band = None if plan.band_base is None else plan.hide_future(plan.band(q[:1, :, : plan.block].to(compute)))
+        workspace = _Workspace(q.device)
         for index, start, end, keys in plan.blocks():
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
@@ -304,23 +381,25 @@ class _BlockwiseAttention(torch.autograd.Function):
                 # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
                 query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
                 block_out = block_out + query_sums.mul(0).to(block_out.dtype)
-            else:
+            else:  # the explicit backward recomputes the probabilities with the fused softmax: no lse
                 qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
                 bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
-                scores = _scores(qc, kc, bias, visible, plan.scale)
-                block_lse = torch.logsumexp(scores, dim=-1)  # (b, h, block)
-                weights = scores.sub_(block_lse[..., None]).exp_()  # (b, h, block, keys)
-                if plan.dropout_p > 0:
-                    weights = weights.mul_(plan.keep(index, weights.shape, q.device)).mul_(inverse_keep)
+                weights = _block_probs(qc, kc, bias, visible, plan.scale, workspace)  # (b, h, block, keys)
+                if plan.dropout_p > 0:  # dropped weights stay unscaled: 1 / keep goes on the block's output
+                    weights = weights.masked_fill_(plan.drop(index, weights.shape, workspace), 0.0)
                 block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
-                if plan.value_term:
+                if plan.value_term:  # linear in the weights
                     block_out = block_out + plan.value(weights, start, end, keys)
+                if plan.dropout_p > 0:
+                    block_out = block_out.mul_(inverse_keep)
+                block_lse = None
             if empty is not None:
                 block_out = block_out.masked_fill(empty, 0.0)
             out[..., start:end, :] = block_out
             if out_compute is not out:
                 out_compute[..., start:end, :] = block_out
-            lse[..., start:end] = block_lse
+            if block_lse is not None:
+                lse[..., start:end] = block_lse
         ctx.plan = plan
         ctx.num_params = len(params)
         ctx.save_for_backward(q, k, v, out_compute, lse, *params)
@@ -356,6 +435,8 @@ class _BlockwiseAttention(torch.autograd.Function):
                     previous = param_grads[i]
                     param_grads[i] = g if previous is None else previous + g
 
+        workspace = _Workspace(q.device)
+        zero = torch.zeros((), dtype=compute, device=q.device)
         band = band_values = band_grad = None
         if plan.band_base is not None:
             with torch.set_grad_enabled(plan.bias_needs_grad):
@@ -392,24 +473,27 @@ class _BlockwiseAttention(torch.autograd.Function):
                     bias = plan.bias(q_leaf, start, end, keys)
             else:
                 bias = plan.window(band_values, start, end, keys)
-            scores = _scores(qc, kc, None if bias is None else bias.detach(), visible, plan.scale)
-            probs = scores.sub_(lse[..., start:end, None]).exp_()  # (b, h, block, keys)
-            keep = plan.keep(index, probs.shape, q.device) if plan.dropout_p > 0 else None
-            dropped = probs if keep is None else probs * keep * inverse_keep
-            dv[..., :keys, :] += torch.matmul(dropped.transpose(-2, -1), gc)
-            grad_dropped = torch.matmul(gc, vc.transpose(-2, -1))  # (b, h, block, keys)
-            if plan.value_term:
+            probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
+            drop = plan.drop(index, probs.shape, workspace) if plan.dropout_p > 0 else None
+            g_scaled = gc if drop is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
+            dropped = probs
+            if drop is not None:  # the forward's weights, unscaled: probs with the same entries dropped
+                dropped = torch.where(drop, zero, probs, out=workspace.get("dropped", probs.shape, compute))
+            dv[..., :keys, :] += torch.matmul(dropped.transpose(-2, -1), g_scaled)
+            grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=workspace.get("grad", probs.shape, compute))
+            if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
                 with torch.enable_grad():
                     weights_leaf = dropped.detach().requires_grad_(True)
                     value = plan.value(weights_leaf, start, end, keys)
-                    grads = torch.autograd.grad(value, [weights_leaf, *params], gc, allow_unused=True)
-                grad_dropped += grads[0]
+                    grads = torch.autograd.grad(value, [weights_leaf, *params], g_scaled, allow_unused=True)
+                if grads[0] is not None:
+                    grad_weights += grads[0]
                 accumulate(grads[1:])
-            grad_probs = grad_dropped if keep is None else grad_dropped.mul_(keep).mul_(inverse_keep)
-            delta = (gc * out[..., start:end, :]).sum(dim=-1, keepdim=True)  # (b, h, block, 1)
-            grad_scores = grad_probs.sub_(delta).mul_(probs)  # (b, h, block, keys)
+            if drop is not None:
+                grad_weights = grad_weights.masked_fill_(drop, 0.0)
+            grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
             dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
-            dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc) * plan.scale
+            dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc * plan.scale)
             if band_grad is not None:
                 window = plan.window(band_grad, start, end, keys)
                 window += grad_scores.sum_to_size(window.shape)
