@@ -107,10 +107,13 @@ def _keep_mask(shape: Sequence[int], seed: int, p: float, device: torch.device) 
     return _random_lanes(shape, seed, device) >= _drop_units(p) - 32768
 
 
-def _drop_mask(shape: Sequence[int], seed: int, p: float, workspace: _Workspace) -> torch.Tensor:
-    """``~_keep_mask(...)`` (True = drop), drawn into the workspace's buffers."""
+def _keep_factors(shape: Sequence[int], seed: int, p: float, dtype: torch.dtype, workspace: _Workspace) -> torch.Tensor:
+    """``_keep_mask(...)`` as 1.0 / 0.0 in ``dtype``, drawn into the workspace's buffers.
+
+    A float multiply is several times faster than ``masked_fill_`` with a bool mask on CPU.
+    """
     lanes = _random_lanes(shape, seed, workspace.device, out=workspace.get("bits", (math.prod(shape) + 3) // 4, torch.int64))
-    return torch.lt(lanes, _drop_units(p) - 32768, out=workspace.get("drop", shape, torch.bool))
+    return torch.ge(lanes, _drop_units(p) - 32768, out=workspace.get("keep", shape, dtype))
 
 
 class _Workspace:
@@ -255,9 +258,9 @@ class _Plan:
     def keep(self, index: int, shape: Sequence[int], device: torch.device) -> torch.Tensor:
         return _keep_mask(shape, self.block_seed(index), self.dropout_p, device)
 
-    def drop(self, index: int, shape: Sequence[int], workspace: _Workspace) -> torch.Tensor:
-        """Block ``index``'s drop mask (``~keep``) in a workspace buffer."""
-        return _drop_mask(shape, self.block_seed(index), self.dropout_p, workspace)
+    def keep_factors(self, index: int, shape: Sequence[int], dtype: torch.dtype, workspace: _Workspace) -> torch.Tensor:
+        """Block ``index``'s keep mask as 1.0 / 0.0 in a workspace buffer."""
+        return _keep_factors(shape, self.block_seed(index), self.dropout_p, dtype, workspace)
 
     def block_seed(self, index: int) -> int:
         return (self.seed + index * 0x9E3779B1) % 2**63
@@ -386,7 +389,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
                 weights = _block_probs(qc, kc, bias, visible, plan.scale, workspace)  # (b, h, block, keys)
                 if plan.dropout_p > 0:  # dropped weights stay unscaled: 1 / keep goes on the block's output
-                    weights = weights.masked_fill_(plan.drop(index, weights.shape, workspace), 0.0)
+                    weights = weights.mul_(plan.keep_factors(index, weights.shape, weights.dtype, workspace))
                 block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
                 if plan.value_term:  # linear in the weights
                     block_out = block_out + plan.value(weights, start, end, keys)
@@ -436,7 +439,6 @@ class _BlockwiseAttention(torch.autograd.Function):
                     param_grads[i] = g if previous is None else previous + g
 
         workspace = _Workspace(q.device)
-        zero = torch.zeros((), dtype=compute, device=q.device)
         band = band_values = band_grad = None
         if plan.band_base is not None:
             with torch.set_grad_enabled(plan.bias_needs_grad):
@@ -474,11 +476,11 @@ class _BlockwiseAttention(torch.autograd.Function):
             else:
                 bias = plan.window(band_values, start, end, keys)
             probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
-            drop = plan.drop(index, probs.shape, workspace) if plan.dropout_p > 0 else None
-            g_scaled = gc if drop is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
+            keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
+            g_scaled = gc if keep is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
             dropped = probs
-            if drop is not None:  # the forward's weights, unscaled: probs with the same entries dropped
-                dropped = torch.where(drop, zero, probs, out=workspace.get("dropped", probs.shape, compute))
+            if keep is not None:  # the forward's weights, unscaled: probs with the same entries dropped
+                dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
             dv[..., :keys, :] += torch.matmul(dropped.transpose(-2, -1), g_scaled)
             grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=workspace.get("grad", probs.shape, compute))
             if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
@@ -489,8 +491,8 @@ class _BlockwiseAttention(torch.autograd.Function):
                 if grads[0] is not None:
                     grad_weights += grads[0]
                 accumulate(grads[1:])
-            if drop is not None:
-                grad_weights = grad_weights.masked_fill_(drop, 0.0)
+            if keep is not None:
+                grad_weights = grad_weights.mul_(keep)
             grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
             dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
             dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc * plan.scale)
