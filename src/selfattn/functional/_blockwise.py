@@ -168,6 +168,7 @@ class _Plan:
     num_keys: int
     on_cpu: bool
     band_base: int | None = None  # set when the term is read from one band (see band())
+    clipped: _Clipped | None = None  # set for a Shaw term at consecutive positions (see _Clipped)
 
     @property
     def last_start(self) -> int:
@@ -333,6 +334,93 @@ def _softmax_backward(grad_weights: torch.Tensor, probs: torch.Tensor) -> torch.
     return torch.ops.aten._softmax_backward_data(grad_weights, probs, -1, probs.dtype)
 
 
+@dataclass
+class _Clipped:
+    """A Shaw term (``clipped_embeddings()``) at consecutive positions, computed without gathers over the block.
+
+    Query ``r`` of a block and key ``c`` are ``off + c - r`` apart (``off``: first key position
+    minus the block's first query position); their embedding is row ``clip(off + c - r, -K, K) + K``.
+    All of a block's queries are at least ``K`` after the keys ``[0, first)`` and at least ``K``
+    before the keys ``[last, keys)``, so those keys use the two end rows of the tables. Two
+    indicator columns appended to the keys (and values) carry the end rows through the block's
+    matrix products: ``[q * scale, c_0, c_2K] . [k_j, 1[j < first], 1[j >= last]]`` adds the key
+    term of the far keys to the scores, ``P @ [v, 1[..], 1[..]]`` sums the weights of the far
+    keys, and the same columns reduce the score gradient in the backward pass. Only the middle
+    keys ``[first, last)`` (at most ``block + 2K - 1`` of them) are gathered by distance.
+    """
+
+    max_distance: int
+    key_table: torch.Tensor | None  # (2K+1, d)
+    value_table: torch.Tensor | None  # (2K+1, dv)
+    key_scale: float
+    offset: int
+    key_param: int | None  # index of key_table among the Function's parameters (None: no gradient)
+    value_param: int | None
+
+    def split(self, start: int, end: int, keys: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
+        """``(first, last, index)``: far keys ``[0, first)`` and ``[last, keys)``; ``(block, last - first)`` rows."""
+        off, reach, rows = self.offset - start, self.max_distance, end - start
+        first = min(max(1 - reach - off, 0), keys)
+        last = min(max(reach + rows - 1 - off, first), keys)
+        distance = torch.arange(first, last, device=device) - torch.arange(rows, device=device)[:, None] + off
+        return first, last, distance.clamp(-reach, reach) + reach  # (block, last - first)
+
+
+def _with_indicators(x: torch.Tensor, first: int, last: int, buffer: torch.Tensor) -> torch.Tensor:
+    """``[x, 1[j < first], 1[j >= last]]`` along the features: ``(..., keys, f)`` -> ``(..., keys, f + 2)``."""
+    features = x.shape[-1]
+    buffer[..., :features] = x
+    buffer[..., features:] = 0
+    buffer[..., :first, features] = 1
+    buffer[..., last:, features + 1] = 1
+    return buffer
+
+
+def _ends(by_distance: torch.Tensor) -> torch.Tensor:
+    """The first and last of ``(..., 2K+1)``: ``(..., 2)``."""
+    return by_distance[..., [0, -1]]
+
+
+def _clipped_probs(
+    clipped: _Clipped,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    split: tuple[int, int, torch.Tensor],
+    workspace: _Workspace,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax of a block's scores with the clipped key term, and the keys with indicators (None without keys table)."""
+    if clipped.key_table is None:
+        return _block_probs(qc, kc, None, visible, scale, workspace), None
+    first, last, index = split
+    lead = torch.broadcast_shapes(qc.shape[:-2], kc.shape[:-2])
+    by_distance = torch.matmul(qc, clipped.key_table.to(qc.dtype).t()).mul_(clipped.key_scale)  # (b, h, block, 2K+1)
+    q_wide = torch.cat([qc * scale, _ends(by_distance)], dim=-1)  # (b, h, block, d + 2)
+    k_wide = _with_indicators(kc, first, last, workspace.get("k_wide", (*lead, kc.shape[-2], kc.shape[-1] + 2), qc.dtype))
+    shape = (*lead, qc.shape[-2], kc.shape[-2])
+    scores = torch.matmul(q_wide, k_wide.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
+    if last > first:
+        scores[..., first:last] += torch.gather(by_distance, -1, index.expand(*by_distance.shape[:-1], -1))
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
+    if scores.device.type == "cpu":
+        return torch.ops.aten._softmax.out(scores, -1, False, out=scores), k_wide
+    return torch.softmax(scores, dim=-1), k_wide
+
+
+def _per_distance(wide: torch.Tensor, weights: torch.Tensor, split: tuple[int, int, torch.Tensor], size: int) -> torch.Tensor:
+    """Sum of ``weights`` per clipped distance, ``(b, h, block, 2K+1)``, from the indicator columns of ``wide``."""
+    first, last, index = split
+    sums = wide.new_zeros(*wide.shape[:-1], size)
+    sums[..., 0] = wide[..., -2]
+    sums[..., -1] += wide[..., -1]
+    if last > first:
+        middle = weights[..., first:last]
+        sums.scatter_add_(-1, index.expand(*middle.shape[:-1], -1), middle)
+    return sums
+
+
 def _differentiable_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The forward of :class:`_BlockwiseAttention` block by block in differentiable ops (for double backward)."""
     compute = _compute_dtype(q.dtype)
@@ -371,6 +459,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
         band = None if plan.band_base is None else plan.hide_future(plan.band(q[:1, :, : plan.block].to(compute)))
         workspace = _Workspace(q.device)
+        value_sums: torch.Tensor | None = None
         for index, start, end, keys in plan.blocks():
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
@@ -386,13 +475,29 @@ class _BlockwiseAttention(torch.autograd.Function):
                 block_out = block_out + query_sums.mul(0).to(block_out.dtype)
             else:  # the explicit backward recomputes the probabilities with the fused softmax: no lse
                 qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
-                bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
-                weights = _block_probs(qc, kc, bias, visible, plan.scale, workspace)  # (b, h, block, keys)
+                clipped = plan.clipped
+                if clipped is not None:
+                    split = clipped.split(start, end, keys, q.device)
+                    weights, _ = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
+                else:
+                    bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
+                    weights = _block_probs(qc, kc, bias, visible, plan.scale, workspace)  # (b, h, block, keys)
                 if plan.dropout_p > 0:  # dropped weights stay unscaled: 1 / keep goes on the block's output
                     weights = weights.mul_(plan.keep_factors(index, weights.shape, weights.dtype, workspace))
-                block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
-                if plan.value_term:  # linear in the weights
-                    block_out = block_out + plan.value(weights, start, end, keys)
+                if clipped is not None and clipped.value_table is not None:
+                    first, last, _ = split
+                    v_wide = _with_indicators(vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute))
+                    wide = torch.matmul(weights, v_wide)  # (b, h, block, dv + 2)
+                    table = clipped.value_table.to(compute)
+                    sums = _per_distance(wide, weights, split, table.shape[0])  # (b, h, block, 2K+1)
+                    if value_sums is None:  # kept for the backward pass: (b, h, lq, 2K+1)
+                        value_sums = sums.new_empty(*sums.shape[:-2], plan.num_queries, sums.shape[-1])
+                    value_sums[..., start:end, :] = sums
+                    block_out = wide[..., :-2] + torch.matmul(sums, table)
+                else:
+                    block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
+                    if plan.value_term:  # linear in the weights
+                        block_out = block_out + plan.value(weights, start, end, keys)
                 if plan.dropout_p > 0:
                     block_out = block_out.mul_(inverse_keep)
                 block_lse = None
@@ -404,6 +509,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             if block_lse is not None:
                 lse[..., start:end] = block_lse
         ctx.plan = plan
+        ctx.value_sums = value_sums
         ctx.num_params = len(params)
         ctx.save_for_backward(q, k, v, out_compute, lse, *params)
         return out
@@ -438,6 +544,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                     previous = param_grads[i]
                     param_grads[i] = g if previous is None else previous + g
 
+        def add_param_grad(i: int, g: torch.Tensor) -> None:
+            accumulate([None] * i + [g.to(params[i].dtype)])
+
         workspace = _Workspace(q.device)
         band = band_values = band_grad = None
         if plan.band_base is not None:
@@ -470,31 +579,67 @@ class _BlockwiseAttention(torch.autograd.Function):
 
             qc, kc, vc, gc = qb.to(compute), kb.to(compute), vb.to(compute), gb.to(compute)
             q_leaf = qc.detach().requires_grad_(plan.queries_in_term)
-            if band_values is None:
-                with torch.set_grad_enabled(plan.bias_needs_grad):
-                    bias = plan.bias(q_leaf, start, end, keys)
+            clipped, split, k_wide = plan.clipped, None, None
+            bias = None
+            if clipped is not None:
+                split = clipped.split(start, end, keys, q.device)
+                probs, k_wide = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
             else:
-                bias = plan.window(band_values, start, end, keys)
-            probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
+                if band_values is None:
+                    with torch.set_grad_enabled(plan.bias_needs_grad):
+                        bias = plan.bias(q_leaf, start, end, keys)
+                else:
+                    bias = plan.window(band_values, start, end, keys)
+                probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
             keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
             g_scaled = gc if keep is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
             dropped = probs
             if keep is not None:  # the forward's weights, unscaled: probs with the same entries dropped
                 dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
             dv[..., :keys, :] += torch.matmul(dropped.transpose(-2, -1), g_scaled)
-            grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=workspace.get("grad", probs.shape, compute))
-            if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
-                with torch.enable_grad():
-                    weights_leaf = dropped.detach().requires_grad_(True)
-                    value = plan.value(weights_leaf, start, end, keys)
-                    grads = torch.autograd.grad(value, [weights_leaf, *params], g_scaled, allow_unused=True)
-                if grads[0] is not None:
-                    grad_weights += grads[0]
-                accumulate(grads[1:])
+            grad_buffer = workspace.get("grad", probs.shape, compute)
+            if clipped is not None and clipped.value_table is not None:
+                assert split is not None
+                first, last, distance_index = split
+                table = clipped.value_table.to(compute)
+                g_by_distance = torch.matmul(g_scaled, table.t())  # (b, h, block, 2K+1)
+                g_wide = torch.cat([g_scaled, _ends(g_by_distance)], dim=-1)  # (b, h, block, dv + 2)
+                v_wide = _with_indicators(vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute))
+                grad_weights = torch.matmul(g_wide, v_wide.transpose(-2, -1), out=grad_buffer)
+                if last > first:
+                    grad_weights[..., first:last] += torch.gather(
+                        g_by_distance, -1, distance_index.expand(*g_by_distance.shape[:-1], -1)
+                    )
+                if clipped.value_param is not None:
+                    sums = ctx.value_sums[..., start:end, :]  # (b, h, block, 2K+1), saved by the forward
+                    add_param_grad(clipped.value_param, sums.reshape(-1, sums.shape[-1]).t() @ g_scaled.reshape(-1, g_scaled.shape[-1]))
+            else:
+                grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=grad_buffer)
+                if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
+                    with torch.enable_grad():
+                        weights_leaf = dropped.detach().requires_grad_(True)
+                        value = plan.value(weights_leaf, start, end, keys)
+                        grads = torch.autograd.grad(value, [weights_leaf, *params], g_scaled, allow_unused=True)
+                    if grads[0] is not None:
+                        grad_weights += grads[0]
+                    accumulate(grads[1:])
             if keep is not None:
                 grad_weights = grad_weights.mul_(keep)
             grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
-            dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
+            if clipped is not None and clipped.key_table is not None and k_wide is not None:
+                assert split is not None
+                dq_wide = torch.matmul(grad_scores, k_wide)  # (b, h, block, d + 2)
+                table = clipped.key_table.to(compute)
+                sums = _per_distance(dq_wide, grad_scores, split, table.shape[0])  # (b, h, block, 2K+1)
+                dq[..., start:end, :] = dq_wide[..., :-2] * plan.scale + torch.matmul(sums, table) * clipped.key_scale
+                if clipped.key_param is not None:
+                    add_param_grad(
+                        clipped.key_param,
+                        (sums.reshape(-1, sums.shape[-1]).t() @ qc.expand(*sums.shape[:-1], -1).reshape(-1, qc.shape[-1]))
+                        * clipped.key_scale,
+                    )
+            else:
+                dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
             dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc * plan.scale)
             if band_grad is not None:
                 window = plan.window(band_grad, start, end, keys)
@@ -611,9 +756,25 @@ def blockwise_attention(
     params = [p for p in term.parameters() if p.requires_grad] if (term is not None and grad) else []
     reads_queries = term is not None and _term_reads_queries(term, q, q_positions, k_positions)
     queries_in_term = bool(grad and q.requires_grad and reads_queries)
+    clipped = None
+    if term is not None and hasattr(term, "clipped_embeddings"):
+        assert q_positions is not None and k_positions is not None
+        first_query, first_key = _consecutive(q_positions), _consecutive(k_positions)
+        if first_query is not None and first_key is not None:
+            reach, key_table, value_table, key_scale = term.clipped_embeddings()
+            clipped = _Clipped(
+                max_distance=reach,
+                key_table=key_table,
+                value_table=value_table,
+                key_scale=key_scale,
+                offset=first_key - first_query,
+                key_param=next((i for i, p in enumerate(params) if p is key_table), None),
+                value_param=next((i for i, p in enumerate(params) if p is value_table), None),
+            )
     band_base = None
     if (
-        term is not None
+        clipped is None  # its own route; the band would also carry the causal mask
+        and term is not None
         and getattr(term, "is_relative", False)
         and not reads_queries
         and not (causal and num_queries > num_keys)
@@ -642,6 +803,7 @@ def blockwise_attention(
         num_keys=num_keys,
         on_cpu=q.device.type == "cpu",
         band_base=band_base,
+        clipped=clipped,
     )
     with torch.profiler.record_function("selfattn::blockwise_attention"):
         out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *params)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
