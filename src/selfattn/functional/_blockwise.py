@@ -9,16 +9,30 @@ positions and the keys they may see (a block is just a smaller call of the encod
 * with no gradient to give the bias, no value term and no dropout, hands the block and its
   bias (a float mask) to the CPU flash kernel, forward and backward;
 * otherwise computes the block's scores, probabilities and output explicitly, and in the
-  backward pass recomputes them from the saved log-sum-exp, so nothing of size
-  ``(h, lq, lk)`` outlives a block. The gradient of the score term (its parameters, and the
-  queries for Shaw's key term) comes from autograd run on the block's bias alone, so any
-  encoding with parameters gets its gradient without writing one.
+  backward pass recomputes them, so nothing of size ``(h, lq, lk)`` outlives a block. The
+  gradient of the score term (its parameters, and the queries for Shaw's key term) comes from
+  autograd run on the block's bias alone, so any encoding with parameters gets its gradient
+  without writing one.
+
+The explicit path is written for few passes over the ``(b, h, block, lk)`` tensors: they live
+in buffers reused by every block (a fresh tensor of tens of MiB per block is page-faulted in
+each time), the scale goes on the queries, the probabilities come from PyTorch's fused
+softmax (in place on CPU; the backward recomputes them the same way, so no log-sum-exp is
+kept) and the score gradient from its fused softmax backward.
 
 Dropout draws a fresh mask per block from a generator seeded by (call seed, block index), so
 the backward pass redraws exactly the forward's mask. The keep test compares 16 random bits
 with a threshold: the drop probability is ``p`` rounded to a multiple of ``2**-16`` (0.1 becomes
 0.100006), and kept weights are divided by the exact keep probability, so the output stays an
-unbiased estimate.
+unbiased estimate. The mask is applied as 1.0 / 0.0 factors (a float multiply is several times
+faster than ``masked_fill`` with a bool mask), and ``1 / keep`` goes on the ``(block, dv)``
+side: the block's output in the forward, the output gradient in the backward.
+
+Shaw's terms at consecutive positions (:class:`_Clipped`) gather nothing over the block: the
+keys more than ``K`` away from every query of the block share the two end embeddings, which
+two indicator columns appended to the keys and values carry through the block's matrix
+products (scores, weight sums per distance, and their gradients); only a band of
+``block + 2K`` keys is gathered by distance. Value terms must be linear in the weights.
 
 Every query block sees all keys (up to the last one it may see when causal), so each row's
 softmax is finished within its block and no online rescaling is needed; the block size
