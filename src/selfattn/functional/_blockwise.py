@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -102,17 +103,38 @@ def _drop_units(p: float) -> int:
     return min(round(p * 65536), 65535)
 
 
+# Random words per generator: a block's bits are drawn in chunks of this many int64, each from
+# its own generator seeded by (block seed, chunk), so CPU threads can draw them side by side
+# (one generator draws serially) and the mask depends on the seed alone, not the thread count.
+RANDOM_CHUNK_WORDS = 1 << 18
+_random_pool: ThreadPoolExecutor | None = None
+
+
 def _random_lanes(shape: Sequence[int], seed: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """16 random bits per entry (int16, four per 64-bit draw) from a generator seeded by ``seed``.
+    """16 random bits per entry (int16, four per 64-bit draw), determined by ``seed``.
 
     ``out``: an int64 buffer of at least ``ceil(numel / 4)`` entries to draw into (no new allocation).
     """
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    global _random_pool
     count = math.prod(shape)
     words = (count + 3) // 4
     bits = torch.empty(words, dtype=torch.int64, device=device) if out is None else out[:words]
-    bits.random_(-(2**63), None, generator=generator)  # the full 64-bit range
+
+    def draw(chunk: int) -> None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed((seed + chunk * 0x632BE59BD9B4E019) % 2**63)
+        part = bits[chunk * RANDOM_CHUNK_WORDS : (chunk + 1) * RANDOM_CHUNK_WORDS]
+        part.random_(-(2**63), None, generator=generator)  # the full 64-bit range
+
+    chunks = range((words + RANDOM_CHUNK_WORDS - 1) // RANDOM_CHUNK_WORDS)
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads > 1 and len(chunks) > 1:
+        if _random_pool is None or _random_pool._max_workers != threads:
+            _random_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="selfattn-dropout")
+        list(_random_pool.map(draw, chunks))
+    else:
+        for chunk in chunks:
+            draw(chunk)
     return bits.view(torch.int16)[:count].view(*shape)
 
 
