@@ -18,7 +18,7 @@ from selfattn.study.tasks import (
     get_task,
     make_batch,
 )
-from selfattn.study.training import exact_match
+from selfattn.study.training import exact_match, token_accuracy
 
 
 def _digits(*values: int) -> torch.Tensor:
@@ -100,6 +100,12 @@ def test_exact_match_always_right_and_always_wrong() -> None:
     one_off[1, 6] = wrong[1, 6]
     one_off[2, 0] = wrong[2, 0]
     assert exact_match(one_off, targets).tolist() == [1.0, 0.0, 1.0]
+    # Token accuracy: the same cases, counted per answer token (lengths 1, 4 and 6 here).
+    assert token_accuracy(right, targets).tolist() == [1.0, 1.0, 1.0]
+    assert token_accuracy(wrong, targets).tolist() == [0.0, 0.0, 0.0]
+    assert token_accuracy(one_off, targets).tolist() == pytest.approx([1.0, 3 / 4, 1.0])
+    with pytest.raises(ValueError, match="must share"):
+        token_accuracy(right[:, :-1], targets)
 
 
 def test_errors() -> None:

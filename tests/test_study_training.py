@@ -140,3 +140,51 @@ def test_interrupted_grid_resumes_without_redoing_finished_runs(tmp_path: Path) 
     # Resuming with other settings is refused.
     with pytest.raises(ValueError, match="steps differ"):
         run_study(out, grid, replace(config, steps=9), resume=True, deep_stack=False, report=False)
+
+
+def test_loss_by_tenth_means_each_tenth() -> None:
+    from selfattn.study.training import _loss_by_tenth
+
+    assert _loss_by_tenth([float(i) for i in range(20)]) == [i * 2 + 0.5 for i in range(10)]
+    assert _loss_by_tenth([4.0, 2.0, 0.0]) == [4.0, 2.0, 0.0]  # fewer than ten steps: one part per step
+    assert _loss_by_tenth([]) == []
+
+
+def test_report_explains_cells_below_95_percent(tmp_path: Path) -> None:
+    """The shortfall table shows the measured numbers, and the why-sentences follow them."""
+    from selfattn.study.report import write_report
+
+    def run(encoding: str, seed: int, acc: list[float], tokens: list[float], tenths: list[float]) -> dict:
+        return {
+            "task": "copy",
+            "encoding": encoding,
+            "randomized_positions": False,
+            "seed": seed,
+            "train_max_len": 2,
+            "steps": 10,
+            "train_seconds": 1.0,
+            "accuracy_by_length": {str(i + 1): a for i, a in enumerate(acc)},
+            "token_accuracy_by_length": {str(i + 1): a for i, a in enumerate(tokens)},
+            "loss_by_tenth": tenths,
+        }
+
+    runs = [
+        run("none", 0, [1.0, 0.5, 0.0, 0.0], [1.0, 0.9, 0.5, 0.1], [2.0, 1.0, 0.80]),  # still falling, mostly right
+        run("none", 1, [1.0, 0.3, 0.0, 0.0], [1.0, 0.7, 0.4, 0.1], [2.0, 1.0, 0.90]),
+        run("alibi", 0, [0.9, 0.1, 0.0, 0.0], [0.95, 0.4, 0.1, 0.0], [2.0, 1.0, 0.99]),  # flat loss, mostly wrong
+        run("rotary", 0, [1.0, 1.0, 0.5, 0.0], [1.0, 1.0, 0.8, 0.2], [2.0, 1.0, 1.0]),  # at 100%: no row
+    ]
+    results = {
+        "config": {"train_len": 2, "eval_factor": 2, "eval_samples": 4, "tasks": ["copy"], "encodings": ["none"]}
+        | dict.fromkeys(("seeds", "num_layers", "num_hiddens", "num_heads", "steps", "batch_size"), 1),
+        "runs": runs,
+        "summary": summarize(runs),
+    }
+    page = write_report(tmp_path, results).read_text()
+    table = page[page.index("Below 95%") : page.index("Why, as far")]
+    assert "copy / none" in table and "copy / alibi" in table and "copy / rotary" not in table
+    assert "40.0%" in table and "80.0%" in table  # none at n=2: exact match mean(0.5, 0.3), tokens mean(0.9, 0.7)
+    assert "1.000 / 0.850" in table and "1.000 / 0.990" in table  # loss over the last two tenths, mean over seeds
+    why = page[page.index("Why, as far") : page.index("<h2>Relative")]
+    assert "In copy / none, at least 80%" in why
+    assert "In copy / none, the training loss was still falling" in why

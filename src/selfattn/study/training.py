@@ -9,6 +9,7 @@ Shape legend: b batch, l sequence length, v vocabulary size.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -32,7 +33,9 @@ __all__ = [
     "StudyConfig",
     "build_model",
     "evaluate",
+    "evaluate_lengths",
     "exact_match",
+    "token_accuracy",
     "train_run",
 ]
 
@@ -137,6 +140,14 @@ def _learning_rate(step: int, config: StudyConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
+def _answer_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(argmax right, scored)``, both bool ``(b, l)``; scored marks the answer positions."""
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share (batch, length)")
+    scored = targets != -100
+    return (logits.argmax(dim=-1) == targets) & scored, scored
+
+
 def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per sample, 1.0 if the argmax is right at every answer position (targets != -100), else 0.0.
 
@@ -150,22 +161,30 @@ def exact_match(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     Returns:
         ``(b,)`` float.
     """
-    if logits.shape[:2] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must share (batch, length)")
-    scored = targets != -100
-    right = (logits.argmax(dim=-1) == targets) | ~scored  # (b, l)
-    return (right.all(dim=-1) & scored.any(dim=-1)).float()
+    right, scored = _answer_hits(logits, targets)
+    return ((right | ~scored).all(dim=-1) & scored.any(dim=-1)).float()
+
+
+def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per sample, the fraction of answer positions whose argmax is right (arguments as :func:`exact_match`).
+
+    Beside :func:`exact_match` it tells a model that gets most of a long answer right (and
+    loses exact match to a few wrong tokens) from one that has not learned the task.
+    """
+    right, scored = _answer_hits(logits, targets)
+    return right.sum(dim=-1).float() / scored.sum(dim=-1).clamp(min=1).float()
 
 
 @torch.no_grad()
-def evaluate(
+def evaluate_lengths(
     model: nn.Module, task: Task, spec: RunSpec, config: StudyConfig, *, chunk_tokens: int = 16384
-) -> dict[str, float]:
-    """Exact-match accuracy at every input length 1 .. ``config.eval_len``, ``{"1": acc, ...}``."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Exact match and token accuracy at every input length 1 .. ``config.eval_len``, each ``{"1": acc, ...}``."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     accuracy: dict[str, float] = {}
+    tokens_right: dict[str, float] = {}
     for n in range(1, config.eval_len + 1):
         generator = _generator("eval", spec.seed, spec.task, n)
         tokens, targets, _ = make_batch(task, [n] * config.eval_samples, generator)
@@ -175,13 +194,22 @@ def evaluate(
             assert isinstance(model, TransformerLM)
             positions = _random_positions(tokens.shape[1], model, generator).to(device)
         per_chunk = max(1, chunk_tokens // tokens.shape[1])
-        hits = []
+        hits, fractions = [], []
         for start in range(0, tokens.shape[0], per_chunk):
             logits = model(tokens[start : start + per_chunk], positions=positions)
             hits.append(exact_match(logits, targets[start : start + per_chunk]))
+            fractions.append(token_accuracy(logits, targets[start : start + per_chunk]))
         accuracy[str(n)] = float(torch.cat(hits).mean())
+        tokens_right[str(n)] = float(torch.cat(fractions).mean())
     model.train(was_training)
-    return accuracy
+    return accuracy, tokens_right
+
+
+def evaluate(
+    model: nn.Module, task: Task, spec: RunSpec, config: StudyConfig, *, chunk_tokens: int = 16384
+) -> dict[str, float]:
+    """Exact-match accuracy at every input length 1 .. ``config.eval_len``, ``{"1": acc, ...}``."""
+    return evaluate_lengths(model, task, spec, config, chunk_tokens=chunk_tokens)[0]
 
 
 @dataclass
@@ -215,6 +243,15 @@ def _load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
     return _State(
         int(payload["step"]), float(payload["train_seconds"]), float(payload["cpu_seconds"]), list(payload["losses"])
     )
+
+
+def _loss_by_tenth(losses: list[float]) -> list[float]:
+    """Mean training loss over each tenth of the steps (fewer parts for fewer than ten steps)."""
+    if not losses:
+        return []
+    parts = min(10, len(losses))
+    bounds = [round(i * len(losses) / parts) for i in range(parts + 1)]
+    return [sum(losses[a:b]) / (b - a) for a, b in itertools.pairwise(bounds)]
 
 
 def train_run(
@@ -308,16 +345,18 @@ def train_run(
             last_save = time.perf_counter()
 
     eval_started = time.process_time()
-    accuracy = evaluate(model, task, spec, config)
+    accuracy, tokens_right = evaluate_lengths(model, task, spec, config)
     return {
         **spec.as_dict(),
         "steps": config.steps,
         "train_max_len": config.train_len,
         "accuracy_by_length": accuracy,
+        "token_accuracy_by_length": tokens_right,
         "train_seconds": state.train_seconds,
         # CPU time of this process: on a shared machine, what the run costs a quiet core.
         "train_cpu_seconds": state.cpu_seconds,
         "eval_cpu_seconds": time.process_time() - eval_started,
         "final_loss": state.losses[-1] if state.losses else None,
+        "loss_by_tenth": _loss_by_tenth(state.losses),
         "loss_curve": state.losses,
     }
