@@ -14,7 +14,14 @@ import torch
 from torch import nn
 
 from selfattn.functional import blockwise_attention
-from selfattn.functional._blockwise import _Clipped, _keep_factors, _keep_mask, _Workspace
+from selfattn.functional._blockwise import (
+    RANDOM_CHUNK_WORDS,
+    _Clipped,
+    _keep_factors,
+    _keep_mask,
+    _random_lanes,
+    _Workspace,
+)
 from selfattn.positional import ShawRelativePositionEncoding
 
 HEADS, HEAD_DIM = 2, 4
@@ -27,7 +34,9 @@ def shaw(max_distance: int, **options) -> ShawRelativePositionEncoding:
 
 def qkv(b: int, lq: int, lk: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, HEADS, n, HEAD_DIM, generator=gen, dtype=torch.float64, requires_grad=True) for n in (lq, lk, lk)]
+    return [
+        torch.randn(b, HEADS, n, HEAD_DIM, generator=gen, dtype=torch.float64, requires_grad=True) for n in (lq, lk, lk)
+    ]
 
 
 def naive_shaw(term, q, k, v, q_positions, k_positions, causal):
@@ -151,3 +160,19 @@ def test_keep_factors_are_the_keep_mask():
         factors = _keep_factors(shape, 1234, 0.3, torch.float32, workspace)
         mask = _keep_mask(shape, 1234, 0.3, torch.device("cpu"))
         assert torch.equal(factors, mask.float())
+
+
+def test_random_bits_do_not_depend_on_the_thread_count():
+    """Chunks drawn side by side on two threads give the bits one thread draws in turn."""
+    shape = (1, 1, 1024, 1100)  # more than one chunk of RANDOM_CHUNK_WORDS 64-bit words
+    assert math.prod(shape) > 4 * RANDOM_CHUNK_WORDS
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = _random_lanes(shape, 77, torch.device("cpu")).clone()
+        torch.set_num_threads(2)
+        parallel = _random_lanes(shape, 77, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, parallel)
+    assert not torch.equal(serial[..., :512, :], serial[..., 512:, :])  # the chunks are not copies

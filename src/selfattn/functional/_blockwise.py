@@ -110,7 +110,9 @@ RANDOM_CHUNK_WORDS = 1 << 18
 _random_pool: ThreadPoolExecutor | None = None
 
 
-def _random_lanes(shape: Sequence[int], seed: int, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+def _random_lanes(
+    shape: Sequence[int], seed: int, device: torch.device, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """16 random bits per entry (int16, four per 64-bit draw), determined by ``seed``.
 
     ``out``: an int64 buffer of at least ``ceil(numel / 4)`` entries to draw into (no new allocation).
@@ -148,7 +150,9 @@ def _keep_factors(shape: Sequence[int], seed: int, p: float, dtype: torch.dtype,
 
     A float multiply is several times faster than ``masked_fill_`` with a bool mask on CPU.
     """
-    lanes = _random_lanes(shape, seed, workspace.device, out=workspace.get("bits", (math.prod(shape) + 3) // 4, torch.int64))
+    lanes = _random_lanes(
+        shape, seed, workspace.device, out=workspace.get("bits", (math.prod(shape) + 3) // 4, torch.int64)
+    )
     return torch.ge(lanes, _drop_units(p) - 32768, out=workspace.get("keep", shape, dtype))
 
 
@@ -357,17 +361,20 @@ def _block_probs(
     if visible is not None:
         scores.masked_fill_(~visible, float("-inf"))
     if scores.device.type == "cpu":
-        return torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        return probs
     return torch.softmax(scores, dim=-1)
 
 
 def _softmax_backward(grad_weights: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """``probs * (grad_weights - sum(grad_weights * probs))`` row by row, fused (in place on CPU)."""
     if grad_weights.device.type == "cpu":
-        return torch.ops.aten._softmax_backward_data.out(
+        grad: torch.Tensor = torch.ops.aten._softmax_backward_data.out(
             grad_weights, probs, -1, probs.dtype, grad_input=grad_weights
         )
-    return torch.ops.aten._softmax_backward_data(grad_weights, probs, -1, probs.dtype)
+        return grad
+    out: torch.Tensor = torch.ops.aten._softmax_backward_data(grad_weights, probs, -1, probs.dtype)
+    return out
 
 
 @dataclass
@@ -433,7 +440,9 @@ def _clipped_probs(
     lead = torch.broadcast_shapes(qc.shape[:-2], kc.shape[:-2])
     by_distance = torch.matmul(qc, clipped.key_table.to(qc.dtype).t()).mul_(clipped.key_scale)  # (b, h, block, 2K+1)
     q_wide = torch.cat([qc * scale, _ends(by_distance)], dim=-1)  # (b, h, block, d + 2)
-    k_wide = _with_indicators(kc, first, last, workspace.get("k_wide", (*lead, kc.shape[-2], kc.shape[-1] + 2), qc.dtype))
+    k_wide = _with_indicators(
+        kc, first, last, workspace.get("k_wide", (*lead, kc.shape[-2], kc.shape[-1] + 2), qc.dtype)
+    )
     shape = (*lead, qc.shape[-2], kc.shape[-2])
     scores = torch.matmul(q_wide, k_wide.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
     if last > first:
@@ -441,11 +450,14 @@ def _clipped_probs(
     if visible is not None:
         scores.masked_fill_(~visible, float("-inf"))
     if scores.device.type == "cpu":
-        return torch.ops.aten._softmax.out(scores, -1, False, out=scores), k_wide
+        probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        return probs, k_wide
     return torch.softmax(scores, dim=-1), k_wide
 
 
-def _per_distance(wide: torch.Tensor, weights: torch.Tensor, split: tuple[int, int, torch.Tensor], size: int) -> torch.Tensor:
+def _per_distance(
+    wide: torch.Tensor, weights: torch.Tensor, split: tuple[int, int, torch.Tensor], size: int
+) -> torch.Tensor:
     """Sum of ``weights`` per clipped distance, ``(b, h, block, 2K+1)``, from the indicator columns of ``wide``."""
     first, last, index = split
     sums = wide.new_zeros(*wide.shape[:-1], size)
@@ -522,7 +534,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                     weights = weights.mul_(plan.keep_factors(index, weights.shape, weights.dtype, workspace))
                 if clipped is not None and clipped.value_table is not None:
                     first, last, _ = split
-                    v_wide = _with_indicators(vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute))
+                    v_wide = _with_indicators(
+                        vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute)
+                    )
                     wide = torch.matmul(weights, v_wide)  # (b, h, block, dv + 2)
                     table = clipped.value_table.to(compute)
                     sums = _per_distance(wide, weights, split, table.shape[0])  # (b, h, block, 2K+1)
@@ -640,7 +654,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                 table = clipped.value_table.to(compute)
                 g_by_distance = torch.matmul(g_scaled, table.t())  # (b, h, block, 2K+1)
                 g_wide = torch.cat([g_scaled, _ends(g_by_distance)], dim=-1)  # (b, h, block, dv + 2)
-                v_wide = _with_indicators(vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute))
+                v_wide = _with_indicators(
+                    vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute)
+                )
                 grad_weights = torch.matmul(g_wide, v_wide.transpose(-2, -1), out=grad_buffer)
                 if last > first:
                     grad_weights[..., first:last] += torch.gather(
@@ -648,7 +664,10 @@ class _BlockwiseAttention(torch.autograd.Function):
                     )
                 if clipped.value_param is not None:
                     sums = ctx.value_sums[..., start:end, :]  # (b, h, block, 2K+1), saved by the forward
-                    add_param_grad(clipped.value_param, sums.reshape(-1, sums.shape[-1]).t() @ g_scaled.reshape(-1, g_scaled.shape[-1]))
+                    add_param_grad(
+                        clipped.value_param,
+                        sums.reshape(-1, sums.shape[-1]).t() @ g_scaled.reshape(-1, g_scaled.shape[-1]),
+                    )
             else:
                 grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=grad_buffer)
                 if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
@@ -671,7 +690,10 @@ class _BlockwiseAttention(torch.autograd.Function):
                 if clipped.key_param is not None:
                     add_param_grad(
                         clipped.key_param,
-                        (sums.reshape(-1, sums.shape[-1]).t() @ qc.expand(*sums.shape[:-1], -1).reshape(-1, qc.shape[-1]))
+                        (
+                            sums.reshape(-1, sums.shape[-1]).t()
+                            @ qc.expand(*sums.shape[:-1], -1).reshape(-1, qc.shape[-1])
+                        )
                         * clipped.key_scale,
                     )
             else:
@@ -793,11 +815,12 @@ def blockwise_attention(
     reads_queries = term is not None and _term_reads_queries(term, q, q_positions, k_positions)
     queries_in_term = bool(grad and q.requires_grad and reads_queries)
     clipped = None
-    if term is not None and hasattr(term, "clipped_embeddings"):
+    clipped_embeddings = getattr(term, "clipped_embeddings", None)
+    if clipped_embeddings is not None:
         assert q_positions is not None and k_positions is not None
         first_query, first_key = _consecutive(q_positions), _consecutive(k_positions)
         if first_query is not None and first_key is not None:
-            reach, key_table, value_table, key_scale = term.clipped_embeddings()
+            reach, key_table, value_table, key_scale = clipped_embeddings()
             clipped = _Clipped(
                 max_distance=reach,
                 key_table=key_table,
