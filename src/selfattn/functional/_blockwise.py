@@ -340,6 +340,11 @@ def _scores(
     return scores
 
 
+def _lead_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
+    """The broadcast ``(b, h)`` of two 4-D tensors whose leading sizes agree or are 1."""
+    return tuple(max(a, b) for a, b in zip(q.shape[:-2], k.shape[:-2], strict=True))
+
+
 def _block_probs(
     qc: torch.Tensor,
     kc: torch.Tensor,
@@ -354,7 +359,7 @@ def _block_probs(
     and the softmax is PyTorch's fused kernel, in place on CPU: one pass where
     logsumexp-then-exp takes several.
     """
-    shape = (*torch.broadcast_shapes(qc.shape[:-2], kc.shape[:-2]), qc.shape[-2], kc.shape[-2])
+    shape = (*_lead_shape(qc, kc), qc.shape[-2], kc.shape[-2])
     scores = torch.matmul(qc * scale, kc.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
     if bias is not None:
         scores.add_(bias.to(scores.dtype))
@@ -437,7 +442,7 @@ def _clipped_probs(
     if clipped.key_table is None:
         return _block_probs(qc, kc, None, visible, scale, workspace), None
     first, last, index = split
-    lead = torch.broadcast_shapes(qc.shape[:-2], kc.shape[:-2])
+    lead = _lead_shape(qc, kc)
     by_distance = torch.matmul(qc, clipped.key_table.to(qc.dtype).t()).mul_(clipped.key_scale)  # (b, h, block, 2K+1)
     q_wide = torch.cat([qc * scale, _ends(by_distance)], dim=-1)  # (b, h, block, d + 2)
     k_wide = _with_indicators(
