@@ -263,7 +263,11 @@ def memory_child(label: str, n: int, mode: str, allowed_bytes: int) -> dict:
 
 def run_memory(args) -> tuple[str, dict]:
     measured, rows = {}, []
-    for label, n, mode, goal in args.memory_cases:
+    cases = args.memory_cases
+    if args.only:
+        wanted = set(args.only.split(","))
+        cases = [case for case in cases if case[0] in wanted]
+    for label, n, mode, goal in cases:
         allowed, available = memory_headroom(args.memory_margin_gib)
         allowed = min(allowed, int(args.memory_cap_gib * GIB))  # never near what the machine has
         log(f"memory {label} n={n} {mode} (allowed {allowed / GIB:.1f} GiB)")
@@ -310,7 +314,9 @@ def parse_args(argv=None):
         "--memory-timeout-s", type=float, default=1800.0, help="give up on a memory case after this long"
     )
     parser.add_argument("--skip-speed", action="store_true", help="measure peak memory only (its own section)")
-    parser.add_argument("--only", help="comma-separated row labels to time (default: all)")
+    parser.add_argument(
+        "--only", help="comma-separated row labels to time and measure (default: all; speed keeps the baseline)"
+    )
     parser.add_argument("--min-repeats", type=int, help="timed rounds at least (default 4; 2 with --quick)")
     parser.add_argument(
         "--sizes", dest="sizes_arg", help="comma-separated sequence lengths to time (default 1024,4096)"

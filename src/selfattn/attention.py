@@ -638,12 +638,12 @@ class MultiHeadAttention(nn.Module):
         if attn_mask is not None:
             slice_ = attn_mask[..., keys.first_index : keys.first_index + num_keys]
             parts.append(slice_ if slice_.dtype == torch.bool else slice_ != float("-inf"))
-        distance = q_index - k_index  # (lq, lk): i - j
         aligned = keys.first_index == 0 and num_keys == keys.total
         if self.window is not None:
+            distance = q_index - k_index  # (lq, lk): i - j; only built when used (int64, 8 GiB at n=32768)
             parts.append((distance >= 0) & (distance < self.window) if causal else distance.abs() < self.window)
         elif causal and not aligned:
-            parts.append(distance >= 0)
+            parts.append(q_index >= k_index)  # (lq, lk)
         leave_causal = causal and aligned and self.window is None
         if not parts:
             return None, leave_causal

@@ -9,10 +9,16 @@ positions and the keys they may see (a block is just a smaller call of the encod
 * with no gradient to give the bias, no value term and no dropout, hands the block and its
   bias (a float mask) to the CPU flash kernel, forward and backward;
 * otherwise computes the block's scores, probabilities and output explicitly, and in the
-  backward pass recomputes them from the saved log-sum-exp, so nothing of size
-  ``(h, lq, lk)`` outlives a block. The gradient of the score term (its parameters, and the
-  queries for Shaw's key term) comes from autograd run on the block's bias alone, so any
-  encoding with parameters gets its gradient without writing one.
+  backward pass recomputes them, so nothing of size ``(h, lq, lk)`` outlives a block. The
+  gradient of the score term (its parameters, and the queries for Shaw's key term) comes from
+  autograd run on the block's bias alone, so any encoding with parameters gets its gradient
+  without writing one.
+
+The explicit path is written for few passes over the ``(b, h, block, lk)`` tensors: they live
+in buffers reused by every block (a fresh tensor of tens of MiB per block is page-faulted in
+each time), the scale goes on the queries, the probabilities come from PyTorch's fused
+softmax (in place on CPU; the backward recomputes them the same way, so no log-sum-exp is
+kept) and the score gradient from its fused softmax backward.
 
 A term that is a function of the key alone up to a constant per query (ALiBi's causal form:
 ``-m (i - j) = m (j - a) - m (i - a)``, and softmax ignores ``m (i - a)``) needs no
@@ -28,7 +34,15 @@ Dropout draws a fresh mask per block from a generator seeded by (call seed, bloc
 the backward pass redraws exactly the forward's mask. The keep test compares 16 random bits
 with a threshold: the drop probability is ``p`` rounded to a multiple of ``2**-16`` (0.1 becomes
 0.100006), and kept weights are divided by the exact keep probability, so the output stays an
-unbiased estimate.
+unbiased estimate. The mask is applied as 1.0 / 0.0 factors (a float multiply is several times
+faster than ``masked_fill`` with a bool mask), and ``1 / keep`` goes on the ``(block, dv)``
+side: the block's output in the forward, the output gradient in the backward.
+
+Shaw's terms at consecutive positions (:class:`_Clipped`) gather nothing over the block: the
+keys more than ``K`` away from every query of the block share the two end embeddings, which
+two indicator columns appended to the keys and values carry through the block's matrix
+products (scores, weight sums per distance, and their gradients); only a band of
+``block + 2K`` keys is gathered by distance. Value terms must be linear in the weights.
 
 Every query block sees all keys (up to the last one it may see when causal), so each row's
 softmax is finished within its block and no online rescaling is needed; the block size
@@ -42,6 +56,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,15 +113,78 @@ def _drop_units(p: float) -> int:
     return min(round(p * 65536), 65535)
 
 
+# Random words per generator: a block's bits are drawn in chunks of this many int64, each from
+# its own generator seeded by (block seed, chunk), so CPU threads can draw them side by side
+# (one generator draws serially) and the mask depends on the seed alone, not the thread count.
+RANDOM_CHUNK_WORDS = 1 << 18
+_random_pool: ThreadPoolExecutor | None = None
+
+
+def _random_lanes(
+    shape: Sequence[int], seed: int, device: torch.device, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """16 random bits per entry (int16, four per 64-bit draw), determined by ``seed``.
+
+    ``out``: an int64 buffer of at least ``ceil(numel / 4)`` entries to draw into (no new allocation).
+    """
+    global _random_pool
+    count = math.prod(shape)
+    words = (count + 3) // 4
+    bits = torch.empty(words, dtype=torch.int64, device=device) if out is None else out[:words]
+
+    def draw(chunk: int) -> None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed((seed + chunk * 0x632BE59BD9B4E019) % 2**63)
+        part = bits[chunk * RANDOM_CHUNK_WORDS : (chunk + 1) * RANDOM_CHUNK_WORDS]
+        part.random_(-(2**63), None, generator=generator)  # the full 64-bit range
+
+    chunks = range((words + RANDOM_CHUNK_WORDS - 1) // RANDOM_CHUNK_WORDS)
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads > 1 and len(chunks) > 1:
+        if _random_pool is None or _random_pool._max_workers != threads:
+            _random_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="selfattn-dropout")
+        list(_random_pool.map(draw, chunks))
+    else:
+        for chunk in chunks:
+            draw(chunk)
+    return bits.view(torch.int16)[:count].view(*shape)
+
+
 def _keep_mask(shape: Sequence[int], seed: int, p: float, device: torch.device) -> torch.Tensor:
     """Bool mask, True = keep, from 16 random bits per entry (four per 64-bit draw)."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    count = math.prod(shape)
-    bits = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
-    bits.random_(-(2**63), None, generator=generator)  # the full 64-bit range
-    lanes = bits.view(torch.int16)[:count].view(*shape)
-    return lanes >= _drop_units(p) - 32768
+    return _random_lanes(shape, seed, device) >= _drop_units(p) - 32768
+
+
+def _keep_factors(shape: Sequence[int], seed: int, p: float, dtype: torch.dtype, workspace: _Workspace) -> torch.Tensor:
+    """``_keep_mask(...)`` as 1.0 / 0.0 in ``dtype``, drawn into the workspace's buffers.
+
+    A float multiply is several times faster than ``masked_fill_`` with a bool mask on CPU.
+    """
+    lanes = _random_lanes(
+        shape, seed, workspace.device, out=workspace.get("bits", (math.prod(shape) + 3) // 4, torch.int64)
+    )
+    return torch.ge(lanes, _drop_units(p) - 32768, out=workspace.get("keep", shape, dtype))
+
+
+class _Workspace:
+    """Buffers reused by every block of one pass.
+
+    A fresh ``(b, h, block, lk)`` tensor per block is tens of MiB that the allocator maps and
+    the kernel page-faults in each time; reusing one buffer per role skips that.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        count = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < count:
+            buffer = torch.empty(count, dtype=dtype, device=self.device)
+            self.buffers[name] = buffer
+        return buffer[:count].view(shape)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -140,6 +218,7 @@ class _Plan:
     num_keys: int
     on_cpu: bool
     band_base: int | None = None  # set when the term is read from one band (see band())
+    clipped: _Clipped | None = None  # set for a Shaw term at consecutive positions (see _Clipped)
     key_bias: torch.Tensor | None = None  # set when one row of bias serves every query (see _key_only_bias)
 
     def key_mask(self, rows: int) -> torch.Tensor:
@@ -234,7 +313,14 @@ class _Plan:
         return visible
 
     def keep(self, index: int, shape: Sequence[int], device: torch.device) -> torch.Tensor:
-        return _keep_mask(shape, (self.seed + index * 0x9E3779B1) % 2**63, self.dropout_p, device)
+        return _keep_mask(shape, self.block_seed(index), self.dropout_p, device)
+
+    def keep_factors(self, index: int, shape: Sequence[int], dtype: torch.dtype, workspace: _Workspace) -> torch.Tensor:
+        """Block ``index``'s keep mask as 1.0 / 0.0 in a workspace buffer."""
+        return _keep_factors(shape, self.block_seed(index), self.dropout_p, dtype, workspace)
+
+    def block_seed(self, index: int) -> int:
+        return (self.seed + index * 0x9E3779B1) % 2**63
 
 
 def _settle_empty_rows(visible: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -268,6 +354,140 @@ def _scores(
     if visible is not None:
         scores = scores.masked_fill_(~visible, float("-inf"))
     return scores
+
+
+def _lead_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
+    """The broadcast ``(b, h)`` of two 4-D tensors whose leading sizes agree or are 1."""
+    return tuple(max(a, b) for a, b in zip(q.shape[:-2], k.shape[:-2], strict=True))
+
+
+def _block_probs(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    bias: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    scale: float,
+    workspace: _Workspace,
+) -> torch.Tensor:
+    """Softmax of one block's scores, ``(b, h, block, keys)``, computed in the workspace's score buffer.
+
+    The scale goes on the queries (a ``(block, d)`` product instead of a ``(block, keys)`` one)
+    and the softmax is PyTorch's fused kernel, in place on CPU: one pass where
+    logsumexp-then-exp takes several.
+    """
+    shape = (*_lead_shape(qc, kc), qc.shape[-2], kc.shape[-2])
+    scores = torch.matmul(qc * scale, kc.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
+    if bias is not None:
+        scores.add_(bias.to(scores.dtype))
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
+    if scores.device.type == "cpu":
+        probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        return probs
+    return torch.softmax(scores, dim=-1)
+
+
+def _softmax_backward(grad_weights: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``probs * (grad_weights - sum(grad_weights * probs))`` row by row, fused (in place on CPU)."""
+    if grad_weights.device.type == "cpu":
+        grad: torch.Tensor = torch.ops.aten._softmax_backward_data.out(
+            grad_weights, probs, -1, probs.dtype, grad_input=grad_weights
+        )
+        return grad
+    out: torch.Tensor = torch.ops.aten._softmax_backward_data(grad_weights, probs, -1, probs.dtype)
+    return out
+
+
+@dataclass
+class _Clipped:
+    """A Shaw term (``clipped_embeddings()``) at consecutive positions, computed without gathers over the block.
+
+    Query ``r`` of a block and key ``c`` are ``off + c - r`` apart (``off``: first key position
+    minus the block's first query position); their embedding is row ``clip(off + c - r, -K, K) + K``.
+    All of a block's queries are at least ``K`` after the keys ``[0, first)`` and at least ``K``
+    before the keys ``[last, keys)``, so those keys use the two end rows of the tables. Two
+    indicator columns appended to the keys (and values) carry the end rows through the block's
+    matrix products: ``[q * scale, c_0, c_2K] . [k_j, 1[j < first], 1[j >= last]]`` adds the key
+    term of the far keys to the scores, ``P @ [v, 1[..], 1[..]]`` sums the weights of the far
+    keys, and the same columns reduce the score gradient in the backward pass. Only the middle
+    keys ``[first, last)`` (at most ``block + 2K - 1`` of them) are gathered by distance.
+    """
+
+    max_distance: int
+    key_table: torch.Tensor | None  # (2K+1, d)
+    value_table: torch.Tensor | None  # (2K+1, dv)
+    key_scale: float
+    offset: int
+    key_param: int | None  # index of key_table among the Function's parameters (None: no gradient)
+    value_param: int | None
+
+    def split(self, start: int, end: int, keys: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
+        """``(first, last, index)``: far keys ``[0, first)`` and ``[last, keys)``; ``(block, last - first)`` rows."""
+        off, reach, rows = self.offset - start, self.max_distance, end - start
+        first = min(max(1 - reach - off, 0), keys)
+        last = min(max(reach + rows - 1 - off, first), keys)
+        distance = torch.arange(first, last, device=device) - torch.arange(rows, device=device)[:, None] + off
+        return first, last, distance.clamp(-reach, reach) + reach  # (block, last - first)
+
+
+def _with_indicators(x: torch.Tensor, first: int, last: int, buffer: torch.Tensor) -> torch.Tensor:
+    """``[x, 1[j < first], 1[j >= last]]`` along the features: ``(..., keys, f)`` -> ``(..., keys, f + 2)``."""
+    features = x.shape[-1]
+    buffer[..., :features] = x
+    buffer[..., features:] = 0
+    buffer[..., :first, features] = 1
+    buffer[..., last:, features + 1] = 1
+    return buffer
+
+
+def _ends(by_distance: torch.Tensor) -> torch.Tensor:
+    """The first and last of ``(..., 2K+1)``: ``(..., 2)``."""
+    return by_distance[..., [0, -1]]
+
+
+def _clipped_probs(
+    clipped: _Clipped,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    split: tuple[int, int, torch.Tensor],
+    workspace: _Workspace,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax of a block's scores with the clipped key term, and the keys with indicators (None without keys table)."""
+    if clipped.key_table is None:
+        return _block_probs(qc, kc, None, visible, scale, workspace), None
+    first, last, index = split
+    lead = _lead_shape(qc, kc)
+    by_distance = torch.matmul(qc, clipped.key_table.to(qc.dtype).t()).mul_(clipped.key_scale)  # (b, h, block, 2K+1)
+    q_wide = torch.cat([qc * scale, _ends(by_distance)], dim=-1)  # (b, h, block, d + 2)
+    k_wide = _with_indicators(
+        kc, first, last, workspace.get("k_wide", (*lead, kc.shape[-2], kc.shape[-1] + 2), qc.dtype)
+    )
+    shape = (*lead, qc.shape[-2], kc.shape[-2])
+    scores = torch.matmul(q_wide, k_wide.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
+    if last > first:
+        scores[..., first:last] += torch.gather(by_distance, -1, index.expand(*by_distance.shape[:-1], -1))
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
+    if scores.device.type == "cpu":
+        probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        return probs, k_wide
+    return torch.softmax(scores, dim=-1), k_wide
+
+
+def _per_distance(
+    wide: torch.Tensor, weights: torch.Tensor, split: tuple[int, int, torch.Tensor], size: int
+) -> torch.Tensor:
+    """Sum of ``weights`` per clipped distance, ``(b, h, block, 2K+1)``, from the indicator columns of ``wide``."""
+    first, last, index = split
+    sums = wide.new_zeros(*wide.shape[:-1], size)
+    sums[..., 0] = wide[..., -2]
+    sums[..., -1] += wide[..., -1]
+    if last > first:
+        middle = weights[..., first:last]
+        sums.scatter_add_(-1, index.expand(*middle.shape[:-1], -1), middle)
+    return sums
 
 
 def _differentiable_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -307,6 +527,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)  # (b, h, lq)
         inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
         band = None if plan.band_base is None else plan.hide_future(plan.band(q[:1, :, : plan.block].to(compute)))
+        workspace = _Workspace(q.device)
+        value_sums: torch.Tensor | None = None
         for index, start, end, keys in plan.blocks():
             qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
@@ -323,24 +545,45 @@ class _BlockwiseAttention(torch.autograd.Function):
                 # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
                 query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
                 block_out = block_out + query_sums.mul(0).to(block_out.dtype)
-            else:
+            else:  # the explicit backward recomputes the probabilities with the fused softmax: no lse
                 qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
-                bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
-                scores = _scores(qc, kc, bias, visible, plan.scale)
-                block_lse = torch.logsumexp(scores, dim=-1)  # (b, h, block)
-                weights = scores.sub_(block_lse[..., None]).exp_()  # (b, h, block, keys)
+                clipped = plan.clipped
+                if clipped is not None:
+                    split = clipped.split(start, end, keys, q.device)
+                    weights, _ = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
+                else:
+                    bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
+                    weights = _block_probs(qc, kc, bias, visible, plan.scale, workspace)  # (b, h, block, keys)
+                if plan.dropout_p > 0:  # dropped weights stay unscaled: 1 / keep goes on the block's output
+                    weights = weights.mul_(plan.keep_factors(index, weights.shape, weights.dtype, workspace))
+                if clipped is not None and clipped.value_table is not None:
+                    first, last, _ = split
+                    v_wide = _with_indicators(
+                        vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute)
+                    )
+                    wide = torch.matmul(weights, v_wide)  # (b, h, block, dv + 2)
+                    table = clipped.value_table.to(compute)
+                    sums = _per_distance(wide, weights, split, table.shape[0])  # (b, h, block, 2K+1)
+                    if value_sums is None:  # kept for the backward pass: (b, h, lq, 2K+1)
+                        value_sums = sums.new_empty(*sums.shape[:-2], plan.num_queries, sums.shape[-1])
+                    value_sums[..., start:end, :] = sums
+                    block_out = wide[..., :-2] + torch.matmul(sums, table)
+                else:
+                    block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
+                    if plan.value_term:  # linear in the weights
+                        block_out = block_out + plan.value(weights, start, end, keys)
                 if plan.dropout_p > 0:
-                    weights = weights.mul_(plan.keep(index, weights.shape, q.device)).mul_(inverse_keep)
-                block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
-                if plan.value_term:
-                    block_out = block_out + plan.value(weights, start, end, keys)
+                    block_out = block_out.mul_(inverse_keep)
+                block_lse = None
             if empty is not None:
                 block_out = block_out.masked_fill(empty, 0.0)
             out[..., start:end, :] = block_out
             if out_compute is not out:
                 out_compute[..., start:end, :] = block_out
-            lse[..., start:end] = block_lse
+            if block_lse is not None:
+                lse[..., start:end] = block_lse
         ctx.plan = plan
+        ctx.value_sums = value_sums
         ctx.num_params = len(params)
         ctx.save_for_backward(q, k, v, out_compute, lse, *params)
         return out
@@ -375,6 +618,10 @@ class _BlockwiseAttention(torch.autograd.Function):
                     previous = param_grads[i]
                     param_grads[i] = g if previous is None else previous + g
 
+        def add_param_grad(i: int, g: torch.Tensor) -> None:
+            accumulate([None] * i + [g.to(params[i].dtype)])
+
+        workspace = _Workspace(q.device)
         band = band_values = band_grad = None
         if plan.band_base is not None:
             with torch.set_grad_enabled(plan.bias_needs_grad):
@@ -409,29 +656,76 @@ class _BlockwiseAttention(torch.autograd.Function):
 
             qc, kc, vc, gc = qb.to(compute), kb.to(compute), vb.to(compute), gb.to(compute)
             q_leaf = qc.detach().requires_grad_(plan.queries_in_term)
-            if band_values is None:
-                with torch.set_grad_enabled(plan.bias_needs_grad):
-                    bias = plan.bias(q_leaf, start, end, keys)
+            clipped, split, k_wide = plan.clipped, None, None
+            bias = None
+            if clipped is not None:
+                split = clipped.split(start, end, keys, q.device)
+                probs, k_wide = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
             else:
-                bias = plan.window(band_values, start, end, keys)
-            scores = _scores(qc, kc, None if bias is None else bias.detach(), visible, plan.scale)
-            probs = scores.sub_(lse[..., start:end, None]).exp_()  # (b, h, block, keys)
-            keep = plan.keep(index, probs.shape, q.device) if plan.dropout_p > 0 else None
-            dropped = probs if keep is None else probs * keep * inverse_keep
-            dv[..., :keys, :] += torch.matmul(dropped.transpose(-2, -1), gc)
-            grad_dropped = torch.matmul(gc, vc.transpose(-2, -1))  # (b, h, block, keys)
-            if plan.value_term:
-                with torch.enable_grad():
-                    weights_leaf = dropped.detach().requires_grad_(True)
-                    value = plan.value(weights_leaf, start, end, keys)
-                    grads = torch.autograd.grad(value, [weights_leaf, *params], gc, allow_unused=True)
-                grad_dropped += grads[0]
-                accumulate(grads[1:])
-            grad_probs = grad_dropped if keep is None else grad_dropped.mul_(keep).mul_(inverse_keep)
-            delta = (gc * out[..., start:end, :]).sum(dim=-1, keepdim=True)  # (b, h, block, 1)
-            grad_scores = grad_probs.sub_(delta).mul_(probs)  # (b, h, block, keys)
-            dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
-            dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc) * plan.scale
+                if band_values is None:
+                    with torch.set_grad_enabled(plan.bias_needs_grad):
+                        bias = plan.bias(q_leaf, start, end, keys)
+                else:
+                    bias = plan.window(band_values, start, end, keys)
+                probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
+            keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
+            g_scaled = gc if keep is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
+            dropped = probs
+            if keep is not None:  # the forward's weights, unscaled: probs with the same entries dropped
+                dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
+            dv[..., :keys, :] += torch.matmul(dropped.transpose(-2, -1), g_scaled)
+            grad_buffer = workspace.get("grad", probs.shape, compute)
+            if clipped is not None and clipped.value_table is not None:
+                assert split is not None
+                first, last, distance_index = split
+                table = clipped.value_table.to(compute)
+                g_by_distance = torch.matmul(g_scaled, table.t())  # (b, h, block, 2K+1)
+                g_wide = torch.cat([g_scaled, _ends(g_by_distance)], dim=-1)  # (b, h, block, dv + 2)
+                v_wide = _with_indicators(
+                    vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute)
+                )
+                grad_weights = torch.matmul(g_wide, v_wide.transpose(-2, -1), out=grad_buffer)
+                if last > first:
+                    grad_weights[..., first:last] += torch.gather(
+                        g_by_distance, -1, distance_index.expand(*g_by_distance.shape[:-1], -1)
+                    )
+                if clipped.value_param is not None:
+                    sums = ctx.value_sums[..., start:end, :]  # (b, h, block, 2K+1), saved by the forward
+                    add_param_grad(
+                        clipped.value_param,
+                        sums.reshape(-1, sums.shape[-1]).t() @ g_scaled.reshape(-1, g_scaled.shape[-1]),
+                    )
+            else:
+                grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=grad_buffer)
+                if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
+                    with torch.enable_grad():
+                        weights_leaf = dropped.detach().requires_grad_(True)
+                        value = plan.value(weights_leaf, start, end, keys)
+                        grads = torch.autograd.grad(value, [weights_leaf, *params], g_scaled, allow_unused=True)
+                    if grads[0] is not None:
+                        grad_weights += grads[0]
+                    accumulate(grads[1:])
+            if keep is not None:
+                grad_weights = grad_weights.mul_(keep)
+            grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
+            if clipped is not None and clipped.key_table is not None and k_wide is not None:
+                assert split is not None
+                dq_wide = torch.matmul(grad_scores, k_wide)  # (b, h, block, d + 2)
+                table = clipped.key_table.to(compute)
+                sums = _per_distance(dq_wide, grad_scores, split, table.shape[0])  # (b, h, block, 2K+1)
+                dq[..., start:end, :] = dq_wide[..., :-2] * plan.scale + torch.matmul(sums, table) * clipped.key_scale
+                if clipped.key_param is not None:
+                    add_param_grad(
+                        clipped.key_param,
+                        (
+                            sums.reshape(-1, sums.shape[-1]).t()
+                            @ qc.expand(*sums.shape[:-1], -1).reshape(-1, qc.shape[-1])
+                        )
+                        * clipped.key_scale,
+                    )
+            else:
+                dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
+            dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc * plan.scale)
             if band_grad is not None:
                 window = plan.window(band_grad, start, end, keys)
                 window += grad_scores.sum_to_size(window.shape)
@@ -601,10 +895,27 @@ def blockwise_attention(
             block_size = num_queries  # the mask is one row: a block costs O(lk) however many queries it has
     block_size = max(1, min(block_size, num_queries))
     queries_in_term = bool(grad and q.requires_grad and reads_queries)
+    clipped = None
+    clipped_embeddings = getattr(term, "clipped_embeddings", None)
+    if clipped_embeddings is not None:
+        assert q_positions is not None and k_positions is not None
+        first_query, first_key = _consecutive(q_positions), _consecutive(k_positions)
+        if first_query is not None and first_key is not None:
+            reach, key_table, value_table, key_scale = clipped_embeddings()
+            clipped = _Clipped(
+                max_distance=reach,
+                key_table=key_table,
+                value_table=value_table,
+                key_scale=key_scale,
+                offset=first_key - first_query,
+                key_param=next((i for i, p in enumerate(params) if p is key_table), None),
+                value_param=next((i for i, p in enumerate(params) if p is value_table), None),
+            )
     band_base = None
     if (
-        term is not None
-        and key_bias is None
+        clipped is None  # its own route; the band would also carry the causal mask
+        and key_bias is None  # one row serves every block
+        and term is not None
         and getattr(term, "is_relative", False)
         and not reads_queries
         and not (causal and num_queries > num_keys)
@@ -633,6 +944,7 @@ def blockwise_attention(
         num_keys=num_keys,
         on_cpu=q.device.type == "cpu",
         band_base=band_base,
+        clipped=clipped,
         key_bias=key_bias,
     )
     with torch.profiler.record_function("selfattn::blockwise_attention"):

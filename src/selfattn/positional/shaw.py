@@ -76,6 +76,14 @@ class ShawRelativePositionEncoding(ScoreEncoding):
             if table is not None:
                 nn.init.normal_(table, std=self.head_dim**-0.5)
 
+    def clipped_embeddings(self) -> tuple[int, nn.Parameter | None, nn.Parameter | None, float]:
+        """``(k, a^K, a^V, 1 / sqrt(dh))``: what blockwise attention needs to compute both terms without gathers.
+
+        The key term is ``(q_i . a^K_clip(j - i)) / sqrt(dh)`` and the value term
+        ``sum_j w_ij a^V_clip(j - i)``; a missing table is None.
+        """
+        return self.max_distance, self.key_embeddings, self.value_embeddings, 1.0 / math.sqrt(self.head_dim)
+
     def distance_index(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """Row of the embedding tables for each pair, ``clip(j - i, -k, k) + k``, int64 ``([b,] lq, lk)``."""
         distance = relative_distances(q_positions, k_positions)  # (lq, lk)
