@@ -345,17 +345,6 @@ def _float_mask(bias: torch.Tensor | None, visible: torch.Tensor | None, dtype: 
     return _as_4d(bias if visible is None else bias.masked_fill(~visible, float("-inf")))
 
 
-def _scores(
-    q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, visible: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)  # (b, h, block, keys)
-    if bias is not None:
-        scores = scores.add_(bias.to(scores.dtype))
-    if visible is not None:
-        scores = scores.masked_fill_(~visible, float("-inf"))
-    return scores
-
-
 def _lead_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
     """The broadcast ``(b, h)`` of two 4-D tensors whose leading sizes agree or are 1."""
     return tuple(max(a, b) for a, b in zip(q.shape[:-2], k.shape[:-2], strict=True))
