@@ -19,7 +19,7 @@ class GridProgress:
         self.grid = progress.add_task(f"grid ({len(specs)} runs)", total=sum(steps_of(spec) for spec in specs))
         self.run: Any = None
         self.key = ""
-        self.done_steps = 0  # steps of the finished runs
+        self.done_steps = 0  # steps of the finished runs, by every rank
         self.steps = 0  # of the run in hand
 
     def start_run(self, spec: RunSpec, done_steps: int) -> None:
@@ -31,8 +31,8 @@ class GridProgress:
         self.progress.update(self.run, completed=step, description=f"{self.key} loss {loss:.3f}")
         self.progress.update(self.grid, completed=self.done_steps + step)
 
-    def end_run(self) -> None:
-        self.done_steps += self.steps
+    def end_run(self, finished_steps: int) -> None:
+        self.done_steps = finished_steps
         self.progress.remove_task(self.run)
         self.progress.update(self.grid, completed=self.done_steps)
 
