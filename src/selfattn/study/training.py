@@ -31,6 +31,7 @@ __all__ = [
     "ENCODINGS",
     "RunSpec",
     "StudyConfig",
+    "TASK_STEPS",
     "build_model",
     "evaluate",
     "evaluate_lengths",
