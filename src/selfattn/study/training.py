@@ -29,9 +29,9 @@ from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
 __all__ = [
     "ABSOLUTE_OR_ROTARY",
     "ENCODINGS",
+    "TASK_STEPS",
     "RunSpec",
     "StudyConfig",
-    "TASK_STEPS",
     "build_model",
     "evaluate",
     "evaluate_lengths",
