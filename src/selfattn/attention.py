@@ -545,7 +545,9 @@ class MultiHeadAttention(nn.Module):
                 # Keys at or past the longest valid length are invisible to every query: skip them.
                 kept = max(int(valid_lens.max()), 1) if valid_lens.numel() else num_new_keys
                 if kept < num_new_keys:
-                    keys, values, num_new_keys = keys[:, :kept], values[:, :kept], kept
+                    self_attention = values is keys  # kept as one tensor: the ragged path reads it once
+                    keys, num_new_keys = keys[:, :kept], kept
+                    values = keys if self_attention else values[:, :kept]
                     k_positions = k_positions[..., :kept]
                     if key_padding_mask is not None:
                         key_padding_mask = key_padding_mask[:, :kept]
@@ -755,7 +757,8 @@ class MultiHeadAttention(nn.Module):
         Query rows past a sequence's valid length are kept, and see its valid keys, as on the
         masked path. A group whose sequences are neighbours in the batch is read as a view; the
         others are gathered with one ``index_select`` each. Outputs are written straight into
-        one buffer, so nothing is concatenated or permuted afterwards.
+        one buffer (or, for one group in one call, returned as they are), so nothing is
+        concatenated or permuted afterwards.
 
         Returns ``(b, lq, h * dh)``: the heads merged, ready for ``W_o``.
         """
@@ -781,8 +784,11 @@ class MultiHeadAttention(nn.Module):
                 merged[take] = 0.0  # no key to see: a zero row, as on the masked path
                 continue
             q_g = pick(q)  # (b_g, h, lq, dh)
-            k_g = self._split_heads(self.W_k(pick(keys[:, :length])), self.num_kv_heads)  # (b_g, hk, length, dh)
-            v_g = self._split_heads(self.W_v(pick(values[:, :length])), self.num_kv_heads)
+            # (b_g, length, dk): one copy of the valid rows, read by both projections in self-attention
+            key_rows = pick(keys[:, :length]).contiguous()
+            value_rows = key_rows if values is keys else pick(values[:, :length])
+            k_g = self._split_heads(self.W_k(key_rows), self.num_kv_heads)  # (b_g, hk, length, dh)
+            v_g = self._split_heads(self.W_v(value_rows), self.num_kv_heads)
             if isinstance(self.position, QueryKeyEncoding):
                 positions = k_positions[..., :length]
                 positions = pick(positions) if positions.dim() == 2 else positions
@@ -792,7 +798,10 @@ class MultiHeadAttention(nn.Module):
                 put(0, _fused(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p))
                 put(length, _fused(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p))
             else:
-                put(0, _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p))
+                out_g = _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p)  # (b_g, h, lq, dh)
+                if isinstance(take, slice) and take == slice(0, batch):
+                    return out_g.transpose(1, 2).flatten(2)  # one group, one call: its output needs no buffer
+                put(0, out_g)
         return merged
 
     # ------------------------------------------------------------------ sliding window
