@@ -16,7 +16,9 @@ attention_module = importlib.import_module("selfattn.attention")  # the module, 
 D, H, L = 16, 4, 8
 
 
-@pytest.mark.parametrize("lengths", [[8, 3, 3, 5], [5, 3, 5, 3], [6, 6, 6, 6]], ids=["full-row", "trimmed", "one-group"])
+@pytest.mark.parametrize(
+    "lengths", [[8, 3, 3, 5], [5, 3, 5, 3], [6, 6, 6, 6]], ids=["full-row", "trimmed", "one-group"]
+)
 def test_distinct_keys_and_values_match_the_masked_call(lengths, monkeypatch):
     torch.manual_seed(5)
     mha = MultiHeadAttention(D, H, num_kv_heads=2, bias=True).double()

@@ -31,9 +31,11 @@ def _mha(window, *, block=None, name="none", num_kv_heads=None, spy=None):
 
 
 def _dense_twin(mha):
-    twin = MultiHeadAttention(
-        D, H, position=mha.position, window=mha.window, num_kv_heads=mha.num_kv_heads
-    ).double().eval()
+    twin = (
+        MultiHeadAttention(D, H, position=mha.position, window=mha.window, num_kv_heads=mha.num_kv_heads)
+        .double()
+        .eval()
+    )
     twin.load_state_dict(mha.state_dict())
     twin._banded_applies = lambda q, keys: False  # the same module on the dense band mask
     return twin
@@ -54,7 +56,9 @@ def test_band_only_equals_band_mask(causal, window, block, length, num_kv_heads)
         out = mha(x, x, x, causal=causal)
     assert seen == [length]  # the band-only path ran, on the whole sequence
     positions = torch.arange(length).expand(2, length)
-    expected, _ = naive_mha(mha, x, x, x, visibility(2, length, length, causal=causal, window=window), positions, positions)
+    expected, _ = naive_mha(
+        mha, x, x, x, visibility(2, length, length, causal=causal, window=window), positions, positions
+    )
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-9)
 
 
@@ -95,7 +99,9 @@ def test_band_only_prefill_then_decoding_with_a_window_cache():
     cache = KVCache(window=4)
     with torch.no_grad():
         prefix = mha(x[:, :40], x[:, :40], x[:, :40], causal=True, cache=cache)
-        steps = [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache) for t in range(40, 48)]
+        steps = [
+            mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache) for t in range(40, 48)
+        ]
         full = _dense_twin(mha)(x, x, x, causal=True)
     assert seen == [40]  # the prefill went through the band-only path, the single steps did not
     torch.testing.assert_close(torch.cat([prefix, *steps], 1), full, atol=1e-12, rtol=1e-10)

@@ -829,9 +829,10 @@ class MultiHeadAttention(nn.Module):
         the fused kernel broadcasts without a copy; the two edges are small dense problems.
         Returns ``(b, h, l, dh)``.
         """
-        assert self.window is not None
+        window = self.window
+        assert window is not None
         batch, heads, length, head_dim = q.shape
-        block, before = self._block_size(), self.window - 1
+        block, before = self._block_size(), window - 1
         after = 0 if causal else before
         span = block + before + after
         first = math.ceil(before / block)  # blocks before it see keys before index 0
@@ -844,7 +845,7 @@ class MultiHeadAttention(nn.Module):
             q_index = torch.arange(q_start, q_stop, device=q.device)[:, None]
             k_index = torch.arange(k_start, k_stop, device=q.device)
             distance = q_index - k_index  # (lq, lk): i - j
-            return (distance >= 0) & (distance < self.window) if causal else distance.abs() < self.window
+            return (distance >= 0) & (distance < window) if causal else distance.abs() < window
 
         def edge(q_start: int, q_stop: int) -> torch.Tensor:
             k_start, k_stop = max(0, q_start - before), min(length, q_stop + after)
@@ -857,8 +858,8 @@ class MultiHeadAttention(nn.Module):
             # (b * blocks, hk, span, dh): a view of x for one sequence, a copy for more
             return banded.permute(0, 2, 1, 4, 3).reshape(batch * num_blocks, x.shape[1], span, head_dim)
 
-        q_b = q[..., start:stop, :].unflatten(-2, (num_blocks, block)).transpose(1, 2)  # (b, blocks, h, block, dh)
-        q_b = q_b.reshape(batch * num_blocks, heads, block, head_dim)
+        q_b = q[..., start:stop, :].reshape(batch, heads, num_blocks, block, head_dim).transpose(1, 2)
+        q_b = q_b.reshape(batch * num_blocks, heads, block, head_dim)  # (b * blocks, h, block, dh)
         pattern = q.new_zeros(block, span).masked_fill_(~band(before, before + block, 0, span), float("-inf"))
         inner = _fused_kernel(
             q_b, kv_bands(keys.k), kv_bands(keys.v), pattern, dropout_p=0.0, is_causal=False,
