@@ -129,3 +129,11 @@ def test_other_masks_keep_the_general_window_path(kwargs):
     with torch.no_grad():
         mha(x, x, x, causal=True, **kwargs)
     assert seen == []
+
+
+def test_band_only_second_order_gradients():
+    seen = []
+    mha = _mha(3, block=4, spy=seen)
+    x = torch.randn(1, 30, D, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x: mha(x, x, x, causal=True), (x,))
+    assert seen  # the shared band mask went through the fused kernel's twice-differentiable wrapper
