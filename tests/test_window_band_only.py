@@ -4,11 +4,15 @@ Checked against the float64 loop reference with a band visibility, and against t
 forced onto the dense band mask, for block sizes that do and do not divide the length.
 """
 
+import importlib
+
 import pytest
 import torch
 from reference_mha import make_encoding, naive_mha, visibility
 
 from selfattn import KVCache, MultiHeadAttention
+
+attention_module = importlib.import_module("selfattn.attention")  # the module, not the function selfattn.attention
 
 D, H = 8, 2
 
@@ -137,3 +141,21 @@ def test_band_only_second_order_gradients():
     x = torch.randn(1, 30, D, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda x: mha(x, x, x, causal=True), (x,))
     assert seen  # the shared band mask went through the fused kernel's twice-differentiable wrapper
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "batched"])
+def test_band_only_one_row_at_a_time_equals_the_batch(causal, per_row, monkeypatch):
+    seen = []
+    mha = _mha(4, block=6, num_kv_heads=1, spy=seen)
+    monkeypatch.setattr(attention_module, "_PER_ROW_BAND_ELEMENTS", 0 if per_row else 1 << 60)
+    x = torch.randn(3, 47, D, dtype=torch.float64, requires_grad=True)
+    out = mha(x, x, x, causal=causal)
+    assert len(seen) == (4 if per_row else 1)  # the batch, then each of its rows on its own
+    x2 = x.detach().clone().requires_grad_(True)
+    expected = _dense_twin(mha)(x2, x2, x2, causal=causal)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-12, rtol=1e-10)
