@@ -185,7 +185,7 @@ def run_study(
     checkpoint_seconds: float = 5.0,
     deep_stack: bool = True,
     report: bool = True,
-    progress: Callable[[Sequence[RunSpec], int], AbstractContextManager[Any]] | None = None,
+    progress: Callable[[Sequence[RunSpec], Callable[[RunSpec], int]], AbstractContextManager[Any]] | None = None,
 ) -> dict[str, Any] | None:
     """Run (or finish) the grid in ``out``; return the merged results on rank 0, None elsewhere.
 
@@ -200,7 +200,7 @@ def run_study(
         checkpoint_seconds: the most work a kill loses.
         deep_stack: include the deep-stack measurements (exercise 1).
         report: write ``study.html`` and the figures.
-        progress: ``progress(my_specs, steps)`` returns a context manager whose value has
+        progress: ``progress(my_specs, steps_of)`` (``steps_of(spec)``: the run's steps) returns a context manager whose value has
             ``start_run(spec, done_steps)``, ``step(step, loss)`` and ``end_run()``.
     """
     env = _Distributed()
@@ -230,7 +230,11 @@ def run_study(
         env.barrier()  # every rank has listed the pending runs before any new one is written
         mine = pending if data_parallel else pending[env.rank :: env.world]
         shows = env.rank == 0 and progress is not None
-        context = progress(mine, config.steps) if shows and progress is not None else nullcontext(None)
+        context = (
+            progress(mine, lambda spec: config.steps_for(spec.task))
+            if shows and progress is not None
+            else nullcontext(None)
+        )
         with context as bars:
             for spec in mine:
                 checkpoint = checkpoints / f"{spec.key}.pt"
