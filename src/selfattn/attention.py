@@ -19,13 +19,19 @@ from torch import nn
 from selfattn._validation import ArgumentTypeError, require_position, require_positive_int, require_probability
 from selfattn.cache import KVCache
 from selfattn.functional import attention, attention_weights, blockwise_attention, flex_score_attention
-from selfattn.functional._attention import _repeat_kv
+from selfattn.functional._attention import _fused_kernel, _repeat_kv
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
 
 __all__ = ["MultiHeadAttention"]
 
 # Ragged batches run one fused call per distinct valid length; past this many, one masked call.
 _MAX_LENGTH_GROUPS = 8
+
+# A pure sliding window runs one sequence at a time once a row's key and value bands would hold this
+# many elements as a batched copy. Measured on one core (attention alone, batched / per row):
+# b=64 l=256 w=8 d=64 0.25x (27K elements), b=16 l=512 w=16 0.9x (71K), b=8 l=1024 w=64 d=256 1.26x
+# (910K), b=4 l=4096 w=128 d=512 1.9x, b=2 l=16384 w=512 2.1x.
+_PER_ROW_BAND_ELEMENTS = 1 << 19
 
 
 class _Keys(NamedTuple):
@@ -545,7 +551,9 @@ class MultiHeadAttention(nn.Module):
                 # Keys at or past the longest valid length are invisible to every query: skip them.
                 kept = max(int(valid_lens.max()), 1) if valid_lens.numel() else num_new_keys
                 if kept < num_new_keys:
-                    keys, values, num_new_keys = keys[:, :kept], values[:, :kept], kept
+                    self_attention = values is keys  # kept as one tensor: the ragged path reads it once
+                    keys, num_new_keys = keys[:, :kept], kept
+                    values = keys if self_attention else values[:, :kept]
                     k_positions = k_positions[..., :kept]
                     if key_padding_mask is not None:
                         key_padding_mask = key_padding_mask[:, :kept]
@@ -681,6 +689,9 @@ class MultiHeadAttention(nn.Module):
         if not explicit and attn_mask is None and keys.first_index == 0 and keys.k.shape[-2] == keys.total:
             per_query_lens = valid_lens is not None and valid_lens.dim() == 2
             if not per_query_lens and self._banded_applies(q, keys):
+                only_band = valid_lens is None and keys.padding is None and document_ids is None
+                if only_band and dropout_p == 0 and not isinstance(self.position, ScoreEncoding):
+                    return self._band_only(q, keys, causal), None
                 return self._banded(q, q_positions, keys, valid_lens, document_ids, causal, dropout_p), None
 
         mask, leave_causal = self._visibility(q.shape[-2], keys, valid_lens, attn_mask, document_ids, causal)
@@ -752,7 +763,8 @@ class MultiHeadAttention(nn.Module):
         Query rows past a sequence's valid length are kept, and see its valid keys, as on the
         masked path. A group whose sequences are neighbours in the batch is read as a view; the
         others are gathered with one ``index_select`` each. Outputs are written straight into
-        one buffer, so nothing is concatenated or permuted afterwards.
+        one buffer (or, for one group in one call, returned as they are), so nothing is
+        concatenated or permuted afterwards.
 
         Returns ``(b, lq, h * dh)``: the heads merged, ready for ``W_o``.
         """
@@ -778,8 +790,11 @@ class MultiHeadAttention(nn.Module):
                 merged[take] = 0.0  # no key to see: a zero row, as on the masked path
                 continue
             q_g = pick(q)  # (b_g, h, lq, dh)
-            k_g = self._split_heads(self.W_k(pick(keys[:, :length])), self.num_kv_heads)  # (b_g, hk, length, dh)
-            v_g = self._split_heads(self.W_v(pick(values[:, :length])), self.num_kv_heads)
+            # (b_g, length, dk): one copy of the valid rows, read by both projections in self-attention
+            key_rows = pick(keys[:, :length]).contiguous()
+            value_rows = key_rows if values is keys else pick(values[:, :length])
+            k_g = self._split_heads(self.W_k(key_rows), self.num_kv_heads)  # (b_g, hk, length, dh)
+            v_g = self._split_heads(self.W_v(value_rows), self.num_kv_heads)
             if isinstance(self.position, QueryKeyEncoding):
                 positions = k_positions[..., :length]
                 positions = pick(positions) if positions.dim() == 2 else positions
@@ -789,7 +804,10 @@ class MultiHeadAttention(nn.Module):
                 put(0, _fused(q_g[..., :length, :], k_g, v_g, causal=True, dropout_p=dropout_p))
                 put(length, _fused(q_g[..., length:, :], k_g, v_g, dropout_p=dropout_p))
             else:
-                put(0, _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p))
+                out_g = _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p)  # (b_g, h, lq, dh)
+                if isinstance(take, slice) and take == slice(0, batch):
+                    return out_g.transpose(1, 2).flatten(2)  # one group, one call: its output needs no buffer
+                put(0, out_g)
         return merged
 
     # ------------------------------------------------------------------ sliding window
@@ -799,6 +817,7 @@ class MultiHeadAttention(nn.Module):
         # Smaller blocks waste less of each key band, larger ones run the kernel better. Measured
         # on one CPU core, attention alone vs full causal: n=16384 w=512, blocks of 64 12.8x, 128
         # 9.1x, 512 3.9x; n=1024 w=64, 16 2.1x, 64 2.6x, 128 1.2x; n=4096 w=128, 32 11x, 64 11x.
+        # The band-only path (one shared mask), n=16384 w=512: 32 790 ms, 64 820, 128 900, 256 975.
         return max(16, min(64, 8 * self.window))
 
     def _banded_applies(self, q: torch.Tensor, keys: _Keys) -> bool:
@@ -806,6 +825,63 @@ class MultiHeadAttention(nn.Module):
             return False
         span = self._block_size() + 2 * (self.window - 1)
         return q.shape[-2] > 2 * span
+
+    def _band_only(self, q: torch.Tensor, keys: _Keys, causal: bool) -> torch.Tensor:
+        """Sliding window and nothing else, in O(l * window): every inner block of queries sees one band pattern.
+
+        The queries split into a leading part (whose window reaches before key 0), inner blocks
+        and a trailing part (whose window reaches past the last key). The inner blocks read their
+        keys as overlapping views of the keys and share one ``(block, span)`` float mask, which
+        the fused kernel broadcasts without a copy; the two edges are small dense problems.
+        Returns ``(b, h, l, dh)``.
+        """
+        window = self.window
+        assert window is not None
+        batch, heads, length, head_dim = q.shape
+        block, before = self._block_size(), window - 1
+        after = 0 if causal else before
+        span = block + before + after
+        first = math.ceil(before / block)  # blocks before it see keys before index 0
+        last = (length - after) // block  # blocks from it on see keys past the end
+        start, stop = first * block, last * block  # the inner queries
+        num_blocks = last - first  # >= 1: _banded_applies wants length > 2 * span
+        if batch > 1 and 2 * num_blocks * span * keys.k.shape[1] * head_dim >= _PER_ROW_BAND_ELEMENTS:
+            # Overlapping views of the keys cannot span sequences (the batch stride is no multiple of
+            # a block's), so a batch copies every band: long rows go one at a time, as views.
+            rows = [
+                self._band_only(q[r : r + 1], keys._replace(k=keys.k[r : r + 1], v=keys.v[r : r + 1]), causal)
+                for r in range(batch)
+            ]
+            return torch.cat([row.transpose(1, 2) for row in rows]).transpose(1, 2)  # (b, h, l, dh)
+
+        def band(q_start: int, q_stop: int, k_start: int, k_stop: int) -> torch.Tensor:
+            """Bool ``(lq, lk)``, True where query ``i`` may see key ``j`` (indices in the whole sequence)."""
+            q_index = torch.arange(q_start, q_stop, device=q.device)[:, None]
+            k_index = torch.arange(k_start, k_stop, device=q.device)
+            distance = q_index - k_index  # (lq, lk): i - j
+            return (distance >= 0) & (distance < window) if causal else distance.abs() < window
+
+        def edge(q_start: int, q_stop: int) -> torch.Tensor:
+            k_start, k_stop = max(0, q_start - before), min(length, q_stop + after)
+            k, v = keys.k[..., k_start:k_stop, :], keys.v[..., k_start:k_stop, :]
+            out = _fused(q[..., q_start:q_stop, :], k, v, mask=band(q_start, q_stop, k_start, k_stop))
+            return out.transpose(1, 2)  # (b, lq, h, dh)
+
+        def kv_bands(x: torch.Tensor) -> torch.Tensor:
+            banded = x[..., start - before : stop + after, :].unfold(-2, span, block)  # (b, hk, blocks, dh, span)
+            # (b * blocks, hk, span, dh): a view of x for one sequence, a copy for more
+            return banded.permute(0, 2, 1, 4, 3).reshape(batch * num_blocks, x.shape[1], span, head_dim)
+
+        q_b = q[..., start:stop, :].reshape(batch, heads, num_blocks, block, head_dim).transpose(1, 2)
+        q_b = q_b.reshape(batch * num_blocks, heads, block, head_dim)  # (b * blocks, h, block, dh)
+        pattern = q.new_zeros(block, span).masked_fill_(~band(before, before + block, 0, span), float("-inf"))
+        inner = _fused_kernel(
+            q_b, kv_bands(keys.k), kv_bands(keys.v), pattern, dropout_p=0.0, is_causal=False,
+            scale=1 / math.sqrt(head_dim),
+        )  # fmt: skip
+        inner = inner.transpose(1, 2).reshape(batch, num_blocks * block, heads, -1)  # (b, stop - start, h, dh)
+        out = torch.cat((edge(0, start), inner, edge(stop, length)), dim=1)  # (b, l, h, dh)
+        return out.transpose(1, 2)
 
     def _banded(
         self,

@@ -273,6 +273,42 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
 
 
+def _fused_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """PyTorch's fused kernel on checked inputs, ``(b, h, lq, dv)``; a NaN or inf query gives a NaN row.
+
+    ``attn_mask`` is passed as it is (bool, True = attend, or float added to the scores), so a
+    broadcast float mask reaches the kernel without being converted or copied. No row may be
+    empty: :func:`attention` frees them first.
+    """
+    grouped = _check_groups(q, k, v)
+    if grouped and not _SDPA_HAS_GQA:
+        k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    options: dict[str, Any] = {"dropout_p": dropout_p, "is_causal": is_causal, "scale": scale}
+    if grouped and _SDPA_HAS_GQA:
+        options["enable_gqa"] = True
+    out = _sdpa(q, k, v, attn_mask, options)
+    # PyTorch's CPU kernel returns a zero row for a query holding NaN or inf; the formula says NaN.
+    # Adding 0 * (the query's sum) gives NaN exactly there, for one reduction and no host sync (an
+    # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large
+    # finite half-precision queries from overflowing into a NaN nobody asked for.
+    sum_dtype = torch.promote_types(q.dtype, torch.float32)
+    query_sums = q.sum(dim=-1, keepdim=True, dtype=sum_dtype)  # (b, h, lq, 1)
+    if q.device.type == "cpu" and not torch.compiler.is_compiling() and bool(query_sums.isfinite().all()):
+        return out  # on CPU a host check of the sums costs less than one more pass over the output
+    if sum_dtype == out.dtype:
+        return out.add(query_sums, alpha=0)
+    return out + query_sums.mul(0).to(out.dtype)  # multiply first: the sum may not fit a half
+
+
 def attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -353,7 +389,7 @@ def attention(
     """
     dropout_p = require_probability("dropout_p", dropout_p)
     _check_shapes(q, k, v)
-    grouped = _check_groups(q, k, v)
+    _check_groups(q, k, v)  # raises for heads that do not divide
     if return_weights:
         v = _repeat_kv(q, v)
         weights = attention_weights(q, k, mask=mask, bias=bias, causal=causal, scale=scale)
@@ -377,20 +413,5 @@ def attention(
     if bias is not None:
         bias = bias.to(q.dtype)
         attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-    if grouped and not _SDPA_HAS_GQA:
-        k, v = _repeat_kv(q, k), _repeat_kv(q, v)
-    options: dict[str, Any] = {"dropout_p": dropout_p, "is_causal": use_is_causal, "scale": scale}
-    if grouped and _SDPA_HAS_GQA:
-        options["enable_gqa"] = True
-    out = _sdpa(q, k, v, attn_mask, options)
-    # PyTorch's CPU kernel returns a zero row for a query holding NaN or inf; the formula says NaN.
-    # Adding 0 * (the query's sum) gives NaN exactly there, for one reduction and no host sync (an
-    # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large
-    # finite half-precision queries from overflowing into a NaN nobody asked for.
-    sum_dtype = torch.promote_types(q.dtype, torch.float32)
-    query_sums = q.sum(dim=-1, keepdim=True, dtype=sum_dtype)  # (b, h, lq, 1)
-    if sum_dtype == out.dtype:
-        out = out.add(query_sums, alpha=0)
-    else:
-        out = out + query_sums.mul(0).to(out.dtype)  # multiply first: the sum may not fit a half
+    out = _fused_kernel(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale)
     return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)

@@ -92,6 +92,8 @@ _IN_PLACE_SHAPE_OPS = {
     _aten.squeeze_.dim: _aten.squeeze.dim,
 }
 _REDUCTIONS = {_aten._softmax.default, _aten._log_softmax.default, _aten.sum.dim_IntList, _aten.mean.dim}
+# Reductions to one element, and reading it back on the host (attention checks its queries are finite).
+_WHOLE_REDUCTIONS = {_aten.all.default, _aten.any.default, _aten._local_scalar_dense.default}
 
 
 class _Distances(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -162,6 +164,8 @@ class _Distances(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for dim in dims:
                 reduced = reduced.amin(dim=dim, keepdim=True)
             return reduced.expand(out.shape) if keep else reduced.squeeze([d % of(args[0]).dim() for d in dims])
+        if func in _WHOLE_REDUCTIONS:
+            return of(args[0]).amin()
         if func is _aten.copy_.default:  # the destination takes the source's values
             return of(args[1]).expand(out.shape).clone()
         if torch.Tag.pointwise in func.tags or func in (_aten.where.self, _aten.masked_fill.Scalar):
