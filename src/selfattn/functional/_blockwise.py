@@ -680,10 +680,14 @@ class _BlockwiseAttention(torch.autograd.Function):
                 probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
             keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
             g_scaled = gc if keep is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
+            # Without a value term the dropped weights serve only the values' gradient: they are
+            # made in place from probs after its last use (no buffer, one stream fewer).
+            drop_late = keep is not None and not plan.value_term and (clipped is None or clipped.value_table is None)
             dropped = probs
-            if keep is not None:  # the forward's weights, unscaled: probs with the same entries dropped
+            if keep is not None and not drop_late:  # the forward's weights, unscaled: probs with the same entries dropped
                 dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
-            _add_matmul(dv[..., :keys, :], dropped.transpose(-2, -1), g_scaled)
+            if not drop_late:
+                _add_matmul(dv[..., :keys, :], dropped.transpose(-2, -1), g_scaled)
             grad_buffer = workspace.get("grad", probs.shape, compute)
             if clipped is not None and clipped.value_table is not None:
                 assert split is not None
@@ -718,6 +722,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             if keep is not None:
                 grad_weights = grad_weights.mul_(keep)
             grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
+            if drop_late:
+                assert keep is not None
+                _add_matmul(dv[..., :keys, :], probs.mul_(keep).transpose(-2, -1), g_scaled)
             if clipped is not None and clipped.key_table is not None and k_wide is not None:
                 assert split is not None
                 dq_wide = torch.matmul(grad_scores, k_wide)  # (b, h, block, d + 2)
