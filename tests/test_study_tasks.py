@@ -7,6 +7,7 @@ import torch
 
 from selfattn.study.tasks import (
     ALPHABET,
+    BOS,
     DIGIT0,
     PAD,
     PLUS,
@@ -73,12 +74,14 @@ def test_flip_flop_hand_written_and_random() -> None:
 def test_make_batch_layout_and_targets() -> None:
     task = get_task("copy")
     tokens, targets, valid = make_batch(task, [2, 3], torch.Generator().manual_seed(0))
-    assert tokens.shape == (2, 7) and valid.tolist() == [5, 7]
-    assert tokens[0, 2] == SEP and tokens[1, 3] == SEP and tokens[0, 5:].tolist() == [PAD, PAD]
+    assert tokens.shape == (2, 8) and valid.tolist() == [6, 8]
+    assert tokens[:, 0].tolist() == [BOS, BOS]
+    assert tokens[0, 3] == SEP and tokens[1, 4] == SEP and tokens[0, 6:].tolist() == [PAD, PAD]
     # Position t predicts token t + 1, only over the answer.
-    assert targets[1].tolist() == [-100, -100, -100, *tokens[1, 4:7].tolist(), -100]
-    assert targets[0].tolist() == [-100, -100, *tokens[0, 3:5].tolist(), -100, -100, -100]
-    assert torch.equal(tokens[1, :3], tokens[1, 4:7])
+    assert targets[1].tolist() == [-100, -100, -100, -100, *tokens[1, 5:8].tolist(), -100]
+    assert targets[0].tolist() == [-100, -100, -100, *tokens[0, 4:6].tolist(), -100, -100, -100]
+    assert torch.equal(tokens[1, 1:4], tokens[1, 5:8])
+    assert decode(tokens[0, :6]).startswith("^ ")
 
 
 def test_generators_are_seeded() -> None:

