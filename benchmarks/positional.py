@@ -49,11 +49,29 @@ from selfattn.positional import NAMES, InputEncoding, build  # noqa: E402
 
 BATCH, NUM_HIDDENS, NUM_HEADS = 2, 512, 8
 # Extra rows beyond the registry's defaults: (label, name, options); name None is no encoding.
-VARIANTS = [("shaw (keys only)", "shaw", {"values": False}), ("dropout 0.1", None, {})]
+VARIANTS = [
+    ("shaw (keys only)", "shaw", {"values": False}),
+    ("dropout 0.1", None, {}),
+    ("(no encoding, causal)", None, {}),
+    ("alibi (causal)", "alibi", {}),
+    ("t5 (causal)", "t5", {}),
+]
 # MultiHeadAttention options of a row (the others use the defaults: no dropout).
 ATTENTION_OPTIONS = {"dropout 0.1": {"dropout": 0.1}}
+# Rows called with causal=True (the language-model case); their ratios are to the causal baseline.
+CAUSAL_ROWS = {"(no encoding, causal)", "alibi (causal)", "t5 (causal)"}
+CAUSAL_BASELINE = "(no encoding, causal)"
 # Goals of the blockwise path (issue 8): forward+backward time at the largest n, as a ratio to no encoding.
-SPEED_GOALS = [("alibi", 1.15), ("t5", 2.0), ("shaw", 3.0), ("kerple", 2.5), ("fire", 2.5), ("dropout 0.1", 1.6)]
+SPEED_GOALS = [
+    ("alibi", 1.15),
+    ("t5", 2.0),
+    ("shaw", 3.0),
+    ("kerple", 2.5),
+    ("fire", 2.5),
+    ("dropout 0.1", 1.6),
+    ("alibi (causal)", 1.15),
+    ("t5 (causal)", 2.0),
+]
 # (label, n, mode, goal in GiB or None): peak memory at b=1; "fwd" is eval + no_grad, "train" forward+backward.
 MEMORY_CASES = [
     ("(no encoding)", 4096, "fwd", None),
@@ -91,7 +109,9 @@ def make_encoding(name: str, options: dict, max_len: int) -> nn.Module | None:
     return build(name, num_hiddens=NUM_HIDDENS, num_heads=NUM_HEADS, **options)
 
 
-def contender(encoding: nn.Module | None, device: torch.device, seed: int = 0, options: dict | None = None):
+def contender(
+    encoding: nn.Module | None, device: torch.device, seed: int = 0, options: dict | None = None, causal: bool = False
+):
     """(modules, call(x)) for attention with ``encoding`` in its place (and ``options`` for the attention)."""
     torch.manual_seed(seed)
     options = options or {}
@@ -100,14 +120,14 @@ def contender(encoding: nn.Module | None, device: torch.device, seed: int = 0, o
     else:
         mha = selfattn.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, position=encoding, **options).to(device)
     if not isinstance(encoding, InputEncoding):
-        return [mha], lambda x: mha(x, x, x)
+        return [mha], lambda x: mha(x, x, x, causal=causal)
     encoding = encoding.to(device)
     axes = spatial_axes(encoding)
 
     def call(x):
         b, n, d = x.shape
         y = encoding(x.reshape(b, *grid(n, axes), d)).reshape(b, n, d)  # (b, n1, ..., nk, d) -> (b, n, d)
-        return mha(y, y, y)
+        return mha(y, y, y, causal=causal)
 
     return [mha, encoding], call
 
@@ -154,19 +174,28 @@ def entries(max_len: int, only: str | None = None) -> list[tuple[str, nn.Module 
     return out
 
 
+def baseline(label: str) -> str:
+    """The row a row's ratio is taken to: the causal baseline for causal rows."""
+    return CAUSAL_BASELINE if label in CAUSAL_ROWS else "(no encoding)"
+
+
 def run_speed(args, device: torch.device) -> tuple[str, dict]:
     built = entries(max(args.sizes))
     if args.only:
         wanted = {"(no encoding)", *args.only.split(",")}
+        wanted |= {baseline(label) for label in wanted}
         built = [(label, encoding) for label, encoding in built if label in wanted]
     calls, kernels = {}, {}
     for label, encoding in built:
-        modules, call = contender(encoding, device, options=ATTENTION_OPTIONS.get(label))
+        modules, call = contender(
+            encoding, device, options=ATTENTION_OPTIONS.get(label), causal=label in CAUSAL_ROWS
+        )
         params = [p for m in modules for p in m.parameters()]
         calls[label] = (call, params)
         kernels[label] = " / ".join(attention_kernel(call, device, training=t) for t in (True, False))
     kinds = {label: ("-" if e is None else type(e).__name__ + f" ({e.acts_on})") for label, e in built}
     kinds.update({label: "attention dropout" for label in ATTENTION_OPTIONS if label in kinds})
+    kinds.update({label: kinds[label] + ", causal" for label in CAUSAL_ROWS if label in kinds})
 
     results, spread = {}, {}
     for n in args.sizes:
@@ -199,17 +228,17 @@ def run_speed(args, device: torch.device) -> tuple[str, dict]:
         for n in args.sizes:
             for kind in ("fwd", "fwd+bwd"):
                 r = results[(kind, n)]
-                cell = f"{r[label] / r['(no encoding)']:.2f}"
-                row.append(cell + (f" ({ms(r[label])} ms)" if label == "(no encoding)" else ""))
+                cell = f"{r[label] / r[baseline(label)]:.2f}"
+                row.append(cell + (f" ({ms(r[label])} ms)" if baseline(label) == label else ""))
         rows.append(row)
     largest = max(args.sizes)
     final = results[("fwd+bwd", largest)]
     goal_rows = [
         [
             label,
-            f"{final[label] / final['(no encoding)']:.2f}",
+            f"{final[label] / final[baseline(label)]:.2f}",
             f"<= {goal:.2f}",
-            verdict(final[label] / final["(no encoding)"] <= goal),
+            verdict(final[label] / final[baseline(label)] <= goal),
         ]
         for label, goal in SPEED_GOALS
         if label in final
@@ -222,7 +251,8 @@ def run_speed(args, device: torch.device) -> tuple[str, dict]:
             "",
             f"**Time relative to the same attention with no encoding** (1.00 = no extra cost; b={BATCH}, "
             f"d={NUM_HIDDENS}, {NUM_HEADS} heads, fp32, self-attention, training mode; the no-encoding row "
-            "gives its absolute time):",
+            "gives its absolute time; the `(causal)` rows are `mha(x, x, x, causal=True)`, timed against "
+            "`(no encoding, causal)`, the same causal attention with no encoding, in the same run):",
             "",
             table(header, rows),
             "",
@@ -247,7 +277,9 @@ def memory_child(label: str, n: int, mode: str, allowed_bytes: int) -> dict:
     train = mode == "train"
     torch.set_grad_enabled(train)
     encoding = dict(entries(n, only=label))[label]
-    modules, call = contender(encoding, torch.device("cpu"), options=ATTENTION_OPTIONS.get(label))
+    modules, call = contender(
+        encoding, torch.device("cpu"), options=ATTENTION_OPTIONS.get(label), causal=label in CAUSAL_ROWS
+    )
     for m in modules:
         m.train(train)
     gen = torch.Generator().manual_seed(n)

@@ -30,6 +30,12 @@ flash kernel, forward and backward; :func:`_key_only_bias`). Terms with paramete
 cheaply per block where they can (FIRE's MLP of a scalar is read as a piecewise linear
 function, see :class:`~selfattn.positional.FIREPositionalBias`).
 
+Causal attention with such a term (the language-model case; ``lq == lk``, no other mask) goes
+chunk by chunk (:class:`_CausalKeyRows`): the keys before a chunk of queries are seen by all of
+them, so they take one flash call with a view of the key-only row as the mask, and the square
+diagonal tile takes one with the kernel's own causal mask; the two are merged by their
+log-sum-exps, and each backward call is given the merged output and log-sum-exp.
+
 Dropout draws a fresh mask per block from a generator seeded by (call seed, block index), so
 the backward pass redraws exactly the forward's mask. The keep test compares 16 random bits
 with a threshold: the drop probability is ``p`` rounded to a multiple of ``2**-16`` (0.1 becomes
@@ -158,12 +164,15 @@ def _keep_mask(shape: Sequence[int], seed: int, p: float, device: torch.device) 
 def _keep_factors(shape: Sequence[int], seed: int, p: float, dtype: torch.dtype, workspace: _Workspace) -> torch.Tensor:
     """``_keep_mask(...)`` as 1.0 / 0.0 in ``dtype``, drawn into the workspace's buffers.
 
-    A float multiply is several times faster than ``masked_fill_`` with a bool mask on CPU.
+    A float multiply is several times faster than ``masked_fill_`` with a bool mask on CPU, and
+    comparing into a bool buffer and then converting its bytes (read as uint8) to ``dtype`` takes
+    about half the time of one comparison written straight into ``dtype``.
     """
     lanes = _random_lanes(
         shape, seed, workspace.device, out=workspace.get("bits", (math.prod(shape) + 3) // 4, torch.int64)
     )
-    return torch.ge(lanes, _drop_units(p) - 32768, out=workspace.get("keep", shape, dtype))
+    flags = torch.ge(lanes, _drop_units(p) - 32768, out=workspace.get("keep_flags", shape, torch.bool))
+    return workspace.get("keep", shape, dtype).copy_(flags.view(torch.uint8))
 
 
 class _Workspace:
@@ -374,6 +383,24 @@ def _block_probs(
         probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
         return probs
     return torch.softmax(scores, dim=-1)
+
+
+def _add_matmul(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target += a @ b`` for ``(b, h, ., .)`` tensors, in place through ``baddbmm_`` when the shapes allow.
+
+    The gradients of the keys and values gather one ``(b, h, lk, d)`` product per block; adding
+    it in the matrix product saves a temporary and a pass over it.
+    """
+    lead = target.shape[:-2]
+    if a.shape[:-2] == lead and b.shape[:-2] == lead and target.dim() == 4:
+        try:
+            flat = target.view(-1, *target.shape[-2:])  # (b * h, rows, columns), a view of target
+        except RuntimeError:
+            flat = None
+        if flat is not None:
+            flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+            return
+    target += torch.matmul(a, b)
 
 
 def _softmax_backward(grad_weights: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -659,10 +686,16 @@ class _BlockwiseAttention(torch.autograd.Function):
                 probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
             keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
             g_scaled = gc if keep is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
+            # Without a value term the dropped weights serve only the values' gradient: they are
+            # made in place from probs after its last use (no buffer, one stream fewer).
+            drop_late = keep is not None and not plan.value_term and (clipped is None or clipped.value_table is None)
             dropped = probs
-            if keep is not None:  # the forward's weights, unscaled: probs with the same entries dropped
+            if (
+                keep is not None and not drop_late
+            ):  # the forward's weights, unscaled: probs with the same entries dropped
                 dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
-            dv[..., :keys, :] += torch.matmul(dropped.transpose(-2, -1), g_scaled)
+            if not drop_late:
+                _add_matmul(dv[..., :keys, :], dropped.transpose(-2, -1), g_scaled)
             grad_buffer = workspace.get("grad", probs.shape, compute)
             if clipped is not None and clipped.value_table is not None:
                 assert split is not None
@@ -697,6 +730,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             if keep is not None:
                 grad_weights = grad_weights.mul_(keep)
             grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
+            if drop_late:
+                assert keep is not None
+                _add_matmul(dv[..., :keys, :], probs.mul_(keep).transpose(-2, -1), g_scaled)
             if clipped is not None and clipped.key_table is not None and k_wide is not None:
                 assert split is not None
                 dq_wide = torch.matmul(grad_scores, k_wide)  # (b, h, block, d + 2)
@@ -714,7 +750,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                     )
             else:
                 dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
-            dk[..., :keys, :] += torch.matmul(grad_scores.transpose(-2, -1), qc * plan.scale)
+            _add_matmul(dk[..., :keys, :], grad_scores.transpose(-2, -1), qc * plan.scale)
             if band_grad is not None:
                 window = plan.window(band_grad, start, end, keys)
                 window += grad_scores.sum_to_size(window.shape)
@@ -794,6 +830,141 @@ def _key_only_bias(
         return None
     assert isinstance(row, torch.Tensor)
     return _as_4d(row).masked_fill(~(visible | ~anyone), float("-inf"))
+
+
+# Queries per chunk of the causal key-row route: the bias of the keys a query weighs most is at
+# most (slope x chunk) from zero, so float32 keeps it to about 1e-5 of a unit at slope 0.5.
+CAUSAL_CHUNK = 256
+
+
+def _causal_key_rows(
+    term: ScoreTerm, k_positions: torch.Tensor, num_keys: int, dtype: torch.dtype
+) -> list[torch.Tensor] | None:
+    """Per chunk of :data:`CAUSAL_CHUNK` queries, the key-only row ``(1 or b, h, 1, end)`` anchored at its last key.
+
+    None if the term has no key-only form.
+    """
+    key_only_term = getattr(term, "key_only_term", None)
+    if key_only_term is None:
+        return None
+    positions = k_positions.long().reshape(-1, 1, 1, num_keys)  # (1 or b, 1, 1, lk)
+    rows = []
+    for start in range(0, num_keys, CAUSAL_CHUNK):
+        end = min(start + CAUSAL_CHUNK, num_keys)
+        anchor = positions[..., end - 1 : end]  # (1 or b, 1, 1, 1)
+        row = key_only_term(positions[..., :end] - anchor, dtype)
+        if row is None:
+            return None
+        rows.append(_as_4d(row))
+    return rows
+
+
+def _chunk_masks(row: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The diagonal ``(.., end - start, end - start)`` and earlier-keys ``(.., end - start, start)`` masks: views."""
+    lead = row.shape[:-2]
+    return row[..., start:end].expand(*lead, end - start, end - start), row[..., :start].expand(
+        *lead, end - start, start
+    )
+
+
+class _CausalKeyRows(torch.autograd.Function):
+    """Causal attention with a key-only term (ALiBi's causal form) through the flash kernel, chunk by chunk.
+
+    A causal mask is not one row, so the single-row route of :func:`_key_only_bias` cannot take
+    it; but within a chunk of queries the keys before the chunk are seen by every query of it.
+    Each chunk makes two calls of the flash kernel with views of one row as the mask: the keys
+    before the chunk (no causal mask) and the square diagonal tile (the kernel's own causal
+    mask, which is exact for a square), merged by their log-sum-exps. The backward pass gives
+    each call the merged output and log-sum-exp, so each recomputes its share of the merged
+    probabilities. The row is anchored at the chunk's last key so that the keys its queries
+    weigh most have a bias near zero (see :data:`CAUSAL_CHUNK`).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, rows: list[torch.Tensor], scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        compute = _compute_dtype(q.dtype)
+        length = q.shape[-2]
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (b, h, l, dv)
+        lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)  # (b, h, l)
+        for row, start in zip(rows, range(0, length, CAUSAL_CHUNK), strict=True):
+            end = min(start + CAUSAL_CHUNK, length)
+            qb = q[..., start:end, :]
+            diagonal, earlier = _chunk_masks(row, start, end)
+            block_out, block_lse = _flash_forward(
+                qb, k[..., start:end, :], v[..., start:end, :], is_causal=True, attn_mask=diagonal, scale=scale
+            )
+            block_lse = block_lse.to(compute)
+            if start > 0:
+                early_out, early_lse = _flash_forward(
+                    qb, k[..., :start, :], v[..., :start, :], attn_mask=earlier, scale=scale
+                )
+                merged = torch.logaddexp(block_lse, early_lse.to(compute))  # (b, h, chunk)
+                block_out = (
+                    block_out.to(compute) * (block_lse - merged).exp()[..., None]
+                    + early_out.to(compute) * (early_lse.to(compute) - merged).exp()[..., None]
+                )
+                block_lse = merged
+            # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
+            query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, chunk, 1)
+            out[..., start:end, :] = block_out + query_sums.mul(0).to(block_out.dtype)
+            lse[..., start:end] = block_lse
+        ctx.rows, ctx.scale = rows, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        rows, scale = ctx.rows, ctx.scale
+        if torch.is_grad_enabled():  # create_graph=True: differentiate a recomputation made of plain ops
+            inputs = [q, k, v]
+            wanted = [t.requires_grad for t in inputs]
+            recomputed = _causal_key_rows_reference(rows, scale, q, k, v)
+            sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
+            grads = iter(torch.autograd.grad(recomputed, sources, grad_out, create_graph=True, allow_unused=True))
+            return (None, None, *(next(grads) if w else None for w in wanted))
+        compute = _compute_dtype(q.dtype)
+        length = q.shape[-2]
+        dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+        with torch.no_grad():
+            for row, start in zip(rows, range(0, length, CAUSAL_CHUNK), strict=True):
+                end = min(start + CAUSAL_CHUNK, length)
+                qb, gb = q[..., start:end, :], grad_out[..., start:end, :].contiguous()
+                ob, lb = out[..., start:end, :], lse[..., start:end]
+                diagonal, earlier = _chunk_masks(row, start, end)
+                kd, vd = k[..., start:end, :], v[..., start:end, :]
+                gq, gk, gv = _flash_backward(gb, qb, kd, vd, ob, lb, 0.0, True, attn_mask=diagonal, scale=scale)
+                dq[..., start:end, :] = gq
+                dk[..., start:end, :] += gk
+                dv[..., start:end, :] += gv
+                if start > 0:
+                    ke, ve = k[..., :start, :], v[..., :start, :]
+                    gq, gk, gv = _flash_backward(gb, qb, ke, ve, ob, lb, 0.0, False, attn_mask=earlier, scale=scale)
+                    dq[..., start:end, :] += gq
+                    dk[..., :start, :] += gk
+                    dv[..., :start, :] += gv
+        return None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _causal_key_rows_reference(
+    rows: list[torch.Tensor], scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """What :class:`_CausalKeyRows` computes, chunk by chunk in differentiable ops (for double backward)."""
+    compute = _compute_dtype(q.dtype)
+    length = q.shape[-2]
+    pieces = []
+    for row, start in zip(rows, range(0, length, CAUSAL_CHUNK), strict=True):
+        end = min(start + CAUSAL_CHUNK, length)
+        qc, kc, vc = q[..., start:end, :].to(compute), k[..., :end, :].to(compute), v[..., :end, :].to(compute)
+        scores = torch.matmul(qc, kc.transpose(-2, -1)) * scale + row.to(compute)  # (b, h, chunk, end)
+        hidden = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device)[:, None]
+        weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        pieces.append(torch.matmul(weights, vc))  # (b, h, chunk, dv)
+    return torch.cat(pieces, dim=-2).to(q.dtype)
 
 
 def blockwise_attention(
@@ -882,6 +1053,24 @@ def blockwise_attention(
         key_bias = _key_only_bias(term, k_positions, mask, valid_lens, _compute_dtype(q.dtype))
         if key_bias is not None and block_size_given is None:
             block_size = num_queries  # the mask is one row: a block costs O(lk) however many queries it has
+    if (
+        term is not None
+        and causal
+        and num_queries == num_keys
+        and mask is None
+        and valid_lens is None
+        and block_size_given is None
+        and not (reads_queries or params or uses_weights or dropout_p > 0)
+        and q.device.type == "cpu"
+        and getattr(term, "key_only_term", None) is not None
+    ):
+        assert q_positions is not None and k_positions is not None
+        rows = _causal_key_rows(term, k_positions, num_keys, _compute_dtype(q.dtype))
+        if rows is not None:
+            causal_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+            with torch.profiler.record_function("selfattn::blockwise_attention"):
+                split_out: torch.Tensor = _CausalKeyRows.apply(rows, causal_scale, q, k, v)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+            return split_out
     block_size = max(1, min(block_size, num_queries))
     queries_in_term = bool(grad and q.requires_grad and reads_queries)
     clipped = None

@@ -173,23 +173,27 @@ class _PiecewiseLinear(torch.autograd.Function):
         shape = (slopes.shape[0], *x.shape)
         slope = slopes.index_select(1, flat).view(shape)  # (h, ...)
         intercept = intercepts.index_select(1, flat).view(shape)
-        ctx.save_for_backward(x, segments, slopes)
+        # The gathered slopes are kept for grad_x (one block's worth in blockwise attention):
+        # gathering them again in the backward pass costs as much as the forward's gather.
+        ctx.save_for_backward(x, segments, slopes, slope)
         return torch.addcmul(intercept, slope, x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, segments, slopes = ctx.saved_tensors
+        x, segments, slopes, slope = ctx.saved_tensors
         heads, count = slopes.shape
         flat = segments.reshape(-1)  # (entries,)
         grad_flat = grad.reshape(heads, -1)  # (h, entries)
         grad_x = grad_slopes = grad_intercepts = None
         if ctx.needs_input_grad[0]:
-            slope = slopes.index_select(1, flat).view(grad.shape)  # (h, ...)
+            if torch.is_grad_enabled():  # double backward: the slopes must be gathered in the graph
+                slope = slopes.index_select(1, flat).view(grad.shape)  # (h, ...)
             grad_x = (grad * slope).sum(dim=0)
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             # Neighbouring entries mostly share a segment; adding them into the same slot one
             # after the other is a chain of dependent adds, so entry e goes to lane e % LANES.
-            lane = torch.arange(flat.numel(), device=flat.device) % _LANES
+            repeats = (flat.numel() + _LANES - 1) // _LANES
+            lane = torch.arange(_LANES, device=flat.device).repeat(repeats)[: flat.numel()]  # (entries,)
             slots = (flat * _LANES + lane).expand(heads, -1)  # (h, entries)
 
             def per_segment(values: torch.Tensor) -> torch.Tensor:
