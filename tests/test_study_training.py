@@ -185,6 +185,7 @@ def test_report_explains_cells_below_95_percent(tmp_path: Path) -> None:
     assert "copy / none" in table and "copy / alibi" in table and "copy / rotary" not in table
     assert "40.0%" in table and "80.0%" in table  # none at n=2: exact match mean(0.5, 0.3), tokens mean(0.9, 0.7)
     assert "1.000 / 0.850" in table and "1.000 / 0.990" in table  # loss over the last two tenths, mean over seeds
+    assert "75.0%, 65.0%" in table  # none per seed over lengths 1..2: mean(1.0, 0.5), mean(1.0, 0.3)
     why = page[page.index("Why, as far") : page.index("<h2>Relative")]
     assert "In copy / none, at least 80%" in why
     assert "In copy / none, the training loss was still falling" in why

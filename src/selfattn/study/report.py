@@ -44,9 +44,9 @@ two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|
 
 {% if shortfalls %}<p class="bad">Below 95% exact match at the training lengths on copy or reverse (the goal of the
 default budget: a model that did not learn the task says little about extrapolation). Per cell, means over seeds:</p>
-<table><tr><th>task / encoding</th><th>exact match in</th><th>at n=1</th><th>at n={{ config.train_len }}</th>
+<table><tr><th>task / encoding</th><th>exact match in</th><th>per seed</th><th>at n=1</th><th>at n={{ config.train_len }}</th>
 <th>tokens right at n={{ config.train_len }}</th><th>loss, 9th / 10th tenth of training</th></tr>
-{% for s in shortfalls %}<tr><td>{{ s.cell }}</td><td>{{ pct(s.inside) }}</td><td>{{ pct(s.first) }}</td><td>{{ pct(s.last) }}</td>
+{% for s in shortfalls %}<tr><td>{{ s.cell }}</td><td>{{ pct(s.inside) }}</td><td>{% for v in s.by_seed %}{{ pct(v) }}{% if not loop.last %}, {% endif %}{% endfor %}</td><td>{{ pct(s.first) }}</td><td>{{ pct(s.last) }}</td>
 <td>{{ pct(s.tokens_last) }}</td><td>{% if s.loss_before is not none %}{{ "%.3f"|format(s.loss_before) }} / {{ "%.3f"|format(s.loss_after) }}{% else %}n/a{% endif %}</td></tr>
 {% endfor %}</table>
 <p>Why, as far as these numbers tell: exact match needs every one of the n answer tokens right, so a small error per
@@ -112,6 +112,11 @@ def _shortfall(results: dict[str, Any], task: str, label: str, inside: float, tr
     return {
         "cell": f"{task} / {label}",
         "inside": inside,
+        # A mean below 95% may be one seed that stalled: the seeds tell that apart from a cell that never learns.
+        "by_seed": [
+            sum(float(r["accuracy_by_length"][str(n)]) for n in range(1, train_len + 1)) / train_len
+            for r in sorted(_members(results, task, label), key=lambda r: int(r["seed"]))
+        ],
         "first": _mean_at(results, task, label, 1),
         "last": _mean_at(results, task, label, train_len),
         "tokens_last": _mean_at(results, task, label, train_len, "token_accuracy_by_length"),
