@@ -207,9 +207,10 @@ def run_study(
         checkpoint_seconds: the most work a kill loses.
         deep_stack: include the deep-stack measurements (exercise 1).
         report: write ``study.html`` and the figures.
-        progress: ``progress(my_specs, steps_of)`` (``steps_of(spec)``: the run's steps) returns a context manager whose value has
-            ``start_run(spec, done_steps)``, ``step(step, loss)`` and ``end_run(finished_steps)``
-            (the steps of every finished run of ``my_specs``, whichever rank trained it).
+        progress: ``progress(my_specs, steps_of)`` (``steps_of(spec)``: the run's steps) returns
+            a context manager whose value has ``start_run(spec, done_steps)``, ``step(step,
+            loss)`` and ``end_run(finished_steps)`` (the steps of every finished run of
+            ``my_specs``, whichever rank trained it).
     """
     env = _Distributed()
     try:
@@ -267,8 +268,8 @@ def run_study(
                 if env.rank == 0 or not data_parallel:
                     write_json(runs_dir / f"{spec.key}.json", run)
                 if bars is not None:
-                    finished = [spec for spec in pending if (runs_dir / f"{spec.key}.json").exists()]
-                    bars.end_run(sum(steps_of(spec) for spec in finished))  # by every rank
+                    finished = [done for done in pending if (runs_dir / f"{done.key}.json").exists()]
+                    bars.end_run(sum(steps_of(done) for done in finished))  # by every rank
         env.barrier()
         if env.rank != 0:
             return None
