@@ -690,9 +690,8 @@ class _BlockwiseAttention(torch.autograd.Function):
             # made in place from probs after its last use (no buffer, one stream fewer).
             drop_late = keep is not None and not plan.value_term and (clipped is None or clipped.value_table is None)
             dropped = probs
-            if (
-                keep is not None and not drop_late
-            ):  # the forward's weights, unscaled: probs with the same entries dropped
+            if keep is not None and not drop_late:
+                # the forward's weights, unscaled: probs with the same entries dropped
                 dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
             if not drop_late:
                 _add_matmul(dv[..., :keys, :], dropped.transpose(-2, -1), g_scaled)
