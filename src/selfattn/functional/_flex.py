@@ -16,6 +16,8 @@ __all__ = ["flex_applies", "flex_score_attention"]
 #: FlexAttention's compiled CUDA kernel rejects smaller head sizes ("NYI: embedding dimension of
 #: the query, key, and value must be at least 16", seen with torch 2.11 on an H100).
 FLEX_MIN_HEAD_SIZE = 16
+#: Compiled variants of the FlexAttention frame kept before dynamo falls back to eager.
+FLEX_RECOMPILE_LIMIT = 64
 
 
 def flex_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -85,10 +87,15 @@ def flex_score_attention(
             score = torch.where(full_mask[b, h, q_idx, kv_idx], score, float("-inf"))
         return score
 
-    kernel = _compiled_flex_attention() if q.device.type == "cuda" else flex_attention
-    out: torch.Tensor = kernel(
-        q, k, v, score_mod=score_mod, scale=1.0 / math.sqrt(head_dim) if scale is None else scale
-    )
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if q.device.type == "cuda":
+        # Every encoding type, grad mode and mask layout is one more compiled entry of the one
+        # flex_attention frame; past dynamo's default limit of 8 it silently ran the unfused
+        # eager reference instead (T5 220x slower than flash attention on an H100).
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+            out: torch.Tensor = _compiled_flex_attention()(q, k, v, score_mod=score_mod, scale=scale)
+    else:
+        out = flex_attention(q, k, v, score_mod=score_mod, scale=scale)
     empty = None
     if full_mask is not None:
         empty = ~full_mask.any(dim=-1, keepdim=True)  # (b, h, lq, 1)
