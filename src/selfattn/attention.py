@@ -884,7 +884,9 @@ class MultiHeadAttention(nn.Module):
 
         ``W_q, W_k, W_v``, attention and ``W_o`` see rows ``:length`` of the group's sequences
         (a view for neighbours in the batch, one ``index_select`` otherwise); the rest of the
-        output stays zero.
+        output stays zero. Packing every valid token for one projection instead measured no
+        faster (b=4, n=2048, d=512, one core, a projection and its write-back: 24.0 vs 23.6 ms
+        for lengths [n, n/4, n/4, n/4], 28.3 vs 27.6 ms for all n/2).
         Returns ``(b, l, d)``.
         """
         dropout_p = self.dropout if self.training else 0.0
