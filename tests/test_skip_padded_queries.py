@@ -168,7 +168,7 @@ def test_errors():
         mha(x, x, x, torch.full((2, 5), 3))
     with pytest.raises(ValueError, match="skip_padded_queries does not apply with a cache"):
         mha(x, x, x, torch.tensor([5, 3]), cache=KVCache(max_len=16))
-    with pytest.raises(ValueError, match="as many queries as keys.*got 2 queries and 5 keys"):
+    with pytest.raises(ValueError, match=r"as many queries as keys.*got 2 queries and 5 keys"):
         mha(x[:, :2], x, x, torch.tensor([5, 3]))
 
 

@@ -915,7 +915,7 @@ class MultiHeadAttention(nn.Module):
                 q_g = self.position(q_g, self._per_head(q_pos))
                 k_g = self.position.encode_keys(k_g, self._per_head(k_pos))
             out_g = _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p)  # (b_g, h, length, dh)
-            projected = self.W_o(out_g.transpose(1, 2).flatten(2))  # (b_g, length, d)
+            projected: torch.Tensor = self.W_o(out_g.transpose(1, 2).flatten(2))  # (b_g, length, d)
             if isinstance(take, slice) and take == slice(0, batch) and length == num_queries:
                 return projected  # nothing padded: the output needs no buffer
             out[take, :length] = projected
