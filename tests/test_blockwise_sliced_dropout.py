@@ -120,7 +120,9 @@ def test_keys_shared_by_heads_get_the_sum_of_their_gradients(sliced):
     want = _dense(q, k, v, _tile_masks(_call_seed(3), p, b, lq, lk, 4, False), p=p, visible=visible)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     grad = torch.randn(got.shape, dtype=torch.float64)
-    for g_got, g_want in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+    for g_got, g_want in zip(
+        torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad), strict=True
+    ):
         assert g_got.shape == g_want.shape
         torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-10)
 
