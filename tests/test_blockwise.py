@@ -17,6 +17,7 @@ from selfattn.functional import (
     dropout_keep_probability,
     flex_score_attention,
 )
+from selfattn.functional._flex import FLEX_MIN_HEAD_SIZE, flex_applies
 from selfattn.positional import build
 
 HEADS, HEAD_DIM = 4, 8
@@ -385,7 +386,9 @@ def test_flex_attention_forward_on_cpu_equals_dense(label):
 @pytest.mark.parametrize("label", ["alibi", "t5", "kerple"])
 def test_flex_attention_on_cuda_forward_and_backward(label):  # pragma: no cover - GPU only
     term = make_term(label, torch.float32).cuda()
-    q, k, v = (t.cuda().requires_grad_(True) for t in qkv(2, 128, 128, torch.float32))
+    gen = torch.Generator().manual_seed(0)
+    # (b, h, l, 16): the compiled kernel takes head sizes from 16 up (FLEX_MIN_HEAD_SIZE)
+    q, k, v = (torch.randn(2, HEADS, 128, 16, generator=gen).cuda().requires_grad_(True) for _ in range(3))
     positions = torch.arange(128, device="cuda")
     visible = torch.ones(2, HEADS, 128, 128, dtype=torch.bool, device="cuda").tril()
     out = flex_score_attention(q, k, v, term=term, q_positions=positions, k_positions=positions, causal=True)
@@ -396,6 +399,15 @@ def test_flex_attention_on_cuda_forward_and_backward(label):  # pragma: no cover
     ref = torch.autograd.grad(want.sum(), [q, *params])
     for g, w in zip(got, ref, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
+
+
+def test_flex_takes_head_sizes_from_16_on_cuda_only():
+    assert FLEX_MIN_HEAD_SIZE == 16
+    small, large = torch.zeros(1, 1, 2, 8, device="meta"), torch.zeros(1, 1, 2, 16, device="meta")
+    assert not flex_applies(large, large)  # not CUDA
+    if torch.cuda.is_available():  # pragma: no cover - GPU only
+        small, large = torch.zeros(1, 1, 2, 8, device="cuda"), torch.zeros(1, 1, 2, 16, device="cuda")
+        assert flex_applies(large, large) and not flex_applies(small, large) and not flex_applies(large, small)
 
 
 def test_functional_attention_with_dropout_runs_blockwise():

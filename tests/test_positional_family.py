@@ -171,6 +171,25 @@ def test_runs_on_the_gpu(name):
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["alibi", "t5", "kerple", "fire"])
+def test_score_terms_through_flex_on_the_gpu_equal_the_cpu(name):  # pragma: no cover - GPU only
+    # Head size 16: MultiHeadAttention hands these score terms to FlexAttention's compiled kernel.
+    torch.manual_seed(0)
+    encoding = build(name, num_hiddens=64, num_heads=4)
+    mha = MultiHeadAttention(64, 4, position=encoding)
+    x = torch.randn(2, 40, 64)
+    results = []
+    for device in ("cuda", "cpu"):
+        mha.to(device).zero_grad()
+        xd = x.to(device).requires_grad_(True)
+        out = mha(xd, xd, xd, torch.tensor([33, 40], device=device), causal=True)
+        out.square().sum().backward()
+        results.append([out, xd.grad, *(p.grad for p in encoding.parameters())])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     ("name", "options", "fused"),
     [

@@ -11,7 +11,8 @@ import torch
 from study_settings import TINY
 
 from selfattn.study.runner import Grid, run_study, summarize
-from selfattn.study.training import RunSpec, train_run
+from selfattn.study.tasks import BOS, PAD, get_task
+from selfattn.study.training import RunSpec, train_run, training_batch
 
 SHORT = replace(TINY, steps=12)
 
@@ -189,3 +190,37 @@ def test_report_explains_cells_below_95_percent(tmp_path: Path) -> None:
     why = page[page.index("Why, as far") : page.index("<h2>Relative")]
     assert "In copy / none, at least 80%" in why
     assert "In copy / none, the training loss was still falling" in why
+
+
+def _answer_lengths(targets: torch.Tensor) -> list[int]:
+    return (targets != -100).sum(dim=1).tolist()
+
+
+def test_training_batch_mixes_lengths_and_is_a_function_of_the_step() -> None:
+    config = replace(TINY, batch_size=64, train_len=9)
+    task = get_task("copy")
+    spec = RunSpec("copy", "rotary", 5, randomized_positions=True)
+    tokens, targets, positions = training_batch(task, spec, config, 3, 50)
+    lengths = _answer_lengths(targets)  # copy: the answer is as long as the input
+    assert len(lengths) == 64 and min(lengths) >= 1 and max(lengths) <= 9
+    assert len(set(lengths)) > 4  # 64 draws from U(1, 9)
+    # Right padding: every row starts with BOS and holds exactly 2 * length + 2 tokens.
+    assert (tokens[:, 0] == BOS).all()
+    assert ((tokens != PAD).sum(dim=1) == 2 * torch.tensor(lengths) + 2).all()
+    assert positions is not None and positions.shape == (tokens.shape[1],)
+    assert (positions.diff() > 0).all() and int(positions.max()) < 50
+    again = training_batch(task, spec, config, 3, 50)
+    assert torch.equal(again[0], tokens) and torch.equal(again[1], targets) and torch.equal(again[2], positions)
+    assert not torch.equal(training_batch(task, spec, config, 4, 50)[1], targets)
+
+
+def test_training_batch_with_one_length_per_step() -> None:
+    config = replace(TINY, batch_size=8, train_len=9, mixed_lengths=False)
+    task = get_task("reverse")
+    seen = set()
+    for step in range(6):
+        tokens, targets, positions = training_batch(task, RunSpec("reverse", "none", 0), config, step, 50)
+        lengths = set(_answer_lengths(targets))
+        assert len(lengths) == 1 and positions is None and (tokens != PAD).all()
+        seen |= lengths
+    assert len(seen) > 1  # the length changes from step to step

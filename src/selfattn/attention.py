@@ -20,6 +20,7 @@ from selfattn._validation import ArgumentTypeError, require_position, require_po
 from selfattn.cache import KVCache
 from selfattn.functional import attention, attention_weights, blockwise_attention, flex_score_attention
 from selfattn.functional._attention import _fused_kernel, _repeat_kv
+from selfattn.functional._flex import flex_applies
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
 
 __all__ = ["MultiHeadAttention"]
@@ -701,7 +702,8 @@ class MultiHeadAttention(nn.Module):
         blockwise = not return_weights and not extra_bias and not _is_compiling()
         if blockwise and (score is not None or dropout_p > 0):
             k, v = _repeat_kv(q, keys.k), _repeat_kv(q, keys.v)  # (b, h, lk, dh)
-            if q.device.type == "cuda" and score is not None and not score.uses_weights and dropout_p == 0:
+            flex = score is not None and score.compiles_in_flex and not score.uses_weights and dropout_p == 0
+            if flex and flex_applies(q, v):
                 out = flex_score_attention(
                     q, k, v, term=score, q_positions=q_positions, k_positions=keys.positions, mask=mask,
                     causal=leave_causal,

@@ -10,7 +10,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["flex_score_attention"]
+__all__ = ["flex_applies", "flex_score_attention"]
+
+#: FlexAttention's compiled CUDA kernel rejects smaller head sizes ("NYI: embedding dimension of
+#: the query, key, and value must be at least 16", seen with torch 2.11 on an H100).
+FLEX_MIN_HEAD_SIZE = 16
+
+
+def flex_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`flex_score_attention` should take ``q`` ``(..., d)`` and ``v`` ``(..., dv)``: on CUDA, d, dv >= 16."""
+    return q.device.type == "cuda" and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_SIZE
 
 
 def flex_score_attention(

@@ -112,6 +112,9 @@ class ScoreEncoding(PositionalEncoding):
     acts_on = "scores"
     is_relative = True
     uses_weights: ClassVar[bool] = False
+    #: Whether :meth:`to_score_mod` lowers to FlexAttention's compiled CUDA kernel; where it does
+    #: not, attention on CUDA takes the blockwise path instead.
+    compiles_in_flex: ClassVar[bool] = True
     # Attention evaluates forward() one block of queries at a time (selfattn.functional.blockwise_attention),
     # so a new score term needs only forward(); pair_bias() adds FlexAttention support.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,10 @@ class FIREPositionalBias(ScoreEncoding):
     """
 
     is_relative = False
+
+    # Its MLP is no pointwise expression: inductor stops with "Buffers cannot be created while
+    # lowering a pointwise subgraph" (torch 2.11 on an H100), so CUDA runs it blockwise.
+    compiles_in_flex: ClassVar[bool] = False
 
     def __init__(
         self,

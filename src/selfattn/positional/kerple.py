@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,6 +61,27 @@ class KerplePositionalBias(ScoreEncoding):
     def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         distance = (k_positions.long() - q_positions.long()).abs().float()
         return -self.r1.float()[heads] * torch.log1p(self.r2.float()[heads] * distance)
+
+    def to_score_mod(
+        self, *, q_positions: torch.Tensor, k_positions: torch.Tensor, q: torch.Tensor | None = None
+    ) -> tuple[Callable[..., torch.Tensor], list[nn.Parameter]]:
+        """As :meth:`ScoreEncoding.to_score_mod`, with ``r1`` and ``r2`` computed once outside the ``score_mod``.
+
+        Inside it, ``softplus(raw)[h]`` reads ``raw`` twice, and FlexAttention's compiled
+        backward rejects a tensor that requires grad indexed more than once.
+        """
+        del q
+        r1, r2 = self.r1.float(), self.r2.float()  # (h,) each, differentiable in the raw parameters
+
+        def score_mod(
+            score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            i = q_positions[q_idx] if q_positions.dim() == 1 else q_positions[b, q_idx]
+            j = k_positions[kv_idx] if k_positions.dim() == 1 else k_positions[b, kv_idx]
+            distance = (j.long() - i.long()).abs().float()
+            return score + (-r1[h] * torch.log1p(r2[h] * distance)).to(score.dtype)
+
+        return score_mod, list(self.parameters())
 
     def forward(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         if q.dim() != 4 or q.shape[1] != self.num_heads:

@@ -35,7 +35,8 @@ img { max-width: 100%; height: auto; }
 <p class="note">{{ runs|length }} runs: tasks {{ config.tasks|join(", ") }}; encodings {{ config.encodings|join(", ") }};
 {{ config.seeds }} seed(s){% if config.randomized_positions %}; randomized positions for the absolute and rotary encodings{% endif %}.
 Each run trains a {{ config.num_layers }}-layer causal transformer (d={{ config.num_hiddens }}, {{ config.num_heads }} heads)
-for {{ config.steps_text }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }},
+for {{ config.steps_text }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }}{% if config.mixed_lengths %}
+(each sample draws its own length){% else %} (one length per step){% endif %},
 then measures exact match of the answer at every input length 1..{{ config.eval_len }} ({{ config.eval_samples }} samples each).
 Training took {{ "%.0f"|format(total_seconds) }} s of wall-clock time in all (sum over runs){% if cpu_seconds %}; training and
 evaluation used {{ "%.0f"|format(cpu_seconds) }} s of CPU time ({{ "%.0f"|format(cpu_seconds / runs|length) }} s per run), so on

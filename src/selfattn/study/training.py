@@ -38,6 +38,7 @@ __all__ = [
     "exact_match",
     "token_accuracy",
     "train_run",
+    "training_batch",
 ]
 
 ENCODINGS = ("none", "sinusoidal", "learned", "rotary", "alibi", "t5", "shaw")
@@ -60,10 +61,13 @@ class StudyConfig:
         steps: optimizer steps per run for every task, or None for each task's own budget in
             :data:`TASK_STEPS` (see :meth:`steps_for`).
         batch_size: samples per step (the global batch under data-parallel training).
+        mixed_lengths: each sample of a batch draws its own input length, and the batch is
+            right-padded to its longest (a causal model never sees the padding, and padded
+            positions have no target); False draws one length per step for the whole batch.
         lr: peak AdamW learning rate (linear warm-up, then cosine decay to a tenth).
         warmup: warm-up steps.
         weight_decay: AdamW weight decay.
-        train_len: inputs of length U(1, train_len) in training (one length per step).
+        train_len: inputs of length U(1, train_len) in training.
         eval_factor: evaluation at every length 1 .. eval_factor * train_len.
         eval_samples: samples per evaluated length.
         num_hiddens / num_heads / num_layers / ffn_hiddens: the model.
@@ -72,7 +76,8 @@ class StudyConfig:
     """
 
     steps: int | None = None
-    batch_size: int = 32
+    batch_size: int = 16
+    mixed_lengths: bool = True
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.01
@@ -142,9 +147,28 @@ def _generator(*parts: int | str) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(text.encode()))
 
 
-def _random_positions(length: int, model: TransformerLM, generator: torch.Generator) -> torch.Tensor:
-    """A sorted random subset of ``range(model.max_len)`` of size ``length`` (Ruoss et al. 2023)."""
-    return torch.randperm(model.max_len, generator=generator)[:length].sort().values
+def _random_positions(length: int, max_position: int, generator: torch.Generator) -> torch.Tensor:
+    """A sorted random subset of ``range(max_position)`` of size ``length`` (Ruoss et al. 2023)."""
+    return torch.randperm(max_position, generator=generator)[:length].sort().values
+
+
+def training_batch(
+    task: Task, spec: RunSpec, config: StudyConfig, step: int, max_position: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The global batch of optimizer step ``step``: a function of the seed, the task and the step alone.
+
+    Returns:
+        tokens ``(b, l)``, targets ``(b, l)`` (-100 off the answer) and, with randomized
+        positions, the positions ``(l,)`` drawn from ``range(max_position)`` (else None).
+    """
+    generator = _generator("train", spec.seed, spec.task, step)
+    # Mixed lengths put the hard long samples in every step: with one length per step (and twice
+    # this batch) one seed in three stalled below 95% on copy with NoPE and on reverse with Shaw.
+    draws = config.batch_size if config.mixed_lengths else 1
+    lengths = torch.randint(1, config.train_len + 1, (draws,), generator=generator).tolist()
+    tokens, targets, _ = make_batch(task, lengths * (config.batch_size // draws), generator)
+    positions = _random_positions(tokens.shape[1], max_position, generator) if spec.randomized_positions else None
+    return tokens, targets, positions
 
 
 def _learning_rate(step: int, steps: int, config: StudyConfig) -> float:
@@ -206,7 +230,7 @@ def evaluate_lengths(
         positions = None
         if spec.randomized_positions:
             assert isinstance(model, TransformerLM)
-            positions = _random_positions(tokens.shape[1], model, generator).to(device)
+            positions = _random_positions(tokens.shape[1], model.max_len, generator).to(device)
         per_chunk = max(1, chunk_tokens // tokens.shape[1])
         hits, fractions = [], []
         for start in range(0, tokens.shape[0], per_chunk):
@@ -325,12 +349,8 @@ def train_run(
     last_save = time.perf_counter()
     while state.step < steps:
         started, cpu_started = time.perf_counter(), time.process_time()
-        generator = _generator("train", spec.seed, spec.task, state.step)
-        # One length per step, drawn from U(1, train_len): no padding, so no compute on it.
-        n = int(torch.randint(1, config.train_len + 1, (1,), generator=generator))
-        tokens, targets, _ = make_batch(task, [n] * config.batch_size, generator)
+        tokens, targets, positions = training_batch(task, spec, config, state.step, model.max_len)
         count = int((targets != -100).sum())  # answer tokens in the global batch
-        positions = _random_positions(tokens.shape[1], model, generator) if spec.randomized_positions else None
         tokens, targets = tokens[rank * share : (rank + 1) * share], targets[rank * share : (rank + 1) * share]
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(state.step, steps, config)
