@@ -37,7 +37,12 @@ diagonal tile takes one with the kernel's own causal mask; the two are merged by
 log-sum-exps, and each backward call is given the merged output and log-sum-exp.
 
 Dropout draws a fresh mask per block from a generator seeded by (call seed, block index), so
-the backward pass redraws exactly the forward's mask. The keep test compares 16 random bits
+the backward pass redraws exactly the forward's mask. Dropout with no score term on CPU (and at
+least ``SLICED_MIN_SCORES`` scores per slice) goes one ``(batch, head)`` slice at a time in
+tiles of about 2 MiB (:class:`_SlicedDropoutAttention`, :func:`choose_slice_block`), seeded
+per (call seed, slice, block index): each tile's softmax, keep mask and products then work in
+cache, and the slices go to worker threads running one PyTorch thread each, so no small op
+waits on an OpenMP team. The keep test compares 16 random bits
 with a threshold: the drop probability is ``p`` rounded to a multiple of ``2**-16`` (0.1 becomes
 0.100006), and kept weights are divided by the exact keep probability, so the output stays an
 unbiased estimate. The mask is applied as 1.0 / 0.0 factors (a float multiply is several times
@@ -1228,7 +1233,8 @@ def blockwise_attention(
         scale: score scale, default ``1 / sqrt(d)``.
         block_size: queries per block; default :func:`choose_block_size`, or all queries when
             the term is one key-only row of bias for every query (ALiBi's causal form without
-            a causal mask; see the module's notes).
+            a causal mask; see the module's notes), or :func:`choose_slice_block` for dropout
+            with no term on CPU (one ``(batch, head)`` slice at a time).
 
     Returns:
         ``(b, h, lq, dv)``.
