@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     columns = ["encoding"]
     for n in args.lengths:
-        tokens = config.batch_size * (2 * n + 1)
+        tokens = config.batch_size * get_task("copy").sequence_len(n)
         columns += [f"ms/step n={n} ({tokens} tokens)", f"tokens/s n={n}", f"time vs none n={n}"]
     parts = [
         f"## Training throughput of the study's model ({device.type}{', quick smoke run' if args.quick else ''})",

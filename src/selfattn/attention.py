@@ -171,7 +171,8 @@ class MultiHeadAttention(nn.Module):
     * keys at or past the longest valid length are never projected nor scored, and a batch
       whose sequences have few distinct valid lengths runs one fused call per length, each
       on its own keys only;
-    * ``causal=True`` with fewer queries than keys aligns the mask to the last key.
+    * ``causal=True`` with fewer queries than keys aligns the mask to the last key;
+    * with ``skip_padded_queries=True`` (opt-in), padded query rows are zeros, not computed.
 
     Args:
         num_hiddens: output size ``d``, split over the heads.
@@ -196,6 +197,17 @@ class MultiHeadAttention(nn.Module):
         dtype: dtype of the parameters.
         block_size: queries per block when attention goes blockwise (score encodings, dropout);
             default :func:`~selfattn.functional.choose_block_size` from the sizes of each call.
+        skip_padded_queries: self-attention over a padded batch with per-sequence ``valid_lens``
+            ``(b,)``: rows ``i >= valid_lens[s]`` of sequence ``s`` are padding as queries too.
+            Their output (and attention weights) are exactly zero, with no ``W_o`` bias, and
+            the padded rows of the queries, keys and values are never read (a NaN there reaches
+            no output and no gradient), so each valid row equals running its sequence alone at
+            its own length. Ragged batches then project and attend only each sequence's valid
+            rows; other paths (masks, windows, score encodings, compiled graphs) compute the
+            padded rows from zeros and discard them. Default ``False``: the chapter's masked
+            softmax, where a padded query attends over its sequence's valid keys. Needs
+            ``valid_lens`` of shape ``(b,)``, as many queries as keys and no cache (else
+            ``ValueError``); without ``valid_lens`` it changes nothing.
     """
 
     def __init__(
@@ -212,6 +224,7 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         window: int | None = None,
         block_size: int | None = None,
+        skip_padded_queries: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -237,6 +250,9 @@ class MultiHeadAttention(nn.Module):
             )
         self.position = position
         self.block_size = None if block_size is None else require_positive_int("block_size", block_size)
+        if not isinstance(skip_padded_queries, bool):
+            raise ValueError(f"skip_padded_queries must be True or False, got {skip_padded_queries!r}")
+        self.skip_padded_queries = skip_padded_queries
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         kv_hiddens = self.num_kv_heads * self.head_dim
         self.W_q = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory)
@@ -545,9 +561,18 @@ class MultiHeadAttention(nn.Module):
             batch, num_queries, num_new_keys, total, offset, positions, key_positions, document_ids, cache, device
         )
         key_documents = document_ids
+        valid_rows = None  # (b, lq) bool: the rows that are not padding, with skip_padded_queries
         if valid_lens is not None:
             max_keys = total if cache is None or cache.max_len is None else cache.max_len
             valid_lens = self._check_valid_lens(valid_lens, batch, num_queries, max_keys).to(device)
+            if self.skip_padded_queries:
+                self._check_skip_padded_queries(valid_lens, num_queries, num_new_keys, cache)
+                if attn_mask is None and key_padding_mask is None and document_ids is None:
+                    lengths = self._ragged_lengths(num_queries, total, valid_lens, return_weights)
+                    if lengths is not None:
+                        return self._ragged_valid_rows(queries, keys, values, q_positions, k_positions, lengths, causal)
+                valid_rows = torch.arange(num_queries, device=device) < valid_lens[:, None]  # (b, lq)
+                queries, keys, values = self._zero_padding(valid_rows, queries, keys, values)
             if cache is None and not _is_compiling():
                 # Keys at or past the longest valid length are invisible to every query: skip them.
                 kept = max(int(valid_lens.max()), 1) if valid_lens.numel() else num_new_keys
@@ -590,11 +615,15 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).reshape(batch, num_queries, self.num_hiddens)  # (b, lq, d)
         out = self.W_o(out)
         assert isinstance(out, torch.Tensor)
+        if valid_rows is not None:
+            out = out.masked_fill(~valid_rows[:, :, None], 0.0)  # padded query rows: zero, no W_o bias
         if cache is not None:
             cache.commit()  # the new keys count as stored only once attention has succeeded
         if not return_weights:
             return out
         assert weights is not None
+        if valid_rows is not None:
+            weights = weights.masked_fill(~valid_rows[:, None, :, None], 0.0)  # (b, h, lq, lk)
         # Keys never scored (skipped padding, or dropped by a windowed cache) weigh 0: (b, h, lq, total).
         weights = F.pad(weights, (seen.first_index, total - seen.first_index - weights.shape[-1]))
         return out, weights
@@ -812,6 +841,88 @@ class MultiHeadAttention(nn.Module):
                 put(0, out_g)
         return merged
 
+    # ------------------------------------------------------------------ skipped padded queries
+
+    @staticmethod
+    def _check_skip_padded_queries(
+        valid_lens: torch.Tensor, num_queries: int, num_new_keys: int, cache: KVCache | None
+    ) -> None:
+        if valid_lens.dim() != 1:
+            raise ValueError(
+                "skip_padded_queries needs valid_lens of shape (batch,): per-query valid_lens "
+                f"{tuple(valid_lens.shape)} do not say which query rows are padding"
+            )
+        if cache is not None:
+            raise ValueError("skip_padded_queries does not apply with a cache (decoding); pass cache=None")
+        if num_queries != num_new_keys:
+            raise ValueError(
+                "skip_padded_queries needs self-attention over a padded batch (as many queries as keys), "
+                f"got {num_queries} queries and {num_new_keys} keys"
+            )
+
+    @staticmethod
+    def _zero_padding(
+        valid_rows: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inputs with their padded rows zeroed (``valid_rows`` ``(b, l)``), each shared tensor zeroed once."""
+        padded = ~valid_rows[:, :, None]  # (b, l, 1)
+        zeroed: dict[int, torch.Tensor] = {}
+        for x in (queries, keys, values):
+            if id(x) not in zeroed:
+                zeroed[id(x)] = x.masked_fill(padded, 0.0)  # masked_fill, not a product: a NaN there is dropped
+        return zeroed[id(queries)], zeroed[id(keys)], zeroed[id(values)]
+
+    def _ragged_valid_rows(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        q_positions: torch.Tensor,
+        k_positions: torch.Tensor,
+        lengths: list[int],
+        causal: bool,
+    ) -> torch.Tensor:
+        """``skip_padded_queries`` on a ragged batch: each group of equal valid length runs on its valid rows only.
+
+        ``W_q, W_k, W_v``, attention and ``W_o`` see rows ``:length`` of the group's sequences
+        (a view for neighbours in the batch, one ``index_select`` otherwise); the rest of the
+        output stays zero. Packing every valid token for one projection instead measured no
+        faster (b=4, n=2048, d=512, one core, a projection and its write-back: 24.0 vs 23.6 ms
+        for lengths [n, n/4, n/4, n/4], 28.3 vs 27.6 ms for all n/2).
+        Returns ``(b, l, d)``.
+        """
+        dropout_p = self.dropout if self.training else 0.0
+        batch, num_queries, _ = queries.shape
+        out = queries.new_zeros(batch, num_queries, self.num_hiddens)  # (b, l, d); padded rows stay zero
+        for length in sorted(set(lengths) - {0}):
+            rows = [row for row, value in enumerate(lengths) if value == length]
+            take: slice | torch.Tensor
+            if rows == list(range(rows[0], rows[-1] + 1)):
+                take = slice(rows[0], rows[-1] + 1)
+            else:
+                take = torch.tensor(rows, device=queries.device)
+
+            def pick(x: torch.Tensor, take: slice | torch.Tensor = take) -> torch.Tensor:
+                return x[take] if isinstance(take, slice) else x.index_select(0, take)
+
+            query_rows = pick(queries[:, :length])  # (b_g, length, dq)
+            key_rows = query_rows if keys is queries else pick(keys[:, :length])
+            value_rows = key_rows if values is keys else pick(values[:, :length])
+            q_g = self._split_heads(self.W_q(query_rows), self.num_heads)  # (b_g, h, length, dh)
+            k_g = self._split_heads(self.W_k(key_rows), self.num_kv_heads)  # (b_g, hk, length, dh)
+            v_g = self._split_heads(self.W_v(value_rows), self.num_kv_heads)
+            if isinstance(self.position, QueryKeyEncoding):
+                q_pos, k_pos = (p[..., :length] for p in (q_positions, k_positions))
+                q_pos, k_pos = (pick(p) if p.dim() == 2 else p for p in (q_pos, k_pos))  # (length,) or (b_g, length)
+                q_g = self.position(q_g, self._per_head(q_pos))
+                k_g = self.position.encode_keys(k_g, self._per_head(k_pos))
+            out_g = _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p)  # (b_g, h, length, dh)
+            projected: torch.Tensor = self.W_o(out_g.transpose(1, 2).flatten(2))  # (b_g, length, d)
+            if isinstance(take, slice) and take == slice(0, batch) and length == num_queries:
+                return projected  # nothing padded: the output needs no buffer
+            out[take, :length] = projected
+        return out
+
     # ------------------------------------------------------------------ sliding window
 
     def _block_size(self) -> int:
@@ -949,4 +1060,5 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
         extra += "" if self.window is None else f", window={self.window}"
+        extra += ", skip_padded_queries=True" if self.skip_padded_queries else ""
         return f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"
