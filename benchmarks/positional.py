@@ -144,6 +144,8 @@ def attention_kernel(call, device: torch.device, *, training: bool) -> str:
         call(x)
     keys = {event.key for event in prof.key_averages()}
     fused = tuple(f"aten::_scaled_dot_product_{kind}" for kind in ("flash", "efficient", "cudnn"))
+    if "selfattn::flex_attention" in keys:
+        return "FlexAttention"
     if "selfattn::blockwise_attention" in keys:
         return "blockwise, fused" if any(k.startswith(fused) for k in keys) else "blockwise, explicit"
     if any(k.startswith(fused) for k in keys):
@@ -261,7 +263,7 @@ def run_speed(args, device: torch.device) -> tuple[str, dict]:
             "`attention kernel`, with autograd on / off, read from the profiler in the forward pass: `fused SDPA` "
             "is one call of the flash kernel of `scaled_dot_product_attention`; `blockwise, fused` is "
             "`selfattn.functional.blockwise_attention` handing each block of queries and its bias (a float mask) "
-            "to that kernel; `blockwise, explicit` computes each block's scores itself (Shaw's value term and "
+            "to that kernel; `FlexAttention` is a score term's `score_mod` in PyTorch's compiled FlexAttention kernel (CUDA); `blockwise, explicit` computes each block's scores itself (Shaw's value term and "
             "dropout need the weights). A learnable bias (T5, Kerple, FIRE, Shaw's keys) runs a fused forward "
             "and an explicit blockwise backward that reduces the score gradient into its parameters.",
             "",

@@ -401,6 +401,17 @@ def test_flex_attention_on_cuda_forward_and_backward(label):  # pragma: no cover
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_flex_attention_names_itself_to_the_profiler():
+    q, k, v = qkv(1, 4, 4, torch.float32)
+    positions = torch.arange(4)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flex_score_attention(
+            q, k, v, term=make_term("alibi", torch.float32), q_positions=positions, k_positions=positions
+        )
+    assert "selfattn::flex_attention" in {event.key for event in prof.key_averages()}
+
+
 def test_flex_takes_head_sizes_from_16_on_cuda_only():
     assert FLEX_MIN_HEAD_SIZE == 16
     small, large = torch.zeros(1, 1, 2, 8, device="meta"), torch.zeros(1, 1, 2, 16, device="meta")
