@@ -197,7 +197,7 @@ def _answer_lengths(targets: torch.Tensor) -> list[int]:
 
 
 def test_training_batch_mixes_lengths_and_is_a_function_of_the_step() -> None:
-    config = replace(TINY, batch_size=64, train_len=9)
+    config = replace(TINY, batch_size=64, train_len=9, mixed_lengths=True)
     task = get_task("copy")
     spec = RunSpec("copy", "rotary", 5, randomized_positions=True)
     tokens, targets, positions = training_batch(task, spec, config, 3, 50)
