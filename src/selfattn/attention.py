@@ -158,6 +158,23 @@ def _check_cumulative_lengths(name: str, value: object, length: int) -> torch.Te
     return value
 
 
+def _length_groups(lengths: list[int], device: torch.device) -> list[tuple[int, slice | torch.Tensor]]:
+    """``(length, rows)`` per distinct length, shortest first: a slice for neighbouring rows, else an index tensor."""
+    groups: list[tuple[int, slice | torch.Tensor]] = []
+    for length in sorted(set(lengths)):
+        rows = [row for row, value in enumerate(lengths) if value == length]
+        if rows == list(range(rows[0], rows[-1] + 1)):
+            groups.append((length, slice(rows[0], rows[-1] + 1)))
+        else:
+            groups.append((length, torch.tensor(rows, device=device)))
+    return groups
+
+
+def _pick_rows(x: torch.Tensor, take: slice | torch.Tensor) -> torch.Tensor:
+    """Rows ``take`` of ``x``'s first dimension: a view for a slice, one ``index_select`` otherwise."""
+    return x[take] if isinstance(take, slice) else x.index_select(0, take)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head scaled dot-product attention, named as in the chapter.
 
@@ -802,16 +819,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         batch, heads, num_queries, head_dim = q.shape
         merged = q.new_empty(batch, num_queries, heads * head_dim)  # (b, lq, d)
-        for length in sorted(set(lengths)):
-            rows = [row for row, value in enumerate(lengths) if value == length]
-            take: slice | torch.Tensor
-            if rows == list(range(rows[0], rows[-1] + 1)):
-                take = slice(rows[0], rows[-1] + 1)
-            else:
-                take = torch.tensor(rows, device=q.device)
-
-            def pick(x: torch.Tensor, take: slice | torch.Tensor = take) -> torch.Tensor:
-                return x[take] if isinstance(take, slice) else x.index_select(0, take)
+        for length, take in _length_groups(lengths, q.device):
 
             def put(start: int, out_g: torch.Tensor, take: slice | torch.Tensor = take) -> None:
                 # (b_g, h, l_g, dh) -> (b_g, l_g, d): a view of the kernel's (b_g, l_g, h, dh) output
@@ -820,15 +828,15 @@ class MultiHeadAttention(nn.Module):
             if length == 0:
                 merged[take] = 0.0  # no key to see: a zero row, as on the masked path
                 continue
-            q_g = pick(q)  # (b_g, h, lq, dh)
+            q_g = _pick_rows(q, take)  # (b_g, h, lq, dh)
             # (b_g, length, dk): one copy of the valid rows, read by both projections in self-attention
-            key_rows = pick(keys[:, :length]).contiguous()
-            value_rows = key_rows if values is keys else pick(values[:, :length])
+            key_rows = _pick_rows(keys[:, :length], take).contiguous()
+            value_rows = key_rows if values is keys else _pick_rows(values[:, :length], take)
             k_g = self._split_heads(self.W_k(key_rows), self.num_kv_heads)  # (b_g, hk, length, dh)
             v_g = self._split_heads(self.W_v(value_rows), self.num_kv_heads)
             if isinstance(self.position, QueryKeyEncoding):
                 positions = k_positions[..., :length]
-                positions = pick(positions) if positions.dim() == 2 else positions
+                positions = _pick_rows(positions, take) if positions.dim() == 2 else positions
                 k_g = self.position.encode_keys(k_g, self._per_head(positions))
             if causal and length < num_queries:
                 # Queries before the valid length are a square causal problem; later ones see all `length` keys.
@@ -894,26 +902,21 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         batch, num_queries, _ = queries.shape
         out = queries.new_zeros(batch, num_queries, self.num_hiddens)  # (b, l, d); padded rows stay zero
-        for length in sorted(set(lengths) - {0}):
-            rows = [row for row, value in enumerate(lengths) if value == length]
-            take: slice | torch.Tensor
-            if rows == list(range(rows[0], rows[-1] + 1)):
-                take = slice(rows[0], rows[-1] + 1)
-            else:
-                take = torch.tensor(rows, device=queries.device)
+        for length, take in _length_groups(lengths, queries.device):
+            if length == 0:
+                continue  # no valid row: the output stays zero
 
-            def pick(x: torch.Tensor, take: slice | torch.Tensor = take) -> torch.Tensor:
-                return x[take] if isinstance(take, slice) else x.index_select(0, take)
-
-            query_rows = pick(queries[:, :length])  # (b_g, length, dq)
-            key_rows = query_rows if keys is queries else pick(keys[:, :length])
-            value_rows = key_rows if values is keys else pick(values[:, :length])
+            query_rows = _pick_rows(queries[:, :length], take)  # (b_g, length, dq)
+            key_rows = query_rows if keys is queries else _pick_rows(keys[:, :length], take)
+            value_rows = key_rows if values is keys else _pick_rows(values[:, :length], take)
             q_g = self._split_heads(self.W_q(query_rows), self.num_heads)  # (b_g, h, length, dh)
             k_g = self._split_heads(self.W_k(key_rows), self.num_kv_heads)  # (b_g, hk, length, dh)
             v_g = self._split_heads(self.W_v(value_rows), self.num_kv_heads)
             if isinstance(self.position, QueryKeyEncoding):
                 q_pos, k_pos = (p[..., :length] for p in (q_positions, k_positions))
-                q_pos, k_pos = (pick(p) if p.dim() == 2 else p for p in (q_pos, k_pos))  # (length,) or (b_g, length)
+                q_pos, k_pos = (
+                    _pick_rows(p, take) if p.dim() == 2 else p for p in (q_pos, k_pos)
+                )  # (length,) or (b_g, length)
                 q_g = self.position(q_g, self._per_head(q_pos))
                 k_g = self.position.encode_keys(k_g, self._per_head(k_pos))
             out_g = _fused(q_g, k_g, v_g, causal=causal, dropout_p=dropout_p)  # (b_g, h, length, dh)

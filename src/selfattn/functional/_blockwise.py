@@ -868,6 +868,13 @@ def _slice_tile_probs(
     return probs
 
 
+def _slice_tiles(plan: _Plan, device: torch.device) -> tuple[float, list[tuple[int, int, int, int]], list[Any]]:
+    """What both passes of the per-slice route share: ``1 / keep``, the blocks, and each block's visibility and empty rows."""
+    blocks = plan.blocks()
+    visibles = [_settle_empty_rows(plan.visible(start, end, keys, device)) for _, start, end, keys in blocks]
+    return 1.0 / dropout_keep_probability(plan.dropout_p), blocks, visibles
+
+
 class _SlicedDropoutAttention(torch.autograd.Function):
     """Attention with dropout and no score term on CPU, tile by tile of one ``(batch, head)`` slice.
 
@@ -884,9 +891,7 @@ class _SlicedDropoutAttention(torch.autograd.Function):
         compute = _compute_dtype(q.dtype)
         batch, heads = (max(t.shape[i] for t in (q, k, v)) for i in (0, 1))
         out = q.new_empty(batch, heads, q.shape[-2], v.shape[-1])  # (b, h, lq, dv)
-        inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
-        blocks = plan.blocks()
-        visibles = [_settle_empty_rows(plan.visible(start, end, keys, q.device)) for _, start, end, keys in blocks]
+        inverse_keep, blocks, visibles = _slice_tiles(plan, q.device)
 
         def work(s: int) -> None:
             b, h = divmod(s, heads)
@@ -933,9 +938,7 @@ class _SlicedDropoutAttention(torch.autograd.Function):
         dq = torch.empty(batch, heads, *q.shape[-2:], dtype=compute, device=q.device)
         dk = torch.zeros(batch, heads, *k.shape[-2:], dtype=compute, device=k.device)
         dv = torch.zeros(batch, heads, *v.shape[-2:], dtype=compute, device=v.device)
-        inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
-        blocks = plan.blocks()
-        visibles = [_settle_empty_rows(plan.visible(start, end, keys, q.device)) for _, start, end, keys in blocks]
+        inverse_keep, blocks, visibles = _slice_tiles(plan, q.device)
 
         def work(s: int) -> None:
             b, h = divmod(s, heads)
