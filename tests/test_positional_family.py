@@ -174,7 +174,8 @@ def test_runs_on_the_gpu(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("name", ["alibi", "t5", "kerple", "fire"])
 def test_score_terms_through_flex_on_the_gpu_equal_the_cpu(name):  # pragma: no cover - GPU only
-    # Head size 16: MultiHeadAttention hands these score terms to FlexAttention's compiled kernel.
+    # Head size 16: MultiHeadAttention hands alibi, t5 and kerple to FlexAttention's compiled kernel;
+    # fire (compiles_in_flex = False) takes the blockwise path on CUDA.
     torch.manual_seed(0)
     encoding = build(name, num_hiddens=64, num_heads=4)
     mha = MultiHeadAttention(64, 4, position=encoding)

@@ -905,7 +905,6 @@ class MultiHeadAttention(nn.Module):
         for length, take in _length_groups(lengths, queries.device):
             if length == 0:
                 continue  # no valid row: the output stays zero
-
             query_rows = _pick_rows(queries[:, :length], take)  # (b_g, length, dq)
             key_rows = query_rows if keys is queries else _pick_rows(keys[:, :length], take)
             value_rows = key_rows if values is keys else _pick_rows(values[:, :length], take)

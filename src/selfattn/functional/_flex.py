@@ -84,7 +84,6 @@ def flex_score_attention(
     Returns:
         ``(b, h, lq, dv)``.
     """
-
     batch, heads, num_queries, head_dim = q.shape
     num_keys = k.shape[-2]
     term_mod, _ = term.to_score_mod(q_positions=q_positions, k_positions=k_positions, q=q)
