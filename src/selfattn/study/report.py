@@ -16,7 +16,7 @@ from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.study._io import write_text
 from selfattn.study.figures import accuracy_figure, learned_table_figure
 from selfattn.study.tasks import get_task
-from selfattn.study.training import RunSpec, StudyConfig, build_model
+from selfattn.study.training import RunSpec, StudyConfig, build_model, evaluated_weights
 
 __all__ = ["learned_table_analysis", "write_report"]
 
@@ -35,9 +35,12 @@ img { max-width: 100%; height: auto; }
 <p class="note">{{ runs|length }} runs: tasks {{ config.tasks|join(", ") }}; encodings {{ config.encodings|join(", ") }};
 {{ config.seeds }} seed(s){% if config.randomized_positions %}; randomized positions for the absolute and rotary encodings{% endif %}.
 Each run trains a {{ config.num_layers }}-layer causal transformer (d={{ config.num_hiddens }}, {{ config.num_heads }} heads)
-for {{ config.steps_text }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }}{% if config.mixed_lengths %}
-(each sample draws its own length){% else %} (one length per step){% endif %},
-then measures exact match of the answer at every input length 1..{{ config.eval_len }} ({{ config.eval_samples }} samples each).
+for {% if config.stop_at %}at most {% endif %}{{ config.steps_text }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }}{% if config.mixed_lengths %}
+(each sample draws its own length){% else %} (one length per step){% endif %}{% if config.stop_at %}, and stops sooner once
+its exact match at the training lengths reaches {{ pct(config.stop_at) }} on a check ({{ config.check_samples }} samples per length,
+drawn apart from training and evaluation, every {{ config.check_every }} steps; steps taken: {{ config.steps_taken }}){% endif %},
+then measures{% if config.ema_decay is not none and config.ema_decay is defined %}, on an exponential moving average of its weights
+(decay {{ config.ema_decay }}),{% endif %} exact match of the answer at every input length 1..{{ config.eval_len }} ({{ config.eval_samples }} samples each).
 Training took {{ "%.0f"|format(total_seconds) }} s of wall-clock time in all (sum over runs){% if cpu_seconds %}; training and
 evaluation used {{ "%.0f"|format(cpu_seconds) }} s of CPU time ({{ "%.0f"|format(cpu_seconds / runs|length) }} s per run), so on
 two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|format(cpu_seconds / 120) }} minutes
@@ -139,7 +142,7 @@ def learned_table_analysis(out: Path, results: dict[str, Any], figures: Path) ->
         config = StudyConfig(**{k: v for k, v in results["config"].items() if k in fields})
         initial = build_model(spec, config)
         model = build_model(spec, config)
-        model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True)["model"])
+        model.load_state_dict(evaluated_weights(checkpoint))
         table = cast(LearnedPositionalEncoding, model.encoding).weight.detach().double().numpy()
         start = cast(LearnedPositionalEncoding, initial.encoding).weight.detach().double().numpy()
         from selfattn.functional import sinusoidal_table
@@ -173,9 +176,16 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     figures.mkdir(parents=True, exist_ok=True)
     config = dict(results["config"])
     config["eval_len"] = config["eval_factor"] * config["train_len"]
-    # Each run records its own steps: the per-task budget unless --steps set one for all.
-    steps_by_task = {str(r["task"]): int(r["steps"]) for r in results["runs"]}
-    config["steps_text"] = ", ".join(f"{task} {steps}" for task, steps in steps_by_task.items())
+    # Each run records its schedule (the per-task budget unless --steps set one for all) and the
+    # steps it took (fewer when a check stopped it).
+    scheduled = {str(r["task"]): int(r.get("scheduled_steps", r["steps"])) for r in results["runs"]}
+    config["steps_text"] = ", ".join(f"{task} {steps}" for task, steps in scheduled.items())
+    taken: dict[str, list[int]] = {}
+    for run in results["runs"]:
+        taken.setdefault(str(run["task"]), []).append(int(run["steps"]))
+    config["steps_taken"] = "; ".join(
+        f"{task} {min(steps)}..{max(steps)}, median {int(np.median(steps))}" for task, steps in taken.items()
+    )
     summary = results["summary"]
     figure_names = {task: accuracy_figure(results, task, figures) for task in summary}
     shortfalls = [
