@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -41,7 +42,11 @@ from selfattn.study.training import ENCODINGS, RunSpec, StudyConfig, build_model
 
 def training_step(encoding: str, config: StudyConfig, length: int, device: torch.device):  # type: ignore[no-untyped-def]
     model = build_model(RunSpec("copy", encoding, 0), config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    fused = device.type in ("cpu", "cuda")  # as train_run does
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=fused)
+    average = None
+    if config.ema_decay is not None:
+        average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay))
     tokens, targets, _ = make_batch(get_task("copy"), [length] * config.batch_size, torch.Generator().manual_seed(0))
     tokens, targets = tokens.to(device), targets.to(device)
 
@@ -52,6 +57,8 @@ def training_step(encoding: str, config: StudyConfig, length: int, device: torch
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if average is not None:
+            average.update_parameters(model)
 
     return step, tokens.numel()
 
@@ -59,7 +66,7 @@ def training_step(encoding: str, config: StudyConfig, length: int, device: torch
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[10, 20], help="input lengths n (tokens: 2n + 1)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[10, 20], help="input lengths n (tokens: 2n + 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the study uses 1 per rank)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- load average at end: {load_average()}; wall time {time.perf_counter() - started:.0f} s",
         (
             f"- model: {config.num_layers} layers, d={config.num_hiddens}, {config.num_heads} heads, MLP {config.ffn_hiddens}; "
-            f"batch {config.batch_size} copy samples; one step = forward, backward, clipping, AdamW"
+            f"batch {config.batch_size} copy samples; one step = forward, backward, clipping, AdamW, weight average"
         ),
         "",
         table(columns, rows),

@@ -66,6 +66,7 @@ def test_randomized_positions_run_and_errors() -> None:
 def test_summarize_means_spread_and_half_point() -> None:
     def run(seed: int, acc: list[float]) -> dict:
         return {
+            "steps": 100 + 50 * seed,
             "task": "copy",
             "encoding": "rotary",
             "randomized_positions": False,
@@ -79,6 +80,7 @@ def test_summarize_means_spread_and_half_point() -> None:
     assert summary["beyond"] == pytest.approx(0.25)
     assert summary["spread"]["in_distribution"] == pytest.approx(0.0707106781, rel=1e-6)
     assert summary["below_half_at"] == 3 and summary["seeds"] == 2
+    assert summary["steps"] == 125
 
 
 def test_interrupted_grid_resumes_without_redoing_finished_runs(tmp_path: Path) -> None:

@@ -64,14 +64,16 @@ train further, at a proportional cost in time (the default budget per task is si
 
 <h2>Relative vs absolute: accuracy against length</h2>
 <p>Mean over seeds (line) and min..max (shaded). "in" is the mean exact match over the training lengths 1..{{ config.train_len }},
-"beyond" over lengths {{ config.train_len + 1 }}..{{ config.eval_len }}; "&lt;50% at" is the first length where the mean falls below one half.</p>
+"beyond" over lengths {{ config.train_len + 1 }}..{{ config.eval_len }}; "&lt;50% at" is the first length where the mean falls below one half;
+"steps" is the mean number of steps the runs took{% if config.stop_at %} (fewer steps: the encoding learned the task sooner){% endif %}.</p>
 {% for task, rows in tables.items() %}
 <h3>{{ task }}</h3>
 <img src="figures/{{ figures[task][0] }}" alt="accuracy against length, {{ task }}">
-<table><tr><th>encoding</th><th>in</th><th>beyond</th><th>&lt;50% at</th><th>seeds</th></tr>
+<table><tr><th>encoding</th><th>in</th><th>beyond</th><th>&lt;50% at</th><th>seeds</th><th>steps (mean)</th></tr>
 {% for label, s in rows.items() %}<tr><td>{{ label }}</td><td>{{ pct(s.in_distribution) }} ± {{ pct(s.spread.in_distribution) }}</td>
 <td>{{ pct(s.beyond) }}{% if s.spread.beyond is not none %} ± {{ pct(s.spread.beyond) }}{% endif %}</td>
-<td>{{ s.below_half_at if s.below_half_at is not none else "never" }}</td><td>{{ s.seeds }}</td></tr>
+<td>{{ s.below_half_at if s.below_half_at is not none else "never" }}</td><td>{{ s.seeds }}</td>
+<td>{{ "%.0f"|format(s.steps) if s.steps is defined and s.steps is not none else "n/a" }}</td></tr>
 {% endfor %}</table>
 {% endfor %}
 

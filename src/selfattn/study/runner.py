@@ -91,7 +91,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
     ``in_distribution`` is the mean accuracy over lengths 1..L (the training lengths),
     ``beyond`` over lengths > L; ``spread`` holds the standard deviations of those two over
     seeds; ``below_half_at`` is the first length where the mean over seeds falls below 50%
-    (None if it never does).
+    (None if it never does); ``steps`` the mean steps the runs took (None if a run does not say).
     """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in runs:
@@ -114,6 +114,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
             "spread": {"in_distribution": _sd(inside), "beyond": _sd(outside) if outside else None},
             "below_half_at": below,
             "seeds": len(members),
+            # Steps taken, mean over seeds: with early stops, how fast the encoding learns the task.
+            "steps": statistics.fmean(int(r["steps"]) for r in members) if all("steps" in r for r in members) else None,
         }
     return summary
 
