@@ -186,7 +186,10 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     for run in results["runs"]:
         taken.setdefault(str(run["task"]), []).append(int(run["steps"]))
     config["steps_taken"] = "; ".join(
-        f"{task} {min(steps)}..{max(steps)}, median {int(np.median(steps))}" for task, steps in taken.items()
+        f"{task} {min(steps)}..{max(steps)}, median {int(np.median(steps))}"
+        if min(steps) < max(steps)
+        else f"{task} {steps[0]} in every run"
+        for task, steps in taken.items()
     )
     summary = results["summary"]
     figure_names = {task: accuracy_figure(results, task, figures) for task in summary}
