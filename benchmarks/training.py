@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -37,16 +36,12 @@ from _common import (
 )
 
 from selfattn.study.tasks import get_task, make_batch
-from selfattn.study.training import ENCODINGS, RunSpec, StudyConfig, build_model
+from selfattn.study.training import ENCODINGS, RunSpec, StudyConfig, build_model, make_optimizer
 
 
 def training_step(encoding: str, config: StudyConfig, length: int, device: torch.device):  # type: ignore[no-untyped-def]
     model = build_model(RunSpec("copy", encoding, 0), config).to(device)
-    fused = device.type in ("cpu", "cuda")  # as train_run does
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=fused)
-    average = None
-    if config.ema_decay is not None:
-        average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay))
+    optimizer, average = make_optimizer(model, config, device)  # what train_run steps
     tokens, targets, _ = make_batch(get_task("copy"), [length] * config.batch_size, torch.Generator().manual_seed(0))
     tokens, targets = tokens.to(device), targets.to(device)
 

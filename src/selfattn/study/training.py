@@ -40,6 +40,7 @@ __all__ = [
     "evaluate_lengths",
     "evaluated_weights",
     "exact_match",
+    "make_optimizer",
     "shaw_max_distance",
     "token_accuracy",
     "train_run",
@@ -264,7 +265,7 @@ def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _score_lengths(
-    model: nn.Module, task: Task, spec: RunSpec, lengths: range, samples: int, stream: str, chunk_tokens: int
+    model: nn.Module, task: Task, spec: RunSpec, lengths: range, samples: int, stream: str, chunk_tokens: int = 16384
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Exact match and token accuracy at each length, on ``samples`` samples drawn from ``stream``."""
     was_training = model.training
@@ -307,7 +308,7 @@ def check_accuracy(model: nn.Module, task: Task, spec: RunSpec, config: StudyCon
     same at every check of a run.
     """
     lengths = range(1, config.train_len + 1)
-    accuracy, _ = _score_lengths(model, task, spec, lengths, config.check_samples, "check", 16384)
+    accuracy, _ = _score_lengths(model, task, spec, lengths, config.check_samples, "check")
     return sum(accuracy.values()) / len(accuracy)
 
 
@@ -378,6 +379,18 @@ def evaluated_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {key[len(prefix) :]: value for key, value in payload["average"].items() if key.startswith(prefix)}
 
 
+def make_optimizer(
+    model: nn.Module, config: StudyConfig, device: torch.device | str
+) -> tuple[torch.optim.AdamW, AveragedModel | None]:
+    """A run's AdamW and, with ``config.ema_decay``, the average of the weights it evaluates."""
+    # The fused step (one kernel over all parameters) took about 8% off a CPU training step.
+    fused = torch.device(device).type in ("cpu", "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=fused)
+    if config.ema_decay is None:
+        return optimizer, None
+    return optimizer, AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay))  # type: ignore[no-untyped-call]
+
+
 def _loss_by_tenth(losses: list[float]) -> list[float]:
     """Mean training loss over each tenth of the steps (fewer parts for fewer than ten steps)."""
     if not losses:
@@ -427,12 +440,7 @@ def train_run(
             raise ValueError(f"batch_size={config.batch_size} must be divisible by the {world} data-parallel ranks")
 
     model = build_model(spec, config).to(device)
-    # The fused step (one kernel over all parameters) took about 8% off a CPU training step.
-    fused = torch.device(device).type in ("cpu", "cuda")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=fused)
-    average = None
-    if config.ema_decay is not None:
-        average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay))  # type: ignore[no-untyped-call]
+    optimizer, average = make_optimizer(model, config, device)
     evaluated = model if average is None else average.module
     state = _State()
     if checkpoint is not None and checkpoint.exists():
