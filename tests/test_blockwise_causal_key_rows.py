@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfattn.functional import _blockwise, blockwise_attention
+from selfattn.functional import _block_key_rows, blockwise_attention
 from selfattn.positional import build
 
 HEADS, HEAD_DIM = 4, 3
@@ -31,19 +31,19 @@ def _qkv(b, length, dtype=torch.float64, seed=0):
 def count_causal_calls(monkeypatch):
     """Counts the flash calls made with the kernel's own causal mask (only this route makes them)."""
     calls = []
-    flash = _blockwise._flash_forward
+    flash = _block_key_rows._flash_forward
 
     def counting(*args, **kwargs):
         calls.append(bool(kwargs.get("is_causal", False)))
         return flash(*args, **kwargs)
 
-    monkeypatch.setattr(_blockwise, "_flash_forward", counting)
+    monkeypatch.setattr(_block_key_rows, "_flash_forward", counting)
     return calls
 
 
 @pytest.mark.parametrize("positions", ["default", "offset", "per_batch"])
 def test_small_chunks_equal_dense_attention_with_gradients(monkeypatch, count_causal_calls, positions):
-    monkeypatch.setattr(_blockwise, "CAUSAL_CHUNK", 4)  # 10 queries: chunks of 4, 4 and 2
+    monkeypatch.setattr(_block_key_rows, "CAUSAL_CHUNK", 4)  # 10 queries: chunks of 4, 4 and 2
     term = build("alibi", num_hiddens=HEADS * HEAD_DIM, num_heads=HEADS).double()
     b, length = 2, 10
     q, k, v = _qkv(b, length)
@@ -66,7 +66,7 @@ def test_small_chunks_equal_dense_attention_with_gradients(monkeypatch, count_ca
 
 
 def test_gradcheck_and_gradgradcheck_in_float64(monkeypatch):
-    monkeypatch.setattr(_blockwise, "CAUSAL_CHUNK", 3)
+    monkeypatch.setattr(_block_key_rows, "CAUSAL_CHUNK", 3)
     term = build("alibi", num_hiddens=HEADS * HEAD_DIM, num_heads=HEADS).double()
     q, k, v = _qkv(1, 7, seed=4)
 
@@ -80,7 +80,7 @@ def test_gradcheck_and_gradgradcheck_in_float64(monkeypatch):
 def test_float32_at_the_default_chunk_stays_close_to_float64(count_causal_calls):
     """Several default chunks (the row anchored per chunk keeps float32 near the term's own precision)."""
     term = build("alibi", num_hiddens=HEADS * HEAD_DIM, num_heads=HEADS)
-    length = 2 * _blockwise.CAUSAL_CHUNK + 37
+    length = 2 * _block_key_rows.CAUSAL_CHUNK + 37
     q, k, v = _qkv(1, length, dtype=torch.float32, seed=2)
     with torch.no_grad():
         got = blockwise_attention(q, k, v, term=term, causal=True)
@@ -105,7 +105,7 @@ def test_other_cases_keep_their_routes(count_causal_calls):
 
 
 def test_a_nan_in_a_query_gives_nan_in_its_row_only(monkeypatch):
-    monkeypatch.setattr(_blockwise, "CAUSAL_CHUNK", 4)
+    monkeypatch.setattr(_block_key_rows, "CAUSAL_CHUNK", 4)
     term = build("alibi", num_hiddens=HEADS * HEAD_DIM, num_heads=HEADS)
     q, k, v = _qkv(1, 9, dtype=torch.float32)
     q = q.detach().clone()

@@ -11,18 +11,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from selfattn.functional import blockwise_attention
-from selfattn.functional._blockwise import (
-    RANDOM_CHUNK_WORDS,
-    _Clipped,
-    _keep_factors,
-    _keep_mask,
-    _random_lanes,
-    _Workspace,
-)
-from selfattn.positional import ShawRelativePositionEncoding
+from selfattn.functional._block_clipped import _Clipped
+from selfattn.functional._block_common import _Workspace
+from selfattn.functional._dropout_masks import RANDOM_CHUNK_WORDS, _keep_factors, _keep_mask, _random_lanes
+from selfattn.positional import ScoreEncoding, ShawRelativePositionEncoding
 
 HEADS, HEAD_DIM = 2, 4
 
@@ -88,7 +82,7 @@ def test_clipped_route_matches_the_naive_loop(max_distance, options, lq, lk, blo
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
-class Generic(nn.Module):
+class Generic(ScoreEncoding):
     """The same Shaw term without ``clipped_embeddings``: blockwise takes its generic route."""
 
     uses_weights = True

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from selfattn.functional import blockwise_attention
-from selfattn.functional._blockwise import _add_matmul, _keep_mask, _Plan
+from selfattn.functional._block_common import _add_matmul
+from selfattn.functional._block_plan import _Plan
+from selfattn.functional._dropout_masks import _keep_mask
 
 HEADS, HEAD_DIM = 2, 3
 

@@ -15,7 +15,7 @@ from test_blockwise import HEADS, check_forward_and_gradients, dense, make_term,
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import functional_call
 
-import selfattn.functional._blockwise as blockwise
+import selfattn.functional._block_autograd as blockwise
 from selfattn import MultiHeadAttention
 from selfattn.functional import blockwise_attention
 from selfattn.positional import build

@@ -11,9 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import selfattn.functional._blockwise as blockwise
+import selfattn.functional._block_sliced as blockwise
 from selfattn.functional import blockwise_attention, dropout_keep_probability
-from selfattn.functional._blockwise import _keep_mask, _Plan, _slice_seed, choose_slice_block
+from selfattn.functional._block_plan import _Plan
+from selfattn.functional._block_sliced import _slice_seed, choose_slice_block
+from selfattn.functional._dropout_masks import _keep_mask
 
 HEADS, HEAD_DIM = 2, 3
 

@@ -28,17 +28,10 @@ def test_causal_with_every_encoding_and_valid_lens(name):
 def test_positions_documents_window_gqa():
     mha = MultiHeadAttention(D, H, num_kv_heads=2, window=3, position=build("alibi", num_hiddens=D, num_heads=H))
     x = torch.randn(2, 60, D)  # long enough for the blocked window path
-    assert mha._banded_applies(torch.zeros(2, H, 60, 4), _keys(60))
     documents = torch.tensor([[0] * 20 + [1] * 40, [0] * 60])
+    assert mha.explain(x, x, x, causal=True, document_ids=documents).route == "banded"
     assert _breaks(mha, x, x, x, causal=True, document_ids=documents) == (0, [])
     assert _breaks(mha, x, x, x, positions=torch.arange(60).expand(2, 60)) == (0, [])
-
-
-def _keys(length):
-    from selfattn.attention import _Keys
-
-    k = torch.zeros(1, 2, length, 4)
-    return _Keys(k, k, torch.arange(length), None, None, 0, length)
 
 
 def test_one_cache_decoding_step():

@@ -52,9 +52,9 @@ def test_float_mask_is_added_to_scaled_scores():
     with torch.no_grad():
         out, weights = mha(x, x, x, attn_mask=additive, return_weights=True)
         fused = mha(x, x, x, attn_mask=additive)
-    q = mha._split_heads(mha.W_q(x)).detach().numpy()
-    k = mha._split_heads(mha.W_k(x)).detach().numpy()
-    v = mha._split_heads(mha.W_v(x)).detach().numpy()
+    q = mha.split_heads(mha.W_q(x)).detach().numpy()
+    k = mha.split_heads(mha.W_k(x)).detach().numpy()
+    v = mha.split_heads(mha.W_v(x)).detach().numpy()
     visible = np.isfinite(additive.numpy())
     _, expected_w = naive_attention(q, k, v, visible, bias=np.where(visible, additive.numpy(), 0.0))
     torch.testing.assert_close(weights, torch.from_numpy(expected_w), atol=1e-12, rtol=1e-10)

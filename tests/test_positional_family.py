@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from selfattn import KVCache, MultiHeadAttention
-from selfattn.functional import _blockwise as blockwise
+from selfattn.functional import _block_autograd as blockwise
 from selfattn.positional import NAMES, InputEncoding, QueryKeyEncoding, ScoreEncoding, build
 
 NUM_HIDDENS, NUM_HEADS, LENGTH, BATCH = 16, 4, 6, 2

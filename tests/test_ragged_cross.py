@@ -12,6 +12,7 @@ import torch
 from selfattn import MultiHeadAttention
 
 attention_module = importlib.import_module("selfattn.attention")  # the module, not the function selfattn.attention
+call_module = importlib.import_module("selfattn.core.call")
 
 D, H, L = 16, 4, 8
 
@@ -25,11 +26,11 @@ def test_distinct_keys_and_values_match_the_masked_call(lengths, monkeypatch):
     b = len(lengths)
     valid_lens = torch.tensor(lengths)
     queries, keys, values = (torch.randn(b, L, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    assert mha._ragged_lengths(L, L, valid_lens, False) == lengths
+    assert mha.explain(queries, keys, values, valid_lens).route == "ragged"
     out = mha(queries, keys, values, valid_lens)
     grad = torch.randn_like(out)
     grouped = torch.autograd.grad(out, (queries, keys, values, *mha.parameters()), grad)
-    monkeypatch.setattr(attention_module, "_MAX_LENGTH_GROUPS", 0)  # one masked call instead
+    monkeypatch.setattr(call_module, "MAX_LENGTH_GROUPS", 0)  # one masked call instead
     masked = mha(queries, keys, values, valid_lens)
     torch.testing.assert_close(out, masked, atol=1e-12, rtol=1e-10)
     expected = torch.autograd.grad(masked, (queries, keys, values, *mha.parameters()), grad)
@@ -45,7 +46,7 @@ def test_self_attention_with_trimmed_keys_matches_the_masked_call(monkeypatch):
     x = torch.randn(4, L, D, dtype=torch.float64, requires_grad=True)
     out = mha(x, x, x, valid_lens)
     (grad_x,) = torch.autograd.grad(out.square().sum(), x)
-    monkeypatch.setattr(attention_module, "_MAX_LENGTH_GROUPS", 0)
+    monkeypatch.setattr(call_module, "MAX_LENGTH_GROUPS", 0)
     masked = mha(x, x, x, valid_lens)
     (expected,) = torch.autograd.grad(masked.square().sum(), x)
     torch.testing.assert_close(out, masked, atol=1e-12, rtol=1e-10)

@@ -14,6 +14,7 @@ from reference_mha import make_encoding, naive_mha, visibility
 from selfattn import MultiHeadAttention
 
 attention_module = importlib.import_module("selfattn.attention")  # the module, not the function selfattn.attention
+call_module = importlib.import_module("selfattn.core.call")
 
 D, H, L = 16, 4, 8
 
@@ -37,14 +38,14 @@ def test_layouts_match_reference_and_masked_path(lengths, causal, per_sequence_p
     x = torch.randn(b, L, D, dtype=torch.float64, requires_grad=True)
     positions = torch.arange(L).expand(b, L) + (torch.arange(b)[:, None] * 3 if per_sequence_positions else 0)
     kwargs = {"positions": positions} if per_sequence_positions else {}
-    assert mha._ragged_lengths(L, L, valid_lens, False) == lengths
+    assert mha.explain(x, x, x, valid_lens, causal=causal, **kwargs).route == "ragged"
     out = mha(x, x, x, valid_lens, causal=causal, **kwargs)
     expected, _ = naive_mha(mha, x, x, x, visibility(b, L, L, causal=causal, valid_lens=lengths), positions, positions)
     torch.testing.assert_close(out.detach(), expected, atol=1e-10, rtol=1e-9)
 
     grad = torch.randn_like(out)
     grouped_grads = torch.autograd.grad(out, (x, *mha.parameters()), grad)
-    monkeypatch.setattr(attention_module, "_MAX_LENGTH_GROUPS", 0)  # one masked call instead
+    monkeypatch.setattr(call_module, "MAX_LENGTH_GROUPS", 0)  # one masked call instead
     masked = mha(x, x, x, valid_lens, causal=causal, **kwargs)
     torch.testing.assert_close(out, masked, atol=1e-12, rtol=1e-10)
     masked_grads = torch.autograd.grad(masked, (x, *mha.parameters()), grad)

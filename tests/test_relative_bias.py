@@ -161,7 +161,7 @@ def test_alibi_inside_attention_is_added_to_scaled_scores_unscaled():
     x = torch.randn(1, length, d, dtype=torch.float64)
     with torch.no_grad():
         _, weights = mha(x, x, x, return_weights=True)
-        q, k, v = (mha._split_heads(w(x)).numpy() for w in (mha.W_q, mha.W_k, mha.W_v))
+        q, k, v = (mha.split_heads(w(x)).numpy() for w in (mha.W_q, mha.W_k, mha.W_v))
     slopes = [1 / 16, 1 / 256]
     bias = np.array([[[-slopes[head] * abs(i - j) for j in range(length)] for i in range(length)] for head in range(h)])
     visible = np.ones((1, h, length, length), dtype=bool)

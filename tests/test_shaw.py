@@ -78,7 +78,7 @@ def test_multihead_attention_with_shaw_matches_reference(causal):
     valid_lens = torch.tensor([3, 5])
     with torch.no_grad():
         out = mha(x, x, x, valid_lens, causal=causal, offset=3)
-        q, k, v = (mha._split_heads(w(x)) for w in (mha.W_q, mha.W_k, mha.W_v))
+        q, k, v = (mha.split_heads(w(x)) for w in (mha.W_q, mha.W_k, mha.W_v))
         visible = [
             [[j < n and (not causal or j <= i) for j in range(length)] for i in range(length)]
             for n in valid_lens.tolist()

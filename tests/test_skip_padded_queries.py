@@ -7,9 +7,10 @@ import torch
 import torch._dynamo as dynamo
 from reference_mha import make_encoding, naive_mha, visibility
 
-from selfattn import KVCache, MultiHeadAttention
+from selfattn import KVCache, MultiHeadAttention, _validation
 
 attention_module = importlib.import_module("selfattn.attention")  # the module, not the function selfattn.attention
+call_module = importlib.import_module("selfattn.core.call")
 
 D, H = 16, 4
 LENGTHS = [7, 3, 0, 3]  # two neighbours of length 3 would be a view; here 3s are scattered (gathered)
@@ -18,9 +19,9 @@ LENGTHS = [7, 3, 0, 3]  # two neighbours of length 3 would be a view; here 3s ar
 def _path(monkeypatch, path):
     """Force one of the module's paths: ragged groups, one masked call, or the graph a compiler traces."""
     if path in ("masked", "compiled"):
-        monkeypatch.setattr(attention_module, "_MAX_LENGTH_GROUPS", 0)
+        monkeypatch.setattr(call_module, "MAX_LENGTH_GROUPS", 0)
     if path == "compiled":
-        monkeypatch.setattr(attention_module, "_is_compiling", lambda: True)
+        monkeypatch.setattr(_validation, "is_compiling", lambda: True)
 
 
 def _alone(mha, x, lengths, *, causal=False, window=None, documents=None, key_padding=None):
@@ -77,9 +78,7 @@ def test_sliding_window(length, causal):
     lengths = [length, 5, length - 3]
     mha = _module(window=2)
     x = _padded_input(length, lengths)
-    if length == 40:
-        k = torch.zeros(3, H, length, D // H)
-        assert mha._banded_applies(k, attention_module._Keys(k, k, torch.arange(length), None, None, 0, length))
+    assert (mha.explain(x, x, x, torch.tensor(lengths), causal=causal).route == "banded") == (length == 40)
     out = mha(x, x, x, torch.tensor(lengths), causal=causal)
     expected, _ = _alone(mha, x, lengths, causal=causal, window=2)
     torch.testing.assert_close(out.detach(), expected, atol=1e-10, rtol=1e-9)

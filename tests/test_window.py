@@ -3,6 +3,7 @@
 import pytest
 import torch
 from reference_mha import ENCODINGS, make_encoding, naive_mha, visibility
+from routes import WINDOW_ROUTES, without_routes
 
 from selfattn import KVCache, MultiHeadAttention
 
@@ -21,9 +22,13 @@ def test_window_matches_band_mask(name, causal):
     # window 3: 24-query blocks, so 60 tokens take the blocked path and 9 the dense one.
     for length in (60, 9):
         mha = _mha(name, 3)
-        assert mha._banded_applies(torch.zeros(1, H, length, 4), _keys(length)) == (length == 60)
         x = torch.randn(2, length, D, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
         valid_lens = torch.tensor([length, length - 7])
+        route = mha.explain(x, x, x, valid_lens, causal=causal).route
+        if name == "shaw":  # its value term needs the weights: blocks at any length
+            assert route == "blockwise clipped"
+        else:
+            assert (route == "banded") == (length == 60)
         with torch.no_grad():
             out = mha(x, x, x, valid_lens, causal=causal)
         visible = visibility(2, length, length, causal=causal, window=3, valid_lens=valid_lens.tolist())
@@ -32,25 +37,18 @@ def test_window_matches_band_mask(name, causal):
         torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-9)
 
 
-def _keys(length):
-    from selfattn.attention import _Keys
-
-    k = torch.zeros(1, H, length, 4)
-    return _Keys(k, k, torch.arange(length), None, None, 0, length)
-
-
 def test_window_with_documents_and_gradients():
     mha = _mha("alibi", 5, num_kv_heads=1)
     length = 100
-    assert mha._banded_applies(torch.zeros(1, H, length, 4), _keys(length))
     documents = torch.tensor([[0] * 30 + [1] * 70, [0] * 99 + [1]])
     x = torch.randn(2, length, D, dtype=torch.float64, requires_grad=True)
+    assert mha.explain(x, x, x, causal=True, document_ids=documents).route == "banded"
     out = mha(x, x, x, causal=True, document_ids=documents)
     mha_dense = _mha("alibi", 5, num_kv_heads=1)
     mha_dense.load_state_dict(mha.state_dict())
-    mha_dense._banded_applies = lambda q, keys: False  # the same module forced onto the dense band mask
     x2 = x.detach().clone().requires_grad_(True)
-    dense = mha_dense(x2, x2, x2, causal=True, document_ids=documents)
+    with without_routes(*WINDOW_ROUTES):  # the same module on the dense band mask
+        dense = mha_dense(x2, x2, x2, causal=True, document_ids=documents)
     torch.testing.assert_close(out, dense, atol=1e-12, rtol=1e-10)
     grad = torch.randn_like(out)
     out.backward(grad)

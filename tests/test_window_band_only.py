@@ -4,17 +4,32 @@ Checked against the float64 loop reference with a band visibility, and against t
 forced onto the dense band mask, for block sizes that do and do not divide the length.
 """
 
-import importlib
-
 import pytest
 import torch
 from reference_mha import make_encoding, naive_mha, visibility
+from routes import WINDOW_ROUTES, without_routes
 
 from selfattn import KVCache, MultiHeadAttention
-
-attention_module = importlib.import_module("selfattn.attention")  # the module, not the function selfattn.attention
+from selfattn.core.routes import _window
+from selfattn.core.routes import band_only as band_only_route
 
 D, H = 8, 2
+
+_FORCED: dict[str, object] = {}  # this test's block size and spy, read by the patched route functions
+
+
+@pytest.fixture(autouse=True)
+def _forced_blocks_and_spy(monkeypatch):
+    _FORCED.clear()
+    default_block, band_only = _window.window_block, band_only_route._band_only
+
+    def counted(*args, **kwargs):
+        if "spy" in _FORCED:
+            _FORCED["spy"].append(args[0].shape[-2])  # queries seen by the band-only path
+        return band_only(*args, **kwargs)
+
+    monkeypatch.setattr(_window, "window_block", lambda window: _FORCED.get("block") or default_block(window))
+    monkeypatch.setattr(band_only_route, "_band_only", counted)
 
 
 def _mha(window, *, block=None, name="none", num_kv_heads=None, spy=None):
@@ -22,15 +37,9 @@ def _mha(window, *, block=None, name="none", num_kv_heads=None, spy=None):
     torch.manual_seed(1)
     mha = MultiHeadAttention(D, H, position=position, window=window, num_kv_heads=num_kv_heads).double().eval()
     if block is not None:
-        mha._block_size = lambda: block
+        _FORCED["block"] = block
     if spy is not None:
-        band_only = mha._band_only
-
-        def counted(*args, **kwargs):
-            spy.append(args[0].shape[-2])  # queries seen by the band-only path
-            return band_only(*args, **kwargs)
-
-        mha._band_only = counted
+        _FORCED["spy"] = spy
     return mha
 
 
@@ -41,8 +50,13 @@ def _dense_twin(mha):
         .eval()
     )
     twin.load_state_dict(mha.state_dict())
-    twin._banded_applies = lambda q, keys: False  # the same module on the dense band mask
-    return twin
+
+    def dense(*args, **kwargs):
+        with without_routes(*WINDOW_ROUTES):  # the same module on the dense band mask
+            return twin(*args, **kwargs)
+
+    dense.get_parameter = twin.get_parameter  # type: ignore[attr-defined]
+    return dense
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
@@ -148,7 +162,7 @@ def test_band_only_second_order_gradients():
 def test_band_only_one_row_at_a_time_equals_the_batch(causal, per_row, monkeypatch):
     seen = []
     mha = _mha(4, block=6, num_kv_heads=1, spy=seen)
-    monkeypatch.setattr(attention_module, "_PER_ROW_BAND_ELEMENTS", 0 if per_row else 1 << 60)
+    monkeypatch.setattr(band_only_route, "PER_ROW_BAND_ELEMENTS", 0 if per_row else 1 << 60)
     x = torch.randn(3, 47, D, dtype=torch.float64, requires_grad=True)
     out = mha(x, x, x, causal=causal)
     assert len(seen) == (4 if per_row else 1)  # the batch, then each of its rows on its own

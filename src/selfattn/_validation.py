@@ -87,3 +87,12 @@ def require_floating(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_floating_point():
         # Integer inputs would silently truncate the encoding to zeros.
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
+
+
+def is_compiling() -> bool:
+    """Whether a compiler is tracing: value checks and data-dependent choices read tensors back, so skip them.
+
+    Call it as ``_validation.is_compiling()``: tests patch this one function to trace the graph a
+    compiler would see in eager mode.
+    """
+    return bool(torch.compiler.is_compiling())

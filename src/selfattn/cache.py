@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -118,6 +119,15 @@ class KVCache:
         dropped the key itself, so a new token knows whether it continues that document.
         """
         return self._last if self.has_documents else None
+
+    def copy(self) -> KVCache:
+        """A copy whose storage is its own (detached): what a dry run may change without touching this cache."""
+        twin = copy.copy(self)
+        for name in ("_keys", "_values", "_positions", "_padding", "_documents"):
+            stored = getattr(self, name)
+            setattr(twin, name, None if stored is None else stored.detach().clone())
+        twin.encoding_state = dict(self.encoding_state)
+        return twin
 
     def update_keys(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace the stored keys ``(b, h, stored, dh)`` by ``transform(keys)``, in place (re-rotation).

@@ -11,7 +11,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["flex_applies", "flex_score_attention"]
+from selfattn.masks import Visibility, dense
+from selfattn.masks import causal as causal_rule
+
+__all__ = ["flex_applies", "flex_attention_with", "flex_score_attention"]
 
 #: FlexAttention's compiled CUDA kernel rejects smaller head sizes ("NYI: embedding dimension of
 #: the query, key, and value must be at least 16", seen with torch 2.11 on an H100).
@@ -84,29 +87,43 @@ def flex_score_attention(
     Returns:
         ``(b, h, lq, dv)``.
     """
-    batch, heads, num_queries, head_dim = q.shape
-    num_keys = k.shape[-2]
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    visibility = Visibility.lower_right(num_queries, num_keys, causal_rule() if causal else None)
+    if mask is not None:
+        visibility = visibility & dense(mask)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return flex_attention_with(
+        q, k, v, term=term, q_positions=q_positions, k_positions=k_positions, visibility=visibility, scale=scale
+    )
+
+
+def flex_attention_with(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    term: Any,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    visibility: Visibility,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`flex_score_attention` with the call's :class:`~selfattn.masks.Visibility`, ``(b, h, lq, dv)``."""
     term_mod, _ = term.to_score_mod(q_positions=q_positions, k_positions=k_positions, q=q)
-    full_mask = None if mask is None else mask.expand(batch, heads, num_queries, num_keys)  # a view, no copy
-    shift = num_keys - num_queries
+    allowed = visibility.predicate()
 
     def score_mod(
         score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
         score = term_mod(score, b, h, q_idx, kv_idx)
-        if causal:
-            score = torch.where(kv_idx <= q_idx + shift, score, float("-inf"))
-        if full_mask is not None:
-            score = torch.where(full_mask[b, h, q_idx, kv_idx], score, float("-inf"))
+        if allowed is not None:
+            score = torch.where(allowed(b, h, q_idx, kv_idx), score, float("-inf"))
         return score
 
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     with torch.profiler.record_function("selfattn::flex_attention"):  # tells profilers (and benchmarks) the route
         out = _flex_call(q, k, v, score_mod, scale)
-    empty = None
-    if full_mask is not None:
-        empty = ~full_mask.any(dim=-1, keepdim=True)  # (b, h, lq, 1)
-    if causal and shift < 0:
-        rows = torch.arange(num_queries, device=q.device)[:, None] + shift < 0  # (lq, 1)
-        empty = rows if empty is None else empty | rows
-    return out if empty is None else out.masked_fill(empty, 0.0)
+    visible = visibility.dense(q.device)
+    if visible is None:
+        return out
+    empty = ~visible.any(dim=-1, keepdim=True)  # (.., lq, 1)
+    return out.masked_fill(empty, 0.0)

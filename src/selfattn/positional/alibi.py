@@ -35,6 +35,8 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
         bias ``(1, h, lq, lk)``, or ``(b, h, lq, lk)`` for per-sequence positions ``(b, l)``.
     """
 
+    is_relative = True  # a function of j - i alone
+
     exact_tables = ("slopes",)
     slopes: torch.Tensor
 

@@ -76,13 +76,23 @@ class InputEncoding(PositionalEncoding):
 
 
 class QueryKeyEncoding(PositionalEncoding):
-    """Applied to queries and keys: ``forward(x, positions)`` with x ``(b, h, l, dh)``, positions ``(l,)``."""
+    """Applied to queries and keys: ``forward(x, positions)`` with x ``(b, h, l, dh)``, positions ``(l,)``.
+
+    Attention uses three hooks, and a wrapper must forward all three: :meth:`encode_queries`
+    (``forward`` by default), :meth:`encode_keys` (the same transform unless overridden, as
+    xPos does) and :meth:`update_cached_keys` (dynamic rotary re-rotates a cache).
+    """
 
     acts_on = "query_key"
     is_relative = True
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def encode_queries(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The queries' transform: ``forward``."""
+        encoded: torch.Tensor = self(q, positions)
+        return encoded
 
     def encode_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The keys' transform; the same as the queries' (``forward``) unless overridden (xPos)."""
@@ -98,25 +108,51 @@ class ScoreEncoding(PositionalEncoding):
 
     ``forward(q, *, q_positions, k_positions)`` returns a float bias broadcastable to
     ``(b, h, lq, lk)`` that is added to the *scaled* scores (it may depend on the queries, as
-    Shaw's key term does). Encodings that also add to the values set ``uses_weights = True``
-    and implement :meth:`value_term`.
+    Shaw's key term does, and on the absolute positions). That is all a new score term needs:
+    every route of attention then gives the right answer, and a term with parameters gets its
+    gradient through autograd on each block's bias. :class:`~selfattn.MultiHeadAttention` never
+    asks for the whole ``(h, lq, lk)`` term: it calls ``forward`` one block of queries at a
+    time (:func:`~selfattn.functional.blockwise_attention`).
 
-    :class:`~selfattn.MultiHeadAttention` never asks for the whole ``(h, lq, lk)`` term: it
-    calls ``forward`` one block of queries at a time
-    (:func:`~selfattn.functional.blockwise_attention`), and a term with parameters gets its
-    gradient through autograd on each block's bias. So a new score term is one ``forward``.
-    ``is_relative = True`` promises that the term depends on ``j - i`` only: at consecutive
-    positions attention then evaluates it once, on one band, for all blocks.
+    Faster routes are opt-in; each capability below has a safe default:
+
+    * ``is_relative = True`` promises that the term depends on ``j - i`` only (and not on the
+      queries): at consecutive positions attention then evaluates it once, on one band, for
+      every block. Default False.
+    * ``uses_weights = True`` with :meth:`value_term`: the term also adds to the values.
+    * :meth:`pair_bias` (or :meth:`to_score_mod`): an elementwise form, which FlexAttention
+      needs on CUDA (:attr:`has_elementwise_form`); ``compiles_in_flex = False`` keeps a term
+      with one off FlexAttention's compiled kernel.
+    * :meth:`key_only_term`: the term as a function of the key alone up to a constant per query.
+    * :meth:`clipped_embeddings`: Shaw's clipped tables, computed without gathers.
     """
 
     acts_on = "scores"
-    is_relative = True
+    is_relative = False
     uses_weights: ClassVar[bool] = False
     #: Whether :meth:`to_score_mod` lowers to FlexAttention's compiled CUDA kernel; where it does
     #: not, attention on CUDA takes the blockwise path instead.
     compiles_in_flex: ClassVar[bool] = True
-    # Attention evaluates forward() one block of queries at a time (selfattn.functional.blockwise_attention),
-    # so a new score term needs only forward(); pair_bias() adds FlexAttention support.
+
+    @property
+    def has_elementwise_form(self) -> bool:
+        """Whether :meth:`pair_bias` or :meth:`to_score_mod` is defined (FlexAttention can take the term)."""
+        cls = type(self)
+        return cls.pair_bias is not ScoreEncoding.pair_bias or cls.to_score_mod is not ScoreEncoding.to_score_mod
+
+    def key_only_term(self, key_offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The term up to a constant per query as a function of the key alone, or None (the default).
+
+        Args:
+            key_offsets: integer ``j - a`` for an anchor ``a``, ``(..., 1 or h, 1, lk)``.
+            dtype: float dtype of the result.
+        """
+        del key_offsets, dtype
+        return None
+
+    def clipped_embeddings(self) -> tuple[int, torch.Tensor | None, torch.Tensor | None, float] | None:
+        """``(K, key table, value table, key scale)`` of a Shaw-style clipped term, or None (the default)."""
+        return None
 
     def forward(
         self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor

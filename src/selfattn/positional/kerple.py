@@ -35,6 +35,8 @@ class KerplePositionalBias(ScoreEncoding):
         bias ``(1, h, lq, lk)`` for ``(l,)`` positions.
     """
 
+    is_relative = True  # a function of j - i alone
+
     def __init__(self, num_heads: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.num_heads = require_positive_int("num_heads", num_heads)

@@ -45,6 +45,8 @@ class ShawRelativePositionEncoding(ScoreEncoding):
         bias ``(b, h, lq, lk)``; value term ``(b, h, lq, dh)``.
     """
 
+    is_relative = True  # a function of j - i alone
+
     def __init__(
         self,
         head_dim: int,

@@ -1,0 +1,213 @@
+"""The checks of a :class:`~selfattn.MultiHeadAttention` call: shapes, lengths, masks, positions.
+
+Each raises ``ValueError`` naming the argument and the value it got.
+
+Shape legend: b batch, lq queries, lk keys, h heads, d* feature sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from selfattn import _validation
+from selfattn._validation import ArgumentTypeError, require_position
+from selfattn.cache import KVCache
+from selfattn.core.documents import document_positions
+
+__all__ = [
+    "check_inputs",
+    "check_masks",
+    "check_skip_padded_queries",
+    "check_valid_lens",
+    "require_int_tensor",
+    "resolve_positions",
+    "zero_padding",
+]
+
+
+def require_int_tensor(name: str, value: object, shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.is_floating_point()
+        or value.is_complex()
+        or value.dtype == torch.bool
+        or tuple(value.shape) not in shapes
+    ):
+        want = " or ".join(str(shape) for shape in shapes)
+        got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        raise ValueError(f"{name} must be an integer tensor of shape {want}, got {got}")
+    return value.long()
+
+
+def check_inputs(module: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    for name, t, size in (
+        ("queries", queries, module.query_size),
+        ("keys", keys, module.key_size),
+        ("values", values, module.value_size),
+    ):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != size:
+            raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
+        weight = module.W_q.weight
+        mixed_ok = torch.is_autocast_enabled(t.device.type)  # autocast casts inside the projections
+        if (t.dtype != weight.dtype and not mixed_ok) or t.device != weight.device:
+            raise ValueError(
+                f"{name} must be {weight.dtype} on {weight.device} like this layer's weights, "
+                f"got {t.dtype} on {t.device} (convert the input or call .to() on the layer)"
+            )
+    if not queries.shape[0] == keys.shape[0] == values.shape[0]:
+        raise ValueError(
+            f"queries, keys and values must share the batch size, got {queries.shape[0]}, {keys.shape[0]}, {values.shape[0]}"
+        )
+    if keys.shape[1] != values.shape[1]:
+        raise ValueError(f"keys and values must have the same length, got {keys.shape[1]} and {values.shape[1]}")
+
+
+def check_valid_lens(valid_lens: torch.Tensor, batch: int, num_queries: int, max_keys: int) -> torch.Tensor:
+    if not isinstance(valid_lens, torch.Tensor):
+        try:
+            valid_lens = torch.as_tensor(valid_lens)
+        except (TypeError, ValueError, RuntimeError):
+            raise ArgumentTypeError(
+                f"valid_lens must be a tensor (or list) of lengths, got {type(valid_lens).__name__} {valid_lens!r}"
+            ) from None
+    if valid_lens.shape not in ((batch,), (batch, num_queries)):
+        raise ValueError(
+            f"valid_lens must have shape ({batch},) or ({batch}, {num_queries}), got {tuple(valid_lens.shape)}"
+        )
+    if valid_lens.dtype == torch.bool or valid_lens.is_complex():
+        raise ValueError(f"valid_lens must hold integer lengths, got dtype {valid_lens.dtype}")
+    if _validation.is_compiling():
+        return valid_lens.long()  # value checks would read the tensor back: eager mode only
+    if valid_lens.is_floating_point():
+        if not torch.equal(valid_lens, valid_lens.round()):
+            raise ValueError(f"valid_lens must hold whole numbers, got {valid_lens.tolist()}")
+        valid_lens = valid_lens.long()
+    if valid_lens.numel():
+        low, high = int(valid_lens.min()), int(valid_lens.max())
+        if low < 0 or high > max_keys:
+            raise ValueError(f"valid_lens must lie in [0, {max_keys}] (the number of keys), got {valid_lens.tolist()}")
+    return valid_lens
+
+
+def check_masks(
+    module: Any,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    batch: int,
+    num_queries: int,
+    num_new_keys: int,
+    total: int,
+    cache: KVCache | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Validated ``(attn_mask (1 or b, 1 or h, lq, total), key_padding_mask (b, lk_new), document_ids)``."""
+    if attn_mask is not None:
+        shapes = ((num_queries, total), (batch, num_queries, total), (batch, module.num_heads, num_queries, total))
+        if not isinstance(attn_mask, torch.Tensor) or tuple(attn_mask.shape) not in shapes:
+            got_mask = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else repr(attn_mask)
+            raise ValueError(f"attn_mask must have shape {' or '.join(map(str, shapes))}, got {got_mask}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ValueError(f"attn_mask must be bool (True = attend) or floating point, got {attn_mask.dtype}")
+        attn_mask = attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask
+        attn_mask = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask
+    if key_padding_mask is not None and (
+        not isinstance(key_padding_mask, torch.Tensor)
+        or key_padding_mask.dtype != torch.bool
+        or tuple(key_padding_mask.shape) != (batch, num_new_keys)
+    ):
+        got = (
+            f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            if isinstance(key_padding_mask, torch.Tensor)
+            else repr(key_padding_mask)
+        )
+        where = " (the new keys; the cache remembers earlier ones)" if cache is not None else ""
+        raise ValueError(
+            f"key_padding_mask must be bool (True = padding) of shape ({batch}, {num_new_keys}){where}, got {got}"
+        )
+    if document_ids is not None:
+        if num_queries != num_new_keys:
+            raise ValueError(
+                "document_ids needs self-attention over packed sequences: as many new keys as queries, "
+                f"got {num_queries} queries and {num_new_keys} keys"
+            )
+        document_ids = require_int_tensor("document_ids", document_ids, ((batch, num_queries),))
+    if cache is not None and cache.length and (document_ids is None) == cache.has_documents:
+        if cache.has_documents:
+            raise ValueError("the cache holds a packed sequence: give document_ids for the new tokens too")
+        raise ValueError("the cache holds keys without document ids: reset() it before passing document_ids")
+    return attn_mask, key_padding_mask, document_ids
+
+
+def resolve_positions(
+    batch: int,
+    num_queries: int,
+    num_new_keys: int,
+    total: int,
+    offset: int | None,
+    positions: torch.Tensor | None,
+    key_positions: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    cache: KVCache | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the queries ``(lq,)``/``(b, lq)`` and of the new keys ``(lk,)``/``(b, lk)``."""
+    if offset is not None and (positions is not None or document_ids is not None):
+        raise ValueError("give either offset or positions/document_ids, not both (offset is the shorthand)")
+    if positions is None and document_ids is not None:
+        # (b, l): each document starts at 0, or goes on from the cache's newest key
+        positions = document_positions(document_ids, previous=None if cache is None else cache.last_documents)
+    first = 0
+    if positions is not None:
+        q_positions = require_int_tensor("positions", positions, ((num_queries,), (batch, num_queries))).to(device)
+    else:
+        if offset is None:
+            offset = 0 if cache is None else cache.length
+        offset = require_position("offset", offset, num_queries)
+        q_positions = torch.arange(offset, offset + num_queries, device=device)  # (lq,)
+        first = offset
+    if key_positions is not None:
+        shapes = ((num_new_keys,), (batch, num_new_keys))
+        return q_positions, require_int_tensor("key_positions", key_positions, shapes).to(device)
+    if positions is None:
+        # Queries are the last lq of all keys: new key j sits at offset + lq - lk_new + j.
+        start = first + num_queries - num_new_keys if cache is not None else first + num_queries - total
+        return q_positions, torch.arange(start, start + num_new_keys, device=device)
+    if num_new_keys != num_queries:
+        raise ValueError(
+            f"key_positions are needed: positions give the {num_queries} queries' positions, "
+            f"and there are {num_new_keys} keys"
+        )
+    return q_positions, q_positions
+
+
+def check_skip_padded_queries(
+    valid_lens: torch.Tensor, num_queries: int, num_new_keys: int, cache: KVCache | None
+) -> None:
+    if valid_lens.dim() != 1:
+        raise ValueError(
+            "skip_padded_queries needs valid_lens of shape (batch,): per-query valid_lens "
+            f"{tuple(valid_lens.shape)} do not say which query rows are padding"
+        )
+    if cache is not None:
+        raise ValueError("skip_padded_queries does not apply with a cache (decoding); pass cache=None")
+    if num_queries != num_new_keys:
+        raise ValueError(
+            "skip_padded_queries needs self-attention over a padded batch (as many queries as keys), "
+            f"got {num_queries} queries and {num_new_keys} keys"
+        )
+
+
+def zero_padding(
+    valid_rows: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs with their padded rows zeroed (``valid_rows`` ``(b, l)``), each shared tensor zeroed once."""
+    padded = ~valid_rows[:, :, None]  # (b, l, 1)
+    zeroed: dict[int, torch.Tensor] = {}
+    for x in (queries, keys, values):
+        if id(x) not in zeroed:
+            zeroed[id(x)] = x.masked_fill(padded, 0.0)  # masked_fill, not a product: a NaN there is dropped
+    return zeroed[id(queries)], zeroed[id(keys)], zeroed[id(values)]

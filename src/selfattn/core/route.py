@@ -1,0 +1,48 @@
+"""What a route of attention is: a name, a pure test that says why it declines, and how it runs.
+
+Shape legend: b batch, h heads, lq queries, dv value size, d model size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from selfattn.core.call import AttentionCall
+
+__all__ = ["Output", "Route"]
+
+
+@dataclass(frozen=True)
+class Output:
+    """A route's result.
+
+    Attributes:
+        out: ``(b, h, lq, dv)`` heads (``stage="heads"``), ``(b, lq, h * dv)`` merged heads before
+            ``W_o`` (``"merged"``), or the module's ``(b, lq, d)`` output after ``W_o`` (``"projected"``).
+        weights: ``(b, h, lq, lk)`` attention weights when the call asked for them.
+        stage: how far the route went.
+    """
+
+    out: torch.Tensor
+    weights: torch.Tensor | None = None
+    stage: Literal["heads", "merged", "projected"] = "heads"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way of computing attention.
+
+    Attributes:
+        name: what :func:`~selfattn.core.dispatch.explain` and the profiler call it.
+        declines: ``declines(call)`` is None when the route can take the call, else the reason
+            it cannot (it reads only what the call knows without computing attention).
+        run: ``run(call)`` computes it.
+    """
+
+    name: str
+    declines: Callable[[AttentionCall], str | None]
+    run: Callable[[AttentionCall], Output]

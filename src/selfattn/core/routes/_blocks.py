@@ -1,0 +1,98 @@
+"""What the blockwise routes share: when blocks can serve a call at all, and the plan they run.
+
+Shape legend: b batch, h heads, lq queries, lk keys, d head size, dv value size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn.core.call import AttentionCall
+from selfattn.functional._block_autograd import _BlockwiseAttention
+from selfattn.functional._block_clipped import _Clipped
+from selfattn.functional._block_common import choose_block_size
+from selfattn.functional._block_plan import _Plan
+from selfattn.functional._kernels import _repeat_kv
+
+__all__ = ["blocks_decline", "plan_for", "run_plan"]
+
+
+def blocks_decline(call: AttentionCall) -> str | None:
+    """Why no blockwise route can take the call (the weights wanted, a float bias, a compiled graph), or None."""
+    if call.return_weights:
+        return "the weights were asked for"
+    if call.bias is not None:
+        return "a float bias (attn_mask) is given"
+    if call.compiling:
+        return "compiling: the blockwise loop is eager Python with a custom autograd Function"
+    if call.transformed:
+        return "inside a torch.func transform (the blockwise autograd Function has no functorch rule)"
+    if not call.four_d:
+        return "q, k, v are not (b, h, l, d)"
+    return None
+
+
+def heads(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q (b, h, lq, d)``, and ``k, v`` repeated to every query head ``(b, h, lk, d)``: blocks take every head."""
+    q = call.q
+    return q, _repeat_kv(q, call.k), _repeat_kv(q, call.v)
+
+
+def plan_for(call: AttentionCall, *, block: int | None = None, **choices: object) -> _Plan:
+    """The plan of a blockwise call; ``choices`` set the route's own fields (``band_base``, ``clipped``, ``key_bias``)."""
+    if block is None:
+        block = call.block_size or choose_block_size(
+            call.batch, call.heads, call.num_queries, call.num_keys, dtype=call.dtype
+        )
+    block = max(1, min(block, call.num_queries))
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if call.dropout_p > 0 else 0
+    grad = torch.is_grad_enabled()
+    queries_in_term = bool(grad and call.q.requires_grad and call.term_reads_queries)
+    names = []
+    if call.term is not None and call.term_parameters:
+        wanted = {id(p) for p in call.term_parameters}
+        names = [name for name, p in call.term.named_parameters() if id(p) in wanted]
+    return _Plan(
+        term=call.term,
+        q_positions=call.q_positions,
+        k_positions=call.k_positions,
+        visibility=call.visibility,
+        scale=call.scale,
+        block=block,
+        dropout_p=call.dropout_p,
+        seed=seed,
+        bias_needs_grad=bool(call.term_parameters) or queries_in_term,
+        queries_in_term=queries_in_term,
+        value_term=call.value_term,
+        num_queries=call.num_queries,
+        num_keys=call.num_keys,
+        on_cpu=call.on_cpu,
+        param_names=names,
+        **choices,  # type: ignore[arg-type]
+    )
+
+
+def run_plan(call: AttentionCall, plan: _Plan) -> torch.Tensor:
+    """The plan through :class:`_BlockwiseAttention`, ``(b, h, lq, dv)``."""
+    q, k, v = heads(call)
+    out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *call.term_parameters)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+    return out
+
+
+def clipped_for(call: AttentionCall) -> _Clipped | None:
+    """Shaw's clipped tables at consecutive positions, or None."""
+    embeddings = None if call.term is None else call.term.clipped_embeddings()
+    if embeddings is None or call.consecutive is None:
+        return None
+    first_query, first_key = call.consecutive
+    reach, key_table, value_table, key_scale = embeddings
+    params = call.term_parameters
+    return _Clipped(
+        max_distance=reach,
+        key_table=key_table,
+        value_table=value_table,
+        key_scale=key_scale,
+        offset=first_key - first_query,
+        key_param=next((i for i, p in enumerate(params) if p is key_table), None),
+        value_param=next((i for i, p in enumerate(params) if p is value_table), None),
+    )

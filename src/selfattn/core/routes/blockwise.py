@@ -1,0 +1,73 @@
+"""Score terms, value terms and dropout one block of queries at a time, in O(block) memory.
+
+Three routes share the engine (:class:`~selfattn.functional._block_autograd._BlockwiseAttention`)
+and differ in how a block's bias is made: Shaw's clipped tables without gathers, one band of a
+relative term read by every block, or the term called per block (any term at all).
+
+Shape legend: b batch, h heads, lq queries, dv value size.
+"""
+
+from __future__ import annotations
+
+from selfattn.core.call import AttentionCall
+from selfattn.core.route import Output, Route
+from selfattn.core.routes._blocks import blocks_decline, clipped_for, plan_for, run_plan
+
+__all__ = ["BLOCKWISE", "BLOCKWISE_ANY", "BLOCKWISE_BAND", "BLOCKWISE_CLIPPED"]
+
+
+def _nothing_for_blocks(call: AttentionCall) -> str | None:
+    if call.term is None and call.dropout_p == 0:
+        return "no score term and no dropout"
+    return blocks_decline(call)
+
+
+def _declines_clipped(call: AttentionCall) -> str | None:
+    reason = _nothing_for_blocks(call)
+    if reason is None and (call.term is None or call.term.clipped_embeddings() is None):
+        reason = "the term has no clipped tables"
+    if reason is None and call.consecutive is None:
+        reason = "positions are not consecutive"
+    return reason
+
+
+def _run_clipped(call: AttentionCall) -> Output:
+    return Output(run_plan(call, plan_for(call, clipped=clipped_for(call))))
+
+
+def _band_base(call: AttentionCall, block: int) -> int:
+    consecutive: tuple[int, int] | None = call.consecutive
+    assert consecutive is not None
+    first_query, first_key = consecutive
+    last_start = (call.num_queries - 1) // block * block
+    return first_key - first_query - last_start
+
+
+def _declines_band(call: AttentionCall) -> str | None:
+    reason = _nothing_for_blocks(call)
+    if reason is None and (call.term is None or not call.term.is_relative):
+        reason = "the term does not declare itself relative (is_relative)"
+    elif reason is None and call.term_reads_queries:
+        reason = "the term reads the queries"
+    elif reason is None and call.consecutive is None:
+        reason = "positions are not consecutive"
+    elif reason is None and call.visibility.causal and call.num_queries > call.num_keys:
+        reason = "causal with more queries than keys"
+    return reason
+
+
+def _run_band(call: AttentionCall) -> Output:
+    plan = plan_for(call)
+    plan.band_base = _band_base(call, plan.block)
+    return Output(run_plan(call, plan))
+
+
+def _run_any(call: AttentionCall) -> Output:
+    return Output(run_plan(call, plan_for(call)))
+
+
+BLOCKWISE_CLIPPED = Route("blockwise clipped", _declines_clipped, _run_clipped)
+BLOCKWISE_BAND = Route("blockwise band", _declines_band, _run_band)
+BLOCKWISE = Route("blockwise", _nothing_for_blocks, _run_any)
+#: The last resort of :func:`~selfattn.functional.blockwise_attention`, which is asked for blocks.
+BLOCKWISE_ANY = Route("blockwise", lambda call: None, _run_any)

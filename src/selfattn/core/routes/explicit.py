@@ -1,0 +1,45 @@
+"""Scores, softmax and weighted sum written out: the route that returns the weights, and the value term's.
+
+Shape legend: b batch, h heads, lq queries, lk keys, dv value size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from selfattn.core.call import AttentionCall
+from selfattn.core.route import Output, Route
+from selfattn.functional._kernels import _repeat_kv, attention_weights, explicit_attention
+
+__all__ = ["EXPLICIT", "EXPLICIT_VALUE_TERM"]
+
+
+def _declines_weights(call: AttentionCall) -> str | None:
+    return None if call.return_weights else "the weights were not asked for"
+
+
+def _run_weights(call: AttentionCall) -> Output:
+    out, weights = explicit_attention(
+        call.q, call.k, call.v, mask=call.visibility.dense(call.device), bias=call.full_bias(), causal=False,
+        dropout_p=call.dropout_p, scale=call.scale,
+    )  # fmt: skip
+    return Output(out, weights if call.return_weights else None)
+
+
+def _declines_value_term(call: AttentionCall) -> str | None:
+    return None if call.value_term else "no value term"
+
+
+def _run_value_term(call: AttentionCall) -> Output:
+    assert call.term is not None and call.q_positions is not None and call.k_positions is not None
+    mask = call.visibility.dense(call.device)
+    weights = attention_weights(call.q, call.k, mask=mask, bias=call.full_bias(), scale=call.scale)
+    dropped = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0 else weights
+    value = call.term.value_term(dropped, q_positions=call.q_positions, k_positions=call.k_positions)
+    out = torch.matmul(dropped, _repeat_kv(call.q, call.v)) + value  # (b, h, lq, dv)
+    return Output(out, weights if call.return_weights else None)
+
+
+EXPLICIT_VALUE_TERM = Route("explicit value term", _declines_value_term, _run_value_term)
+EXPLICIT = Route("explicit", _declines_weights, _run_weights)

@@ -1,0 +1,30 @@
+"""PyTorch's fused kernel (``scaled_dot_product_attention``): the default route.
+
+Shape legend: b batch, h heads, lq queries, dv value size.
+"""
+
+from __future__ import annotations
+
+from selfattn.core.call import AttentionCall
+from selfattn.core.route import Output, Route
+from selfattn.functional._kernels import fused_attention
+
+__all__ = ["FUSED"]
+
+
+def _declines(call: AttentionCall) -> str | None:
+    return None  # the kernel takes every call that no faster route took
+
+
+def _run(call: AttentionCall) -> Output:
+    bias = call.full_bias()
+    kernel_causal = call.visibility.kernel_causal and bias is None
+    mask = None if kernel_causal else call.visibility.dense(call.device)
+    out = fused_attention(
+        call.q, call.k, call.v, mask=mask, bias=bias, causal=kernel_causal, dropout_p=call.dropout_p,
+        scale=call.scale,
+    )  # fmt: skip
+    return Output(out)  # (b, h, lq, dv)
+
+
+FUSED = Route("fused", _declines, _run)

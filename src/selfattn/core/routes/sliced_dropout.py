@@ -1,0 +1,39 @@
+"""Dropout with no score term on CPU, one ``(batch, head)`` slice at a time in cache-sized tiles.
+
+Shape legend: b batch, h heads, lq queries, dv value size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn.core.call import AttentionCall
+from selfattn.core.route import Output, Route
+from selfattn.core.routes._blocks import blocks_decline, heads, plan_for
+from selfattn.functional import _block_sliced
+
+__all__ = ["SLICED_DROPOUT"]
+
+
+def _declines(call: AttentionCall) -> str | None:
+    if call.term is not None:
+        return "a score term"
+    if call.dropout_p == 0:
+        return "no dropout"
+    reason = blocks_decline(call)
+    if reason is None and not call.on_cpu:
+        reason = "not on CPU"
+    elif reason is None and call.num_queries * call.num_keys < _block_sliced.SLICED_MIN_SCORES:
+        reason = f"fewer than {_block_sliced.SLICED_MIN_SCORES} scores per slice"
+    return reason
+
+
+def _run(call: AttentionCall) -> Output:
+    block = call.block_size or _block_sliced.choose_slice_block(call.num_queries, call.num_keys, dtype=call.dtype)
+    plan = plan_for(call, block=block)
+    q, k, v = heads(call)
+    out: torch.Tensor = _block_sliced._SlicedDropoutAttention.apply(plan, q, k, v)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+    return Output(out)
+
+
+SLICED_DROPOUT = Route("sliced dropout", _declines, _run)

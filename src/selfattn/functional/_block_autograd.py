@@ -1,0 +1,289 @@
+"""The blockwise forward and backward passes: one block of queries at a time, flash or explicit per block.
+
+Shape legend: b batch, h heads, lq queries, lk keys, d head size, dv value size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from selfattn.functional._block_clipped import _clipped_probs, _ends, _per_distance, _with_indicators
+from selfattn.functional._block_common import (
+    _add_matmul,
+    _block_probs,
+    _compute_dtype,
+    _flash_backward,
+    _flash_forward,
+    _float_mask,
+    _settle_empty_rows,
+    _softmax_backward,
+    _Workspace,
+)
+from selfattn.functional._block_plan import _Plan
+from selfattn.functional._dropout_masks import dropout_keep_probability
+
+
+def _differentiable_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The forward of :class:`_BlockwiseAttention` block by block in differentiable ops (for double backward)."""
+    compute = _compute_dtype(q.dtype)
+    inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
+    pieces = []
+    for index, start, end, keys in plan.blocks():
+        qc, kc, vc = q[..., start:end, :].to(compute), k[..., :keys, :].to(compute), v[..., :keys, :].to(compute)
+        visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
+        bias = plan.bias(qc, start, end, keys)
+        scores = torch.matmul(qc, kc.transpose(-2, -1)) * plan.scale  # (b, h, block, keys)
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        if plan.dropout_p > 0:
+            weights = weights * plan.keep(index, weights.shape, q.device) * inverse_keep
+        block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
+        if plan.value_term:
+            block_out = block_out + plan.value(weights, start, end, keys)
+        if empty is not None:
+            block_out = block_out.masked_fill(empty, 0.0)
+        pieces.append(block_out)
+    return torch.cat(pieces, dim=-2).to(q.dtype)  # (b, h, lq, dv)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:
+        compute = _compute_dtype(q.dtype)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # (b, h, lq, dv)
+        out_compute = out if compute == q.dtype else out.to(compute)
+        lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)  # (b, h, lq)
+        inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
+        band = None if plan.band_base is None else plan.hide_future(plan.band(q[:1, :, : plan.block].to(compute)))
+        workspace = _Workspace(q.device)
+        value_sums: torch.Tensor | None = None
+        for index, start, end, keys in plan.blocks():
+            qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
+            visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
+            if plan.flash_forward and plan.key_bias is not None:
+                mask: torch.Tensor | None = plan.key_mask(end - start)
+            elif plan.flash_forward:
+                bias = (
+                    plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
+                )
+                mask = _float_mask(bias, visible, compute)
+            if plan.flash_forward:
+                block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
+                block_lse = block_lse.to(compute)
+                # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
+                query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
+                block_out = block_out + query_sums.mul(0).to(block_out.dtype)
+            else:  # the explicit backward recomputes the probabilities with the fused softmax: no lse
+                qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
+                clipped = plan.clipped
+                if clipped is not None:
+                    split = clipped.split(start, end, keys, q.device)
+                    weights, _ = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
+                else:
+                    bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
+                    weights = _block_probs(qc, kc, bias, visible, plan.scale, workspace)  # (b, h, block, keys)
+                if plan.dropout_p > 0:  # dropped weights stay unscaled: 1 / keep goes on the block's output
+                    weights = weights.mul_(plan.keep_factors(index, weights.shape, weights.dtype, workspace))
+                if clipped is not None and clipped.value_table is not None:
+                    first, last, _ = split
+                    v_wide = _with_indicators(
+                        vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute)
+                    )
+                    wide = torch.matmul(weights, v_wide)  # (b, h, block, dv + 2)
+                    table = clipped.value_table.to(compute)
+                    sums = _per_distance(wide, weights, split, table.shape[0])  # (b, h, block, 2K+1)
+                    if value_sums is None:  # kept for the backward pass: (b, h, lq, 2K+1)
+                        value_sums = sums.new_empty(*sums.shape[:-2], plan.num_queries, sums.shape[-1])
+                    value_sums[..., start:end, :] = sums
+                    block_out = wide[..., :-2] + torch.matmul(sums, table)
+                else:
+                    block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
+                    if plan.value_term:  # linear in the weights
+                        block_out = block_out + plan.value(weights, start, end, keys)
+                if plan.dropout_p > 0:
+                    block_out = block_out.mul_(inverse_keep)
+                block_lse = None
+            if empty is not None:
+                block_out = block_out.masked_fill(empty, 0.0)
+            out[..., start:end, :] = block_out
+            if out_compute is not out:
+                out_compute[..., start:end, :] = block_out
+            if block_lse is not None:
+                lse[..., start:end] = block_lse
+        ctx.plan = plan
+        ctx.value_sums = value_sums
+        ctx.num_params = len(params)
+        ctx.save_for_backward(q, k, v, out_compute, lse, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, _, _, *params = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate a recomputation made of plain ops
+            inputs = [q, k, v, *params]
+            wanted = [t.requires_grad for t in inputs]
+            with ctx.plan.using(params):
+                out = _differentiable_forward(ctx.plan, q, k, v)
+            sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
+            grads = iter(torch.autograd.grad(out, sources, grad_out, create_graph=True, allow_unused=True))
+            return (None, *(next(grads) if w else None for w in wanted))
+        with torch.no_grad(), ctx.plan.using(params):
+            return _BlockwiseAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan: _Plan = ctx.plan
+        q, k, v, out, lse, *params = ctx.saved_tensors
+        compute = _compute_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
+        inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
+
+        def accumulate(grads: Sequence[torch.Tensor | None]) -> None:
+            for i, g in enumerate(grads):
+                if g is not None:
+                    previous = param_grads[i]
+                    param_grads[i] = g if previous is None else previous + g
+
+        def add_param_grad(i: int, g: torch.Tensor) -> None:
+            accumulate([None] * i + [g.to(params[i].dtype)])
+
+        workspace = _Workspace(q.device)
+        band = band_values = band_grad = None
+        if plan.band_base is not None:
+            with torch.set_grad_enabled(plan.bias_needs_grad):
+                band = plan.band(q[:1, :, : plan.block].to(compute))
+            band_values = plan.hide_future(band.detach())
+            if band.requires_grad:  # the score gradient of every block lands in one band-sized tensor
+                band_grad = torch.zeros(band.shape, dtype=band.dtype, device=band.device)
+
+        for index, start, end, keys in plan.blocks():
+            qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
+            visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
+            gb = grad_out[..., start:end, :]
+            if empty is not None:
+                gb = gb.masked_fill(empty, 0.0)  # the output of an empty row is a constant zero
+            if plan.flash_backward and plan.key_bias is not None:
+                mask: torch.Tensor | None = plan.key_mask(end - start)
+            elif plan.flash_backward:
+                if band_values is None:
+                    bias = plan.bias(qb.to(compute), start, end, keys)
+                else:
+                    bias = plan.window(band_values, start, end, keys)
+                mask = _float_mask(bias, visible, compute)
+            if plan.flash_backward:
+                ob = out[..., start:end, :].to(q.dtype)
+                gq, gk, gv = _flash_backward(
+                    gb.contiguous(), qb, kb, vb, ob, lse[..., start:end], 0.0, False, attn_mask=mask, scale=plan.scale
+                )
+                dq[..., start:end, :] = gq
+                dk[..., :keys, :] += gk
+                dv[..., :keys, :] += gv
+                continue
+
+            qc, kc, vc, gc = qb.to(compute), kb.to(compute), vb.to(compute), gb.to(compute)
+            q_leaf = qc.detach().requires_grad_(plan.queries_in_term)
+            clipped, split, k_wide = plan.clipped, None, None
+            bias = None
+            if clipped is not None:
+                split = clipped.split(start, end, keys, q.device)
+                probs, k_wide = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
+            else:
+                if band_values is None:
+                    with torch.set_grad_enabled(plan.bias_needs_grad):
+                        bias = plan.bias(q_leaf, start, end, keys)
+                else:
+                    bias = plan.window(band_values, start, end, keys)
+                probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
+            keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
+            g_scaled = gc if keep is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
+            # Without a value term the dropped weights serve only the values' gradient: they are
+            # made in place from probs after its last use (no buffer, one stream fewer).
+            drop_late = keep is not None and not plan.value_term and (clipped is None or clipped.value_table is None)
+            dropped = probs
+            if keep is not None and not drop_late:
+                # the forward's weights, unscaled: probs with the same entries dropped
+                dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
+            if not drop_late:
+                _add_matmul(dv[..., :keys, :], dropped.transpose(-2, -1), g_scaled)
+            grad_buffer = workspace.get("grad", probs.shape, compute)
+            if clipped is not None and clipped.value_table is not None:
+                assert split is not None
+                first, last, distance_index = split
+                table = clipped.value_table.to(compute)
+                g_by_distance = torch.matmul(g_scaled, table.t())  # (b, h, block, 2K+1)
+                g_wide = torch.cat([g_scaled, _ends(g_by_distance)], dim=-1)  # (b, h, block, dv + 2)
+                v_wide = _with_indicators(
+                    vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute)
+                )
+                grad_weights = torch.matmul(g_wide, v_wide.transpose(-2, -1), out=grad_buffer)
+                if last > first:
+                    grad_weights[..., first:last] += torch.gather(
+                        g_by_distance, -1, distance_index.expand(*g_by_distance.shape[:-1], -1)
+                    )
+                if clipped.value_param is not None:
+                    sums = ctx.value_sums[..., start:end, :]  # (b, h, block, 2K+1), saved by the forward
+                    add_param_grad(
+                        clipped.value_param,
+                        sums.reshape(-1, sums.shape[-1]).t() @ g_scaled.reshape(-1, g_scaled.shape[-1]),
+                    )
+            else:
+                grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=grad_buffer)
+                if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
+                    with torch.enable_grad():
+                        weights_leaf = dropped.detach().requires_grad_(True)
+                        value = plan.value(weights_leaf, start, end, keys)
+                        grads = torch.autograd.grad(value, [weights_leaf, *params], g_scaled, allow_unused=True)
+                    if grads[0] is not None:
+                        grad_weights += grads[0]
+                    accumulate(grads[1:])
+            if keep is not None:
+                grad_weights = grad_weights.mul_(keep)
+            grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
+            if drop_late:
+                assert keep is not None
+                _add_matmul(dv[..., :keys, :], probs.mul_(keep).transpose(-2, -1), g_scaled)
+            if clipped is not None and clipped.key_table is not None and k_wide is not None:
+                assert split is not None
+                dq_wide = torch.matmul(grad_scores, k_wide)  # (b, h, block, d + 2)
+                table = clipped.key_table.to(compute)
+                sums = _per_distance(dq_wide, grad_scores, split, table.shape[0])  # (b, h, block, 2K+1)
+                dq[..., start:end, :] = dq_wide[..., :-2] * plan.scale + torch.matmul(sums, table) * clipped.key_scale
+                if clipped.key_param is not None:
+                    add_param_grad(
+                        clipped.key_param,
+                        (
+                            sums.reshape(-1, sums.shape[-1]).t()
+                            @ qc.expand(*sums.shape[:-1], -1).reshape(-1, qc.shape[-1])
+                        )
+                        * clipped.key_scale,
+                    )
+            else:
+                dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
+            _add_matmul(dk[..., :keys, :], grad_scores.transpose(-2, -1), qc * plan.scale)
+            if band_grad is not None:
+                window = plan.window(band_grad, start, end, keys)
+                window += grad_scores.sum_to_size(window.shape)
+            elif bias is not None and bias.requires_grad:
+                inputs = ([q_leaf] if plan.queries_in_term else []) + list(params)
+                grads = torch.autograd.grad(
+                    bias, inputs, grad_scores.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True
+                )
+                if plan.queries_in_term:
+                    if grads[0] is not None:
+                        dq[..., start:end, :] += grads[0]
+                    grads = grads[1:]
+                accumulate(grads)
+        if band is not None and band_grad is not None:
+            accumulate(torch.autograd.grad(band, params, band_grad, allow_unused=True))
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *param_grads)

@@ -1,0 +1,177 @@
+"""What every blockwise route shares: block sizes, the workspace, and one block's softmax and its gradient.
+
+Shape legend: b batch, h heads, lq queries, lk keys, d head size, dv value size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["BLOCK_BYTES", "MAX_BLOCK", "MIN_BLOCK", "ScoreTerm", "choose_block_size"]
+
+# One block's (b, h, block, lk) scores in the compute dtype stay near this many bytes.
+BLOCK_BYTES = 32 * 2**20
+MIN_BLOCK, MAX_BLOCK = 16, 512
+
+_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class ScoreTerm(Protocol):
+    """What blockwise attention needs from a score encoding (any :class:`~selfattn.positional.ScoreEncoding`).
+
+    ``term(q, q_positions=..., k_positions=...)`` returns the bias for those positions,
+    broadcastable to ``(b, h, lq, lk)``; positions are integer ``(..., lq)`` / ``(..., lk)``.
+    The other methods are the declared capabilities of the base class (with safe defaults).
+    """
+
+    @property
+    def is_relative(self) -> bool: ...
+
+    @property
+    def uses_weights(self) -> bool: ...
+
+    def __call__(self, q: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor: ...
+
+    def value_term(
+        self, weights: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def key_only_term(self, key_offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None: ...
+
+    def clipped_embeddings(self) -> tuple[int, torch.Tensor | None, torch.Tensor | None, float] | None: ...
+
+    def parameters(self) -> Any: ...
+
+    def named_parameters(self) -> Any: ...
+
+
+def choose_block_size(batch: int, heads: int, num_queries: int, num_keys: int, *, dtype: torch.dtype) -> int:
+    """Queries per block: the largest power of two whose ``(b, h, block, lk)`` scores fit 32 MiB.
+
+    The scores are counted in the compute dtype (float32 for half precision), then the block
+    is clamped to ``[16, 512]`` and to ``lq``. So b=2, 8 heads, lk=4096 in float32 gives 128
+    queries per block, and b=1, 8 heads, lk=32768 gives 32.
+    """
+    itemsize = torch.empty(0, dtype=_compute_dtype(dtype)).element_size()
+    per_query = max(batch * heads * num_keys * itemsize, 1)
+    rows = max(BLOCK_BYTES // per_query, 1)
+    block = 1 << (rows.bit_length() - 1)  # largest power of two <= rows
+    return max(1, min(num_queries, max(MIN_BLOCK, min(MAX_BLOCK, block))))
+
+
+class _Workspace:
+    """Buffers reused by every block of one pass.
+
+    A fresh ``(b, h, block, lk)`` tensor per block is tens of MiB that the allocator maps and
+    the kernel page-faults in each time; reusing one buffer per role skips that.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        count = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < count:
+            buffer = torch.empty(count, dtype=dtype, device=self.device)
+            self.buffers[name] = buffer
+        return buffer[:count].view(shape)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def _settle_empty_rows(visible: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Let rows that see no key see every key (kept finite), and return them to be zeroed after."""
+    if visible is None:
+        return None, None
+    empty = ~visible.any(dim=-1, keepdim=True)  # (..., block, 1)
+    if not bool(empty.any()):
+        return visible, None
+    return visible | empty, empty
+
+
+def _float_mask(bias: torch.Tensor | None, visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The 4-D float mask the flash kernel takes: the bias, -inf where a key is hidden."""
+    if bias is None and visible is None:
+        return None
+    if bias is None:
+        assert visible is not None
+        zeros = torch.zeros((), dtype=dtype, device=visible.device)
+        return _as_4d(zeros.masked_fill(~visible, float("-inf")))
+    bias = bias.to(dtype)
+    return _as_4d(bias if visible is None else bias.masked_fill(~visible, float("-inf")))
+
+
+def _lead_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
+    """The broadcast ``(b, h)`` of two 4-D tensors whose leading sizes agree or are 1."""
+    return tuple(max(a, b) for a, b in zip(q.shape[:-2], k.shape[:-2], strict=True))
+
+
+def _block_probs(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    bias: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    scale: float,
+    workspace: _Workspace,
+) -> torch.Tensor:
+    """Softmax of one block's scores, ``(b, h, block, keys)``, computed in the workspace's score buffer.
+
+    The scale goes on the queries (a ``(block, d)`` product instead of a ``(block, keys)`` one)
+    and the softmax is PyTorch's fused kernel, in place on CPU: one pass where
+    logsumexp-then-exp takes several.
+    """
+    shape = (*_lead_shape(qc, kc), qc.shape[-2], kc.shape[-2])
+    scores = torch.matmul(qc * scale, kc.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
+    if bias is not None:
+        scores.add_(bias.to(scores.dtype))
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
+    if scores.device.type == "cpu":
+        probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        return probs
+    return torch.softmax(scores, dim=-1)
+
+
+def _add_matmul(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target += a @ b`` for ``(b, h, ., .)`` tensors, in place through ``baddbmm_`` when the shapes allow.
+
+    The gradients of the keys and values gather one ``(b, h, lk, d)`` product per block; adding
+    it in the matrix product saves a temporary and a pass over it.
+    """
+    lead = target.shape[:-2]
+    if a.shape[:-2] == lead and b.shape[:-2] == lead and target.dim() == 4:
+        try:
+            flat = target.view(-1, *target.shape[-2:])  # (b * h, rows, columns), a view of target
+        except RuntimeError:
+            flat = None
+        if flat is not None:
+            flat.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+            return
+    target += torch.matmul(a, b)
+
+
+def _softmax_backward(grad_weights: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``probs * (grad_weights - sum(grad_weights * probs))`` row by row, fused (in place on CPU)."""
+    if grad_weights.device.type == "cpu":
+        grad: torch.Tensor = torch.ops.aten._softmax_backward_data.out(
+            grad_weights, probs, -1, probs.dtype, grad_input=grad_weights
+        )
+        return grad
+    out: torch.Tensor = torch.ops.aten._softmax_backward_data(grad_weights, probs, -1, probs.dtype)
+    return out

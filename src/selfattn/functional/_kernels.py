@@ -1,0 +1,378 @@
+"""The kernels of scaled dot-product attention: a fused path and an explicit path that agree.
+
+Which of them (or another route) serves a call is decided by :mod:`selfattn.core.dispatch`.
+
+Shape legend:
+    b: batch size, h: number of heads, lq: queries, lk: keys, d: head size, dv: value size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from selfattn._validation import (
+    ArgumentTypeError,
+    require_non_negative_int,
+    require_positive_finite,
+    require_tensor,
+)
+from selfattn.masks import Visibility, valid_lengths
+from selfattn.masks import causal as causal_rule
+
+__all__ = ["attention_weights", "causal_mask", "explicit_attention", "fused_attention", "valid_lens_mask"]
+
+# PyTorch's CPU flash kernel runs 3-7% faster on contiguous (b, h, l, d) heads than on the
+# transposed views a head split produces, once its O(lq * lk) work outweighs the O(l * d) copy
+# (measured crossover: lq = lk between 1536 and 2048 at d = 512, 8 heads).
+_CONTIGUOUS_HEADS_MIN_PAIRS = 2048 * 2048
+
+# scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def causal_mask(num_queries: int, num_keys: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean ``(lq, lk)`` mask, True where query ``i`` may attend key ``j``.
+
+    The queries are taken to be the *last* ``lq`` positions of the ``lk`` keys (lower-right
+    alignment), so query ``i`` sees keys ``j <= i + lk - lq``. With ``lq == lk`` this is the
+    usual lower-triangular mask; with fewer queries than keys (decoding against cached keys)
+    the newest query sees every key.
+    """
+    num_queries = require_non_negative_int("num_queries", num_queries)
+    num_keys = require_non_negative_int("num_keys", num_keys)
+    return _causal_mask(num_queries, num_keys, device)
+
+
+def _causal_mask(num_queries: int, num_keys: int, device: torch.device | str | None) -> torch.Tensor:
+    mask = Visibility.lower_right(num_queries, num_keys, causal_rule()).dense(torch.device(device or "cpu"))
+    assert mask is not None
+    return mask  # (lq, lk)
+
+
+def valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Boolean mask from the chapter's ``valid_lens``: key ``j`` is visible iff ``j < valid_len``.
+
+    Args:
+        valid_lens: ``(b,)`` one length per sequence, or ``(b, lq)`` one per query.
+        num_keys: ``lk``.
+
+    Returns:
+        ``(b, 1, 1, lk)`` for ``(b,)`` lengths, ``(b, 1, lq, lk)`` for ``(b, lq)`` lengths.
+
+    Raises:
+        ValueError: lengths that are negative, fractional, not integers or not 1-D/2-D.
+    """
+    _check_valid_lens(valid_lens)
+    return _valid_lens_mask(valid_lens, require_non_negative_int("num_keys", num_keys))
+
+
+def _check_valid_lens(valid_lens: torch.Tensor) -> None:
+    require_tensor("valid_lens", valid_lens)
+    if valid_lens.dim() not in (1, 2):
+        raise ValueError(f"valid_lens must have shape (b,) or (b, lq), got {tuple(valid_lens.shape)}")
+    if valid_lens.dtype == torch.bool or valid_lens.is_complex():
+        raise ArgumentTypeError(f"valid_lens must hold integer lengths, got dtype {valid_lens.dtype}")
+    if valid_lens.is_floating_point() and not bool((valid_lens == valid_lens.round()).all()):
+        raise ValueError(f"valid_lens must hold whole numbers, got {valid_lens.tolist()}")
+    if bool((valid_lens < 0).any()):
+        raise ValueError(f"valid_lens must not be negative, got {valid_lens.tolist()}")
+
+
+def _valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    num_queries = 1 if valid_lens.dim() == 1 else valid_lens.shape[1]
+    mask = Visibility(num_queries, num_keys, 0).with_rules(valid_lengths(valid_lens)).dense(valid_lens.device)
+    assert mask is not None
+    return mask  # (b, 1, 1, lk) for (b,) lengths, (b, 1, lq, lk) for (b, lq)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require_tensor(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name} must be a tensor of shape (..., length, features), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share their last dimension, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a head size of at least 1, got q {tuple(q.shape)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same number of keys, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if not _leading_dims_fit(q, k, v):
+        raise ValueError(
+            "q, k and v must have the same leading (batch, head) dimensions (k and v may have a divisor "
+            "of q's heads: grouped-query attention), "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype} and v {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device} and v {v.device}")
+
+
+def _leading_dims_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Equal (batch, head) dimensions, except that k and v may have a divisor of q's heads (grouped-query)."""
+    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        return True
+    if q.dim() < 3 or not q.dim() == k.dim() == v.dim() or not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        return False
+    return k.shape[-3] == v.shape[-3] and k.shape[-3] > 0 and q.shape[-3] % k.shape[-3] == 0
+
+
+def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``mask`` or ``bias`` must broadcast to the scores ``(..., lq, lk)`` and live on q's device.
+
+    Returns it with at least two dimensions (the fused kernel wants a query axis).
+    """
+    scores_shape = (*q.shape[:-1], k.shape[-2])  # (b, h, lq, lk)
+    fits = term.dim() <= len(scores_shape) and all(
+        size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape), strict=False)
+    )
+    if not fits:
+        raise ValueError(f"{name} of shape {tuple(term.shape)} does not broadcast to the scores' shape {scores_shape}")
+    if term.device != q.device:
+        raise ValueError(f"{name} must be on the device of q ({q.device}), got {term.device}")
+    return term if term.dim() >= 2 else term.reshape(*([1] * (2 - term.dim())), *term.shape)  # (.., lq, lk)
+
+
+def _scale(scale: object, head_size: int) -> float:
+    return 1.0 / math.sqrt(head_size) if scale is None else require_positive_finite("scale", scale)
+
+
+def _repeat_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Grouped-query heads: kv head ``j`` serves query heads ``j * g .. j * g + g - 1``."""
+    if kv.dim() < 3 or q.dim() != kv.dim() or kv.shape[-3] == q.shape[-3]:
+        return kv
+    return kv.repeat_interleave(q.shape[-3] // kv.shape[-3], dim=-3)  # (..., h, lk, d)
+
+
+def _check_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether k/v have fewer heads than q (grouped-query attention); raise if they do not divide."""
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        return False
+    if k.shape[-3] == q.shape[-3] and v.shape[-3] == q.shape[-3]:
+        return False
+    if k.shape[-3] != v.shape[-3] or q.shape[-3] % k.shape[-3]:
+        raise ValueError(
+            f"k and v must have the heads of q, or a divisor of them (grouped-query attention), got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    return True
+
+
+def _prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    fused: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, bool, float]:
+    """Validate, fold ``causal`` into ``mask`` unless the fused kernel can take it, and free empty rows.
+
+    Returns ``(mask, bias, empty_rows, use_is_causal, scale)``; ``empty_rows`` is a bool
+    ``(..., lq, 1)`` of the queries that see no key, or None when there are none. A ``-inf``
+    in ``bias`` hides its key just as the mask does, so a row blocked by the bias alone is an
+    empty row too.
+    """
+    _check_shapes(q, k, v)
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise ValueError(
+                f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
+            )
+        mask = _check_scores_term("mask", mask, q, k)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise ValueError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+        bias = _check_scores_term("bias", bias, q, k)
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    scale = _scale(scale, q.shape[-1])
+
+    use_is_causal = fused and causal and mask is None and bias is None and num_queries == num_keys
+    if causal and not use_is_causal:
+        lower_right = _causal_mask(num_queries, num_keys, q.device)  # (lq, lk)
+        mask = lower_right if mask is None else mask & lower_right
+    # -inf in the bias is a mask: move it there. (amin finds one 10x faster than isneginf().any().)
+    # Under torch.compile the test would read the tensor back (a graph break): always move it there.
+    if bias is not None and bias.numel() and (torch.compiler.is_compiling() or bool(bias.amin() == float("-inf"))):
+        blocked = torch.isneginf(bias)
+        bias = bias.masked_fill(blocked, 0.0)
+        mask = ~blocked if mask is None else mask & ~blocked
+
+    # Rows with no visible key: let them see every key (so softmax stays finite in the forward
+    # and the backward pass), and zero their output and weights afterwards.
+    empty_rows = None
+    if mask is not None:
+        empty_rows = ~mask.any(dim=-1, keepdim=True)  # (..., lq, 1)
+        if torch.compiler.is_compiling():
+            mask = mask | empty_rows  # no data-dependent branch inside a compiled graph
+        elif bool(empty_rows.any()):
+            mask = mask | empty_rows
+        else:
+            empty_rows = None
+    return mask, bias, empty_rows, use_is_causal, scale
+
+
+class _TwiceDifferentiable(torch.autograd.Function):
+    """The fused kernel forward and backward, and a math-kernel backward when a graph of the grads is wanted.
+
+    PyTorch's fused attention backward has no derivative of its own, so ``create_graph=True``
+    (gradient penalties, meta-learning, Hessian-vector products) would fail. Here the fused
+    kernel's own graph serves ordinary backward passes; a backward run with grad mode on
+    recomputes through the math kernel, whose every op is differentiable.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        options: dict[str, Any],
+    ) -> torch.Tensor:
+        q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
+        mask_ = None if attn_mask is None else attn_mask.detach().requires_grad_(attn_mask.requires_grad)
+        inner = [q_, k_, v_, mask_]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask_, **options)
+        ctx.inner, ctx.inner_out, ctx.options = inner, out, options
+        ctx.save_for_backward(q, k, v, attn_mask)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        wanted = [t is not None and t.requires_grad for t in ctx.inner]
+        if torch.is_grad_enabled():  # create_graph=True
+            inputs = ctx.saved_tensors
+            with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+                out = F.scaled_dot_product_attention(
+                    inputs[0], inputs[1], inputs[2], attn_mask=inputs[3], **ctx.options
+                )
+            sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
+            grads = iter(torch.autograd.grad(out, sources, grad, create_graph=True))
+        else:
+            sources = [t for t, w in zip(ctx.inner, wanted, strict=True) if w]
+            # Retained: the outer graph may be run again (retain_graph=True); both die together.
+            grads = iter(torch.autograd.grad(ctx.inner_out, sources, grad, retain_graph=True))
+        return (*(next(grads) if w else None for w in wanted), None)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, options: dict[str, Any]
+) -> torch.Tensor:
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
+    transformed = torch._C._functorch.peek_interpreter_stack() is not None  # torch.func: plain ops only
+    if needs_grad and options["dropout_p"] == 0.0 and not torch.compiler.is_compiling() and not transformed:
+        out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)  # type: ignore[no-untyped-call]
+        return out
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
+
+
+def _fused_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """PyTorch's fused kernel on checked inputs, ``(b, h, lq, dv)``; a NaN or inf query gives a NaN row.
+
+    ``attn_mask`` is passed as it is (bool, True = attend, or float added to the scores), so a
+    broadcast float mask reaches the kernel without being converted or copied. No row may be
+    empty: :func:`attention` frees them first.
+    """
+    grouped = _check_groups(q, k, v)
+    if grouped and not _SDPA_HAS_GQA:
+        k, v = _repeat_kv(q, k), _repeat_kv(q, v)
+    options: dict[str, Any] = {"dropout_p": dropout_p, "is_causal": is_causal, "scale": scale}
+    if grouped and _SDPA_HAS_GQA:
+        options["enable_gqa"] = True
+    out = _sdpa(q, k, v, attn_mask, options)
+    # PyTorch's CPU kernel returns a zero row for a query holding NaN or inf; the formula says NaN.
+    # Adding 0 * (the query's sum) gives NaN exactly there, for one reduction and no host sync (an
+    # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large
+    # finite half-precision queries from overflowing into a NaN nobody asked for.
+    sum_dtype = torch.promote_types(q.dtype, torch.float32)
+    query_sums = q.sum(dim=-1, keepdim=True, dtype=sum_dtype)  # (b, h, lq, 1)
+    if q.device.type == "cpu" and not torch.compiler.is_compiling() and bool(query_sums.isfinite().all()):
+        return out  # on CPU a host check of the sums costs less than one more pass over the output
+    if sum_dtype == out.dtype:
+        return out.add(query_sums, alpha=0)
+    return out + query_sums.mul(0).to(out.dtype)  # multiply first: the sum may not fit a half
+
+
+def attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The weights ``softmax(q k^T * scale + bias)``, ``(b, h, lq, lk)``; see :func:`attention`.
+
+    Rows whose keys are all masked are zeros. The scores and the softmax are computed in at
+    least float32 (as the fused kernels do), and the weights returned in the dtype of ``q``.
+    """
+    mask, bias, empty_rows, _, scale = _prepare(q, k, k, mask, bias, causal, scale, fused=False)
+    k = _repeat_kv(q, k)
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1)) * scale  # (b, h, lq, lk)
+    if bias is not None:
+        scores = scores + bias.to(compute_dtype)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(q.dtype)
+    return weights if empty_rows is None else weights.masked_fill(empty_rows, 0.0)
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Matmul, softmax, matmul: ``(b, h, lq, dv)`` output and the ``(b, h, lq, lk)`` weights (before dropout)."""
+    weights = attention_weights(q, k, mask=mask, bias=bias, causal=causal, scale=scale)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    return torch.matmul(dropped, _repeat_kv(q, v)), weights
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    scale: float | None,
+) -> torch.Tensor:
+    """PyTorch's fused kernel with the bias folded into a float mask and empty rows zeroed, ``(b, h, lq, dv)``."""
+    mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)
+    if q.device.type == "cpu" and q.shape[-2] * k.shape[-2] >= _CONTIGUOUS_HEADS_MIN_PAIRS:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    attn_mask = mask
+    if bias is not None:
+        bias = bias.to(q.dtype)
+        attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+    out = _fused_kernel(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale)
+    return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)

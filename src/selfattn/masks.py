@@ -1,0 +1,411 @@
+"""Which keys each query may see, written once: small rules that compose, and the call's visibility.
+
+A *rule* answers "may query ``i`` see key ``j``" for index tensors: :func:`causal`, :func:`window`,
+:func:`chunks`, :func:`valid_lengths`, :func:`key_padding`, :func:`documents`, :func:`dense`.
+Rules compose with ``&`` (a key must pass both) and ``|`` (either is enough). A
+:class:`Visibility` puts a rule on the queries and keys of one call: where they sit in the
+whole sequence (a cache or lower-right alignment shifts them), and renders it in every form a
+route of attention needs: a dense mask for a block of queries, the keys a block can reach, one
+row shared by every query, a FlexAttention-style predicate.
+
+Indices ``i`` and ``j`` count tokens in the whole sequence (cache included); tensors that belong
+to the call (lengths, padding, document ids, a dense mask) are indexed by the call's own
+queries and keys.
+
+Shape legend: b batch, h heads, lq queries, lk keys of the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+__all__ = [
+    "Rule",
+    "Visibility",
+    "causal",
+    "chunks",
+    "dense",
+    "documents",
+    "key_padding",
+    "valid_lengths",
+    "window",
+]
+
+
+@dataclass(frozen=True)
+class Indices:
+    """Where a rule is evaluated: global and local indices of queries and keys, broadcastable to one shape ``S``.
+
+    All four have the same number of dimensions, so a tensor indexed by them (``t[:, q_local]``,
+    ``(b, *shape)``) broadcasts against another.
+    """
+
+    q: torch.Tensor  # global query index
+    k: torch.Tensor  # global key index
+    q_local: torch.Tensor
+    k_local: torch.Tensor
+
+    @classmethod
+    def at(cls, q_local: torch.Tensor, k_local: torch.Tensor, q_first: int, k_first: int) -> Indices:
+        dims = max(q_local.dim(), k_local.dim())
+        q_local = q_local.reshape((1,) * (dims - q_local.dim()) + tuple(q_local.shape))
+        k_local = k_local.reshape((1,) * (dims - k_local.dim()) + tuple(k_local.shape))
+        return cls(q_local + q_first, k_local + k_first, q_local, k_local)
+
+
+class Rule:
+    """A predicate on (query, key) pairs. Subclasses implement :meth:`allows`."""
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        """Bool, True = visible, broadcastable to ``(b, h, *S)`` (``S``: the broadcast shape of the indices)."""
+        raise NotImplementedError
+
+    def block(self, at: Indices, start: int, end: int, keys: int) -> torch.Tensor:
+        """The rule on queries ``[start, end)`` and keys ``[0, keys)`` (``at`` holds those aranges)."""
+        return self.allows(at)
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The rule for one (batch, head, query, key) given as scalar tensors (FlexAttention's ``mask_mod``)."""
+        return self.allows(at)
+
+    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
+        """Global keys ``[low, high)`` that queries ``[q_low, q_high)`` may reach (None: no bound known)."""
+        return None, None
+
+    def __and__(self, other: Rule) -> Rule:
+        return All((*_parts(self, All), *_parts(other, All)))
+
+    def __or__(self, other: Rule) -> Rule:
+        return Any((*_parts(self, Any), *_parts(other, Any)))
+
+
+def _parts(rule: Rule, kind: type[All] | type[Any]) -> tuple[Rule, ...]:
+    return rule.rules if isinstance(rule, kind) else (rule,)
+
+
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """``(b, *S)`` -> ``(b, 1, *S)``: a per-sequence result broadcast over the heads."""
+    return t.unsqueeze(1)
+
+
+@dataclass(frozen=True, eq=False)
+class All(Rule):
+    rules: tuple[Rule, ...]
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        return functools.reduce(torch.logical_and, (rule.allows(at) for rule in self.rules))
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return functools.reduce(torch.logical_and, (rule.scalar(at, b, h) for rule in self.rules))
+
+    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
+        low: int | None = None
+        high: int | None = None
+        for rule in self.rules:
+            a, b = rule.key_bounds(q_low, q_high)
+            low = a if low is None else (low if a is None else max(low, a))
+            high = b if high is None else (high if b is None else min(high, b))
+        return low, high
+
+
+@dataclass(frozen=True, eq=False)
+class Any(Rule):
+    rules: tuple[Rule, ...]
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        return functools.reduce(torch.logical_or, (rule.allows(at) for rule in self.rules))
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return functools.reduce(torch.logical_or, (rule.scalar(at, b, h) for rule in self.rules))
+
+    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
+        bounds = [rule.key_bounds(q_low, q_high) for rule in self.rules]
+        lows, highs = [b[0] for b in bounds], [b[1] for b in bounds]
+        low = None if None in lows else min(x for x in lows if x is not None)
+        high = None if None in highs else max(x for x in highs if x is not None)
+        return low, high
+
+
+@dataclass(frozen=True)
+class Causal(Rule):
+    """Key ``j`` is visible to query ``i`` iff ``j <= i``."""
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        return at.k <= at.q
+
+    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
+        return None, q_high
+
+
+@dataclass(frozen=True)
+class Window(Rule):
+    """``|i - j| < size``; with :class:`Causal` this is the sliding window ``i - size < j <= i``."""
+
+    size: int
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        return (at.q - at.k).abs() < self.size
+
+    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
+        return q_low - self.size + 1, q_high + self.size - 1
+
+
+@dataclass(frozen=True)
+class Chunks(Rule):
+    """Query ``i`` sees only keys of its own chunk: ``i // size == j // size``."""
+
+    size: int
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        return torch.div(at.q, self.size, rounding_mode="floor") == torch.div(at.k, self.size, rounding_mode="floor")
+
+    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
+        return q_low // self.size * self.size, ((q_high - 1) // self.size + 1) * self.size
+
+
+@dataclass(frozen=True, eq=False)
+class ValidLengths(Rule):
+    """The chapter's ``valid_lens``: ``j < lengths[s]`` (``(b,)``) or ``j < lengths[s, i]`` (``(b, lq)``)."""
+
+    lengths: torch.Tensor
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        if self.lengths.dim() == 1:
+            lengths = self.lengths.view(-1, *([1] * at.k.dim()))  # (b, 1, ..)
+            return _batched(at.k < lengths)
+        per_query = self.lengths[:, at.q_local.clamp(0, self.lengths.shape[1] - 1)]  # (b, *q shape)
+        return _batched(at.k < per_query)
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return at.k < (self.lengths[b] if self.lengths.dim() == 1 else self.lengths[b, at.q_local])
+
+    @property
+    def per_query(self) -> bool:
+        return self.lengths.dim() == 2
+
+
+@dataclass(frozen=True, eq=False)
+class KeyPadding(Rule):
+    """``padding`` ``(b, lk)``, True = the key is padding and seen by nobody."""
+
+    padding: torch.Tensor
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        return _batched(~self.padding[:, at.k_local.clamp(0, self.padding.shape[1] - 1)])
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return ~self.padding[b, at.k_local]
+
+
+@dataclass(frozen=True, eq=False)
+class Documents(Rule):
+    """Packed documents: a token sees only tokens with its own id (``(b, lq)`` and ``(b, lk)`` ids)."""
+
+    query_ids: torch.Tensor
+    key_ids: torch.Tensor
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        q_ids = self.query_ids[:, at.q_local.clamp(0, self.query_ids.shape[1] - 1)]
+        k_ids = self.key_ids[:, at.k_local.clamp(0, self.key_ids.shape[1] - 1)]
+        return _batched(q_ids == k_ids)
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.query_ids[b, at.q_local] == self.key_ids[b, at.k_local]
+
+
+@dataclass(frozen=True, eq=False)
+class Dense(Rule):
+    """A given bool mask ``(1 or b, 1 or h, lq, lk)``, True = attend, indexed by the call's own queries and keys."""
+
+    mask: torch.Tensor
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        q_local = at.q_local.clamp(0, self.mask.shape[-2] - 1)
+        k_local = at.k_local.clamp(0, self.mask.shape[-1] - 1)
+        return self.mask[:, :, q_local, k_local]
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        mask = self.mask
+        q_local = at.q_local if mask.shape[-2] > 1 else 0
+        k_local = at.k_local if mask.shape[-1] > 1 else 0
+        return mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, q_local, k_local]
+
+    def block(self, at: Indices, start: int, end: int, keys: int) -> torch.Tensor:
+        rows = slice(None) if self.mask.shape[-2] == 1 else slice(start, end)
+        return self.mask[..., rows, :keys]  # a view: no gather
+
+
+def causal() -> Rule:
+    """Query ``i`` sees keys ``j <= i`` (indices in the whole sequence: lower-right aligned)."""
+    return Causal()
+
+
+def window(size: int) -> Rule:
+    """Keys with ``|i - j| < size`` (``causal() & window(w)``: keys ``i - w < j <= i``)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"window size must be a positive integer, got {size!r}")
+    return Window(size)
+
+
+def chunks(size: int) -> Rule:
+    """Query ``i`` sees only keys in its own chunk of ``size`` tokens (Llama 4's chunked attention)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"chunk size must be a positive integer, got {size!r}")
+    return Chunks(size)
+
+
+def valid_lengths(lengths: torch.Tensor) -> Rule:
+    """The chapter's ``valid_lens``: ``(b,)`` or ``(b, lq)`` integer lengths."""
+    return ValidLengths(lengths)
+
+
+def key_padding(padding: torch.Tensor) -> Rule:
+    """Bool ``(b, lk)``, True = padding (torch's ``key_padding_mask``)."""
+    return KeyPadding(padding)
+
+
+def documents(query_ids: torch.Tensor, key_ids: torch.Tensor | None = None) -> Rule:
+    """Packed documents: ``(b, lq)`` ids of the queries and ``(b, lk)`` of the keys (default the same)."""
+    return Documents(query_ids, query_ids if key_ids is None else key_ids)
+
+
+def dense(mask: torch.Tensor) -> Rule:
+    """A bool mask, True = attend, broadcastable to ``(b, h, lq, lk)``."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return Dense(mask)
+
+
+@dataclass(frozen=True, eq=False)
+class Visibility:
+    """A rule placed on one call: local query ``r`` is global index ``q_first + r``, local key ``c`` is ``k_first + c``.
+
+    Attributes:
+        num_queries: ``lq``.
+        num_keys: ``lk``.
+        q_first: global index of the first query.
+        k_first: global index of the first key.
+        rules: the conjuncts (a key must pass every one); an ``|`` composition is one conjunct.
+    """
+
+    num_queries: int
+    num_keys: int
+    q_first: int
+    k_first: int = 0
+    rules: tuple[Rule, ...] = field(default=())
+
+    @classmethod
+    def lower_right(cls, num_queries: int, num_keys: int, *rules: Rule | None) -> Visibility:
+        """The queries are the last ``lq`` of the ``lk`` keys (self-attention, or decoding after them)."""
+        return cls(num_queries, num_keys, num_keys - num_queries, 0).with_rules(*rules)
+
+    def with_rules(self, *rules: Rule | None) -> Visibility:
+        parts = [part for rule in rules if rule is not None for part in _parts(rule, All)]
+        return replace(self, rules=(*self.rules, *parts))
+
+    def __and__(self, other: Rule | Visibility) -> Visibility:
+        return self.with_rules(*(other.rules if isinstance(other, Visibility) else (other,)))
+
+    def __or__(self, other: Rule) -> Visibility:
+        joined = All(self.rules) | other if self.rules else None
+        return replace(self, rules=()) if joined is None else replace(self, rules=(joined,))
+
+    # ------------------------------------------------------------------ what the routes read
+
+    def find(self, kind: type[Rule]) -> Rule | None:
+        return next((rule for rule in self.rules if isinstance(rule, kind)), None)
+
+    @property
+    def causal(self) -> bool:
+        return self.find(Causal) is not None
+
+    @property
+    def window(self) -> int | None:
+        found = self.find(Window)
+        return found.size if isinstance(found, Window) else None
+
+    @property
+    def valid_lens(self) -> torch.Tensor | None:
+        found = self.find(ValidLengths)
+        return found.lengths if isinstance(found, ValidLengths) else None
+
+    def only(self, *kinds: type[Rule]) -> bool:
+        """Whether every conjunct is one of ``kinds``."""
+        return all(isinstance(rule, kinds) for rule in self.rules)
+
+    def without(self, *kinds: type[Rule]) -> Visibility:
+        return replace(self, rules=tuple(rule for rule in self.rules if not isinstance(rule, kinds)))
+
+    @property
+    def square(self) -> bool:
+        """Query ``r`` and key ``r`` are the same token, and there are as many queries as keys."""
+        return self.num_queries == self.num_keys and self.q_first == self.k_first
+
+    @property
+    def kernel_causal(self) -> bool:
+        """Causal alone, on a square: the fused kernel's own ``is_causal`` says it all."""
+        return self.square and self.only(Causal) and self.causal
+
+    @property
+    def same_for_every_query(self) -> bool:
+        """No conjunct depends on the query (so one row of keys serves them all)."""
+        dense_rows = [rule.mask.shape[-2] for rule in self.rules if isinstance(rule, Dense)]
+        per_query = [rule for rule in self.rules if isinstance(rule, ValidLengths) and rule.per_query]
+        return self.only(ValidLengths, KeyPadding, Dense) and not per_query and all(r == 1 for r in dense_rows)
+
+    # ------------------------------------------------------------------ renderings
+
+    def at(self, q_local: torch.Tensor, k_local: torch.Tensor) -> torch.Tensor | None:
+        """The rules at local index tensors (broadcastable to ``S``): bool broadcastable to ``(b, h, *S)``."""
+        if not self.rules:
+            return None
+        where = Indices.at(q_local, k_local, self.q_first, self.k_first)
+        return functools.reduce(torch.logical_and, (rule.allows(where) for rule in self.rules))
+
+    def block(
+        self, start: int, end: int, keys: int | None = None, *, device: torch.device, skip_causal: bool = False
+    ) -> torch.Tensor | None:
+        """Bool ``(.., end - start, keys)``, True = attend, for queries ``[start, end)`` and keys ``[0, keys)``.
+
+        None when every key is visible. ``skip_causal`` leaves the causal rule out (a route
+        that applies it itself).
+        """
+        vis = self.without(Causal) if skip_causal else self
+        if not vis.rules:
+            return None
+        keys = self.num_keys if keys is None else keys
+        rows = torch.arange(start, end, device=device)[:, None]  # (block, 1)
+        columns = torch.arange(keys, device=device)  # (keys,)
+        where = Indices.at(rows, columns, self.q_first, self.k_first)
+        return functools.reduce(torch.logical_and, (rule.block(where, start, end, keys) for rule in vis.rules))
+
+    def dense(self, device: torch.device, *, skip_causal: bool = False) -> torch.Tensor | None:
+        """Bool ``(.., lq, lk)`` for the whole call, or None when every key is visible."""
+        return self.block(0, self.num_queries, device=device, skip_causal=skip_causal)
+
+    def key_row(self, device: torch.device) -> torch.Tensor | None:
+        """Bool ``(1 or b, 1 or h, 1, lk)`` shared by every query (needs :attr:`same_for_every_query`)."""
+        assert self.same_for_every_query
+        return self.block(0, 1, device=device)
+
+    def key_limit(self, start: int, end: int) -> int:
+        """How many keys (from the first) queries ``[start, end)`` may reach; at least 1."""
+        _, high = All(self.rules).key_bounds(start + self.q_first, end + self.q_first)
+        if high is None:
+            return self.num_keys
+        return min(self.num_keys, max(high - self.k_first, 1))
+
+    def predicate(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """``allowed(b, h, q_idx, kv_idx)`` on scalar index tensors (FlexAttention's ``mask_mod``), or None."""
+        if not self.rules:
+            return None
+
+        def allowed(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            where = Indices(q_idx + self.q_first, kv_idx + self.k_first, q_idx, kv_idx)
+            return functools.reduce(torch.logical_and, (rule.scalar(where, b, h) for rule in self.rules))
+
+        return allowed
