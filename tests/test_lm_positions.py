@@ -87,7 +87,9 @@ def test_lm_randomized_positions_equal_the_reference(position: str) -> None:
 
 @pytest.mark.parametrize("scaling", sorted(SCALINGS))
 def test_lm_cached_decoding_past_the_trained_length_equals_full_recompute(scaling: str) -> None:
-    model = _model("rotary", 2, scaling=SCALINGS[scaling])
+    # One layer: deeper layers' cached keys come from hidden states computed at earlier lengths'
+    # frequencies, so with more layers no cache equals a full recompute (a property of the method).
+    model = _model("rotary", 1, scaling=SCALINGS[scaling])
     assert isinstance(model.encoding, RotaryPositionalEncoding) and model.encoding.cached_keys == "rerotate"
     tokens = torch.randint(0, 11, (2, 10))
     caches = model.make_caches(10)
