@@ -81,9 +81,15 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def _attend(
-        self, x: torch.Tensor, valid_lens: torch.Tensor | None, causal: bool, offset: int | None, cache: KVCache | None
+        self,
+        x: torch.Tensor,
+        valid_lens: torch.Tensor | None,
+        causal: bool,
+        offset: int | None,
+        cache: KVCache | None,
+        positions: torch.Tensor | None,
     ) -> torch.Tensor:
-        out = self.attention(x, x, x, valid_lens, causal=causal, offset=offset, cache=cache)
+        out = self.attention(x, x, x, valid_lens, causal=causal, offset=offset, cache=cache, positions=positions)
         assert isinstance(out, torch.Tensor)
         return cast(torch.Tensor, self.dropout(out))
 
@@ -95,6 +101,7 @@ class TransformerBlock(nn.Module):
         causal: bool = False,
         offset: int | None = None,
         cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the block on ``x`` ``(b, l, d)``.
 
@@ -104,6 +111,10 @@ class TransformerBlock(nn.Module):
             causal: each position sees only itself and earlier ones.
             offset: absolute position of ``x[:, 0]`` (default 0, or ``cache.length``).
             cache: this block's :class:`~selfattn.KVCache` for incremental decoding.
+            positions: integer positions of the tokens, ``(l,)`` or ``(b, l)``, instead of
+                ``offset, offset + 1, ...`` (e.g. randomized positions). The attention's encoding
+                applies its own query and key transforms at them, and a cache stores them.
+                Give either ``offset`` or ``positions``.
 
         Returns:
             ``(b, l, d)``.
@@ -113,11 +124,11 @@ class TransformerBlock(nn.Module):
                 f"x must have shape (batch, length, {self.num_hiddens}), got {tuple(getattr(x, 'shape', ()))}"
             )
         if self.norm_first:
-            x = self._add(x, self._attend(self.norm_1(x), valid_lens, causal, offset, cache))
+            x = self._add(x, self._attend(self.norm_1(x), valid_lens, causal, offset, cache, positions))
             if self.mlp is not None and self.norm_2 is not None:
                 x = self._add(x, self.dropout(self.mlp(self.norm_2(x))))
         else:
-            x = self.norm_1(self._add(x, self._attend(x, valid_lens, causal, offset, cache)))
+            x = self.norm_1(self._add(x, self._attend(x, valid_lens, causal, offset, cache, positions)))
             if self.mlp is not None and self.norm_2 is not None:
                 x = self.norm_2(self._add(x, self.dropout(self.mlp(x))))
         return x

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,22 +21,6 @@ from selfattn.positional.registry import NAMES, build
 __all__ = ["TransformerLM"]
 
 _ONE_DIMENSIONAL = tuple(name for name in NAMES if not name.startswith("sinusoidal") or name == "sinusoidal")
-
-
-class _MappedPositions(QueryKeyEncoding):
-    """Hands the wrapped query/key encoding ``map[p]`` instead of each position ``p``.
-
-    :class:`~selfattn.MultiHeadAttention` numbers tokens ``offset, offset + 1, ...``; training
-    with randomized positions (Ruoss et al. 2023) gives token ``i`` the position ``map[i]``.
-    """
-
-    def __init__(self, inner: QueryKeyEncoding):
-        super().__init__()
-        self.inner = inner
-        self.map: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return cast(torch.Tensor, self.inner(x, positions if self.map is None else self.map[positions]))
 
 
 class TransformerLM(nn.Module):
@@ -98,11 +82,7 @@ class TransformerLM(nn.Module):
             options.setdefault("max_len", self.max_len)
         encoding = build(position, num_hiddens=num_hiddens, num_heads=num_heads, **options)
         self.input_encoding: InputEncoding | None = encoding if isinstance(encoding, InputEncoding) else None
-        self.position: PositionalEncoding | None = None
-        if isinstance(encoding, QueryKeyEncoding):
-            self.position = _MappedPositions(encoding)
-        elif self.input_encoding is None:
-            self.position = encoding
+        self.position: PositionalEncoding | None = None if self.input_encoding is not None else encoding
         self.embedding = nn.Embedding(vocab_size, num_hiddens)
         self.blocks = nn.ModuleList(
             TransformerBlock(
@@ -123,12 +103,9 @@ class TransformerLM(nn.Module):
     @property
     def encoding(self) -> PositionalEncoding:
         """The positional encoding module, as :func:`~selfattn.positional.build` made it."""
-        if self.input_encoding is not None:
-            return self.input_encoding
-        if isinstance(self.position, _MappedPositions):
-            return self.position.inner
-        assert self.position is not None
-        return self.position
+        encoding = self.input_encoding if self.input_encoding is not None else self.position
+        assert encoding is not None
+        return encoding
 
     def make_caches(self, max_len: int | None = None) -> list[KVCache]:
         """One empty :class:`~selfattn.KVCache` per block, for ``max_len`` positions (default ``self.max_len``)."""
@@ -145,7 +122,7 @@ class TransformerLM(nn.Module):
     def _check_positions(self, positions: torch.Tensor, length: int, caches: Sequence[KVCache] | None) -> torch.Tensor:
         if caches is not None:
             raise ValueError("positions and caches cannot be combined: decode with consecutive positions")
-        if self.input_encoding is None and not isinstance(self.position, _MappedPositions):
+        if self.input_encoding is None and not isinstance(self.position, QueryKeyEncoding):
             raise ValueError(
                 f"positions only apply to absolute and rotary encodings, not {self.position_name!r} "
                 "(a relative encoding sees distances only)"
@@ -208,18 +185,13 @@ class TransformerLM(nn.Module):
                 # Rows 0..max of the table, gathered at the given positions: (l, d).
                 table = self.input_encoding(x.new_zeros(1, int(positions[-1]) + 1, self.num_hiddens))[0]
                 x = x + table[positions]
-        mapped = self.position if isinstance(self.position, _MappedPositions) else None
-        if mapped is not None and positions is not None:
-            mapped.map = positions  # attention numbers the tokens 0..l-1; token i sits at positions[i]
+        # Token i sits at positions[i]; the attention's encoding transforms queries and keys there itself.
+        block_offset = offset if positions is None else None
         hidden = [x]
-        try:
-            for index, block in enumerate(self.blocks):
-                cache = None if caches is None else caches[index]
-                x = block(x, valid_lens, causal=True, offset=offset, cache=cache)
-                hidden.append(x)
-        finally:
-            if mapped is not None:
-                mapped.map = None
+        for index, block in enumerate(self.blocks):
+            cache = None if caches is None else caches[index]
+            x = block(x, valid_lens, causal=True, offset=block_offset, cache=cache, positions=positions)
+            hidden.append(x)
         logits = self.norm(x) @ self.embedding.weight.T  # (b, l, v)
         return (logits, hidden) if return_hidden else logits
 
