@@ -347,3 +347,15 @@ def test_forward_errors() -> None:
     rotary = snn.MultiheadAttention(4, 2, position="rotary", batch_first=True)
     with pytest.raises(ValueError, match="with a cache, key_padding_mask must be bool"):
         rotary(x, x, x, cache=selfattn.KVCache(max_len=4), key_padding_mask=torch.zeros(2, 3))
+
+
+def test_dropout_in_training_only() -> None:
+    _, ours = _pair(9, embed_dim=8, num_heads=2, batch_first=True)
+    x = torch.randn(2, 6, 8, dtype=F64)
+    evaluated = ours.eval()(x, x, x)[0]
+    ours.dropout = 0.5  # read at every call, as torch's attribute
+    torch.testing.assert_close(ours(x, x, x)[0], evaluated, atol=0, rtol=0)
+    out, weights = ours.train()(x, x, x, average_attn_weights=False)
+    assert not torch.allclose(out, evaluated)
+    assert weights is not None
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 6, dtype=F64))  # the weights before dropout

@@ -132,7 +132,7 @@ class MultiheadAttention(nn.Module):
         )
         object.__setattr__(self, "_core", core)
         self.position = position
-        self.window = window
+        self.window = core.window
         self._extras = extras
         self._packed = self.kdim == embed_dim and self.vdim == embed_dim
         # nn.TransformerEncoderLayer's fast path reads in_proj_weight and skips forward (and so
@@ -222,8 +222,8 @@ class MultiheadAttention(nn.Module):
             average_attn_weights: average the weights over the heads.
             is_causal: a hint that ``attn_mask`` is the causal mask (torch's rule: it needs
                 ``attn_mask``; without ``key_padding_mask`` and ``need_weights`` the mask is
-                replaced by the causal one). To ask for causal attention without building a
-                mask, use ``causal``.
+                replaced by the causal one; with selfattn's options the mask is always used).
+                To ask for causal attention without building a mask, use ``causal``.
             causal: selfattn's causal attention: query ``i`` sees keys up to its own index,
                 aligned to the last key (with a cache, the newest query sees every key).
             cache: a :class:`~selfattn.KVCache` for incremental decoding (batch-first ``(b, l, e)``
@@ -412,6 +412,7 @@ class MultiheadAttention(nn.Module):
             attn_mask = attn_mask.expand(batch, self.num_heads, num_queries, total)
         core: _CoreAttention = self._core
         core.train(self.training)
+        core.dropout = self.dropout  # torch's attribute may be changed after construction
         options = {
             "causal": causal,
             "return_weights": need_weights,
