@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch._dynamo.exc import Unsupported, UserError
 from torch.export import Dim, export
 
 import selfattn
@@ -24,17 +23,6 @@ from selfattn.positional import build
 LENGTHS = (3, 5, 8, 11)
 E, H = 16, 4
 ATOL = 1e-5
-
-# The core passes `num_queries == num_keys` (a SymBool under dynamic shapes) into
-# scaled_dot_product_attention's is_causal: src/selfattn/functional/_attention.py, _prepare's `use_is_causal`.
-SYMBOOL = "scaled_dot_product_attention(): argument 'is_causal' must be bool, not SymBool (functional/_attention.py, use_is_causal)"
-symbool_compile = pytest.mark.xfail(strict=True, raises=Unsupported, reason=SYMBOOL)
-symbool_export = pytest.mark.xfail(strict=True, raises=TypeError, reason=SYMBOOL)
-
-# MultiHeadAttention._banded_applies (attention.py) picks the sliding-window path by the length
-# (l > 2 * (block + 2 * (window - 1)) = 56 here): export guards the length to <= 56.
-BANDED = "window: attention.py _banded_applies branches on the length, export guards length <= 56 (Dim max=64 asked)"
-banded_export = pytest.mark.xfail(strict=True, raises=UserError, reason=BANDED)
 
 Inputs = tuple[tuple[torch.Tensor, ...], dict[str, Any]]
 
@@ -91,9 +79,9 @@ CORE_CASES: list[Any] = [
     pytest.param({}, lambda l: _self(l, valid_lens=torch.tensor([l, l - 2])), id="valid_lens"),
     pytest.param({"position": "alibi"}, lambda l: _self(l, causal=True), id="alibi_causal"),
     pytest.param({"window": 3}, lambda l: _self(l, causal=True), id="window_causal"),
-    pytest.param({}, lambda l: _self(l, causal=True), id="causal", marks=symbool_compile),
-    pytest.param({"num_kv_heads": 2}, lambda l: _self(l, causal=True), id="gqa_causal", marks=symbool_compile),
-    pytest.param({"position": "rotary"}, lambda l: _self(l, causal=True), id="rotary_causal", marks=symbool_compile),
+    pytest.param({}, lambda l: _self(l, causal=True), id="causal"),
+    pytest.param({"num_kv_heads": 2}, lambda l: _self(l, causal=True), id="gqa_causal"),
+    pytest.param({"position": "rotary"}, lambda l: _self(l, causal=True), id="rotary_causal"),
 ]
 
 
@@ -127,7 +115,7 @@ def _decode_step(causal: bool) -> Callable[[torch.nn.Module], Callable[[int], In
     return make
 
 
-@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=symbool_compile)], ids=["cache", "cache_causal"])
+@pytest.mark.parametrize("causal", [False, pytest.param(True)], ids=["cache", "cache_causal"])
 def test_compile_cache_decoding(causal: bool) -> None:
     module = _core(position="rotary")
     make = _decode_step(causal)(module)
@@ -165,7 +153,7 @@ NN_CASES: list[Any] = [
     ),
     pytest.param({"position": "rotary"}, lambda l: _self(l, need_weights=False), id="rotary"),
     pytest.param({}, lambda l: _self(l, causal=True), id="causal_need_weights"),  # weights: the explicit path
-    pytest.param({}, lambda l: _self(l, causal=True, need_weights=False), id="causal", marks=symbool_compile),
+    pytest.param({}, lambda l: _self(l, causal=True, need_weights=False), id="causal"),
 ]
 
 
@@ -180,11 +168,9 @@ def test_compile_nn_multihead(options: dict[str, Any], make_inputs: Callable[[in
 EXPORT_CASES: list[Any] = [
     pytest.param({}, {}, id="plain"),
     pytest.param({"position": "alibi"}, {"causal": True}, id="alibi_causal"),
-    pytest.param({"window": 3}, {"causal": True}, id="window_causal", marks=banded_export),
-    pytest.param({}, {"causal": True}, id="causal", marks=symbool_export),
-    pytest.param(
-        {"position": "rotary", "num_kv_heads": 2}, {"causal": True}, id="rotary_gqa_causal", marks=symbool_export
-    ),
+    pytest.param({"window": 3}, {"causal": True}, id="window_causal"),
+    pytest.param({}, {"causal": True}, id="causal"),
+    pytest.param({"position": "rotary", "num_kv_heads": 2}, {"causal": True}, id="rotary_gqa_causal"),
 ]
 
 

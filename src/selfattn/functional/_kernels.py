@@ -195,7 +195,11 @@ def _prepare(
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     scale = _scale(scale, q.shape[-1])
 
-    use_is_causal = fused and causal and mask is None and bias is None and num_queries == num_keys
+    # An if, not an expression: under dynamic shapes the comparison is symbolic, a branch makes it a
+    # guard, and the kernel's is_causal takes a Python bool only.
+    use_is_causal = False
+    if fused and causal and mask is None and bias is None and num_queries == num_keys:
+        use_is_causal = True
     if causal and not use_is_causal:
         lower_right = _causal_mask(num_queries, num_keys, q.device)  # (lq, lk)
         mask = lower_right if mask is None else mask & lower_right

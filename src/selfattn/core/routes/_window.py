@@ -36,6 +36,8 @@ def window_declines(call: AttentionCall) -> str | None:
     window = call.visibility.window
     if window is None:
         return "no window"
+    if not isinstance(call.num_queries, int):
+        return "the length is symbolic (dynamic shapes): the bands are chosen by the length"
     if call.return_weights or call.value_term:
         return "the weights are needed"
     if call.bias is not None:
