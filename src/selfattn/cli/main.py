@@ -34,6 +34,8 @@ def build_parser() -> OneLineErrorParser:
     return parser
 
 
+# What the `cli` extra installs (pyproject.toml); torch is the library's own dependency.
+_CLI_EXTRA = ("numpy", "matplotlib", "rich", "jinja2")
 # What torch says when a tensor cannot be allocated or a size does not fit in 64 bits.
 _RESOURCE_ERROR = re.compile(r"allocat|out of memory|overflow", re.IGNORECASE)
 
@@ -49,7 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         stderr_line(f"selfattn {args.command}: interrupted")
         return 130
-    except (ValueError, ImportError) as error:
+    except ImportError as error:
+        # A bare "No module named 'numpy'" from an install without the extra: say which one.
+        hint = "; install the command line's extra: pip install 'selfattn[cli]'" if (error.name or "").split(".")[0] in _CLI_EXTRA else ""
+        stderr_line(f"selfattn {args.command}: error: {error}{hint}")
+    except ValueError as error:
         stderr_line(f"selfattn {args.command}: error: {error}")
     except OSError as error:
         where = f": {error.filename!r}" if error.filename else ""
