@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_directory", "atomic_write_path", "write_json", "write_text"]
+__all__ = ["atomic_directory", "atomic_write_path", "check_folder", "write_json", "write_text"]
 
 
 def _default_mode(directory: bool) -> int:
@@ -59,12 +59,15 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def _check_folder(path: Path, what: str) -> None:
-    """Refuse, in words, a path whose folder (or an ancestor of it) is a file."""
-    for ancestor in (path, *path.parents):
+def check_folder(folder: Path, what: str) -> None:
+    """Refuse, in words, a ``folder`` that is a file or lies under one; ``what`` starts the message.
+
+    Without this, the OS says "File exists" or "Not a directory" about some other path.
+    """
+    for ancestor in (folder, *folder.parents):
         if ancestor.exists():
             if not ancestor.is_dir():
-                raise ValueError(f"cannot write {what} {str(path)!r}: {str(ancestor)!r} is a file, not a folder")
+                raise ValueError(f"{what}: {str(ancestor)!r} is a file, not a folder")
             return
 
 
@@ -105,7 +108,7 @@ def atomic_write_path(path: Path | str) -> Iterator[Path]:
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"cannot write the file {str(path)!r}: it is a folder")
-    _check_folder(target.parent, "into")
+    check_folder(target.parent, f"cannot write {str(path)!r}")
     try:
         fd, name = tempfile.mkstemp(prefix=f".{target.stem}.tmp-", suffix=target.suffix, dir=target.parent)
     except OSError as error:
@@ -168,7 +171,7 @@ def atomic_directory(path: Path | str) -> Iterator[Path]:
     target = Path(path).absolute()
     if target.exists() and not target.is_dir():
         raise ValueError(f"{str(path)!r} exists and is not a folder")
-    _check_folder(Path(path).parent, "the folder")
+    check_folder(Path(path).parent, f"cannot write {str(path)!r}")
     if target.exists() and Path.cwd().resolve().is_relative_to(target.resolve()):
         raise ValueError(f"{str(path)!r} is the working folder or contains it; write into a new subfolder")
     try:

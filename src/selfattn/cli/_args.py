@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NoReturn
+
+from selfattn._atomic import check_folder
 
 __all__ = [
     "add_progress_flag",
@@ -111,14 +114,21 @@ def stderr_line(message: str) -> None:
 
 
 def require_output(flag: str, path: Path, suffixes: tuple[str, ...]) -> Path:
-    """Check an output path before any work: a known extension and an existing folder."""
+    """Check an output path before any work: a known extension, and a folder that takes a new file."""
     if path.suffix.lower() not in suffixes:
         raise ValueError(f"{flag} must end in {' or '.join(suffixes)}, got {str(path)!r}")
     folder = path.parent
+    check_folder(folder, f"{flag} {str(path)!r}")
     if not folder.is_dir():
         raise ValueError(f"{flag} {str(path)!r}: the folder {str(folder)!r} does not exist")
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a folder, not a file")
+    try:  # the file is written beside its target first (atomic_write_path): try that now, not after the work
+        fd, probe = tempfile.mkstemp(prefix=".selfattn-write-test-", dir=folder)
+    except OSError as error:
+        raise ValueError(f"{flag} {str(path)!r}: cannot write into {str(folder)!r}: {error.strerror or error}") from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from selfattn._atomic import write_json
+from selfattn._atomic import check_folder, write_json
 from selfattn.study.tasks import get_task
 from selfattn.study.training import (
     ABSOLUTE_OR_ROTARY,
@@ -208,7 +208,12 @@ def run_study(
             a context manager whose value has ``start_run(spec, done_steps)``, ``step(step,
             loss)`` and ``end_run(finished_steps)`` (the steps of every finished run of
             ``my_specs``, whichever rank trained it).
+
+    Raises:
+        ValueError: ``out`` is a file or lies under one; ``resume`` with other settings than
+            the folder's.
     """
+    check_folder(out, f"cannot write the study to {str(out)!r}")
     env = _Distributed()
     try:
         runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"
