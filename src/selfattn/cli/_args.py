@@ -126,7 +126,9 @@ def require_output(flag: str, path: Path, suffixes: tuple[str, ...]) -> Path:
     try:  # the file is written beside its target first (atomic_write_path): try that now, not after the work
         fd, probe = tempfile.mkstemp(prefix=".selfattn-write-test-", dir=folder)
     except OSError as error:
-        raise ValueError(f"{flag} {str(path)!r}: cannot write into {str(folder)!r}: {error.strerror or error}") from None
+        raise ValueError(
+            f"{flag} {str(path)!r}: cannot write into {str(folder)!r}: {error.strerror or error}"
+        ) from None
     os.close(fd)
     os.unlink(probe)
     return path
