@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Interrupts", "interrupts_end_the_command"]
@@ -22,6 +23,7 @@ __all__ = ["Interrupts", "interrupts_end_the_command"]
 _RETRY_SECONDS = 0.05  # when a dropped interrupt is raised again
 
 
+@dataclass
 class Interrupts:
     """What :func:`interrupts_end_the_command` saw: ``dropped`` is true once a Ctrl-C was dropped."""
 
