@@ -6,7 +6,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# torch is pinned here (users of the library bring their own; pyproject keeps a range).
+# torch is pinned here (users of the library bring their own; pyproject's floor is this release).
 TORCH := torch==2.13.0
 
 .PHONY: tour test bench docs lint clean
@@ -16,7 +16,7 @@ $(VENV)/bin/python:
 
 $(VENV)/.tour-installed: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install $(TORCH)
-	$(PY) -m pip install -e '.[plot]'
+	$(PY) -m pip install -e '.[cli]'
 	touch $@
 
 $(VENV)/.dev-installed: $(VENV)/bin/python pyproject.toml

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -79,3 +80,91 @@ def test_atomic_directory_refuses_a_file_and_the_working_folder(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="working folder"), atomic_directory("."):
         pass
+
+
+def record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Every fsync from now on, as (path, what the path held then): a file's text, or "folder"."""
+    calls: list[tuple[str, str]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        calls.append((path, "folder" if os.path.isdir(path) else Path(path).read_text()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads which file a descriptor is from /proc")
+def test_atomic_write_path_syncs_the_data_before_the_rename_and_the_folder_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "results.json"
+    calls = record_fsyncs(monkeypatch)
+    with atomic_write_path(target) as tmp:
+        tmp.write_text("new")
+    # The temporary file holding the new data, then the folder holding the renamed entry.
+    assert calls == [(str(tmp), "new"), (str(tmp_path), "folder")]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads which file a descriptor is from /proc")
+def test_atomic_directory_syncs_every_file_and_folder_then_the_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "report"
+    calls = record_fsyncs(monkeypatch)
+    with atomic_directory(target) as tmp:
+        (tmp / "figures").mkdir()
+        (tmp / "figures" / "a.svg").write_text("a")
+        (tmp / "report.html").write_text("page")
+    synced = dict(calls)
+    assert synced[str(tmp / "figures" / "a.svg")] == "a" and synced[str(tmp / "report.html")] == "page"
+    assert synced[str(tmp / "figures")] == synced[str(tmp)] == "folder"
+    assert calls[-1] == (str(tmp_path), "folder")  # after the rename
+
+
+def test_errors_name_the_target_never_the_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "figure.png"
+    with pytest.raises(OSError) as failed, atomic_write_path(target) as tmp:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp))  # as a writer reports a full disk
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(target)
+
+    def no_rename(source: object, destination: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(source), str(destination))
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    with pytest.raises(PermissionError) as failed, atomic_write_path(target) as tmp:
+        tmp.write_text("x")
+    assert failed.value.filename == str(target) and ".tmp-" not in str(failed.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_errors_inside_a_temporary_folder_name_the_same_place_in_the_target(tmp_path: Path) -> None:
+    target = tmp_path / "report"
+    with pytest.raises(OSError) as failed, atomic_directory(target) as tmp:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "figures" / "a.png"))
+    assert failed.value.filename == str(target / "figures" / "a.png")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a folder no one can create files in (/proc)")
+def test_a_folder_that_takes_no_new_file_is_named_as_the_caller_gave_it() -> None:
+    with pytest.raises(OSError) as failed, atomic_write_path("/proc/x.png"):
+        pass
+    assert failed.value.filename == "/proc/x.png"
+    with pytest.raises(OSError) as failed, atomic_directory("/proc/report"):
+        pass
+    assert failed.value.filename == "/proc/report"
+
+
+def test_a_file_where_a_folder_is_wanted_is_said_in_words(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    words = r"cannot write '.*f/sub/x.png': '.*f' is a file, not a folder"
+    with pytest.raises(ValueError, match=words), atomic_write_path(tmp_path / "f" / "sub" / "x.png"):
+        pass
+    words = r"cannot write '.*f/report': '.*f' is a file, not a folder"
+    with pytest.raises(ValueError, match=words), atomic_directory(tmp_path / "f" / "report"):
+        pass
+    with pytest.raises(ValueError, match=r"cannot write the file '.*': it is a folder"), atomic_write_path(tmp_path):
+        pass
+    assert os.listdir(tmp_path) == ["f"]

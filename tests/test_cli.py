@@ -87,7 +87,7 @@ def test_encode_score_encodings_write_one_bias_per_head(tmp_path, capsys):
         (["compare", "--n", "8"], "at least two different values"),
         (["compare", "--k", "1", "3"], "at least 2"),
         (["encode", "-o", "{tmp}/missing/P.npy"], "does not exist"),
-        (["encode", "-o", "{tmp}/file/P.pt"], "does not exist"),
+        (["encode", "-o", "{tmp}/file/P.pt"], "file' is a file, not a folder"),
         (["encode", "-o", "{tmp}/P.txt"], "must end in .npy or .csv or .pt"),
         (["encode", "-o", "{tmp}"], "must end in"),
         (["encode", "--kind", "alibi", "--heads", "2", "-d", "8", "-o", "{tmp}/b.csv"], "CSV holds 2-D tables"),
@@ -101,7 +101,7 @@ def test_encode_score_encodings_write_one_bias_per_head(tmp_path, capsys):
         (["plot", "-d", "30", "--heads", "4", "-o", "{tmp}/p.png"], "not divisible"),
         (["compare", "--json", "{tmp}/missing/c.json"], "does not exist"),
         (["compare", "--plot", "{tmp}/c.gif"], "must end in .png or .svg"),
-        (["tour", "--quick", "--out", "{tmp}/file/report"], "cannot write the report"),
+        (["tour", "--quick", "--out", "{tmp}/file/report"], "file' is a file, not a folder"),
     ],
 )
 def test_errors_are_one_clear_line(argv, words, tmp_path, capsys):

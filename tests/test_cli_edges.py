@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 
 import selfattn
@@ -135,7 +137,7 @@ def test_an_interrupted_encode_leaves_the_old_file(
         Path(path).write_bytes(b"\x93NUMPY half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(encode.np, "save", half_written)
+    monkeypatch.setattr(numpy, "save", half_written)  # encode imports numpy when it runs
     status, _, err = run_cli(["encode", "-o", target], capsys)
     assert status == 130 and err == "selfattn encode: interrupted\n"
     assert target.read_bytes() == b"the old table"
@@ -209,3 +211,119 @@ def test_ctrl_c_during_a_real_tour_leaves_the_old_report(tmp_path: Path) -> None
     assert err == "selfattn tour: interrupted\n" and out == ""
     assert os.listdir(report) == ["report.html"] and (report / "report.html").read_text() == "old page"
     assert os.listdir(tmp_path) == ["report"]
+
+
+def poison(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> None:
+    """Make the work a command would do fail loudly: a check that comes after it is a failed test."""
+
+    def work_started(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"{module}.{name} ran before the outputs were checked")
+
+    monkeypatch.setattr(importlib.import_module(module), name, work_started)
+
+
+# (command line, the work it must not start first); {out} is a folder that takes no new file.
+UNWRITABLE = [
+    (["encode", "-o", "{out}/P.npy"], ("selfattn.tour.family", "encoding_table")),
+    (["plot", "-o", "{out}/p.png"], ("selfattn.tour.family", "encoding_diagnostics")),
+    (["compare", "--json", "{out}/c.json"], ("selfattn.tour.comparison", "compare")),
+    (["compare", "--plot", "{out}/c.png"], ("selfattn.tour.comparison", "compare")),
+    (["rotary", "--head-dim", "8", "--plot", "{out}/w.png"], ("selfattn.cli.rotary", "angle_errors")),
+    (["tour", "--out", "{out}/report"], ("selfattn.tour.runner", "compute")),
+]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a folder no one can create files in (/proc)")
+@pytest.mark.parametrize("argv, work", UNWRITABLE)
+def test_an_unwritable_output_is_one_line_naming_the_users_path_before_any_work(
+    argv: list[str], work: tuple[str, str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    poison(monkeypatch, *work)
+    argv = [a.replace("{out}", "/proc") for a in argv]
+    status, out, err = run_cli(argv, capsys)
+    assert_one_line_error(status, out, err, argv[0], repr(argv[-1]))
+    assert status == 2 and ".tmp-" not in err and "write-test" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, work",
+    [
+        *UNWRITABLE,
+        (["study", "--quick", "--no-deep-stack", "--out", "{out}/study"], ("selfattn.study.runner", "train_run")),
+        (["study", "--quick", "--no-deep-stack", "--out", "{out}"], ("selfattn.study.runner", "train_run")),
+        (["tour", "--out", "{out}"], ("selfattn.tour.runner", "compute")),
+    ],
+)
+def test_a_file_where_a_folder_is_wanted_is_said_in_words(
+    argv: list[str],
+    work: tuple[str, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    poison(monkeypatch, *work)
+    (tmp_path / "file").write_text("the user's")
+    status, out, err = run_cli([a.replace("{out}", str(tmp_path / "file")) for a in argv], capsys)
+    assert_one_line_error(status, out, err, argv[0], f"{str(tmp_path / 'file')!r}")
+    assert "is a file, not a folder" in err or "exists and is not a folder" in err
+    assert "File exists" not in err and "Not a directory" not in err
+    assert os.listdir(tmp_path) == ["file"] and (tmp_path / "file").read_text() == "the user's"
+
+
+class _Finalizer:
+    """Stands for a weakref callback or ``__del__`` in which a Ctrl-C lands (matplotlib runs many)."""
+
+    def __del__(self) -> None:
+        raise KeyboardInterrupt  # what Python's SIGINT handler raises wherever the program is
+
+
+def test_ctrl_c_that_lands_in_a_finalizer_still_ends_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python drops an exception raised in a finalizer ("Exception ignored in ..."); the command must not run on."""
+    steps = []
+
+    def long_tour(args: Any) -> int:
+        _Finalizer()  # collected at once: the interrupt is dropped here
+        for step in range(200):  # ten seconds of work unless the interrupt comes back
+            steps.append(step)
+            time.sleep(0.05)
+        return 0
+
+    monkeypatch.setattr(tour, "run", long_tour)
+    status, out, err = run_cli(["tour", "--out", tmp_path / "report"], capsys)
+    assert status == 130 and out == ""
+    assert err == "selfattn tour: interrupted\n"  # no "Exception ignored" report, no traceback
+    assert len(steps) < 40  # raised again within a step or two (50 ms), not after the whole run
+
+
+def test_a_dropped_ctrl_c_at_the_very_end_still_exits_130(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def finished_after_a_dropped_interrupt(args: Any) -> int:
+        _Finalizer()
+        return 0
+
+    monkeypatch.setattr(tour, "run", finished_after_a_dropped_interrupt)
+    status, out, err = run_cli(["tour", "--out", tmp_path / "report"], capsys)
+    assert (status, out, err) == (130, "", "selfattn tour: interrupted\n")
+    assert sys.unraisablehook is not None and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+
+
+def test_compare_labels_its_progress_bar_for_compare(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from selfattn.tour import runner
+
+    labels = []
+    real_bar = runner.progress_bar
+
+    def recording_bar(total: int, enabled: bool, label: str = "(none given)") -> Any:
+        labels.append(label)
+        return real_bar(total, enabled, label)
+
+    monkeypatch.setattr(runner, "progress_bar", recording_bar)
+    argv = ["compare", "--n", "2", "3", "--d", "2", "3", "--k", "2", "3", "--repeats", "1", "--rounds", "1"]
+    status, _, err = run_cli(argv, capsys)
+    assert status == 0, err
+    assert labels == ["selfattn compare"]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -11,19 +14,10 @@ from selfattn.cli.main import main
 from selfattn.cli.rotary import angle_errors
 from selfattn.positional import RotaryPositionalEncoding
 
-LLAMA31 = {
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-}
+ROOT = Path(__file__).resolve().parents[1]
+# The sample config the README's example uses: the rotary fields of Llama 3.1's config.json.
+SAMPLE = ROOT / "examples" / "llama-3.1-rotary-config.json"
+LLAMA31 = json.loads(SAMPLE.read_text(encoding="utf-8"))
 
 
 def run_cli(argv, capsys):
@@ -135,3 +129,39 @@ def test_errors_are_one_line(argv, match, tmp_path, capsys):
 def test_help_has_examples(capsys):
     status, out, _ = run_cli(["rotary", "--help"], capsys)
     assert status == 0 and "examples:" in out and "selfattn rotary" in out
+
+
+def test_the_sample_config_is_llama_3_1s_rotary_setup():
+    rope = RotaryPositionalEncoding.from_config(LLAMA31)
+    assert (rope.head_dim, rope.base, LLAMA31["max_position_embeddings"]) == (128, 500000.0, 131072)
+    assert rope.scaling_config is not None and rope.scaling_config.as_dict()["rope_type"] == "llama3"
+
+
+def test_the_readme_example_runs_and_measures_what_the_readme_says(tmp_path, capsys, monkeypatch):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (line,) = [line for line in readme.splitlines() if line.startswith("selfattn rotary --config")]
+    argv = shlex.split(line, comments=True)[1:]
+    plot = argv.index("--plot") + 1
+    argv[plot] = str(tmp_path / argv[plot])
+    monkeypatch.chdir(ROOT)  # the README's path is relative to the repository
+    status, out, err = run_cli(argv, capsys)
+    assert status == 0, err
+    assert (tmp_path / "wavelengths.png").stat().st_size > 1000
+    measured = {
+        cells[0]: cells[1:]
+        for cells in map(str.split, out.splitlines())
+        if cells[:1] in (["float32"], ["bfloat16"], ["float16"])
+    }
+    prose = " ".join(readme.split())
+    claim = re.search(
+        r"angles formed in float32 off by (\S+) rad, in bf16 by up to pi, float16 positions overflow; selfattn's "
+        r"float64 angles rounded once: (\S+) \(float32\), (\S+) \(bf16\), (\S+) \(float16\)",
+        prose,
+    )
+    assert claim is not None, "the README's sentence on the measured angle errors changed; update this test"
+    float32_formed, float32_ours, bf16_ours, float16_ours = (float(value) for value in claim.groups())
+    assert float(measured["float32"][0]) == pytest.approx(float32_formed, rel=0.01)
+    assert float(measured["bfloat16"][0]) == pytest.approx(math.pi, rel=0.01)
+    assert measured["float16"][0] == "overflow"
+    for dtype, said in (("float32", float32_ours), ("bfloat16", bf16_ours), ("float16", float16_ours)):
+        assert float(measured[dtype][1]) == pytest.approx(said, rel=0.02), dtype

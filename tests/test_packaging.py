@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,7 +92,8 @@ def test_sdist_carries_every_test_and_the_helpers_they_import(sdist: tarfile.Tar
     wanted = [f"tests/{name}.py" for name in helpers | {"conftest"}]
     wanted += [path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").glob("test_*.py")]
     wanted += ["LICENSE", "README.md", "CHANGELOG.md", "CONTRIBUTING.md", "mkdocs.yml", "docs/hooks/figures.py"]
-    wanted += ["benchmarks/textbook.py", "src/selfattn/py.typed"]
+    wanted += ["benchmarks/textbook.py", "src/selfattn/py.typed", "examples/llama-3.1-rotary-config.json"]
+    wanted += ["src/selfattn/study/templates/study.html.j2", "src/selfattn/tour/templates/report.html.j2"]
     missing = [name for name in wanted if f"{top}/{name}" not in names]
     assert not missing, f"the sdist lacks {missing}"
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
@@ -107,3 +110,32 @@ def test_sdist_metadata_names_licence_authors_and_classifiers(sdist: tarfile.Tar
     assert "Classifier: Programming Language :: Python :: 3.10\n" in info
     assert "Classifier: Typing :: Typed\n" in info
     assert (ROOT / "LICENSE").read_text(encoding="utf-8").startswith("MIT License\n\nCopyright (c)")
+
+
+def _project() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
+    project: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    return project
+
+
+def test_the_library_needs_torch_alone_and_the_cli_extra_the_rest() -> None:
+    project = _project()
+    assert project["dependencies"] == ["torch>=2.13"]
+    extras = project["optional-dependencies"]
+    assert {requirement.split(">")[0] for requirement in extras["cli"]} == {"numpy", "matplotlib", "rich", "jinja2"}
+    assert extras["plot"] == ["matplotlib>=3.7"]
+    assert any(requirement.startswith("selfattn[cli") for requirement in extras["dev"])
+
+
+def test_the_torch_floor_is_the_release_the_makefile_tests() -> None:
+    (floor,) = [r.removeprefix("torch>=") for r in _project()["dependencies"] if r.startswith("torch")]
+    (pinned,) = re.findall(r"^TORCH := torch==(\S+)$", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
+    assert tuple(pinned.split(".")[: len(floor.split("."))]) == tuple(floor.split("."))
+
+
+def test_make_tour_installs_the_cli_extra_and_make_test_the_dev_extras() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    tour_rule = makefile.split("$(VENV)/.tour-installed:")[1].split("\n\n")[0]
+    test_rule = makefile.split("$(VENV)/.dev-installed:")[1].split("\n\n")[0]
+    assert "pip install -e '.[cli]'" in tour_rule
+    assert "pip install -e '.[dev]'" in test_rule

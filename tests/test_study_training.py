@@ -194,6 +194,39 @@ def test_report_explains_cells_below_95_percent(tmp_path: Path) -> None:
     assert "In copy / none, the training loss was still falling" in why
 
 
+def test_report_page_is_the_template_file_beside_the_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """study.html comes from study/templates/study.html.j2 (shipped as package data), not from a string in the code."""
+    import shutil
+
+    from selfattn.study import report
+
+    templates = tmp_path / "templates"
+    shutil.copytree(report._TEMPLATES, templates)
+    page = templates / "study.html.j2"
+    page.write_text(page.read_text(encoding="utf-8").replace("<title>selfattn study</title>", "<title>edited</title>"))
+    monkeypatch.setattr(report, "_TEMPLATES", templates)
+    runs = [
+        {
+            "task": "copy",
+            "encoding": "none",
+            "randomized_positions": False,
+            "seed": 0,
+            "train_max_len": 1,
+            "steps": 1,
+            "train_seconds": 1.0,
+            "accuracy_by_length": {"1": 1.0, "2": 0.0},
+        }
+    ]
+    results = {
+        "config": {"train_len": 1, "eval_factor": 2, "eval_samples": 1, "tasks": ["copy"], "encodings": ["none"]}
+        | dict.fromkeys(("seeds", "num_layers", "num_hiddens", "num_heads", "steps", "batch_size"), 1),
+        "runs": runs,
+        "summary": summarize(runs),
+    }
+    html = report.write_report(tmp_path / "out", results).read_text()
+    assert "<title>edited</title>" in html and "<h3>copy</h3>" in html
+
+
 def _answer_lengths(targets: torch.Tensor) -> list[int]:
     return (targets != -100).sum(dim=1).tolist()
 

@@ -343,7 +343,7 @@ class Visibility:
     @property
     def square(self) -> bool:
         """Query ``r`` and key ``r`` are the same token, and there are as many queries as keys."""
-        if self.num_queries == self.num_keys and self.q_first == self.k_first:
+        if self.num_queries == self.num_keys and self.q_first == self.k_first:  # noqa: SIM103
             return True  # a branch: under dynamic shapes a guard, and a Python bool either way
         return False
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NoReturn
+
+from selfattn._atomic import check_folder
 
 __all__ = [
     "add_progress_flag",
     "ExamplesFormatter",
+    "LazyChoices",
     "OneLineErrorParser",
     "kind_names",
     "non_negative_int",
@@ -68,13 +73,39 @@ def positive_float(text: str) -> float:
     return value
 
 
-def kind_names() -> tuple[str, ...]:
-    """Encodings :func:`selfattn.positional.build` knows; just the chapter's while the registry is absent."""
-    try:
-        from selfattn.positional import NAMES
-    except ImportError:
-        return ("sinusoidal",)
-    return tuple(NAMES)
+class LazyChoices:
+    """An argparse ``choices`` read from a module only when argparse checks or shows them.
+
+    The names of encodings and tasks live in modules that import torch; building every
+    subcommand's parser (``selfattn --help``) must not. Give the argument a ``metavar`` (argparse
+    lists ``choices`` in its usage line otherwise) and name them in the help with ``%(choices)s``.
+    """
+
+    def __init__(self, load: Callable[[], Iterable[str]]) -> None:
+        self._load = load
+        self._names: tuple[str, ...] | None = None
+
+    def _loaded(self) -> tuple[str, ...]:
+        if self._names is None:
+            self._names = tuple(self._load())
+        return self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._loaded()
+
+
+def _registry_names() -> Iterable[str]:
+    from selfattn.positional import NAMES
+
+    return NAMES
+
+
+def kind_names() -> LazyChoices:
+    """Encodings :func:`selfattn.positional.build` knows, loaded when first needed."""
+    return LazyChoices(_registry_names)
 
 
 def stderr_line(message: str) -> None:
@@ -83,14 +114,23 @@ def stderr_line(message: str) -> None:
 
 
 def require_output(flag: str, path: Path, suffixes: tuple[str, ...]) -> Path:
-    """Check an output path before any work: a known extension and an existing folder."""
+    """Check an output path before any work: a known extension, and a folder that takes a new file."""
     if path.suffix.lower() not in suffixes:
         raise ValueError(f"{flag} must end in {' or '.join(suffixes)}, got {str(path)!r}")
     folder = path.parent
+    check_folder(folder, f"{flag} {str(path)!r}")
     if not folder.is_dir():
         raise ValueError(f"{flag} {str(path)!r}: the folder {str(folder)!r} does not exist")
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a folder, not a file")
+    try:  # the file is written beside its target first (atomic_write_path): try that now, not after the work
+        fd, probe = tempfile.mkstemp(prefix=".selfattn-write-test-", dir=folder)
+    except OSError as error:
+        raise ValueError(
+            f"{flag} {str(path)!r}: cannot write into {str(folder)!r}: {error.strerror or error}"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 

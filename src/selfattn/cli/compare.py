@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from selfattn.tour import figures  # fail before measuring when matplotlib is missing
     steps = comparison.comparison_steps(sorted(set(args.n)), sorted(set(args.d)), sorted(set(args.k)), args.rounds)
-    with progress_bar(steps, args.progress and sys.stderr.isatty()) as advance:
+    with progress_bar(steps, args.progress and sys.stderr.isatty(), label="selfattn compare") as advance:
         results = comparison.compare(
             args.n,
             args.d,

@@ -6,11 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from selfattn._atomic import atomic_write_path
-from selfattn._validation import require_position
 from selfattn.cli._args import (
     ExamplesFormatter,
     OneLineErrorParser,
@@ -22,7 +18,7 @@ from selfattn.cli._args import (
     require_output,
 )
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DTYPES = ("float32", "float64")  # torch dtypes by name: torch is imported only when the command runs
 _FORMATS = (".npy", ".csv", ".pt")
 
 
@@ -41,7 +37,13 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         "  selfattn encode --kind alibi -n 16 -d 32 --heads 8 -o alibi.pt",
         formatter_class=ExamplesFormatter,
     )
-    parser.add_argument("--kind", choices=kind_names(), default="sinusoidal", help="the encoding (default: sinusoidal)")
+    parser.add_argument(
+        "--kind",
+        choices=kind_names(),
+        default="sinusoidal",
+        metavar="KIND",
+        help="the encoding: %(choices)s (default: %(default)s)",
+    )
     parser.add_argument("-n", "--num-steps", type=positive_int, default=60, metavar="N", help="positions (default 60)")
     parser.add_argument(
         "-d", "--num-hiddens", type=positive_int, default=32, metavar="D", help="model size (default 32)"
@@ -49,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     parser.add_argument("--heads", type=positive_int, default=1, help="attention heads (default 1)")
     parser.add_argument("--offset", type=non_negative_int, default=0, help="position of the first row (default 0)")
     parser.add_argument("--base", type=positive_float, default=None, help="the 10000 of sinusoidal and rotary")
-    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float32", help="default float32")
+    parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="default float32")
     parser.add_argument(
         "-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.npy, FILE.csv or FILE.pt"
     )
@@ -83,6 +85,10 @@ def check_size(kind: str, num_steps: int, num_hiddens: int, num_heads: int) -> N
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from selfattn._validation import require_position
     from selfattn.tour.family import encoding_table
 
     suffix = require_output("--output", args.output, _FORMATS).suffix.lower()
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         num_hiddens=args.num_hiddens,
         num_heads=args.heads,
         offset=args.offset,
-        dtype=_DTYPES[args.dtype],
+        dtype=getattr(torch, args.dtype),
         **options,
     )
     if suffix == ".csv" and table.dim() != 2:

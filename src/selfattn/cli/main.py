@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import selfattn
 from selfattn.cli import compare, encode, plot, rotary, study, tour
 from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, stderr_line
+from selfattn.cli._interrupt import interrupts_end_the_command
 
 SUBCOMMANDS = (tour, encode, plot, compare, rotary, study)
 
@@ -34,6 +35,8 @@ def build_parser() -> OneLineErrorParser:
     return parser
 
 
+# What the `cli` extra installs (pyproject.toml); torch is the library's own dependency.
+_CLI_EXTRA = ("numpy", "matplotlib", "rich", "jinja2")
 # What torch says when a tensor cannot be allocated or a size does not fit in 64 bits.
 _RESOURCE_ERROR = re.compile(r"allocat|out of memory|overflow", re.IGNORECASE)
 
@@ -45,11 +48,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         parser.error(f"choose a COMMAND: {', '.join(module.__name__.rsplit('.', 1)[-1] for module in SUBCOMMANDS)}")
     try:
-        return int(args.handler(args))
+        with interrupts_end_the_command() as interrupts:
+            status = int(args.handler(args))
+        if interrupts.dropped:  # a Ctrl-C the command finished before it could be raised again
+            raise KeyboardInterrupt
+        return status
     except KeyboardInterrupt:
         stderr_line(f"selfattn {args.command}: interrupted")
         return 130
-    except (ValueError, ImportError) as error:
+    except ImportError as error:
+        # A bare "No module named 'numpy'" from an install without the extra: say which one.
+        hint = (
+            "; install the command line's extra: pip install 'selfattn[cli]'"
+            if (error.name or "").split(".")[0] in _CLI_EXTRA
+            else ""
+        )
+        stderr_line(f"selfattn {args.command}: error: {error}{hint}")
+    except ValueError as error:
         stderr_line(f"selfattn {args.command}: error: {error}")
     except OSError as error:
         where = f": {error.filename!r}" if error.filename else ""

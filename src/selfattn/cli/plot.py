@@ -40,7 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         "  selfattn plot --kind alibi --figure panel --causal -o alibi-causal.png",
         formatter_class=ExamplesFormatter,
     )
-    parser.add_argument("--kind", choices=kind_names(), default="sinusoidal", help="the encoding (default: sinusoidal)")
+    parser.add_argument(
+        "--kind",
+        choices=kind_names(),
+        default="sinusoidal",
+        metavar="KIND",
+        help="the encoding: %(choices)s (default: %(default)s)",
+    )
     parser.add_argument("--figure", choices=FIGURES, default="panel", help="which figure (default: panel)")
     parser.add_argument("-n", "--num-steps", type=positive_int, default=32, metavar="N", help="positions (default 32)")
     parser.add_argument(

@@ -6,15 +6,17 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from selfattn._atomic import atomic_write_path
 from selfattn.cli._args import ExamplesFormatter, positive_float, positive_int, require_output
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_parser", "angle_errors", "frequency_rows", "parse_scaling", "run"]
 
-_ERROR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ERROR_DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name: torch is imported only when the command runs
 _MEASURED_POSITIONS = 4096  # the last positions of the context, where angles are largest
 
 
@@ -152,6 +154,8 @@ def frequency_rows(encoding: Any, context: int) -> list[dict[str, Any]]:
 
 
 def _wrapped(diff: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return torch.remainder(diff + math.pi, 2 * math.pi) - math.pi
 
 
@@ -163,6 +167,8 @@ def angle_errors(encoding: Any, context: int) -> list[dict[str, Any]]:
     :meth:`RotaryPositionalEncoding.forward` in that dtype, its angle read back with atan2.
     Both against the float64 angle; NaN where the dtype cannot hold the positions.
     """
+    import torch
+
     from selfattn.functional._rotary import _rotate_by_positions
 
     frequencies, _ = encoding.frequencies_at(context)
@@ -172,7 +178,8 @@ def angle_errors(encoding: Any, context: int) -> list[dict[str, Any]]:
     unit = torch.zeros(positions.shape[0], encoding.rotary_dim, dtype=torch.float64)
     unit[:, :pairs] = 1.0  # half-split: first feature of every pair
     results = []
-    for name, dtype in _ERROR_DTYPES.items():
+    for name in _ERROR_DTYPES:
+        dtype = getattr(torch, name)
         formed = (positions.to(dtype)[:, None] * frequencies.to(dtype)[None, :]).double()
         in_dtype = float(_wrapped(formed - exact).abs().max())
         rotated = _rotate_by_positions(
@@ -256,7 +263,8 @@ def _plot(path: Path, rows: list[dict[str, Any]], context: int, trained: int | N
     axis.set_ylabel("wavelength (tokens)")
     axis.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    with atomic_write_path(path) as tmp:  # the figure is the old one or the complete new one
+        figure.savefig(tmp, dpi=110)
     plt.close(figure)
 
 

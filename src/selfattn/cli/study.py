@@ -5,15 +5,32 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
-from selfattn.cli._args import ExamplesFormatter, OneLineErrorParser, add_progress_flag, positive_float, positive_int
+from selfattn.cli._args import (
+    ExamplesFormatter,
+    LazyChoices,
+    OneLineErrorParser,
+    add_progress_flag,
+    positive_float,
+    positive_int,
+)
+
+
+def _task_names() -> Iterable[str]:
+    from selfattn.study.tasks import TASKS
+
+    return TASKS
+
+
+def _encoding_names() -> Iterable[str]:
+    from selfattn.study.training import ENCODINGS
+
+    return ENCODINGS
 
 
 def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
-    from selfattn.study.tasks import TASKS
-    from selfattn.study.training import ENCODINGS
-
     parser: OneLineErrorParser = subparsers.add_parser(
         "study",
         help="train small transformers per task and encoding; accuracy against length",
@@ -31,18 +48,18 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     parser.add_argument(
         "--tasks",
         nargs="+",
-        choices=tuple(TASKS),
+        choices=LazyChoices(_task_names),
         default=None,
         metavar="TASK",
-        help=f"tasks ({', '.join(TASKS)}; default: copy reverse sort addition)",
+        help="tasks (%(choices)s; default: copy reverse sort addition)",
     )
     parser.add_argument(
         "--encodings",
         nargs="+",
-        choices=ENCODINGS,
+        choices=LazyChoices(_encoding_names),
         default=None,
         metavar="ENCODING",
-        help=f"encodings ({', '.join(ENCODINGS)}; default: all)",
+        help="encodings (%(choices)s; default: all)",
     )
     parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per cell (default 3)")
     parser.add_argument(

@@ -5,13 +5,13 @@ Shape legend: n positions, d model size.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from selfattn.study._io import temporary_name
+from selfattn._atomic import atomic_write_path
+from selfattn.study.training import encoding_label
 
 __all__ = ["accuracy_figure", "cosine_similarity", "learned_table_figure", "save_figure"]
 
@@ -23,17 +23,14 @@ def save_figure(fig: Any, folder: Path, stem: str) -> list[str]:
     names = []
     for suffix in (".png", ".svg"):
         path = folder / f"{stem}{suffix}"
-        tmp = temporary_name(path)
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic_write_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight")
         names.append(path.name)
     plt.close(fig)
     return names
 
 
 def _by_label(runs: list[dict[str, Any]], task: str) -> dict[str, list[dict[str, Any]]]:
-    from selfattn.study.runner import encoding_label
-
     groups: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
         if run["task"] == task:

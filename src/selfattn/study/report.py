@@ -12,88 +12,16 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from selfattn._atomic import write_text
 from selfattn.positional.learned import LearnedPositionalEncoding
-from selfattn.study._io import write_text
 from selfattn.study.figures import accuracy_figure, learned_table_figure
 from selfattn.study.tasks import get_task
-from selfattn.study.training import RunSpec, StudyConfig, build_model, evaluated_weights
+from selfattn.study.training import RunSpec, StudyConfig, build_model, encoding_label, evaluated_weights
 
 __all__ = ["learned_table_analysis", "write_report"]
 
-_TEMPLATE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>selfattn study</title>
-<style>
-body { font-family: system-ui, sans-serif; max-width: 70rem; margin: 1rem auto; padding: 0 1rem; line-height: 1.45; }
-table { border-collapse: collapse; margin: .5rem 0 1rem; font-size: .9rem; }
-td, th { border-bottom: 1px solid #ddd; padding: .2rem .6rem; text-align: right; }
-td:first-child, th:first-child { text-align: left; }
-img { max-width: 100%; height: auto; }
-.bad { color: #b00; } .note { color: #555; font-size: .9rem; }
-</style></head><body>
-<h1>selfattn study: trained models answer the chapter's exercises</h1>
-<p class="note">{{ runs|length }} runs: tasks {{ config.tasks|join(", ") }}; encodings {{ config.encodings|join(", ") }};
-{{ config.seeds }} seed(s){% if config.randomized_positions %}; randomized positions for the absolute and rotary encodings{% endif %}.
-Each run trains a {{ config.num_layers }}-layer causal transformer (d={{ config.num_hiddens }}, {{ config.num_heads }} heads)
-for {% if config.stop_at %}at most {% endif %}{{ config.steps_text }} steps of {{ config.batch_size }} samples on input lengths 1..{{ config.train_len }}{% if config.mixed_lengths %}
-(each sample draws its own length){% else %} (one length per step){% endif %}{% if config.stop_at %}, and stops sooner once
-its exact match at the training lengths reaches {{ pct(config.stop_at) }} on a check ({{ config.check_samples }} samples per length,
-drawn apart from training and evaluation, every {{ config.check_every }} steps; steps taken: {{ config.steps_taken }}){% endif %},
-then measures{% if config.ema_decay is not none and config.ema_decay is defined %}, on an exponential moving average of its weights
-(decay {{ config.ema_decay }}),{% endif %} exact match of the answer at every input length 1..{{ config.eval_len }} ({{ config.eval_samples }} samples each).
-Training took {{ "%.0f"|format(total_seconds) }} s of wall-clock time in all (sum over runs){% if cpu_seconds %}; training and
-evaluation used {{ "%.0f"|format(cpu_seconds) }} s of CPU time ({{ "%.0f"|format(cpu_seconds / runs|length) }} s per run), so on
-two otherwise idle cores with one rank each the grid would take about {{ "%.0f"|format(cpu_seconds / 120) }} minutes
-(an estimate from CPU time, which a busy machine inflates less than wall-clock time){% endif %}.</p>
-
-{% if shortfalls %}<p class="bad">Below 95% exact match at the training lengths on copy or reverse (the goal of the
-default budget: a model that did not learn the task says little about extrapolation). Per cell, means over seeds:</p>
-<table><tr><th>task / encoding</th><th>exact match in</th><th>per seed</th><th>at n=1</th><th>at n={{ config.train_len }}</th>
-<th>tokens right at n={{ config.train_len }}</th><th>loss, 9th / 10th tenth of training</th></tr>
-{% for s in shortfalls %}<tr><td>{{ s.cell }}</td><td>{{ pct(s.inside) }}</td><td>{% for v in s.by_seed %}{{ pct(v) }}{% if not loop.last %}, {% endif %}{% endfor %}</td><td>{{ pct(s.first) }}</td><td>{{ pct(s.last) }}</td>
-<td>{{ pct(s.tokens_last) }}</td><td>{% if s.loss_before is not none %}{{ "%.3f"|format(s.loss_before) }} / {{ "%.3f"|format(s.loss_after) }}{% else %}n/a{% endif %}</td></tr>
-{% endfor %}</table>
-<p>Why, as far as these numbers tell: exact match needs every one of the n answer tokens right, so a small error per
-token compounds with length. {% if mostly_right %}In {{ mostly_right|join(", ") }}, at least 80% of the answer tokens at
-n={{ config.train_len }} are right while whole answers fail: the model has learned most of the task and loses long answers to a few
-tokens. {% endif %}{% if still_falling %}In {{ still_falling|join(", ") }}, the training loss was still falling in the
-last tenth of training (by 5% or more): these runs stopped before converging, and more steps (<code>--steps</code>) would
-train further, at a proportional cost in time (the default budget per task is sized so the whole grid fits about an hour on 2 cores).
-{% endif %}</p>
-{% elif checked_budget %}<p>Every encoding reached at least 95% exact match at the training lengths on copy and reverse.</p>{% endif %}
-
-<h2>Relative vs absolute: accuracy against length</h2>
-<p>Mean over seeds (line) and min..max (shaded). "in" is the mean exact match over the training lengths 1..{{ config.train_len }},
-"beyond" over lengths {{ config.train_len + 1 }}..{{ config.eval_len }}; "&lt;50% at" is the first length where the mean falls below one half;
-"steps" is the mean number of steps the runs took{% if config.stop_at %} (fewer steps: the encoding learned the task sooner){% endif %}.</p>
-{% for task, rows in tables.items() %}
-<h3>{{ task }}</h3>
-<img src="figures/{{ figures[task][0] }}" alt="accuracy against length, {{ task }}">
-<table><tr><th>encoding</th><th>in</th><th>beyond</th><th>&lt;50% at</th><th>seeds</th><th>steps (mean)</th></tr>
-{% for label, s in rows.items() %}<tr><td>{{ label }}</td><td>{{ pct(s.in_distribution) }} ± {{ pct(s.spread.in_distribution) }}</td>
-<td>{{ pct(s.beyond) }}{% if s.spread.beyond is not none %} ± {{ pct(s.spread.beyond) }}{% endif %}</td>
-<td>{{ s.below_half_at if s.below_half_at is not none else "never" }}</td><td>{{ s.seeds }}</td>
-<td>{{ "%.0f"|format(s.steps) if s.steps is defined and s.steps is not none else "n/a" }}</td></tr>
-{% endfor %}</table>
-{% endfor %}
-
-<h2>Learned vs fixed</h2>
-{% if learned %}
-<table><tr><th>task</th><th>learned in</th><th>sinusoidal in</th><th>learned beyond</th><th>sinusoidal beyond</th></tr>
-{% for row in learned.rows %}<tr><td>{{ row.task }}</td><td>{{ pct(row.learned_in) }}</td><td>{{ pct(row.sinusoidal_in) }}</td>
-<td>{{ pct(row.learned_beyond) }}</td><td>{{ pct(row.sinusoidal_beyond) }}</td></tr>{% endfor %}</table>
-{% if learned.figure %}<img src="figures/{{ learned.figure }}" alt="learned table vs sinusoid">
-<p>Run {{ learned.run }}. The table has {{ learned.max_len }} rows (every evaluated position); training sequences
-reach {{ learned.trained_rows }} positions (black lines). Rows inside moved by {{ "%.2f"|format(learned.moved_inside) }}x
-their initial norm on average, rows past it by {{ "%.2f"|format(learned.moved_outside) }}x: positions never seen in training keep their
-random initial vectors, so the model meets noise where it expects a position. Past the table itself the model cannot run at all:
-asking for {{ learned.max_len + 1 }} positions raised <code>{{ learned.past_max_len }}</code></p>{% endif %}
-{% else %}<p>Run the study with both <code>learned</code> and <code>sinusoidal</code> to compare them.</p>{% endif %}
-
-{% if deep_stack %}<h2>Deep stacks</h2><p>The deep-stack measurements are in <code>results.json["deep_stack"]</code>
-(the tour's report draws them).</p>{% endif %}
-</body></html>
-"""
+# The page, a Jinja template beside this module (like the tour's).
+_TEMPLATES = Path(__file__).with_name("templates")
 
 
 def _pct(value: float | None) -> str:
@@ -101,8 +29,6 @@ def _pct(value: float | None) -> str:
 
 
 def _members(results: dict[str, Any], task: str, label: str) -> list[dict[str, Any]]:
-    from selfattn.study.runner import encoding_label
-
     return [r for r in results["runs"] if r["task"] == task and encoding_label(r) == label]
 
 
@@ -217,26 +143,23 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     ]
     if rows:
         learned = {"rows": rows, **(learned_table_analysis(out, results, figures) or {})}
-    html = (
-        jinja2.Environment(autoescape=True)
-        .from_string(_TEMPLATE)
-        .render(
-            config=config,
-            runs=results["runs"],
-            total_seconds=sum(float(r["train_seconds"]) for r in results["runs"]),
-            cpu_seconds=sum(
-                float(r.get("train_cpu_seconds", 0.0)) + float(r.get("eval_cpu_seconds", 0.0)) for r in results["runs"]
-            ),
-            shortfalls=shortfalls,
-            mostly_right=mostly_right,
-            still_falling=still_falling,
-            checked_budget=bool({"copy", "reverse"} & set(summary)),
-            tables=summary,
-            figures=figure_names,
-            learned=learned,
-            deep_stack=results.get("deep_stack"),
-            pct=_pct,
-        )
+    environment = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)), autoescape=True)
+    html = environment.get_template("study.html.j2").render(
+        config=config,
+        runs=results["runs"],
+        total_seconds=sum(float(r["train_seconds"]) for r in results["runs"]),
+        cpu_seconds=sum(
+            float(r.get("train_cpu_seconds", 0.0)) + float(r.get("eval_cpu_seconds", 0.0)) for r in results["runs"]
+        ),
+        shortfalls=shortfalls,
+        mostly_right=mostly_right,
+        still_falling=still_falling,
+        checked_budget=bool({"copy", "reverse"} & set(summary)),
+        tables=summary,
+        figures=figure_names,
+        learned=learned,
+        deep_stack=results.get("deep_stack"),
+        pct=_pct,
     )
     path = out / "study.html"
     write_text(path, html)

@@ -32,11 +32,18 @@ from typing import Any
 
 import torch
 
-from selfattn.study._io import write_json
+from selfattn._atomic import check_folder, write_json
 from selfattn.study.tasks import get_task
-from selfattn.study.training import ABSOLUTE_OR_ROTARY, ENCODINGS, RunSpec, StudyConfig, train_run
+from selfattn.study.training import (
+    ABSOLUTE_OR_ROTARY,
+    ENCODINGS,
+    RunSpec,
+    StudyConfig,
+    encoding_label,
+    train_run,
+)
 
-__all__ = ["Grid", "encoding_label", "merge_results", "run_study", "summarize"]
+__all__ = ["Grid", "merge_results", "run_study", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -69,16 +76,6 @@ class Grid:
                 for randomized in variants:
                     specs.extend(RunSpec(task, encoding, seed, randomized) for seed in range(self.seeds))
         return specs
-
-
-def encoding_label(run: dict[str, Any] | RunSpec) -> str:
-    """``"rotary"``, or ``"rotary+rand"`` for randomized positions."""
-    encoding, randomized = (
-        (run.encoding, run.randomized_positions)
-        if isinstance(run, RunSpec)
-        else (run["encoding"], run["randomized_positions"])
-    )
-    return f"{encoding}+rand" if randomized else str(encoding)
 
 
 def _sd(values: Sequence[float]) -> float:
@@ -161,16 +158,14 @@ class _Distributed:
             self.dist.destroy_process_group()
 
 
-def _deep_stack(out: Path, quick: bool, reuse: bool) -> dict[str, Any] | None:
-    """The deep-stack measurements, if :mod:`selfattn.study.deep_stack` is there; cached in DIR.
+def _deep_stack(out: Path, quick: bool, reuse: bool) -> dict[str, Any]:
+    """The deep-stack measurements (:mod:`selfattn.study.deep_stack`), cached in DIR.
 
     ``reuse``: return DIR's cached measurements where there are some (``--resume``, or another
     rank measured them during this call).
     """
-    try:
-        from selfattn.study.deep_stack import measure_deep_stack  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
+    from selfattn.study.deep_stack import measure_deep_stack
+
     cached = out / "deep_stack.json"
     if reuse and cached.exists():
         return dict(json.loads(cached.read_text()))
@@ -213,7 +208,12 @@ def run_study(
             a context manager whose value has ``start_run(spec, done_steps)``, ``step(step,
             loss)`` and ``end_run(finished_steps)`` (the steps of every finished run of
             ``my_specs``, whichever rank trained it).
+
+    Raises:
+        ValueError: ``out`` is a file or lies under one; ``resume`` with other settings than
+            the folder's.
     """
+    check_folder(out, f"cannot write the study to {str(out)!r}")
     env = _Distributed()
     try:
         runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"

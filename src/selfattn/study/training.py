@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 import zlib
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from selfattn._atomic import atomic_write_path
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
 from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
@@ -33,6 +33,7 @@ __all__ = [
     "ENCODINGS",
     "TASK_STEPS",
     "RunSpec",
+    "encoding_label",
     "StudyConfig",
     "build_model",
     "check_accuracy",
@@ -159,6 +160,16 @@ class RunSpec:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def encoding_label(run: dict[str, Any] | RunSpec) -> str:
+    """``"rotary"``, or ``"rotary+rand"`` for randomized positions."""
+    encoding, randomized = (
+        (run.encoding, run.randomized_positions)
+        if isinstance(run, RunSpec)
+        else (run["encoding"], run["randomized_positions"])
+    )
+    return f"{encoding}+rand" if randomized else str(encoding)
 
 
 def build_model(spec: RunSpec, config: StudyConfig) -> TransformerLM:
@@ -344,9 +355,8 @@ def _save_checkpoint(
         "optimizer": optimizer.state_dict(),
         "torch_rng": torch.get_rng_state(),
     }
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)  # atomic: a kill leaves the old checkpoint or the new one, never half of one
+    with atomic_write_path(path) as tmp:  # a kill leaves the old checkpoint or the new one, never half of one
+        torch.save(payload, tmp)
 
 
 def _load_checkpoint(

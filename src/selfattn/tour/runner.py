@@ -85,7 +85,7 @@ _ROUNDING, _EXPONENT_TOLERANCE = 1e-9, 0.1
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
+def progress_bar(total: int, enabled: bool, label: str = "selfattn tour") -> Iterator[Callable[[str], None]]:
     """A progress bar on stderr (rich, else tqdm, else none); yields ``advance(description)``.
 
     Callers usually pass ``enabled=sys.stderr.isatty()``: a bar is noise in a log file.
@@ -99,7 +99,7 @@ def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
         else:
             columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
             with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
-                task = bar.add_task("selfattn tour", total=total)
+                task = bar.add_task(label, total=total)
                 yield lambda description: bar.update(task, advance=1, description=description[:48])
             return
         try:
@@ -107,7 +107,7 @@ def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
         except ImportError:
             pass
         else:
-            with tqdm(total=total, file=sys.stderr, desc="selfattn tour") as tqdm_bar:
+            with tqdm(total=total, file=sys.stderr, desc=label) as tqdm_bar:
 
                 def advance(description: str) -> None:
                     tqdm_bar.set_description(description[:48])
