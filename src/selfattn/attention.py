@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn import _validation, masks
+import selfattn._validation as _validation
+import selfattn.core.dispatch as dispatch
+import selfattn.masks as masks
 from selfattn._validation import ArgumentTypeError, require_positive_int, require_probability
 from selfattn.cache import KVCache
-from selfattn.core import dispatch
 from selfattn.core.call import AttentionCall, ModuleInputs
 from selfattn.core.dispatch import Explanation
 from selfattn.core.documents import cumulative_lengths_to_document_ids, document_positions

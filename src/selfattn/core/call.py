@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from selfattn import _validation
+import selfattn._validation as _validation
 from selfattn.masks import Visibility
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from selfattn import _validation
+import selfattn._validation as _validation
 
 __all__ = ["cumulative_lengths_to_document_ids", "document_positions"]
 

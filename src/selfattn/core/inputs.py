@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from selfattn import _validation
+import selfattn._validation as _validation
 from selfattn._validation import ArgumentTypeError, require_position
 from selfattn.cache import KVCache
 from selfattn.core.documents import document_positions

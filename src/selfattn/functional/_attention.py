@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+import selfattn.core.dispatch as dispatch
 from selfattn._validation import require_probability
-from selfattn.core import dispatch
 from selfattn.core.call import AttentionCall
 from selfattn.functional._kernels import (
     _check_groups,

@@ -67,8 +67,8 @@ from __future__ import annotations
 
 import torch
 
+import selfattn.core.dispatch as dispatch
 from selfattn._validation import require_positive_int, require_probability
-from selfattn.core import dispatch
 from selfattn.core.call import AttentionCall
 from selfattn.functional._block_common import ScoreTerm, choose_block_size
 from selfattn.functional._dropout_masks import dropout_keep_probability

@@ -9,9 +9,9 @@ import math
 
 import torch
 
+import selfattn.core.routes._window as _window
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
-from selfattn.core.routes import _window
 from selfattn.core.routes._window import PER_ROW_BAND_ELEMENTS, window_declines
 from selfattn.functional._kernels import _fused_kernel, fused_attention
 from selfattn.masks import Causal, Visibility, Window

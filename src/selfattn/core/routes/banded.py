@@ -10,9 +10,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+import selfattn.core.routes._window as _window
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
-from selfattn.core.routes import _window
 from selfattn.core.routes._window import window_declines
 from selfattn.functional._kernels import fused_attention
 from selfattn.masks import Causal, Documents, KeyPadding, ValidLengths, Window

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+import selfattn.functional._block_key_rows as _block_key_rows
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import blocks_decline, heads
-from selfattn.functional import _block_key_rows
 from selfattn.functional._block_common import _compute_dtype
 
 __all__ = ["CAUSAL_KEY_ROWS"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+import selfattn.functional._block_sliced as _block_sliced
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import blocks_decline, heads, plan_for
-from selfattn.functional import _block_sliced
 
 __all__ = ["SLICED_DROPOUT"]
 
