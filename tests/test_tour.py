@@ -22,6 +22,7 @@ SECTION_FIGURES = (
     "attention_weights",
     "permutation",
     "comparison",
+    "comparison_stacked",
     "pe_columns",
     "pe_heatmap",
     "absolute",
@@ -89,7 +90,7 @@ def test_results_hold_rotation_and_permutation(tour):
 
 def test_report_shows_every_figure_and_needs_no_network(tour):
     page = (tour["out"] / "report.html").read_text()
-    shown = set(re.findall(r'<img src="([^"]+)"', page))
+    shown = set(re.findall(r'<img src="([^"]+)"', page)) | set(re.findall(r'srcset="([^"]+)"', page))
     written = {f"figures/{p.name}" for p in (tour["out"] / "figures").glob("*.png")}
     assert shown == written
     assert not re.search(r'(src|href)="(https?:)?//', page)

@@ -533,6 +533,7 @@ def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], 
             results["permutation"]["without_pe_error"], results["permutation"]["with_pe_change"]
         ),
         "comparison": lambda: figures.comparison_figure(results["comparison"]),
+        "comparison_stacked": lambda: figures.comparison_figure(results["comparison"], stacked=True),
         "pe_columns": lambda: figures.pe_columns_figure(pe["column_values"], pe["columns"], pe["column_periods"]),
         "pe_heatmap": lambda: figures.pe_heatmap_figure(pe["table"], checks.bit_matrix(8)),
         "absolute": lambda: figures.absolute_figure(results["absolute"]["curves"], results["absolute"]["precision"]),
@@ -612,9 +613,10 @@ def run_tour(
     comparison_count = comparison.comparison_steps(
         sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
     )
-    # Eight section steps (the trained experiments are one), the comparison's, two per encoding (measure, draw), nine figures (ten with a study),
+    # Eight section steps (the trained experiments are one), the comparison's, two per encoding (measure, draw), ten
+    # figures (eleven with a study),
     # the report.
-    total = 8 + comparison_count + 2 * family_count + 9 + bool((depth_study or {}).get("trained")) + 1
+    total = 8 + comparison_count + 2 * family_count + 10 + bool((depth_study or {}).get("trained")) + 1
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
