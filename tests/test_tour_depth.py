@@ -109,3 +109,19 @@ def test_trained_sentences_quote_the_study_numbers(measured):
     accuracy = measured["trained"]["rotary"]["residual"]["task_accuracy"]["mean"]
     assert f"<code>rotary</code> {depth._num(accuracy)}" in page
     assert "Held-out task accuracy, residual + MLP" in page and "After training, no residual + MLP" in page
+
+
+def test_trained_stacks_that_stay_at_chance_are_named_as_not_trained(measured):
+    fake = json.loads(json.dumps(measured))
+    for encoding, by_variant in fake["trained"].items():
+        for variant, entry in by_variant.items():
+            entry["task_accuracy"]["mean"] = 0.9 if (encoding, variant) == ("sinusoidal", "residual") else 0.21
+    fake["trained"]["rotary"]["residual"]["task_accuracy"]["mean"] = 0.3
+    page = depth.section_html(fake, {}, trained=fake)
+    chance = 1 / fake["config"]["vocab_size"]  # 0.2 for this small run
+    assert f"within 5 points of chance, {chance:.2f}" in page or f"within 5 points of chance, {chance}" in page
+    residual = page[page.index("residual + MLP: <b>did not train</b>") :]
+    residual = residual[: residual.index("</p>")]
+    assert "learnt the task (0.5 or more): <code>sinusoidal</code>" in residual
+    assert "trained partly (below 0.5): <code>rotary</code>" in residual
+    assert "<code>alibi</code>" in residual.split("trained partly")[0]  # at chance: did not train

@@ -320,13 +320,28 @@ def _trained_sentences(trained: dict[str, Any]) -> list[str]:
     depth = trained["layers"][-1]
     out = []
     variants = list(next(iter(data.values())))
+    config = trained["config"]
+    chance = 1 / config["vocab_size"]  # the previous token, uniform over the vocabulary
+    steps = config["train_steps"]
     for variant in variants:
         accuracies = []
+        untrained, partly, learnt = [], [], []
         for encoding, by_variant in data.items():
             entry = by_variant.get(variant, {}).get("task_accuracy")
             if entry is not None:
-                accuracies.append(f"<code>{_e(encoding)}</code> {_num(float(entry['mean']))}")
+                mean = float(entry["mean"])
+                accuracies.append(f"<code>{_e(encoding)}</code> {_num(mean)}")
+                (untrained if mean < chance + 0.05 else partly if mean < 0.5 else learnt).append(
+                    f"<code>{_e(encoding)}</code>"
+                )
         out.append(f"Held-out task accuracy, {_e(_VARIANT_LABELS.get(variant, variant))}: {', '.join(accuracies)}.")
+        out.append(
+            f"{_e(_VARIANT_LABELS.get(variant, variant))}: <b>did not train</b> in {steps} steps (within 5 points of "
+            f"chance, {_num(chance)}): {', '.join(untrained) or 'none'}; trained partly (below 0.5): "
+            f"{', '.join(partly) or 'none'}; learnt the task (0.5 or more): {', '.join(learnt) or 'none'}. The budget "
+            "is fixed, not run until the accuracy levels off, so a stack that did not train here may train with more "
+            "steps; its probes describe a stack that has not learnt the task."
+        )
     for variant in variants:
         parts = []
         for encoding in data:
