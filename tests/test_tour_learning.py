@@ -36,7 +36,7 @@ def test_without_p_or_with_shuffled_rows_it_cannot(offset_runs):
 
 
 def test_offset_experiment_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="delta must be in 1..num_steps - 1 = 15, got 16"):
+    with pytest.raises(ValueError, match=r"delta must be in 1\.\.num_steps - 1 = 15, got 16"):
         offset.attend_by_offset(delta=16)
     with pytest.raises(ValueError, match="variants must be among"):
         offset.attend_by_offset(variants=("learned",))

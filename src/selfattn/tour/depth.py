@@ -325,7 +325,9 @@ def _trained_sentences(trained: dict[str, Any]) -> list[str]:
     steps = config["train_steps"]
     for variant in variants:
         accuracies = []
-        untrained, partly, learnt = [], [], []
+        untrained: list[str] = []
+        partly: list[str] = []
+        learnt: list[str] = []
         for encoding, by_variant in data.items():
             entry = by_variant.get(variant, {}).get("task_accuracy")
             if entry is not None:

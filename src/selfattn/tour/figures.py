@@ -8,7 +8,6 @@ optional dependency (``pip install selfattn[plot]``).
 from __future__ import annotations
 
 import textwrap
-
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
