@@ -351,8 +351,23 @@ def test_study_generalization_reads_the_sinusoidal_cells(tmp_path):
     )
     found = runner.study_generalization(tmp_path)
     assert found["cells"] == {"copy": {"in": 0.99, "beyond": 0.01}} and found["train_len"] == 20
+    assert found["by_encoding"]["alibi"] == {"copy": {"in": 0.99, "beyond": 0.48}}
     assert runner.study_generalization(None) is None
     assert runner.study_generalization(tmp_path / "absent") is None
+
+
+def test_exercises_show_the_studys_learned_and_offset_encodings_past_the_training_lengths(tour):
+    results = copy.deepcopy(tour["results"])
+    page = render_report(results, {})
+    assert "past the training lengths on the tasks each learnt" not in page  # no study, no sentence
+    results["study_generalization"] = {
+        "folder": "study", "train_len": 20, "cells": {},
+        "by_encoding": {"learned": {"copy": {"in": 0.99, "beyond": 0.0}, "sort": {"in": 0.7, "beyond": 0.08}},
+                        "shaw": {"copy": {"in": 0.99, "beyond": 0.01}}},
+    }  # fmt: skip
+    page = render_report(results, {})
+    assert "<code>learned</code> on copy 0\u2009%, <code>shaw</code> on copy 1\u2009%" in page
+    assert "on sort" not in page  # a task it did not learn says nothing past its lengths
 
 
 def test_every_quote_is_the_pages_own_words(tour):

@@ -554,22 +554,28 @@ def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], 
 
 
 def study_generalization(study: Path | str | None) -> dict[str, Any] | None:
-    """The sinusoidal encoding's accuracy in and beyond the training lengths, per task, from a study folder.
+    """Each encoding's accuracy in and beyond the training lengths, per task, from a study folder.
 
-    None when there is no study (or it trained no sinusoidal model): the note's claim that a
-    model generalizes to longer sentences then stays "not shown".
+    ``cells`` is the sinusoidal encoding's (the note's claim that a model generalizes to longer
+    sentences), ``by_encoding`` every encoding's. None when there is no study (or it trained no
+    sinusoidal model): that claim then stays "not shown".
     """
     from selfattn.study.summary import load_study
 
     loaded = None if study is None else load_study(Path(study))
     if loaded is None:
         return None
-    cells = {
-        task: {"in": in_distribution, "beyond": beyond}
-        for task, label, in_distribution, beyond, _ in loaded.rows
-        if label == "sinusoidal"
+    by_encoding: dict[str, dict[str, dict[str, Any]]] = {}
+    for task, label, in_distribution, beyond, _ in loaded.rows:
+        by_encoding.setdefault(label, {})[task] = {"in": in_distribution, "beyond": beyond}
+    if "sinusoidal" not in by_encoding:
+        return None
+    return {
+        "folder": str(loaded.folder),
+        "train_len": loaded.train_len,
+        "cells": by_encoding["sinusoidal"],
+        "by_encoding": by_encoding,
     }
-    return {"folder": str(loaded.folder), "train_len": loaded.train_len, "cells": cells} if cells else None
 
 
 def _prepare_output(out_dir: Path) -> Path:
