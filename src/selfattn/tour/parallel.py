@@ -41,8 +41,8 @@ def thread_speedup(
     *,
     num_steps: int = 1024,
     num_hiddens: int = 256,
-    repeats: int = 5,
-    rounds: int = 3,
+    repeats: int = 3,
+    rounds: int = 2,
     threads: tuple[int, ...] | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
