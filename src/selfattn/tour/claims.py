@@ -227,7 +227,7 @@ def _comparison_claims(results: dict[str, Any]) -> list[dict[str, object]]:
             sa["path_length_by_n"],
             "constant in n",
             _near(sa["path_length_exponent_n"], 0),
-            also_on=("note", "summary", "frameworks"),
+            also_on=("note", "slides", "summary", "frameworks"),
         ),
         _claim(
             "shortest-path",
@@ -416,7 +416,7 @@ def _position_claims(results: dict[str, Any]) -> list[dict[str, object]]:
             True,
             basis="selfattn.positional has both (LearnedPositionalEncoding, SinusoidalPositionalEncoding; "
             "section 7 runs each); that they can be trained is the study's measurement",
-            also_on=("frameworks",),
+            also_on=("note", "frameworks"),
         ),
         _claim(
             "x-plus-p",
@@ -516,7 +516,7 @@ def _position_claims(results: dict[str, Any]) -> list[dict[str, object]]:
             offset_number,
             offset_expected,
             learned_offset,
-            also_on=("frameworks",),
+            also_on=("note", "frameworks"),
         ),
         _claim(
             "shift-by-five",
@@ -557,7 +557,7 @@ def _position_claims(results: dict[str, Any]) -> list[dict[str, object]]:
             },
             "> 1e-3; offset task learned",
             perm["with_pe_change"] > 1e-3 and learned_offset,
-            also_on=("note", "slides", "frameworks"),
+            also_on=("note", "slides", "summary", "frameworks"),
         ),
         _claim(
             "rotation",
