@@ -125,3 +125,22 @@ def test_trained_stacks_that_stay_at_chance_are_named_as_not_trained(measured):
     assert "learnt the task (0.5 or more): <code>sinusoidal</code>" in residual
     assert "trained partly (below 0.5): <code>rotary</code>" in residual
     assert "<code>alibi</code>" in residual.split("trained partly")[0]  # at chance: did not train
+
+
+def test_stacks_trained_to_level_off_are_read_from_a_study_and_named_when_they_do_not_train(tmp_path, measured):
+    from selfattn.study.deep_stack import trained_by_depth
+
+    by_depth = trained_by_depth(encodings=("none", "sinusoidal"), variants=("residual",), depths=(1,), max_steps=400,
+                                check_every=50, patience=3, num_hiddens=16, num_heads=2, ffn_hiddens=16, num_steps=8,
+                                num_sequences=24, test_sequences=8, vocab_size=5)  # fmt: skip
+    by_depth = json.loads(json.dumps(by_depth))
+    (tmp_path / "results.json").write_text(json.dumps({"deep_stack_by_depth": by_depth}))
+    assert depth.study_by_depth(tmp_path) == by_depth
+    assert depth.study_by_depth(tmp_path / "absent") is None and depth.study_by_depth(None) is None
+    page = depth.section_html(measured, {}, by_depth=by_depth)
+    assert "Trained until the accuracy levels off" in page
+    assert "did not learn the task (below 0.9): <code>none</code>, residual + MLP, depth 1" in page
+    by_depth["stacks"]["none"]["residual"][0].update(trains=False, learnt=False)
+    page = depth.section_html(measured, {}, by_depth=by_depth)
+    assert "<b>Did not train</b> (within 0.05 of chance): <code>none</code>, residual + MLP, depth 1." in page
+    assert "Trained until" not in depth.section_html(measured, {})

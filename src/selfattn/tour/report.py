@@ -436,7 +436,7 @@ def _section_depth(results: dict[str, Any], figures: dict[str, str]) -> str:
             )
     return f"""
 <h2 id="s8">8. The exercises</h2>
-{depth.section_html(results["depth"], figures, results.get("depth_study"))}
+{depth.section_html(results["depth"], figures, results.get("depth_study"), results.get("depth_by_depth"))}
 <p><b>A learnable encoding</b>: {learned} (<code>selfattn.positional.LearnedPositionalEncoding</code>) learns one row
 per position; it has no row past its <code>max_len</code>, which is why it refuses positions far out in
 section 7. <b>Embeddings by offset</b> (Shaw et al. 2018; Huang et al. 2018) and their successors act inside

@@ -627,6 +627,7 @@ def run_tour(
         results = compute(sizes, advance)
         results["quick"] = quick
         results["depth_study"] = depth_study
+        results["depth_by_depth"] = depth.study_by_depth(study)
         results["study_generalization"] = study_generalization(study)
         results["checks"] = verdicts(results)
         results["claims"] = claims.claims(results)
