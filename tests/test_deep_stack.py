@@ -290,3 +290,44 @@ def test_probe_penalty_is_chosen_on_held_out_training_sequences(monkeypatch):
     tried.clear()
     position_r2(h[:3], h[3:], ridge=1e-6)  # too few sequences to hold some out
     assert tried == [(15, [1e-6])]
+
+
+TINY_DEPTH = {"num_hiddens": 16, "num_heads": 2, "ffn_hiddens": 16, "num_steps": 8, "num_sequences": 24,
+              "test_sequences": 8, "vocab_size": 5}  # fmt: skip
+
+
+def test_training_until_level_stops_when_the_accuracy_stops_rising():
+    from selfattn.study.deep_stack import DeepStack, train_until_level
+
+    def model(encoding):
+        torch.manual_seed(0)
+        return DeepStack(encoding=encoding, depth=1, num_hiddens=16, num_heads=2, ffn_hiddens=16, vocab_size=5,
+                         num_classes=6)  # fmt: skip
+
+    blind = train_until_level(model("none"), max_steps=600, num_steps=8, vocab_size=5, seed=0, check_every=25,
+                              patience=3)  # fmt: skip
+    assert blind["levelled_off"] and blind["steps"] < 600  # no position: it stalls well below the target
+    assert blind["task_accuracy"] < 0.6
+    accuracies = [accuracy for _, accuracy in blind["curve"]]
+    assert max(accuracies[-3:]) < max(accuracies[:-3]) + 0.01  # the last `patience` checks gained nothing
+    fixed = train_until_level(model("sinusoidal"), max_steps=30, num_steps=8, vocab_size=5, seed=0)
+    assert fixed["steps"] == 30 and fixed["curve"] == [] and not fixed["levelled_off"]
+
+
+def test_trained_by_depth_says_which_stacks_learn_the_task():
+    from selfattn.study.deep_stack import trained_by_depth
+
+    found = trained_by_depth(encodings=("none", "sinusoidal"), variants=("residual",), depths=(1,), max_steps=800,
+                             check_every=50, patience=3, **TINY_DEPTH)  # fmt: skip
+    sinusoidal = found["stacks"]["sinusoidal"]["residual"][0]
+    none = found["stacks"]["none"]["residual"][0]
+    assert sinusoidal["learnt"] and sinusoidal["task_accuracy"] >= 0.9 and sinusoidal["depth"] == 1
+    assert not none["learnt"]  # without positions the previous token cannot be found
+    assert found["chance"] == pytest.approx(0.2)
+    assert set(sinusoidal) >= {"steps", "curve", "levelled_off", "trains", "position_r2", "order_accuracy"}
+    with pytest.raises(ValueError, match="depths must be positive"):
+        trained_by_depth(depths=(0,))
+    with pytest.raises(ValueError, match="variants must be among"):
+        trained_by_depth(variants=("deep",))
+    with pytest.raises(ValueError, match="encodings must be names of"):
+        trained_by_depth(encodings=("sine",))

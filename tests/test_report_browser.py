@@ -97,9 +97,19 @@ document.getElementById("frame").addEventListener("load", function () {{
     var right = el.getBoundingClientRect().right;
     if (right > widest) {{ widest = right; culprit = el.tagName + "." + el.className; }}
   }});
+  var images = Array.prototype.map.call(doc.images, function (img) {{
+    return {{src: img.currentSrc.split("/").pop(), loaded: img.complete && img.naturalWidth > 0,
+      natural: [img.naturalWidth, img.naturalHeight], shown: Math.ceil(img.getBoundingClientRect().right)}};
+  }});
+  var scrollers = Array.prototype.map.call(doc.querySelectorAll(".table-scroll"), function (box) {{
+    return {{right: Math.ceil(box.getBoundingClientRect().right), inner: box.scrollWidth, outer: box.clientWidth,
+      overflow: win.getComputedStyle(box).overflowX}};
+  }});
   document.body.setAttribute("data-widths", JSON.stringify({{
     scroll: doc.documentElement.scrollWidth, viewport: win.innerWidth,
-    widest: Math.ceil(widest), culprit: culprit}}));
+    widest: Math.ceil(widest), culprit: culprit, images: images, scrollers: scrollers,
+    tables: doc.querySelectorAll("table").length,
+    wrapped: doc.querySelectorAll(".table-scroll > table").length}}));
 }});
 </script></body></html>"""
 
@@ -112,7 +122,9 @@ def framed(page, width, height=2000):
 
 
 def page_widths(browser, tmp_path, page, width):
-    """``{"scroll", "viewport", "widest", "culprit"}`` of ``page`` laid out ``width`` px wide."""
+    """``{"scroll", "viewport", "widest", "culprit", "images", "scrollers", "tables", "wrapped"}`` of ``page``
+    laid out ``width`` px wide: each image's chosen file, whether it loaded, its natural size and right edge; each
+    table box's right edge, inner and outer width and overflow style; how many tables, how many in a box."""
     dom = run_browser(
         browser,
         tmp_path,
@@ -155,7 +167,8 @@ def test_every_image_of_the_report_loads(browser, report, tmp_path):
     statuses = image_status(browser, tmp_path, report / "report.html")
     assert statuses, "the report has no images"
     assert [src for state, src in statuses if state != "ok"] == []
-    assert {src for _, src in statuses} == {f"figures/{p.name}" for p in (report / "figures").glob("*.png")}
+    wide_only = {f"figures/{p.name}" for p in (report / "figures").glob("*.png") if p.stem != "comparison_stacked"}
+    assert {src for _, src in statuses} == wide_only  # at 1280 px the stacked comparison is not picked
 
 
 def test_a_missing_image_would_be_caught(browser, report, tmp_path):
@@ -187,6 +200,34 @@ def test_nothing_overflows_at_420_px(browser, report, tmp_path):
     assert widths["viewport"] == 420
     assert widths["scroll"] <= 420, widths
     assert widths["widest"] <= 420, widths
+
+
+@pytest.fixture(scope="module")
+def narrow(browser, report, tmp_path_factory):
+    return page_widths(browser, tmp_path_factory.mktemp("narrow"), report / "report.html", 420)
+
+
+def test_at_420_px_every_image_loads_and_fits(narrow, report):
+    assert narrow["images"], "the report has no images"
+    for image in narrow["images"]:
+        assert image["loaded"], image
+        assert image["shown"] <= 420, image
+    assert len(narrow["images"]) == len(list((report / "figures").glob("*.png"))) - 1  # one comparison shown
+
+
+def test_at_420_px_the_comparison_figure_is_the_stacked_one(narrow):
+    comparison = [image for image in narrow["images"] if image["src"].startswith("comparison")]
+    assert [image["src"] for image in comparison] == ["comparison_stacked.png"]
+    width, height = comparison[0]["natural"]
+    assert height > 3 * width  # six panels in one column
+
+
+def test_at_420_px_wide_tables_scroll_in_their_own_box(narrow):
+    assert narrow["tables"] == narrow["wrapped"] > 0  # every table sits in a scrolling box
+    for box in narrow["scrollers"]:
+        assert box["right"] <= 420, box
+        assert box["overflow"] == "auto", box
+    assert any(box["inner"] > box["outer"] for box in narrow["scrollers"])  # some do need to scroll at this width
 
 
 def test_an_overflowing_table_would_be_caught(browser, report, tmp_path):

@@ -109,3 +109,38 @@ def test_trained_sentences_quote_the_study_numbers(measured):
     accuracy = measured["trained"]["rotary"]["residual"]["task_accuracy"]["mean"]
     assert f"<code>rotary</code> {depth._num(accuracy)}" in page
     assert "Held-out task accuracy, residual + MLP" in page and "After training, no residual + MLP" in page
+
+
+def test_trained_stacks_that_stay_at_chance_are_named_as_not_trained(measured):
+    fake = json.loads(json.dumps(measured))
+    for encoding, by_variant in fake["trained"].items():
+        for variant, entry in by_variant.items():
+            entry["task_accuracy"]["mean"] = 0.9 if (encoding, variant) == ("sinusoidal", "residual") else 0.21
+    fake["trained"]["rotary"]["residual"]["task_accuracy"]["mean"] = 0.3
+    page = depth.section_html(fake, {}, trained=fake)
+    chance = 1 / fake["config"]["vocab_size"]  # 0.2 for this small run
+    assert f"within 5 points of chance, {chance:.2f}" in page or f"within 5 points of chance, {chance}" in page
+    residual = page[page.index("residual + MLP: <b>did not train</b>") :]
+    residual = residual[: residual.index("</p>")]
+    assert "learnt the task (0.5 or more): <code>sinusoidal</code>" in residual
+    assert "trained partly (below 0.5): <code>rotary</code>" in residual
+    assert "<code>alibi</code>" in residual.split("trained partly")[0]  # at chance: did not train
+
+
+def test_stacks_trained_to_level_off_are_read_from_a_study_and_named_when_they_do_not_train(tmp_path, measured):
+    from selfattn.study.deep_stack import trained_by_depth
+
+    by_depth = trained_by_depth(encodings=("none", "sinusoidal"), variants=("residual",), depths=(1,), max_steps=400,
+                                check_every=50, patience=3, num_hiddens=16, num_heads=2, ffn_hiddens=16, num_steps=8,
+                                num_sequences=24, test_sequences=8, vocab_size=5)  # fmt: skip
+    by_depth = json.loads(json.dumps(by_depth))
+    (tmp_path / "results.json").write_text(json.dumps({"deep_stack_by_depth": by_depth}))
+    assert depth.study_by_depth(tmp_path) == by_depth
+    assert depth.study_by_depth(tmp_path / "absent") is None and depth.study_by_depth(None) is None
+    page = depth.section_html(measured, {}, by_depth=by_depth)
+    assert "Trained until the accuracy levels off" in page
+    assert "did not learn the task (below 0.9): <code>none</code>, residual + MLP, depth 1" in page
+    by_depth["stacks"]["none"]["residual"][0].update(trains=False, learnt=False)
+    page = depth.section_html(measured, {}, by_depth=by_depth)
+    assert "<b>Did not train</b> (within 0.05 of chance): <code>none</code>, residual + MLP, depth 1." in page
+    assert "Trained until" not in depth.section_html(measured, {})

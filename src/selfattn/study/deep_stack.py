@@ -58,6 +58,9 @@ __all__ = [
     "position_r2",
     "rank_collapse",
     "ridge_fit",
+    "train_previous_token",
+    "train_until_level",
+    "trained_by_depth",
 ]
 
 ENCODINGS: tuple[str, ...] = ("none", "sinusoidal", "rotary", "alibi", "t5", "shaw")
@@ -408,6 +411,70 @@ def previous_token_batch(
     return tokens, targets
 
 
+def _held_out_accuracy(model: DeepStack, num_steps: int, vocab_size: int, seed: int) -> float:
+    """Previous-token accuracy on 256 sequences no training batch holds (their own generator)."""
+    model.eval()
+    tokens, targets = previous_token_batch(256, num_steps, vocab_size, torch.Generator().manual_seed(seed + 10_007))
+    with torch.no_grad():
+        accuracy = float((model(tokens).argmax(-1) == targets).to(torch.float64).mean())
+    model.train()
+    return accuracy
+
+
+def train_until_level(
+    model: DeepStack,
+    *,
+    max_steps: int,
+    num_steps: int,
+    vocab_size: int,
+    seed: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    check_every: int | None = None,
+    patience: int = 4,
+    min_gain: float = 0.01,
+    target: float = 0.99,
+) -> dict[str, Any]:
+    """Train ``model`` with AdamW on :func:`previous_token_batch`; returns loss, held-out accuracy and steps.
+
+    With ``check_every``, the held-out accuracy is measured every ``check_every`` steps and
+    training stops once it reaches ``target``, or once it has not risen by ``min_gain`` over the
+    best so far for ``patience`` checks in a row (it has levelled off), or at ``max_steps``;
+    ``levelled_off`` says whether it stopped before ``max_steps``. Without, it trains exactly
+    ``max_steps`` steps.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    curve: list[list[float]] = []
+    best, stale, step = -1.0, 0, 0
+    while step < max_steps:
+        tokens, targets = previous_token_batch(batch_size, num_steps, vocab_size, generator)
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if check_every and step % check_every == 0:
+            accuracy = _held_out_accuracy(model, num_steps, vocab_size, seed)
+            curve.append([step, accuracy])
+            stale = 0 if accuracy >= best + min_gain else stale + 1
+            best = max(best, accuracy)
+            if accuracy >= target or stale >= patience:
+                break
+    accuracy = _held_out_accuracy(model, num_steps, vocab_size, seed)
+    model.eval()
+    return {
+        "final_loss": float(loss.detach()),
+        "task_accuracy": accuracy,
+        "steps": step,
+        "curve": curve,
+        "levelled_off": step < max_steps,
+    }
+
+
 def train_previous_token(
     model: DeepStack,
     *,
@@ -418,23 +485,11 @@ def train_previous_token(
     batch_size: int = 32,
     lr: float = 3e-3,
 ) -> dict[str, float]:
-    """Train ``model`` with AdamW on :func:`previous_token_batch`; returns loss and held-out accuracy."""
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for _ in range(steps):
-        tokens, targets = previous_token_batch(batch_size, num_steps, vocab_size, generator)
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    model.eval()
-    tokens, targets = previous_token_batch(256, num_steps, vocab_size, torch.Generator().manual_seed(seed + 10_007))
-    with torch.no_grad():
-        accuracy = float((model(tokens).argmax(-1) == targets).to(torch.float64).mean())
-    return {"final_loss": float(loss.detach()), "task_accuracy": accuracy}
+    """Train ``model`` with AdamW on :func:`previous_token_batch` for ``steps`` steps; returns loss and held-out accuracy."""
+    fit = train_until_level(
+        model, max_steps=steps, num_steps=num_steps, vocab_size=vocab_size, seed=seed, batch_size=batch_size, lr=lr
+    )
+    return {"final_loss": fit["final_loss"], "task_accuracy": fit["task_accuracy"]}
 
 
 # The measurement ---------------------------------------------------------------------------------
@@ -462,6 +517,32 @@ def _spread(by_seed: Sequence[Sequence[float]]) -> dict[str, list[Any]]:
 def _scalar_spread(values: Sequence[float]) -> dict[str, object]:
     spread = _spread([[v] for v in values])
     return {key: (value[0] if key != "by_seed" else [row[0] for row in value]) for key, value in spread.items()}
+
+
+def _make_stack(
+    name: str,
+    variant: str,
+    seed: int,
+    *,
+    depth: int,
+    sizes: dict[str, Any],
+    vocab_size: int,
+    causal: bool,
+    num_steps: int,
+) -> DeepStack:
+    with _seeded(seed):
+        return DeepStack(
+            encoding=name, depth=depth, **sizes, vocab_size=vocab_size, num_classes=vocab_size + 1,
+            causal=causal, max_len=max(num_steps, 1000), **VARIANTS[variant],
+        )  # fmt: skip
+
+
+def _probe_tokens(seed: int, num_sequences: int, num_steps: int, vocab_size: int) -> torch.Tensor:
+    """``(num_sequences + 1, n)``: random sequences, then one of a repeated token (the position-share sequence)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (num_sequences, num_steps), generator=generator)  # (b, n)
+    repeated = torch.full((1, num_steps), int(tokens[0, 0]))  # (1, n)
+    return torch.cat([tokens, repeated])
 
 
 def _probe_stack(
@@ -562,25 +643,20 @@ def measure_deep_stack(
     num_train = num_sequences - test_sequences
     start = time.perf_counter()
 
-    def stack(name: str, variant: str, seed: int, num_classes: int) -> DeepStack:
-        with _seeded(seed):
-            return DeepStack(
-                encoding=name, depth=depth, **sizes, vocab_size=vocab_size, num_classes=num_classes,
-                causal=causal, max_len=max(num_steps, 1000), **VARIANTS[variant],
-            )  # fmt: skip
+    def stack(name: str, variant: str, seed: int) -> DeepStack:
+        return _make_stack(
+            name, variant, seed, depth=depth, sizes=sizes, vocab_size=vocab_size, causal=causal, num_steps=num_steps
+        )
 
     def tokens_of(seed: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, vocab_size, (num_sequences, num_steps), generator=generator)  # (b, n)
-        repeated = torch.full((1, num_steps), int(tokens[0, 0]))  # (1, n): the position-share sequence
-        return torch.cat([tokens, repeated])
+        return _probe_tokens(seed, num_sequences, num_steps, vocab_size)
 
     untrained: dict[str, dict[str, dict[str, object]]] = {}
     for name in encodings:
         untrained[name] = {}
         for variant in variants:
             runs = [
-                _probe_stack(stack(name, variant, seed, vocab_size + 1), tokens_of(seed), num_train, ridge, seed)
+                _probe_stack(stack(name, variant, seed), tokens_of(seed), num_train, ridge, seed)
                 for seed in range(seeds)
             ]
             untrained[name][variant] = {m: _spread([run[m] for run in runs]) for m in METRICS}
@@ -594,7 +670,7 @@ def measure_deep_stack(
             for variant in train_variants:
                 runs, fits = [], []
                 for seed in range(train_seeds):
-                    model = stack(name, variant, seed, vocab_size + 1)
+                    model = stack(name, variant, seed)
                     fits.append(
                         train_previous_token(
                             model,
@@ -628,3 +704,89 @@ def measure_deep_stack(
         "trained": trained,
         "seconds": time.perf_counter() - start,
     }
+
+
+def trained_by_depth(
+    *,
+    encodings: Sequence[str] = ENCODINGS,
+    variants: Sequence[str] = ("residual", "no_residual"),
+    depths: Sequence[int] = tuple(range(1, 9)),
+    seed: int = 0,
+    max_steps: int = 3000,
+    check_every: int = 100,
+    patience: int = 4,
+    num_hiddens: int = 32,
+    num_heads: int = 4,
+    ffn_hiddens: int = 64,
+    num_steps: int = 32,
+    num_sequences: int = 64,
+    test_sequences: int = 16,
+    vocab_size: int = 16,
+    causal: bool = False,
+    ridge: float = DEFAULT_RIDGE,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, object]:
+    """Stacks of each depth trained until their task accuracy levels off, each probed after training.
+
+    For every encoding, variant and depth, a :class:`DeepStack` is trained on the previous-token
+    task (:func:`train_until_level`: checked every ``check_every`` steps, stopped once the held-out
+    accuracy reaches 0.99 or stops rising by 0.01 for ``patience`` checks, at most ``max_steps``),
+    then its last layer is probed as in :func:`measure_deep_stack`. A stack whose accuracy stays
+    within 0.05 of chance (``1 / vocab_size``) is marked ``trains: False``; one at 0.9 or more
+    ``learnt: True`` (without positions a stack can beat chance by guessing among the tokens it
+    sees, so ``trains`` alone does not mean it found the previous token).
+
+    Returns:
+        ``{"config", "chance", "stacks": {encoding: {variant: [one entry per depth]}}, "seconds"}``;
+        each entry: ``depth``, ``steps``, ``task_accuracy``, ``curve`` (``[step, accuracy]``),
+        ``levelled_off``, ``trains``, ``learnt``, and the last layer's ``position_r2`` and ``order_accuracy``.
+    """
+    for name in encodings:
+        if name not in NAMES:
+            raise ValueError(f"encodings must be names of {', '.join(NAMES)}; got {name!r}")
+    for name in variants:
+        if name not in VARIANTS:
+            raise ValueError(f"variants must be among {', '.join(VARIANTS)}; got {name!r}")
+    if not depths or min(depths) < 1:
+        raise ValueError(f"depths must be positive, got {list(depths)}")
+    max_steps = require_positive_int("max_steps", max_steps)
+    check_every = require_positive_int("check_every", check_every)
+    tick = progress or (lambda description: None)
+    sizes: dict[str, Any] = {"num_hiddens": num_hiddens, "num_heads": num_heads, "ffn_hiddens": ffn_hiddens}
+    chance = 1 / vocab_size
+    start = time.perf_counter()
+    stacks: dict[str, dict[str, list[dict[str, object]]]] = {}
+    for name in encodings:
+        stacks[name] = {}
+        for variant in variants:
+            entries: list[dict[str, object]] = []
+            for depth in depths:
+                model = _make_stack(
+                    name, variant, seed, depth=depth, sizes=sizes, vocab_size=vocab_size, causal=causal,
+                    num_steps=num_steps,
+                )  # fmt: skip
+                fit = train_until_level(
+                    model, max_steps=max_steps, num_steps=num_steps, vocab_size=vocab_size, seed=seed,
+                    batch_size=16, check_every=check_every, patience=patience,
+                )  # fmt: skip
+                tokens = _probe_tokens(seed, num_sequences, num_steps, vocab_size)
+                probes = _probe_stack(model, tokens, num_sequences - test_sequences, ridge, seed)
+                entries.append(
+                    {
+                        "depth": depth,
+                        **fit,
+                        "trains": fit["task_accuracy"] >= chance + 0.05,
+                        "learnt": fit["task_accuracy"] >= 0.9,
+                        "position_r2": probes["position_r2"][-1],
+                        "order_accuracy": probes["order_accuracy"][-1],
+                    }
+                )
+                tick(f"deep stack trained: {name}, {variant}, depth {depth}")
+            stacks[name][variant] = entries
+    config = {
+        "encodings": list(encodings), "variants": list(variants), "depths": list(depths), "seed": seed,
+        "max_steps": max_steps, "check_every": check_every, "patience": patience, **sizes, "num_steps": num_steps,
+        "num_sequences": num_sequences, "test_sequences": test_sequences, "vocab_size": vocab_size, "causal": causal,
+        "ridge": ridge, "train_batch_size": 16, "train_task": "previous token",
+    }  # fmt: skip
+    return {"config": config, "chance": chance, "stacks": stacks, "seconds": time.perf_counter() - start}

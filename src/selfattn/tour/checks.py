@@ -6,6 +6,7 @@ Shape legend: b batch, h heads, n positions, d columns of P (or model size).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -17,13 +18,17 @@ from selfattn.tour._common import seeded
 
 __all__ = [
     "binary_representations",
+    "bit_alternation",
     "bit_matrix",
     "column_periods",
     "fft_period",
     "fitted_rotation",
     "masked_attention_weights",
     "measured_periods",
+    "period_ratios",
+    "phase_lead",
     "offset_similarity",
+    "order_sensitivity",
     "permutation_check",
     "phase_offset",
     "rotation_max_error",
@@ -78,7 +83,11 @@ def permutation_check(
 
     Computed in float64. ``without_pe_error`` is ``max |f(X)[perm] - f(X[perm])|`` for plain
     self-attention f (rounding only); ``with_pe_change`` is the same for ``f(X + P)``, where
-    the permuted tokens meet different rows of P.
+    the permuted tokens meet different rows of P. ``swap_equality_error`` tests the study note's
+    equation as written, ``f(.., x_m, .., x_n, ..) = f(.., x_n, .., x_m, ..)`` with tokens 1 and
+    n - 2 swapped: ``max |f(X) - f(X swapped)|``, output rows compared in place (0 only if f
+    ignored which token sits where); ``swap_equivariance_error`` is the same with the output
+    rows swapped back (rounding: they swap with the tokens).
     """
     with seeded(seed):
         mha = MultiHeadAttention(num_hiddens, num_heads).double().eval()
@@ -90,8 +99,13 @@ def permutation_check(
         attended: torch.Tensor = mha(Z, Z, Z)
         return attended
 
+    swap = list(range(num_steps))
+    swap[1], swap[-2] = swap[-2], swap[1]
     with torch.no_grad():
         without = (attend(X)[:, perm] - attend(X[:, perm])).abs().max()
+        swapped = attend(X[:, swap])
+        equality = (attend(X) - swapped).abs().max()
+        equivariance = (attend(X)[:, swap] - swapped).abs().max()
         with_pe = attend(X + P)
         with_change = (with_pe[:, perm] - attend(X[:, perm] + P)).abs().max()
     return {
@@ -99,8 +113,28 @@ def permutation_check(
         "permutation": perm.tolist(),
         "without_pe_error": float(without),
         "with_pe_change": float(with_change),
+        "swapped": [1, num_steps - 2],
+        "swap_equality_error": float(equality),
+        "swap_equivariance_error": float(equivariance),
         "output_scale": float(with_pe.abs().max()),
     }
+
+
+def order_sensitivity(num_hiddens: int = 16, num_steps: int = 10, seed: int = 0) -> dict[str, float]:
+    """For each layer of section 3, ``max |f(X)[perm] - f(X[perm])|``: 0 when the layer ignores order.
+
+    The slides: "unlike CNN/RNN, self-attention does not record position". A convolution sees
+    its neighbours and a recurrence its past, so permuting the tokens changes their outputs by
+    more than permuting them; self-attention's outputs only permute. Float64, no P.
+    """
+    from selfattn.tour.comparison import KINDS, make_layer
+
+    with seeded(seed):
+        X = torch.randn(1, num_steps, num_hiddens, dtype=torch.float64)
+        perm = torch.randperm(num_steps)
+        layers = {kind: make_layer(kind, num_hiddens, dtype=torch.float64) for kind in KINDS}
+    with torch.no_grad():
+        return {kind: float((layer(X)[:, perm] - layer(X[:, perm])).abs().max()) for kind, layer in layers.items()}
 
 
 def table_columns(
@@ -254,6 +288,41 @@ def binary_representations(count: int = 8) -> list[str]:
 def bit_matrix(count: int = 8) -> np.ndarray:
     """The bits of ``0 .. count - 1`` as a ``(count, width)`` 0/1 array, highest bit first."""
     return np.array([[int(bit) for bit in bits] for bits in binary_representations(count)])
+
+
+def bit_alternation(num_bits: int = 3) -> list[float]:
+    """Every how many numbers each bit flips, lowest bit first, read off the bits of ``0 .. 2^(num_bits+1) - 1``.
+
+    The chapter: the lowest, second-lowest and third-lowest bits "alternate on every number,
+    every two numbers, and every four numbers". Each value is the mean gap between a bit's
+    successive flips; twice as many numbers as the chapter prints give the highest bit two flips.
+    """
+    bits = bit_matrix(2 ** (num_bits + 1))[:, ::-1][:, :num_bits]  # (count, num_bits), lowest first
+    flips = np.abs(np.diff(bits, axis=0))  # (count - 1, num_bits): 1 where the bit changed
+    return [float(np.diff(np.flatnonzero(flips[:, k])).mean()) for k in range(num_bits)]
+
+
+def period_ratios(periods: list[float]) -> list[float]:
+    """Each measured period over the one before: how much slower each next column pair oscillates."""
+    if len(periods) < 2 or min(periods) <= 0:
+        raise ValueError(f"need two or more positive periods, got {periods}")
+    return [b / a for a, b in itertools.pairwise(periods)]
+
+
+def phase_lead(first: np.ndarray, second: np.ndarray) -> float:
+    """How far ``second`` leads ``first``, in periods, in (-0.5, 0.5]: 0.25 for a cosine beside its sine.
+
+    Both columns share one frequency, read off ``first``'s zero crossings; each column is fitted
+    as ``a sin(w i) + b cos(w i)`` and its phase is ``atan2(b, a)``. Positive: ``second`` reaches
+    each value earlier (at smaller i) than ``first``.
+    """
+    first, second = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
+    omega = 2 * np.pi / zero_crossing_period(first)
+    i = np.arange(len(first))
+    basis = np.stack([np.sin(omega * i), np.cos(omega * i)], axis=1)  # (n, 2)
+    (a1, b1), (a2, b2) = (np.linalg.lstsq(basis, column, rcond=None)[0] for column in (first, second))
+    lead = (math.atan2(b2, a2) - math.atan2(b1, a1)) / (2 * np.pi)
+    return float(lead - math.ceil(lead - 0.5))  # wrapped into (-0.5, 0.5]
 
 
 def rotation_max_error(num_positions: int = 60, num_hiddens: int = 32, max_delta: int = 60) -> float:

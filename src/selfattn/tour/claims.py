@@ -1,39 +1,77 @@
-"""Every claim of the chapter's five source pages beside what the tour measured.
+# ruff: noqa: RUF001  (the quotes are the pages' own words, full-width Chinese punctuation included)
+"""Every claim of the chapter's five source pages, how the tour knows it, and whether it holds.
 
-The pages (in the chapter's folder): the PyTorch notebook (``chapter``), the MXNet,
-TensorFlow and Paddle page (``frameworks page``), a short English summary with MXNet code
-(``summary page``), the study note (``note``) and the slides (``slides``). Each claim is one
-entry ``{"id", "source", "statement", "measured", "expected", "holds"}``; ``holds`` says
-whether the measurement agrees with the statement (``None`` when the tour cannot decide it),
-and a claim that does not hold is kept, since the point is to report what was found.
+The pages: the PyTorch notebook (``chapter``), the d2l-zh page with MXNet, PyTorch,
+TensorFlow and Paddle tabs (``frameworks``), a short English summary with MXNet code
+(``summary``), the study note (``note``) and the slides (``slides``). Each claim appears once,
+under the page that states it first in that order of reading (chapter, note, slides, summary,
+frameworks); ``also_on`` names the other pages that make the same claim.
+
+Each entry: ``{"id", "page", "also_on", "quote", "statement", "evidence", "basis", "number",
+"expected", "holds"}``.
+
+* ``quote``: the page's own words (whitespace collapsed); ``statement``: what is tested, in
+  English.
+* ``evidence``: ``measured`` (``number`` is a result of this run that could have come out
+  otherwise: a trained model, a timing, a property read off computed values), ``derived``
+  (it follows from how the code or the formula is written; ``basis`` says from what, and
+  ``number`` only restates it) or ``not shown`` (this run has no measurement that decides it;
+  ``basis`` says what would).
+* ``holds``: True or False for ``measured`` and ``derived``; None for ``not shown``.
+
+A claim that does not hold is kept: the point is to report what was found. Claims do not set
+``selfattn tour``'s exit status; its checks do (see :func:`selfattn.tour.runner.verdicts`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
-__all__ = ["SOURCES", "claims"]
+__all__ = ["EVIDENCE", "PAGES", "claims", "count_evidence"]
 
-SOURCES = {
-    "chapter": "PyTorch notebook of the chapter",
-    "frameworks page": "the chapter's MXNet / TensorFlow / Paddle page",
-    "summary page": "English summary with MXNet code",
-    "note": "study note",
-    "slides": "slides",
+PAGES = {
+    "chapter": "the chapter's PyTorch notebook",
+    "note": "the study note",
+    "slides": "the slides",
+    "summary": "the English summary page with MXNet code",
+    "frameworks": "the d2l-zh page with MXNet / PyTorch / TensorFlow / Paddle tabs",
 }
+EVIDENCE = ("measured", "derived", "not shown")
 
 
 def _claim(
-    id_: str, source: str, statement: str, measured: object, expected: str, holds: bool | None
+    id_: str,
+    page: str,
+    quote: str,
+    statement: str,
+    evidence: str,
+    number: object,
+    expected: str,
+    holds: bool | None,
+    *,
+    basis: str | None = None,
+    also_on: tuple[str, ...] = (),
 ) -> dict[str, object]:
-    if source not in SOURCES:
-        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    for where in (page, *also_on):
+        if where not in PAGES:
+            raise ValueError(f"page must be one of {', '.join(PAGES)}, got {where!r}")
+    if evidence not in EVIDENCE:
+        raise ValueError(f"evidence must be one of {', '.join(EVIDENCE)}, got {evidence!r}")
+    if evidence != "measured" and not basis:
+        raise ValueError(f"a {evidence} claim needs a basis (from what it follows, or what would show it): {id_}")
+    if (evidence == "not shown") != (holds is None):
+        raise ValueError(f"holds must be None exactly when evidence is 'not shown', got {holds!r} for {id_}")
     return {
         "id": id_,
-        "source": source,
+        "page": page,
+        "also_on": list(also_on),
+        "quote": quote,
         "statement": statement,
-        "measured": measured,
+        "evidence": evidence,
+        "basis": basis,
+        "number": number,
         "expected": expected,
         "holds": None if holds is None else bool(holds),
     }
@@ -43,286 +81,733 @@ def _near(value: float, want: float, tolerance: float = 0.1) -> bool:
     return abs(value - want) <= tolerance
 
 
-def claims(results: dict[str, Any]) -> list[dict[str, object]]:
-    """The claims of the source pages against ``results`` (as :func:`selfattn.tour.runner.compute` returns)."""
+def count_evidence(found: list[dict[str, Any]]) -> dict[str, int]:
+    """How many claims are measured, derived and not shown."""
+    return {kind: sum(c["evidence"] == kind for c in found) for kind in EVIDENCE}
+
+
+_FLOP_BASIS = (
+    "torch.utils.flop_counter counts each operation with a formula of its tensor shapes (2 x the product of "
+    "the matmul's sizes), so the fitted exponents restate the chapter's own derivation"
+)
+
+
+def _comparison_claims(results: dict[str, Any]) -> list[dict[str, object]]:
     comp = results["comparison"]
     cnn, rnn, sa = comp["cnn"], comp["rnn"], comp["self_attention"]
     n = comp["sweep"]["n"][-1]
-    perm = results["permutation"]
-    pe = results["positional_encoding"]
-    periods = pe["column_periods"]
-    q = results["absolute"]["qualities"]
-    small = results["absolute"]["small_width"]
-    across = results["absolute"]["across_lengths"]
-    fit = results["relative"]["fitted_rotation"]
-    terms = results["note"]["taylor"]
-    survival = results["note"]["embedding"]
-    precision = results["frameworks"]["precision"]
-    odd = results["frameworks"]["odd_width"]
-    crossings = comp["crossings"]
-    out = [
-        _claim(
-            "self-attention-shape",
-            "chapter",
-            "Self-attention outputs a sequence of the same shape as its input.",
-            results["self_attention"]["shape"]["shape"],
-            str(results["self_attention"]["shape"]["expected"]),
-            results["self_attention"]["shape"]["ok"],
-        ),
+    parallel = results["learning"]["parallel"]
+    threads = parallel["threads"]
+    speed = {kind: round(values[-1], 2) for kind, values in parallel["speedup"].items()}
+    timed = len(threads) > 1 and parallel["quiet"]
+    speed_number = {
+        "threads": threads,
+        f"speed-up at {threads[-1]} threads (ratio)": speed,
+        "load average before, after": [round(v, 2) for v in parallel["load"]],
+        "cores": parallel["cores"],
+    }
+    untimed = (
+        "needs two or more cores for the thread timing; this machine has one"
+        if len(threads) == 1
+        else f"the machine was busy (load average {max(parallel['load']):.1f} on {parallel['cores']} cores): a "
+        "second thread waited for a core held by other work, so the timing (in number) says nothing about "
+        "parallelism; rerun on an idle machine"
+    )
+    return [
         _claim(
             "cnn-compute",
             "chapter",
+            r"The computational complexity of the convolutional layer is $\mathcal{O}(knd^2)$.",
             "A convolutional layer costs O(knd^2).",
-            {
-                "n": round(cnn["flops_exponent_n"], 3),
-                "d": round(cnn["flops_exponent_d"], 3),
-                "k": round(cnn["flops_exponent_k"], 3),
-            },
+            "derived",
+            {k: round(cnn[f"flops_exponent_{k}"], 3) for k in ("n", "d", "k")},
             "FLOP exponents n^1 d^2 k^1 (+- 0.1)",
             _near(cnn["flops_exponent_n"], 1)
             and _near(cnn["flops_exponent_d"], 2)
             and _near(cnn["flops_exponent_k"], 1),
+            basis=_FLOP_BASIS,
+            also_on=("note", "slides", "summary", "frameworks"),
         ),
         _claim(
             "rnn-compute",
             "chapter",
+            r"the computational complexity of the recurrent layer is $\mathcal{O}(nd^2)$.",
             "A recurrent layer costs O(nd^2).",
-            {"n": round(rnn["flops_exponent_n"], 3), "d": round(rnn["flops_exponent_d"], 3)},
+            "derived",
+            {k: round(rnn[f"flops_exponent_{k}"], 3) for k in ("n", "d")},
             "FLOP exponents n^1 d^2 (+- 0.1)",
             _near(rnn["flops_exponent_n"], 1) and _near(rnn["flops_exponent_d"], 2),
+            basis=_FLOP_BASIS,
+            also_on=("note", "slides", "summary", "frameworks"),
         ),
         _claim(
             "self-attention-compute",
             "chapter",
-            "Self-attention costs O(n^2 d) (the score and value matrix products).",
-            {"n": round(sa["flops_exponent_n"], 3), "d": round(sa["flops_exponent_d"], 3)},
+            r"the self-attention has a $\mathcal{O}(n^2d)$ computational complexity.",
+            "Self-attention's score and value products cost O(n^2 d).",
+            "derived",
+            {k: round(sa[f"flops_exponent_{k}"], 3) for k in ("n", "d")},
             "FLOP exponents n^2 d^1 (+- 0.1)",
             _near(sa["flops_exponent_n"], 2) and _near(sa["flops_exponent_d"], 1),
+            basis=_FLOP_BASIS,
+            also_on=("note", "slides", "summary", "frameworks"),
         ),
         _claim(
             "cnn-sequential",
             "chapter",
-            "CNNs are hierarchical: O(1) sequential operations.",
+            r"CNNs are hierarchical, so there are $\mathcal{O}(1)$ sequential operations",
+            "A convolutional layer's chain of dependent products does not grow with n.",
+            "measured",
             cnn["sequential_ops_by_n"],
-            "constant in n",
+            "constant in n (chain read from the layer's autograd graph)",
             _near(cnn["sequential_ops_exponent_n"], 0),
-        ),
-        _claim(
-            "rnn-sequential",
-            "chapter",
-            "An RNN has O(n) sequential operations that cannot be parallelized.",
-            rnn["sequential_ops_by_n"],
-            "grows as n^1",
-            _near(rnn["sequential_ops_exponent_n"], 1),
-        ),
-        _claim(
-            "self-attention-sequential",
-            "chapter",
-            "Self-attention computes in parallel with O(1) sequential operations.",
-            sa["sequential_ops_by_n"],
-            "constant in n",
-            _near(sa["sequential_ops_exponent_n"], 0),
+            also_on=("note", "summary", "frameworks"),
         ),
         _claim(
             "cnn-path",
             "chapter",
-            "A CNN's maximum path length is O(n/k); x1 and x5 share the receptive field of two k=3 layers.",
-            {"by k at n=" + f"{n:,}": cnn["path_length_by_k"], "layers from x1 to x5": comp["x1_to_x5"]["layers"]},
-            f"ceil((n-1)/(k-1)): {cnn['expected_path_length_by_k']}; 2 layers",
-            cnn["path_length_by_k"] == cnn["expected_path_length_by_k"] and comp["x1_to_x5"]["layers"] == 2,
+            r"the maximum path length is $\mathcal{O}(n/k)$.",
+            "A CNN's maximum path length (products from input 1 to output n) is O(n/k).",
+            "measured",
+            {f"by k at n={n:,}": cnn["path_length_by_k"]},
+            f"ceil((n-1)/(k-1)): {cnn['expected_path_length_by_k']}",
+            cnn["path_length_by_k"] == cnn["expected_path_length_by_k"],
+            also_on=("note", "slides", "summary", "frameworks"),
+        ),
+        _claim(
+            "x1-x5",
+            "chapter",
+            r"$\mathbf{x}_1$ and $\mathbf{x}_5$ are within the receptive field of a two-layer CNN with kernel size 3",
+            "Output 5 of a stack of k=3 convolutions first depends on input 1 after two layers.",
+            "measured",
+            comp["x1_to_x5"],
+            "2 layers",
+            comp["x1_to_x5"]["layers"] == 2,
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "rnn-sequential",
+            "chapter",
+            r"there are $\mathcal{O}(n)$ sequential operations that cannot be parallelized",
+            "An RNN's chain of dependent products grows as n.",
+            "measured",
+            rnn["sequential_ops_by_n"],
+            "grows as n^1",
+            _near(rnn["sequential_ops_exponent_n"], 1),
+            also_on=("note", "summary", "frameworks"),
         ),
         _claim(
             "rnn-path",
             "chapter",
+            r"the maximum path length is also $\mathcal{O}(n)$.",
             "An RNN's maximum path length is O(n).",
+            "measured",
             rnn["path_length_by_n"],
             "grows as n^1 (products on the path)",
             _near(rnn["path_length_exponent_n"], 1),
+            also_on=("note", "slides", "summary", "frameworks"),
+        ),
+        _claim(
+            "self-attention-sequential",
+            "chapter",
+            r"computation can be parallel with $\mathcal{O}(1)$ sequential operations",
+            "Self-attention's chain of dependent products does not grow with n.",
+            "measured",
+            sa["sequential_ops_by_n"],
+            "constant in n",
+            _near(sa["sequential_ops_exponent_n"], 0),
+            also_on=("note", "summary", "frameworks"),
         ),
         _claim(
             "self-attention-path",
             "chapter",
-            "Self-attention connects every pair of tokens directly: maximum path length O(1).",
+            r"the maximum path length is also $\mathcal{O}(1)$.",
+            "Self-attention's maximum path length does not grow with n.",
+            "measured",
             sa["path_length_by_n"],
             "constant in n",
             _near(sa["path_length_exponent_n"], 0),
+            also_on=("note", "slides", "summary", "frameworks"),
+        ),
+        _claim(
+            "shortest-path",
+            "chapter",
+            "self-attention has the shortest maximum path length.",
+            "At the largest n, self-attention's path is shorter than the CNN's and the RNN's.",
+            "measured",
+            {kind: comp[kind]["max_path_length"] for kind in ("cnn", "rnn", "self_attention")},
+            "self-attention's the smallest",
+            sa["max_path_length"] < min(cnn["max_path_length"], rnn["max_path_length"]),
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "sequential-prevents-parallel",
+            "chapter",
+            "Note that sequential operations prevent parallel computation",
+            "A second thread speeds the RNN (n sequential steps) up less than self-attention (one step).",
+            "measured" if timed else "not shown",
+            speed_number,
+            "RNN speed-up < 1.2 and below self-attention's",
+            (speed["rnn"] < 1.2 and speed["rnn"] < speed["self_attention"]) if timed else None,
+            basis=None if timed else untimed,
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "both-parallel",
+            "chapter",
+            "both CNNs and self-attention enjoy parallel computation",
+            "A second thread speeds up both the convolution and self-attention.",
+            "measured" if timed else "not shown",
+            speed_number,
+            "speed-up > 1.2 for both",
+            (speed["cnn"] > 1.2 and speed["self_attention"] > 1.2) if timed else None,
+            basis=None if timed else untimed,
+            also_on=("note", "summary", "frameworks"),
+        ),
+        _claim(
+            "long-range",
+            "chapter",
+            "a shorter path between any combination of sequence positions makes it easier to learn long-range "
+            "dependencies within the sequence",
+            "Layers with shorter paths learn a dependency at distance n in fewer steps.",
+            "not shown",
+            None,
+            "a CNN, an RNN and self-attention trained on dependencies at several distances",
+            None,
+            basis="needs the three layers trained on a task whose answer sits at distance n, for several n; the "
+            "tour counts the paths (above) but trains no such comparison",
+            also_on=("note", "frameworks"),
         ),
         _claim(
             "quadratic-slow",
             "chapter",
-            "The quadratic cost in n makes self-attention slow for very long sequences.",
+            "the quadratic computational complexity with respect to the sequence length makes self-attention "
+            "prohibitively slow for very long sequences.",
+            "Self-attention's wall-clock time grows faster with n than the RNN's.",
+            "measured",
             {
-                "time exponent (median)": round(sa["time_exponent_n"], 2),
-                "spread": [round(v, 2) for v in sa["time_exponent_spread"]],
-                "attention core / RNN FLOPs at the largest n (ratio)": round(crossings["core_over_rnn_by_n"][-1], 2),
+                "time exponent, self-attention (median)": round(sa["time_exponent_n"], 2),
+                "time exponent, RNN (median)": round(rnn["time_exponent_n"], 2),
+                "spread, self-attention": [round(v, 2) for v in sa["time_exponent_spread"]],
             },
-            "time grows faster than the RNN's at large n",
+            "self-attention's exponent above the RNN's (\"prohibitively\" is not measured)",
             sa["time_exponent_n"] > rnn["time_exponent_n"],
-        ),
-        _claim(
-            "no-order",
-            "chapter",
-            "Self-attention by itself does not preserve the order of the sequence.",
-            perm["without_pe_error"],
-            "permuting the input permutes the output (difference < 1e-9)",
-            perm["without_pe_error"] < 1e-9,
-        ),
-        _claim(
-            "columns-frequency",
-            "chapter",
-            "Columns 6 and 7 of P have a higher frequency than columns 8 and 9.",
-            [round(p, 2) for p in periods],
-            "measured periods of 6, 7 below those of 8, 9",
-            max(periods[:2]) < min(periods[2:]),
-        ),
-        _claim(
-            "columns-offset",
-            "chapter",
-            "The offset between columns 6 and 7 comes from alternating sine and cosine (a quarter period).",
-            round(pe["phase_offset"], 4),
-            "phase offset 0.25 of a period (+- 0.01)",
-            abs(pe["phase_offset"] - 0.25) <= 0.01,
-        ),
-        _claim(
-            "frequency-falls",
-            "chapter",
-            "The encoding decreases frequencies along the encoding dimension, like higher bits of a binary number.",
-            [round(p, 1) for p in pe["all_column_periods"]],
-            "measured periods increase column pair by column pair",
-            all(a < b for a, b in zip(pe["all_column_periods"], pe["all_column_periods"][1:], strict=False)),
-        ),
-        _claim(
-            "space-efficient",
-            "chapter",
-            "Continuous representations are more space-efficient than binary ones.",
-            {"positions": small["num_positions"], "smallest row distance with d=8": small["min_row_distance"]},
-            "8 numbers tell apart more than the 256 positions 8 bits can (distance > 0)",
-            small["num_positions"] > 256 and small["min_row_distance"] > 1e-6,
-        ),
-        _claim(
-            "rotation",
-            "chapter",
-            "P[i+delta] is a linear projection of P[i] (the rotation M_delta).",
-            results["rotation_max_error"],
-            "rounding (< 1e-9)",
-            results["rotation_max_error"] < 1e-9,
-        ),
-        _claim(
-            "rotation-independent-of-i",
-            "chapter",
-            "The 2x2 projection matrix does not depend on the position i.",
-            {"fit minus rotation": fit["rotation_error_max"], "between windows of i": fit["window_spread_max"]},
-            "least-squares fits equal the rotation on every window (< 1e-9)",
-            fit["rotation_error_max"] < 1e-9 and fit["window_spread_max"] < 1e-9,
-        ),
-        _claim(
-            "relative-for-free",
-            "summary page",
-            "A network can learn to shift attention by delta tokens with one linear transformation.",
-            fit["residual_max"],
-            "one fitted d x d map reproduces P[i+delta] from P[i] (residual < 1e-9)",
-            fit["residual_max"] < 1e-9,
-        ),
-        _claim(
-            "unique-rows",
-            "note",
-            "Each time step gets a unique encoding.",
-            {"positions": q["num_positions"], "smallest row distance": q["min_row_distance"]},
-            "> 0",
-            q["min_row_distance"] > 1e-6,
-        ),
-        _claim(
-            "same-distance-across-lengths",
-            "note",
-            "The distance between two time steps is the same across sentences of different lengths.",
-            {"lengths": across["lengths"], "spread": across["spread"], "i/n foil spread": across["fraction_spread"]},
-            "spread 0 (and a length-dependent encoding would fail it)",
-            across["spread"] == 0 and across["fraction_spread"] > 1e-3,
-        ),
-        _claim(
-            "same-distance-anywhere",
-            "note",
-            "(as the tour used to read it) The distance between positions i and i+delta does not depend on i.",
-            q["offset_distance_spread_max"],
-            "rounding (< 1e-9)",
-            q["offset_distance_spread_max"] < 1e-9,
-        ),
-        _claim(
-            "longer-sentences",
-            "note",
-            "The model generalizes to longer sentences.",
-            {
-                "new rows' nearest distance to seen rows": q["unseen_nearest_distance"],
-                "nearest pair": q["unseen_nearest_pair"],
-            },
-            "not measurable on P alone: shown only that rows past the seen length are new and bounded",
-            None,
-        ),
-        _claim(
-            "bounded",
-            "note",
-            "The values are bounded.",
-            q["max_abs_value"],
-            "<= 1",
-            q["max_abs_value"] <= 1 + 1e-12,
-        ),
-        _claim(
-            "symmetry",
-            "note",
-            "Without positions the Transformer is fully symmetric: f(..., x_m, ..., x_n, ...) = f(..., x_n, ..., x_m, ...).",
-            perm["without_pe_error"],
-            "outputs permute with the inputs (< 1e-9); adding P breaks it (> 1e-3)",
-            perm["without_pe_error"] < 1e-9 and perm["with_pe_change"] > 1e-3,
-        ),
-        _claim(
-            "taylor-relative-term",
-            "note",
-            "In the expansion of f(x + p), the cross term holds the relative position information.",
-            {
-                "position-position share (content scale 1)": round(terms["scales"][0]["position_position"], 3),
-                "its spread along one offset": terms["position_position_spread"],
-                "its range": terms["position_position_range"],
-            },
-            "the position-position scores depend on the offset only (spread < 1e-9)",
-            terms["position_position_spread"] < 1e-9,
-        ),
-        _claim(
-            "embeddings-survive",
-            "note",
-            "Adding P changes the word embeddings, but not destructively.",
-            dict(zip([f"d={d}" for d in survival["sizes"]], [round(r, 4) for r in survival["recovered"]], strict=True)),
-            "nearest-token recovery of E[t] + P[i] close to 1 (N(0,1) embeddings)",
-            survival["recovered"][-1] > 0.99,
+            also_on=("note", "slides", "summary", "frameworks"),
         ),
         _claim(
             "parallelism",
             "slides",
+            "并行度 $O(n)$ $O(1)$ $O(n)$",
             "Parallelism: CNN O(n), RNN O(1), self-attention O(n).",
+            "derived",
             {k: round(comp[k]["parallelism_exponent_n"], 3) for k in ("cnn", "rnn", "self_attention")},
             "n / sequential ops grows as n^1, n^0, n^1 (+- 0.1)",
             _near(cnn["parallelism_exponent_n"], 1)
             and _near(rnn["parallelism_exponent_n"], 0)
             and _near(sa["parallelism_exponent_n"], 1),
+            basis="n divided by the measured chain length: it restates the sequential-operations rows; the thread "
+            "timing (sequential-prevents-parallel) is the measurement",
         ),
         _claim(
-            "odd-width-mxnet",
-            "frameworks page",
-            "The MXNet code slices X[:, :num_hiddens // 2] for the cosine columns, so an odd num_hiddens works.",
-            {name: entry["builds"] for name, entry in odd.items()},
-            "MXNet builds a table for odd d; PyTorch, TensorFlow and Paddle fail",
-            odd["mxnet"]["builds"] and not any(odd[n]["builds"] for n in ("pytorch", "tensorflow", "paddle")),
+            "fully-parallel",
+            "slides",
+            "完全并行、最长序列为1、但对长序列计算复杂度高",
+            "Self-attention is fully parallel, connects any two tokens in one layer, and costs much on long sequences.",
+            "measured" if timed else "not shown",
+            {
+                f"speed-up at {threads[-1]} threads (ratio)": speed["self_attention"],
+                "layers from input 1 to output n": sa["path_layers"],
+                "time exponent": round(sa["time_exponent_n"], 2),
+            },
+            "speed-up > 1.2, 1 layer, time exponent above the RNN's",
+            (
+                speed["self_attention"] > 1.2
+                and sa["path_layers"] == 1
+                and sa["time_exponent_n"] > rnn["time_exponent_n"]
+            )
+            if timed
+            else None,
+            basis=None if timed else untimed,
         ),
         _claim(
-            "float32-angles",
-            "frameworks page",
-            "Every page forms the angles i / 10000^(2j/d) in float32.",
-            {name: f"{errors[-1]:.1e}" for name, errors in precision["errors"].items()},
-            f"largest error at {precision['lengths'][-1]:,} positions well above float32 rounding of P (> 1e-5)",
-            all(errors[-1] > 1e-5 for errors in precision["errors"].values()),
+            "one-hop",
+            "summary",
+            "every token reaches every other in one hop.",
+            "One self-attention layer connects input 1 to output n, whatever n.",
+            "measured",
+            sa["path_layers_by_n"],
+            "1 layer at every n",
+            all(layers == 1 for layers in sa["path_layers_by_n"]),
         ),
     ]
+
+
+def _position_claims(results: dict[str, Any]) -> list[dict[str, object]]:
+    perm = results["permutation"]
+    pe = results["positional_encoding"]
+    q = results["absolute"]["qualities"]
+    small = results["absolute"]["small_width"]
+    across = results["absolute"]["across_lengths"]
+    fit = results["relative"]["fitted_rotation"]
+    learning = results["learning"]
+    offset = learning["offset"]
+    runs = offset["variants"]
+    delta, target = offset["config"]["delta"], offset["config"]["target"]
+    learned_offset = runs["sinusoidal"]["steps_to_target"] is not None and all(
+        runs[name]["accuracy"] < target for name in ("none", "shuffled")
+    )
+    offset_number = {
+        name: {
+            "accuracy": round(run["accuracy"], 3),
+            "steps to " + f"{target:.0%}": run["steps_to_target"],
+            "weight on key i-delta": round(run["weight_on_offset"], 3),
+        }
+        for name, run in runs.items()
+    }
+    offset_expected = (
+        f"with P: {target:.0%} within {offset['config']['max_train_steps']} steps; no P and shuffled P: below it"
+    )
+    bits = learning["binary"]["bit_alternation"]
+    ratios = learning["binary"]["period_ratios"]
+    formula_ratio = learning["binary"]["formula_ratio"]
+    every = pe["all_column_periods"]
+    leads = pe["phase_leads"]
+    order = learning["order"]
+    return [
+        _claim(
+            "no-order",
+            "chapter",
+            "self-attention by itself does not preserve the order of the sequence.",
+            "Permuting self-attention's input permutes its output, nothing more.",
+            "measured",
+            perm["without_pe_error"],
+            "max |f(X)[perm] - f(X[perm])| < 1e-9",
+            perm["without_pe_error"] < 1e-9,
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "permutation-equivariant",
+            "summary",
+            "Self-attention is permutation-equivariant: shuffle the input tokens, and the outputs shuffle the same way.",
+            "Shuffling the tokens shuffles self-attention's outputs the same way.",
+            "measured",
+            perm["without_pe_error"],
+            "< 1e-9",
+            perm["without_pe_error"] < 1e-9,
+        ),
+        _claim(
+            "no-position-unlike-cnn-rnn",
+            "slides",
+            "跟CNN/RNN不同，自注意力并没有记录位置信息",
+            "Unlike a convolution and an RNN, self-attention's output ignores where each token sits.",
+            "measured",
+            {kind: f"{value:.1e}" for kind, value in order.items()},
+            "max |f(X)[perm] - f(X[perm])|: < 1e-9 for self-attention, > 1e-3 for the CNN and the RNN",
+            order["self_attention"] < 1e-9 and min(order["cnn"], order["rnn"]) > 1e-3,
+        ),
+        _claim(
+            "learned-or-fixed",
+            "chapter",
+            "they can either be learned or fixed *a priori*.",
+            "Positional encodings can be learned or fixed.",
+            "derived",
+            None,
+            "both kinds exist and run",
+            True,
+            basis="selfattn.positional has both (LearnedPositionalEncoding, SinusoidalPositionalEncoding; "
+            "section 7 runs each); that they can be trained is the study's measurement",
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "x-plus-p",
+            "chapter",
+            r"The positional encoding outputs $\mathbf{X} + \mathbf{P}$ using a positional embedding matrix "
+            r"$\mathbf{P} \in \mathbb{R}^{n \times d}$ of the same shape",
+            "The encoding adds an n x d matrix P to the input.",
+            "derived",
+            None,
+            "X + P",
+            True,
+            basis="the definition the tour implements (SinusoidalPositionalEncoding adds its table)",
+            also_on=("note", "slides", "summary", "frameworks"),
+        ),
+        _claim(
+            "columns-frequency",
+            "chapter",
+            r"the $6^{\textrm{th}}$ and the $7^{\textrm{th}}$ columns of the positional embedding matrix have a "
+            r"higher frequency than the $8^{\textrm{th}}$ and the $9^{\textrm{th}}$ columns.",
+            "Columns 6 and 7 of P oscillate faster than columns 8 and 9.",
+            "measured",
+            [round(p, 2) for p in pe["column_periods"]],
+            "periods (from zero crossings) of 6, 7 below those of 8, 9",
+            max(pe["column_periods"][:2]) < min(pe["column_periods"][2:]),
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "columns-offset",
+            "chapter",
+            r"The offset between the $6^{\textrm{th}}$ and the $7^{\textrm{th}}$ (same for the $8^{\textrm{th}}$ and "
+            r"the $9^{\textrm{th}}$) columns is due to the alternation of sine and cosine functions.",
+            "Column 7 (cosine) leads column 6 (sine) by a quarter period, and column 9 leads 8 the same way.",
+            "measured",
+            {"7 leads 6 by (periods)": round(leads[0], 4), "9 leads 8 by (periods)": round(leads[1], 4)},
+            "+0.25 (+- 0.01): a cosine leads its sine by a quarter period",
+            all(abs(lead - 0.25) <= 0.01 for lead in leads),
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "bits-alternate",
+            "chapter",
+            "the lowest bit, the second-lowest bit, and the third-lowest bit alternate on every number, every two "
+            "numbers, and every four numbers, respectively.",
+            "In 0..15, the three lowest bits flip every 1, 2 and 4 numbers.",
+            "measured",
+            bits,
+            "[1, 2, 4] numbers between flips",
+            bits == [1.0, 2.0, 4.0],
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "higher-bit-lower-frequency",
+            "chapter",
+            "In binary representations, a higher bit has a lower frequency than a lower bit.",
+            "Each higher bit flips less often than the one below it.",
+            "measured",
+            bits,
+            "gaps between flips increase",
+            all(a < b for a, b in itertools.pairwise(bits)),
+            also_on=("note", "summary", "frameworks"),
+        ),
+        _claim(
+            "frequency-falls",
+            "chapter",
+            "the positional encoding decreases frequencies along the encoding dimension",
+            "P's measured periods grow column pair by column pair, each by the factor 10000^(2/d).",
+            "measured",
+            {
+                "periods of sine columns 0, 2, .. (positions)": [round(p, 1) for p in every],
+                "each over the one before (median)": round(sorted(ratios)[len(ratios) // 2], 4),
+                "10000^(2/d)": round(formula_ratio, 4),
+            },
+            "periods increase; every ratio within 2% of 10000^(2/d)",
+            all(a < b for a, b in itertools.pairwise(every)) and all(abs(r / formula_ratio - 1) < 0.02 for r in ratios),
+            also_on=("note", "summary", "frameworks"),
+        ),
+        _claim(
+            "space-efficient",
+            "chapter",
+            "such continuous representations are more space-efficient than binary representations.",
+            "d float columns tell apart more positions than d bits.",
+            "derived",
+            {"positions examined": small["num_positions"], "smallest row distance with d=8": small["min_row_distance"]},
+            "8 columns tell apart more than the 256 positions 8 bits can",
+            small["num_positions"] > 256 and small["min_row_distance"] > 1e-6,
+            basis="from the number format: 8 real-valued columns can hold far more than 8 bits; the distance shown "
+            "only confirms it for the 2,000 positions the tour chose",
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "attend-by-relative",
+            "chapter",
+            "the above positional encoding also allows a model to easily learn to attend by relative positions.",
+            f"One attention layer given E[x] + P learns to output the token at offset {delta}; without P, or with P's "
+            "rows shuffled, it does not.",
+            "measured",
+            offset_number,
+            offset_expected,
+            learned_offset,
+            also_on=("note", "frameworks"),
+        ),
+        _claim(
+            "shift-by-five",
+            "summary",
+            "So the network can learn to “shift attention by 5 tokens” with one linear transformation — relative "
+            "positions come for free.",
+            f"A trained attention layer shifts its attention by {delta} tokens using P; a d x d map sends P[i] to "
+            f"P[i+{delta}].",
+            "measured",
+            {
+                "weight on key i-delta, with P (trained)": round(runs["sinusoidal"]["weight_on_offset"], 3),
+                "least-squares map residual": fit["residual_max"],
+            },
+            offset_expected + "; map residual < 1e-9",
+            learned_offset and fit["residual_max"] < 1e-9,
+        ),
+        _claim(
+            "remember-position",
+            "slides",
+            "位置编码在输入中加入位置信息, 使得自注意力能够记忆位置信息",
+            "With P added, a trained attention layer uses the tokens' positions (copy at an offset); without P it "
+            "cannot.",
+            "measured",
+            {name: round(run["accuracy"], 3) for name, run in runs.items()},
+            offset_expected,
+            learned_offset,
+        ),
+        _claim(
+            "inject-position",
+            "chapter",
+            "we can inject absolute or relative positional information by adding positional encoding to the input "
+            "representations.",
+            "Adding P makes the output depend on where each token sits, and lets a trained layer attend by offset.",
+            "measured",
+            {
+                "output change under a permutation, with P": perm["with_pe_change"],
+                "offset task, with P": offset_number["sinusoidal"]["accuracy"],
+            },
+            "> 1e-3; offset task learned",
+            perm["with_pe_change"] > 1e-3 and learned_offset,
+            also_on=("note", "slides", "summary", "frameworks"),
+        ),
+        _claim(
+            "rotation",
+            "chapter",
+            r"the positional encoding at position $i + \delta$ can be represented by a linear projection of that at "
+            r"position $i$.",
+            "M_delta P[i] = P[i+delta] for the 2 x 2 rotations M_delta.",
+            "measured",
+            results["rotation_max_error"],
+            "float64 rounding (< 1e-9)",
+            results["rotation_max_error"] < 1e-9,
+            also_on=("note", "slides", "summary", "frameworks"),
+        ),
+        _claim(
+            "rotation-independent-of-i",
+            "chapter",
+            r"where the $2\times 2$ projection matrix does not depend on any position index $i$.",
+            "Least-squares fits of the map from P[i] to P[i+delta] on different windows of i all equal the rotation.",
+            "measured",
+            {"fit minus rotation": fit["rotation_error_max"], "between windows of i": fit["window_spread_max"]},
+            "< 1e-9",
+            fit["rotation_error_max"] < 1e-9 and fit["window_spread_max"] < 1e-9,
+            also_on=("note", "slides", "summary", "frameworks"),
+        ),
+        _claim(
+            "unique-rows",
+            "note",
+            "它能为每个时间步（句子中的单词位置）输出一个独一无二的编码",
+            "Every position gets its own row of P.",
+            "measured",
+            {"positions": q["num_positions"], "smallest row distance": q["min_row_distance"]},
+            "> 0",
+            q["min_row_distance"] > 1e-6,
+            also_on=("summary",),
+        ),
+        _claim(
+            "monotone-makes-distinct",
+            "note",
+            "由于$w_i$ 单调递减，导致随着维度的增加，函数**角频率**也是单调递减的，这样就可以保证对于任意不同的位置$i，j$ ,  "
+            "都有 $p_i \\ne p_j$",
+            "With frequencies falling monotonically along the columns, no two positions share a row.",
+            "measured",
+            {
+                "periods increase": all(a < b for a, b in itertools.pairwise(every)),
+                "smallest row distance": q["min_row_distance"],
+            },
+            f"distinct rows among the {q['num_positions']:,} positions examined (not a proof for all i, j)",
+            q["min_row_distance"] > 1e-6 and all(a < b for a, b in itertools.pairwise(every)),
+        ),
+        _claim(
+            "same-distance-across-lengths",
+            "note",
+            "不同长度的句子之前，任何两个时间步之间的距离应该保持一致",
+            "|P[i] - P[j]| is the same in sentences of different lengths.",
+            "derived",
+            {"lengths": across["lengths"], "spread": across["spread"], "i/n foil spread": across["fraction_spread"]},
+            "spread 0 (a length-dependent foil gives > 0)",
+            across["spread"] == 0 and across["fraction_spread"] > 1e-3,
+            basis="P is sliced from one table whatever the sentence length, so the distance cannot change; the foil "
+            "only shows the check would catch an encoding that depends on the length",
+        ),
+        _claim(
+            "bounded",
+            "note",
+            "它的值应该是有界的",
+            "The values of P are bounded.",
+            "derived",
+            q["max_abs_value"],
+            "<= 1",
+            q["max_abs_value"] <= 1 + 1e-12,
+            basis="every entry is a sine or a cosine; the largest |P| over the rows examined restates it",
+        ),
+        _claim(
+            "symmetry",
+            "note",
+            "f(...,x_m, ...,x_n,...)=f(...,x_n, ...,x_m,...)",
+            "Without positions, swapping two input tokens leaves the output equal (as the note writes it).",
+            "measured",
+            {
+                "max |f(X) - f(X swapped)|, rows in place": perm["swap_equality_error"],
+                "the same with the output rows swapped back": perm["swap_equivariance_error"],
+            },
+            "equal (< 1e-9) as written; the outputs swap instead (equivariance)",
+            perm["swap_equality_error"] < 1e-9,
+        ),
+        _claim(
+            "symmetry-broken",
+            "note",
+            "只要每个位置的编码向量不同，那么这种全对称性就被打破了",
+            "Adding a different vector at each position breaks the symmetry.",
+            "measured",
+            perm["with_pe_change"],
+            "max |f(X+P)[perm] - f(X[perm]+P)| > 1e-3",
+            perm["with_pe_change"] > 1e-3,
+        ),
+    ]
+
+
+def _note_claims(results: dict[str, Any]) -> list[dict[str, object]]:
+    terms = results["note"]["taylor"]
+    survival = results["note"]["embedding"]
+    harmless = results["learning"]["harmless"]
+    with_p, without_p = harmless["with_p"]["accuracy"], harmless["without_p"]["accuracy"]
+    study = results.get("study_generalization")
+    # Only tasks the models learned say anything about generalizing past the training lengths.
+    cells = {
+        task: c for task, c in (study or {}).get("cells", {}).items() if c["in"] >= 0.9 and c["beyond"] is not None
+    }
+    if cells:
+        beyond = [cell["beyond"] for cell in cells.values()]
+        longer = _claim(
+            "longer-sentences",
+            "note",
+            "模型能泛化到更长的句子",
+            "A model with the sinusoidal P, trained on lengths up to L, answers correctly on longer inputs.",
+            "measured",
+            {task: {"in training lengths": round(c["in"], 3), "beyond": c["beyond"]} for task, c in cells.items()},
+            "exact match beyond the training lengths >= 50% on average over the tasks learned (>= 90% within them)",
+            sum(beyond) / len(beyond) >= 0.5,
+        )
+    else:
+        longer = _claim(
+            "longer-sentences",
+            "note",
+            "模型能泛化到更长的句子",
+            "A model with the sinusoidal P, trained on lengths up to L, answers correctly on longer inputs.",
+            "not shown",
+            None,
+            "the study's accuracy beyond the training lengths",
+            None,
+            basis="needs trained models: run `selfattn study` (its folder is read from ./selfattn-study or "
+            "$SELFATTN_STUDY) and rerun the tour; a study whose sinusoidal models learned no task (>= 90% within "
+            "the training lengths) does not decide it either",
+        )
+    return [
+        longer,
+        _claim(
+            "absolute-term",
+            "note",
+            "其中，$A$ 包含了单词的绝对位置信息",
+            "The terms where p appears alone (content-position scores x_i' A p_j) change when every position "
+            "moves: they carry absolute position.",
+            "measured",
+            {f"change under a shift of {terms['shift']} (fraction of range)": terms["content_position_shift_change"]},
+            "> 1e-3",
+            terms["content_position_shift_change"] > 1e-3,
+        ),
+        _claim(
+            "taylor-relative-term",
+            "note",
+            "$B$ 包含了单词的相对位置信息",
+            "The cross term p_i' A p_j contains relative position: with A = I it depends on the offset only; with "
+            "the layer's random A it also carries absolute position.",
+            "measured",
+            {
+                "A = I: spread along one offset": terms["identity_spread"],
+                "A = I: change under a shift": terms["identity_shift_change"],
+                "random A: spread along one offset": terms["position_position_spread"],
+            },
+            "A = I purely relative (< 1e-9): the term can hold relative position, as the note says",
+            terms["identity_spread"] < 1e-9 and terms["identity_shift_change"] < 1e-9,
+        ),
+        _claim(
+            "embeddings-survive",
+            "note",
+            "位置编码肯定要影响词嵌入的，但不见得是干扰",
+            "Adding P changes the embeddings, but the token can still be read back from E[t] + P[i].",
+            "measured",
+            dict(zip([f"d={d}" for d in survival["sizes"]], [round(r, 4) for r in survival["recovered"]], strict=True)),
+            "nearest-token recovery > 99% at the largest d (N(0,1) embeddings)",
+            survival["recovered"][-1] > 0.99,
+        ),
+        _claim(
+            "not-harmful",
+            "note",
+            "至少不会是消极的",
+            "On a task that needs no position (the majority token), a model trained with P does as well as without.",
+            "measured",
+            {
+                "with P": round(with_p, 3),
+                "without P": round(without_p, 3),
+                "steps": harmless["config"]["train_steps"],
+                "chance": round(harmless["chance"], 3),
+            },
+            "accuracy with P >= without P - 0.02",
+            with_p >= without_p - 0.02,
+        ),
+    ]
+
+
+def _code_claims(results: dict[str, Any]) -> list[dict[str, object]]:
+    odd = results["frameworks"]["odd_width"]
+    tabs = results["frameworks"]["tabs"]
+    shape = results["self_attention"]["shape"]
+    others = [name for name in odd if name != "summary page (mxnet)"]
+    return [
+        _claim(
+            "self-attention-shape",
+            "chapter",
+            "The output tensor has the same shape.",
+            "Self-attention outputs a tensor of its input's shape.",
+            "measured",
+            shape["shape"],
+            str(shape["expected"]),
+            shape["ok"],
+            also_on=("note", "summary", "frameworks"),
+        ),
+        _claim(
+            "same-input",
+            "chapter",
+            "In self-attention, the queries, keys, and values all come from the same place.",
+            "Queries, keys and values are the same input.",
+            "derived",
+            None,
+            "attention(X, X, X)",
+            True,
+            basis="the definition: the tour calls the layer with X three times",
+            also_on=("note", "slides", "summary", "frameworks"),
+        ),
+        _claim(
+            "odd-width-summary",
+            "summary",
+            "self.P[:, :, 1::2] = np.cos(X[:, :num_hiddens // 2])",
+            "The summary page's MXNet code builds P for an odd num_hiddens; every tab of the chapter and the "
+            "frameworks page fails there.",
+            "measured",
+            {name: entry["builds"] for name, entry in odd.items()},
+            "the summary page's recipe builds a table for odd d; the others raise",
+            bool(odd["summary page (mxnet)"]["builds"]) and not any(odd[name]["builds"] for name in others),
+        ),
+        _claim(
+            "tabs-agree",
+            "frameworks",
+            'class PositionalEncoding(nn.Block): """位置编码"""',
+            "The page's MXNet, PyTorch, TensorFlow and Paddle tabs build the same P.",
+            "measured",
+            dict(zip([f"n={n:,}" for n in tabs["lengths"]], tabs["max_difference"], strict=True)),
+            "largest difference between two tabs < 1e-4 (float32 rounding)",
+            max(tabs["max_difference"]) < 1e-4,
+        ),
+    ]
+
+
+def claims(results: dict[str, Any]) -> list[dict[str, object]]:
+    """The claims of the source pages against ``results`` (as :func:`selfattn.tour.runner.compute` returns)."""
+    out = _code_claims(results) + _comparison_claims(results) + _position_claims(results) + _note_claims(results)
+    order = list(PAGES)
+    out.sort(key=lambda claim: order.index(str(claim["page"])))  # stable: page by page, in reading order
     for entry in out:
-        measured = entry["measured"]
-        if isinstance(measured, float) and not math.isfinite(measured):
-            entry["measured"] = None
+        number = entry["number"]
+        if isinstance(number, float) and not math.isfinite(number):
+            entry["number"] = None
     return out

@@ -19,7 +19,17 @@ from typing import Any
 
 from selfattn.study.deep_stack import measure_deep_stack
 
-__all__ = ["COLLAPSED", "CONVERGING", "measure", "section_html", "study_deep_stack", "summary_line", "verdict_numbers"]
+__all__ = [
+    "COLLAPSED",
+    "CONVERGING",
+    "by_depth_html",
+    "measure",
+    "section_html",
+    "study_by_depth",
+    "study_deep_stack",
+    "summary_line",
+    "verdict_numbers",
+]
 
 COLLAPSED = 1e-6
 """A mean-row residual below this counts as collapsed: every row the same to 6 digits."""
@@ -60,6 +70,57 @@ def study_deep_stack(study_dir: Path | str | None) -> dict[str, Any] | None:
         raise ValueError(f"study_dir={str(study_dir)!r} holds no readable results.json ({error})") from None
     stack = data.get("deep_stack") if isinstance(data, dict) else None
     return stack if isinstance(stack, dict) else None
+
+
+def study_by_depth(study_dir: Path | str | None) -> dict[str, Any] | None:
+    """``results.json["deep_stack_by_depth"]`` of a study folder (:func:`selfattn.study.deep_stack.trained_by_depth`).
+
+    None when there is no study or it holds no such entry (a folder that cannot be read is
+    reported by :func:`study_deep_stack`, which the tour calls first).
+    """
+    if study_dir is None:
+        return None
+    try:
+        data = json.loads((Path(study_dir) / "results.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    found = data.get("deep_stack_by_depth") if isinstance(data, dict) else None
+    return found if isinstance(found, dict) and "stacks" in found else None
+
+
+def by_depth_html(by_depth: dict[str, Any]) -> str:
+    """Stacks of each depth trained until their accuracy levelled off: a table and which did not train."""
+    config, chance = by_depth["config"], by_depth["chance"]
+    rows, not_trained, not_learnt = [], [], []
+    for encoding, by_variant in by_depth["stacks"].items():
+        for variant, entries in by_variant.items():
+            label = _VARIANT_LABELS.get(variant, variant)
+            for entry in entries:
+                name = f"<code>{_e(encoding)}</code>, {_e(label)}, depth {entry['depth']}"
+                if not entry["trains"]:
+                    not_trained.append(name)
+                elif not entry["learnt"]:
+                    not_learnt.append(name)
+                rows.append(
+                    f'<tr><td><code>{_e(encoding)}</code></td><td>{_e(label)}</td><td class="num">{entry["depth"]}</td>'
+                    f'<td class="num">{entry["steps"]:,}</td><td class="num">{_num(entry["task_accuracy"])}</td>'
+                    f"<td>{'yes' if entry['levelled_off'] else 'no (step limit)'}</td>"
+                    f'<td class="num">{_num(entry["position_r2"])}</td>'
+                    f'<td class="num">{_num(entry["order_accuracy"])}</td></tr>'
+                )
+    head = (
+        "<tr><th>encoding</th><th>block</th><th>depth</th><th>steps</th><th>task accuracy</th><th>levelled off</th>"
+        "<th>position R&sup2;, last layer</th><th>order accuracy, last layer</th></tr>"
+    )
+    return (
+        f"<p><b>Trained until the accuracy levels off</b> (from the <code>selfattn study</code> output): for each depth "
+        f"{', '.join(map(str, config['depths']))}, a stack trained on the previous-token task, its held-out accuracy "
+        f"checked every {config['check_every']} steps, stopped at 0.99 or once it rose less than 0.01 in "
+        f"{config['patience']} checks (at most {config['max_steps']:,} steps), then probed. Chance is {_num(chance)}. "
+        f"<b>Did not train</b> (within 0.05 of chance): {'; '.join(not_trained) or 'none'}. Trained but did not learn "
+        f"the task (below 0.9): {'; '.join(not_learnt) or 'none'}.</p>"
+        f'<div class="table-scroll"><table><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
+    )
 
 
 # Reading the numbers ------------------------------------------------------------------------------
@@ -320,13 +381,30 @@ def _trained_sentences(trained: dict[str, Any]) -> list[str]:
     depth = trained["layers"][-1]
     out = []
     variants = list(next(iter(data.values())))
+    config = trained["config"]
+    chance = 1 / config["vocab_size"]  # the previous token, uniform over the vocabulary
+    steps = config["train_steps"]
     for variant in variants:
         accuracies = []
+        untrained: list[str] = []
+        partly: list[str] = []
+        learnt: list[str] = []
         for encoding, by_variant in data.items():
             entry = by_variant.get(variant, {}).get("task_accuracy")
             if entry is not None:
-                accuracies.append(f"<code>{_e(encoding)}</code> {_num(float(entry['mean']))}")
+                mean = float(entry["mean"])
+                accuracies.append(f"<code>{_e(encoding)}</code> {_num(mean)}")
+                (untrained if mean < chance + 0.05 else partly if mean < 0.5 else learnt).append(
+                    f"<code>{_e(encoding)}</code>"
+                )
         out.append(f"Held-out task accuracy, {_e(_VARIANT_LABELS.get(variant, variant))}: {', '.join(accuracies)}.")
+        out.append(
+            f"{_e(_VARIANT_LABELS.get(variant, variant))}: <b>did not train</b> in {steps} steps (within 5 points of "
+            f"chance, {_num(chance)}): {', '.join(untrained) or 'none'}; trained partly (below 0.5): "
+            f"{', '.join(partly) or 'none'}; learnt the task (0.5 or more): {', '.join(learnt) or 'none'}. The budget "
+            "is fixed, not run until the accuracy levels off, so a stack that did not train here may train with more "
+            "steps; its probes describe a stack that has not learnt the task."
+        )
     for variant in variants:
         parts = []
         for encoding in data:
@@ -341,13 +419,19 @@ def _trained_sentences(trained: dict[str, Any]) -> list[str]:
     return out
 
 
-def section_html(deep: dict[str, Any], figures: dict[str, str], trained: dict[str, Any] | None = None) -> str:
+def section_html(
+    deep: dict[str, Any],
+    figures: dict[str, str],
+    trained: dict[str, Any] | None = None,
+    by_depth: dict[str, Any] | None = None,
+) -> str:
     """The deep-stack part of section 8, written from the measured numbers.
 
     Args:
         deep: the tour's untrained measurement (:func:`measure`), JSON-ready.
         figures: ``{figure name: png path}``; ``depth`` (and ``depth_trained``) are shown if present.
         trained: ``results.json["deep_stack"]`` of a study (:func:`study_deep_stack`), or None.
+        by_depth: ``results.json["deep_stack_by_depth"]`` of a study (:func:`study_by_depth`), or None.
     """
     config = deep["config"]
     variants = "; ".join(_VARIANT_LABELS.get(v, v) for v in deep["variants"])
@@ -388,4 +472,6 @@ def section_html(deep: dict[str, Any], figures: dict[str, str], trained: dict[st
             "task that needs positions and probes them again; <code>selfattn tour --study DIR</code> shows those "
             "results here.</p>"
         )
+    if by_depth:
+        parts.append(by_depth_html(by_depth))
     return "\n".join(p for p in parts if p)

@@ -7,6 +7,7 @@ optional dependency (``pip install selfattn[plot]``).
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -122,11 +123,15 @@ def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure
     return fig
 
 
-def comparison_figure(results: dict[str, Any]) -> Figure:
-    """Section 3: measured FLOPs against n and d, path lengths, parallelism and wall-clock time."""
+def comparison_figure(results: dict[str, Any], *, stacked: bool = False) -> Figure:
+    """Section 3: measured FLOPs against n and d, path lengths, parallelism and wall-clock time.
+
+    ``stacked``: the six panels in one column, for a narrow window (the report picks it below
+    600 px), instead of two.
+    """
     sweep = results["sweep"]
     ns, ds = sweep["n"], sweep["d"]
-    fig, axes = _figure(10.5, 11.0, columns=2, rows=3)
+    fig, axes = _figure(5.2, 26.0, columns=1, rows=6) if stacked else _figure(10.5, 11.0, columns=2, rows=3)
     panels = [
         (axes[0], ns, "flops_by_n", "flops_exponent_n", f"n (tokens), d = {sweep['fixed_d']}", "FLOPs (counted)"),
         (axes[1], ds, "flops_by_d", "flops_exponent_d", f"d (features), n = {sweep['fixed_n']}", "FLOPs (counted)"),
@@ -184,6 +189,9 @@ def comparison_figure(results: dict[str, Any]) -> Figure:
         f"Wall-clock, 1 thread, {sweep.get('rounds', 1)} rounds (band: spread; slopes from n = "
         f"{results['cnn']['time_fit_from_n']:,})"
     )
+    if stacked:  # one narrow column: titles wrap instead of running past the panel
+        for ax in axes:
+            ax.set_title(textwrap.fill(ax.get_title(), 48), fontsize=9)
     return fig
 
 

@@ -4,11 +4,15 @@ Each page builds P with its own recipe. The recipes are re-run here with NumPy (
 TensorFlow) or PyTorch (PyTorch, Paddle, whose tensor calls map one to one) in the dtypes each
 page uses, since those frameworks are not installed:
 
-* PyTorch and Paddle: angles ``i / 10000^(2j/d)`` formed in float32, table in float32;
-* TensorFlow: angles formed in float32 (``np.arange(..., dtype=np.float32)``), stored into a
-  float64 NumPy table;
-* MXNet: float32 throughout, and the cosine columns take ``X[:, :num_hiddens // 2]``, a slice
-  the other pages lack, so an odd ``num_hiddens`` works there and fails elsewhere.
+* PyTorch and Paddle (the chapter and the frameworks page): angles ``i / 10000^(2j/d)``
+  formed in float32, table in float32;
+* TensorFlow (frameworks page): angles formed in float32 (``np.arange(..., dtype=np.float32)``),
+  stored into a float64 NumPy table;
+* MXNet (frameworks page): float32 throughout (MXNet's NumPy default), ``np.cos(X)`` into the
+  odd columns like the others;
+* the English summary page's MXNet code: as MXNet, but the cosine columns take
+  ``X[:, :num_hiddens // 2]``, a slice no other page has, so an odd ``num_hiddens`` works there
+  and fails everywhere else.
 
 Each recipe's largest error against the float64 formula is measured at several lengths, and
 each is run with an odd d to see whether it builds a table at all.
@@ -25,7 +29,7 @@ import torch
 
 from selfattn.functional import sinusoidal_table
 
-__all__ = ["RECIPES", "framework_precision", "odd_width"]
+__all__ = ["FRAMEWORKS_PAGE", "RECIPES", "framework_precision", "odd_width", "tabs_agree"]
 
 
 def _torch_recipe(n: int, d: int) -> np.ndarray:
@@ -57,13 +61,26 @@ def _tensorflow_recipe(n: int, d: int) -> np.ndarray:
     return table
 
 
-def _mxnet_recipe(n: int, d: int) -> np.ndarray:
+def _mxnet_angles(n: int, d: int) -> tuple[np.ndarray, np.ndarray]:
     P = np.zeros((1, n, d), dtype=np.float32)
     X = np.arange(n, dtype=np.float32).reshape(-1, 1) / np.power(
         np.float32(10000), np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
     )
+    return P, X
+
+
+def _mxnet_recipe(n: int, d: int) -> np.ndarray:
+    P, X = _mxnet_angles(n, d)
     P[:, :, 0::2] = np.sin(X)
-    P[:, :, 1::2] = np.cos(X[:, : d // 2])
+    P[:, :, 1::2] = np.cos(X)
+    table: np.ndarray = P[0].astype(np.float64)
+    return table
+
+
+def _summary_recipe(n: int, d: int) -> np.ndarray:
+    P, X = _mxnet_angles(n, d)
+    P[:, :, 0::2] = np.sin(X)
+    P[:, :, 1::2] = np.cos(X[:, : d // 2])  # the summary page's slice
     table: np.ndarray = P[0].astype(np.float64)
     return table
 
@@ -74,7 +91,21 @@ RECIPES: dict[str, Callable[[int, int], np.ndarray]] = {
     "mxnet": _mxnet_recipe,
     "tensorflow": _tensorflow_recipe,
     "paddle": _paddle_recipe,
+    "summary page (mxnet)": _summary_recipe,
 }
+
+
+#: The four code tabs of the frameworks page (the summary page's recipe is its own page's).
+FRAMEWORKS_PAGE = ("mxnet", "pytorch", "tensorflow", "paddle")
+
+
+def tabs_agree(num_hiddens: int = 32, lengths: tuple[int, ...] = (60, 10000)) -> dict[str, object]:
+    """Largest difference between any two of the frameworks page's tabs' tables, at each length."""
+    gaps = []
+    for n in lengths:
+        tables = [RECIPES[name](n, num_hiddens) for name in FRAMEWORKS_PAGE]
+        gaps.append(max(float(np.abs(a - b).max()) for a in tables for b in tables))
+    return {"num_hiddens": num_hiddens, "lengths": list(lengths), "max_difference": gaps}
 
 
 def framework_precision(num_hiddens: int = 32, lengths: tuple[int, ...] = (60, 1000, 10000)) -> dict[str, object]:

@@ -22,7 +22,20 @@ import numpy as np
 import torch
 
 from selfattn.functional import sinusoidal_table
-from selfattn.tour import checks, claims, comparison, depth, embedding, family, frameworks, qualities, taylor
+from selfattn.tour import (
+    checks,
+    claims,
+    comparison,
+    depth,
+    embedding,
+    family,
+    frameworks,
+    harmless,
+    offset,
+    parallel,
+    qualities,
+    taylor,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -39,6 +52,10 @@ class TourSizes:
         absolute_positions: positions examined for the qualities of section 5.
         depth: keyword arguments of :func:`selfattn.tour.depth.measure` (section 8's deep stacks).
         family_steps: positions of section 7's diagnostics.
+        learning: keyword arguments of the trained and timed experiments, by name: ``offset``
+            (:func:`selfattn.tour.offset.attend_by_offset`), ``harmless``
+            (:func:`selfattn.tour.harmless.with_and_without_p`) and ``parallel``
+            (:func:`selfattn.tour.parallel.thread_speedup`).
         embedding_sizes: model sizes at which token recovery after adding P is measured.
     """
 
@@ -46,6 +63,7 @@ class TourSizes:
     absolute_positions: int
     depth: dict[str, Any]
     family_steps: int
+    learning: dict[str, dict[str, Any]]
     embedding_sizes: tuple[int, ...] = (8, 16, 32, 64)
 
 
@@ -62,6 +80,7 @@ FULL = TourSizes(
     absolute_positions=4000,
     depth={"depth": 16, "seeds": 5},
     family_steps=32,
+    learning={"offset": {}, "harmless": {}, "parallel": {}},
     embedding_sizes=(8, 16, 32, 64, 128, 256),
 )
 QUICK = TourSizes(
@@ -77,6 +96,11 @@ QUICK = TourSizes(
     absolute_positions=1000,
     depth={"depth": 8, "seeds": 2, "quick": True},
     family_steps=16,
+    learning={
+        "offset": {"max_train_steps": 200, "eval_samples": 256},
+        "harmless": {"train_steps": 60, "eval_samples": 256},
+        "parallel": {"repeats": 3, "rounds": 1},
+    },
 )
 
 # The chapter's numbers for section 4 and 6.
@@ -119,15 +143,27 @@ def progress_bar(total: int, enabled: bool, label: str = "selfattn tour") -> Ite
 
 
 def _family(sizes: TourSizes, advance: Callable[[str], None]) -> dict[str, object]:
-    try:
-        names = family.family_names()
-    except ImportError as error:
-        return {"available": False, "note": f"selfattn.positional has no registry yet ({error})", "encodings": {}}
     encodings = {}
-    for name in names:
+    for name in family.family_names():
         encodings[name] = family.encoding_diagnostics(name, num_steps=sizes.family_steps)
         advance(f"7. family: {name}")
-    return {"available": True, "encodings": encodings}
+    return {"encodings": encodings}
+
+
+def _learning(sizes: TourSizes, pe: dict[str, Any]) -> dict[str, Any]:
+    """The trained and timed experiments behind the claims about learning and parallel speed."""
+    periods = pe["all_column_periods"]
+    return {
+        "offset": offset.attend_by_offset(**sizes.learning["offset"]),
+        "harmless": harmless.with_and_without_p(**sizes.learning["harmless"]),
+        "parallel": parallel.thread_speedup(**sizes.learning["parallel"]),
+        "binary": {
+            "bit_alternation": checks.bit_alternation(3),
+            "period_ratios": checks.period_ratios(periods),
+            "formula_ratio": 10000 ** (2 / _PLOT_HIDDENS),
+        },
+        "order": checks.order_sensitivity(),
+    }
 
 
 def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -150,6 +186,11 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         "column_periods": checks.measured_periods(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS)["zero_crossings"],
         "period_measurements": checks.measured_periods(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_COLUMNS),
         "phase_offset": checks.phase_offset(*checks.table_columns(_PLOT_STEPS, _PLOT_HIDDENS, (6, 7)).double().T),
+        # Which column leads: 7 against 6 and 9 against 8, from the plotted values.
+        "phase_leads": [
+            checks.phase_lead(*checks.table_columns(_PLOT_STEPS, _PLOT_HIDDENS, pair).double().T.numpy())
+            for pair in ((6, 7), (8, 9))
+        ],
         "all_column_periods": [
             checks.zero_crossing_period(column)
             for column in sinusoidal_table(4000, _PLOT_HIDDENS, dtype=torch.float64).T[
@@ -183,8 +224,13 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     results["frameworks"] = {
         "precision": frameworks.framework_precision(_PLOT_HIDDENS),
         "odd_width": frameworks.odd_width(_PLOT_HIDDENS + 1),
+        "tabs": frameworks.tabs_agree(_PLOT_HIDDENS),
+        # The float32 angles' error grows with d: the widest model size the chapter's plots use, and 128.
+        "precision_wide": frameworks.framework_precision(128, lengths=(10000,)),
     }
     tick("6. the note and the other pages")
+    results["learning"] = _learning(sizes, results["positional_encoding"])
+    tick("trained: offset, not harmful; timed: threads")
     results["family"] = _family(sizes, tick)
     results["depth"] = depth.measure(**sizes.depth)
     tick("8. deep stacks")
@@ -415,6 +461,26 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, object]]:
                 diag["measured_relative"] == diag["is_relative"] and diag["position_aware"],
             )
         )
+    precision = results["frameworks"]["precision"]
+    out.append(
+        _check(
+            f"6. every page's code forms its angles in float32: error at {precision['lengths'][-1]:,} positions "
+            f"(d={precision['num_hiddens']})",
+            {name: f"{errors[-1]:.1e}" for name, errors in precision["errors"].items()},
+            "> 1e-5 (far above float32 rounding of P)",
+            all(errors[-1] > 1e-5 for errors in precision["errors"].values()),
+        )
+    )
+    runs = results["learning"]["offset"]["variants"]
+    target = results["learning"]["offset"]["config"]["target"]
+    out.append(
+        _check(
+            "6. trained: the offset task's controls (no P, P's rows shuffled) stay below the target",
+            {name: round(runs[name]["accuracy"], 3) for name in ("none", "shuffled")},
+            f"< {target:.0%} (else the task could be solved without attending by offset)",
+            all(runs[name]["accuracy"] < target for name in ("none", "shuffled")),
+        )
+    )
     deep = depth.verdict_numbers(results["depth"])
     layers = results["depth"]["layers"][-1]
     out.append(
@@ -467,6 +533,7 @@ def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], 
             results["permutation"]["without_pe_error"], results["permutation"]["with_pe_change"]
         ),
         "comparison": lambda: figures.comparison_figure(results["comparison"]),
+        "comparison_stacked": lambda: figures.comparison_figure(results["comparison"], stacked=True),
         "pe_columns": lambda: figures.pe_columns_figure(pe["column_values"], pe["columns"], pe["column_periods"]),
         "pe_heatmap": lambda: figures.pe_heatmap_figure(pe["table"], checks.bit_matrix(8)),
         "absolute": lambda: figures.absolute_figure(results["absolute"]["curves"], results["absolute"]["precision"]),
@@ -484,6 +551,31 @@ def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], 
         paths[name] = f"{directory.name}/{png.name}"
         advance(f"figure {name}")
     return paths
+
+
+def study_generalization(study: Path | str | None) -> dict[str, Any] | None:
+    """Each encoding's accuracy in and beyond the training lengths, per task, from a study folder.
+
+    ``cells`` is the sinusoidal encoding's (the note's claim that a model generalizes to longer
+    sentences), ``by_encoding`` every encoding's. None when there is no study (or it trained no
+    sinusoidal model): that claim then stays "not shown".
+    """
+    from selfattn.study.summary import load_study
+
+    loaded = None if study is None else load_study(Path(study))
+    if loaded is None:
+        return None
+    by_encoding: dict[str, dict[str, dict[str, Any]]] = {}
+    for task, label, in_distribution, beyond, _ in loaded.rows:
+        by_encoding.setdefault(label, {})[task] = {"in": in_distribution, "beyond": beyond}
+    if "sinusoidal" not in by_encoding:
+        return None
+    return {
+        "folder": str(loaded.folder),
+        "train_len": loaded.train_len,
+        "cells": by_encoding["sinusoidal"],
+        "by_encoding": by_encoding,
+    }
 
 
 def _prepare_output(out_dir: Path) -> Path:
@@ -522,20 +614,21 @@ def run_tour(
         study = default if (default / "results.json").is_file() else None
     depth_study = depth.study_deep_stack(study)  # fail now, not after the measurements
     sizes = QUICK if quick else FULL
-    family_count = 0
-    with contextlib.suppress(ImportError):
-        family_count = len(family.family_names())
+    family_count = len(family.family_names())
     sweep = sizes.comparison
     comparison_count = comparison.comparison_steps(
         sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
     )
-    # Seven section steps, the comparison's, two per encoding (measure, draw), nine figures (ten with a study),
+    # Eight section steps (the trained experiments are one), the comparison's, two per encoding (measure, draw), ten
+    # figures (eleven with a study),
     # the report.
-    total = 7 + comparison_count + 2 * family_count + 9 + bool((depth_study or {}).get("trained")) + 1
+    total = 8 + comparison_count + 2 * family_count + 10 + bool((depth_study or {}).get("trained")) + 1
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
         results["depth_study"] = depth_study
+        results["depth_by_depth"] = depth.study_by_depth(study)
+        results["study_generalization"] = study_generalization(study)
         results["checks"] = verdicts(results)
         results["claims"] = claims.claims(results)
         figure_paths = _figures(results, out_dir / "figures", advance)
@@ -598,18 +691,37 @@ def summary_lines(results: dict[str, Any], out_dir: Path | str | None = None) ->
         f"{shares['content_position']:.1%}, position-position {shares['position_position']:.1%}; tokens recovered "
         f"after adding P at d={results['note']['embedding']['sizes'][-1]}: {results['note']['embedding']['recovered'][-1]:.1%}"
     )
-    fam = results["family"]
-    if fam["available"]:
-        encodings = fam["encodings"]
-        relative = [n for n, d in encodings.items() if d["measured_relative"] and d.get("position_aware", True)]
-        nothing = [n for n, d in encodings.items() if not d.get("position_aware", True)]
-        lines.append(
-            f"  7. family: {len(encodings)} encodings; relative (shift-invariant, position-aware): "
-            f"{', '.join(relative) or '-'}; no position: {', '.join(nothing) or '-'}"
-        )
-    else:
-        lines.append(f"  7. family: skipped ({fam['note']})")
+    encodings = results["family"]["encodings"]
+    relative = [n for n, d in encodings.items() if d["measured_relative"] and d.get("position_aware", True)]
+    nothing = [n for n, d in encodings.items() if not d.get("position_aware", True)]
+    lines.append(
+        f"  7. family: {len(encodings)} encodings; relative (shift-invariant, position-aware): "
+        f"{', '.join(relative) or '-'}; no position: {', '.join(nothing) or '-'}"
+    )
     lines.append(depth.summary_line(results["depth"]))
+    runs = results["learning"]["offset"]["variants"]
+    hm = results["learning"]["harmless"]
+    lines.append(
+        f"  trained: copy at offset {results['learning']['offset']['config']['delta']}: "
+        + ", ".join(f"{name} {run['accuracy']:.0%}" for name, run in runs.items())
+        + f"; majority token with P {hm['with_p']['accuracy']:.0%}, without {hm['without_p']['accuracy']:.0%}"
+    )
+    par = results["learning"]["parallel"]
+    lines.append(
+        f"  timed: speed-up at {par['threads'][-1]} threads "
+        + ", ".join(f"{kind} {values[-1]:.2f}x" for kind, values in par["speedup"].items())
+        + ("" if par["quiet"] else f" (machine busy, load {max(par['load']):.1f}: not a measure of parallelism)")
+    )
+    if "claims" in results:
+        found = results["claims"]
+        counts = claims.count_evidence(found)
+        lines.append(
+            f"  claims: {len(found)} ({counts['measured']} measured, {counts['derived']} derived, "
+            f"{counts['not shown']} not shown); {sum(c['holds'] is True for c in found)} hold"
+        )
+        lines.extend(
+            f"  does not hold: {c['id']} ({c['page']}): {c['statement']}" for c in found if c["holds"] is False
+        )
     for c in checks_:
         if not c["ok"]:
             lines.append(f"  FAILED: {c['name']}: measured {c['measured']}, expected {c['expected']}")

@@ -64,18 +64,22 @@ def print_summary(results: dict[str, Any], report: Path | str | None = None, con
     sections.add_column("measured")
     for line in lines[1:]:
         found = re.match(r"^  (\S+?)\.? (.*)$", line)
-        if found is None or line.startswith(("     ", "  3.", "  FAILED")):
+        if found is None or line.startswith(("     ", "  3.", "  FAILED", "  claims:", "  does not hold")):
             continue
         sections.add_row(escape(found.group(1).rstrip(":")), escape(found.group(2)))
     if "claims" in results:
+        from selfattn.tour.claims import count_evidence
+
         claims = results["claims"]
         held = sum(c["holds"] is True for c in claims)
-        undecided = sum(c["holds"] is None for c in claims)
+        failing = [c["id"] for c in claims if c["holds"] is False]
+        counts = count_evidence(claims)
         sections.add_row(
             "claims",
-            f"{held} of {len(claims)} claims of the source pages hold as measured, "
-            f"{len(claims) - held - undecided} {'does' if len(claims) - held - undecided == 1 else 'do'} not, "
-            f"{undecided} not shown (report: closing table)",
+            f"{held} of {len(claims)} claims of the source pages hold, {len(failing)} do not"
+            + (f" ({', '.join(failing)})" if failing else "")
+            + f", {counts['not shown']} not shown; {counts['measured']} measured, {counts['derived']} derived "
+            "(report: closing table; claims do not set the exit status)",
         )
     console.print(sections)
     if failed:

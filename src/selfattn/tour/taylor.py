@@ -43,6 +43,7 @@ def score_terms(
     num_heads: int = 4,
     num_steps: int = 60,
     embedding_scales: tuple[float, ...] = (1.0, 0.1),
+    shift: int = 7,
     seed: int = 0,
 ) -> dict[str, object]:
     """Split the first head's scores of ``x + P`` into the three terms and measure each one's share.
@@ -50,12 +51,18 @@ def score_terms(
     ``x`` is random token content with N(0, scale^2) entries for each scale in
     ``embedding_scales`` (1 is ``nn.Embedding``'s default; 0.1 is content smaller than P).
     The layer's projections are seeded random, as at initialization. Computed in float64.
+
+    Whether a term carries absolute or relative position is measured by moving every position
+    by ``shift``: ``*_shift_change`` is the largest change of the term over its range (0 for a
+    term that sees offsets only), for the content-position term (the note's A, where p
+    appears alone), the position-position term with the layer's A and with A = I.
     """
     dh = num_hiddens // num_heads
     with seeded(seed):
         mha = MultiHeadAttention(num_hiddens, num_heads).double().eval()
         content = torch.randn(num_steps, num_hiddens, dtype=torch.float64)  # (n, d)
-    P = sinusoidal_table(num_steps, num_hiddens, dtype=torch.float64)  # (n, d)
+    P = sinusoidal_table(num_steps + shift, num_hiddens, dtype=torch.float64)  # (n + s, d)
+    P, shifted = P[:num_steps], P[shift:]  # the same sentence, every position moved by s
     W_q = mha.W_q.weight[:dh]  # (dh, d): the first head's rows
     W_k = mha.W_k.weight[:dh]
     A = W_q.T @ W_k / math.sqrt(dh)  # (d, d)
@@ -90,6 +97,16 @@ def score_terms(
                     "sum_error": sum_error,
                 }
             )
+        x = content
+        cp_shifted = x @ A @ shifted.T + shifted @ A @ x.T
+        cp = x @ A @ P.T + P @ A @ x.T
+        result["content_position_shift_change"] = float((cp - cp_shifted).abs().max() / (cp.max() - cp.min()))
+        result["position_position_shift_change"] = float(
+            (pp - shifted @ A @ shifted.T).abs().max() / (pp.max() - pp.min())
+        )
+        same = P @ P.T
+        result["identity_shift_change"] = float((same - shifted @ shifted.T).abs().max() / (same.max() - same.min()))
+    result["shift"] = shift
     result["position_position_spread"] = _diagonal_spread(pp)
     result["position_position_range"] = float(pp.max() - pp.min())
     result["identity_spread"] = _diagonal_spread(P @ P.T)
