@@ -19,46 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import selfattn._validation as _validation
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
-from selfattn._validation import ArgumentTypeError, require_positive_int, require_probability
+from selfattn._validation import require_positive_int, require_probability
 from selfattn.cache import KVCache
 from selfattn.core.call import AttentionCall, ModuleInputs
 from selfattn.core.dispatch import Explanation
 from selfattn.core.documents import cumulative_lengths_to_document_ids, document_positions
-from selfattn.core.inputs import (
-    check_inputs,
-    check_masks,
-    check_skip_padded_queries,
-    check_valid_lens,
-    resolve_positions,
-    zero_padding,
-)
+from selfattn.core.inputs import Request, check_request, zero_padding
+from selfattn.core.route import Output
 from selfattn.masks import Visibility
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
 
 __all__ = ["MultiHeadAttention", "cumulative_lengths_to_document_ids", "document_positions"]
-
-
-class _Request(NamedTuple):
-    """A checked call of :meth:`MultiHeadAttention.forward`."""
-
-    queries: torch.Tensor  # (b, lq, dq)
-    keys: torch.Tensor  # (b, lk_new, dk); past the longest valid length dropped
-    values: torch.Tensor  # (b, lk_new, dv)
-    valid_lens: torch.Tensor | None  # (b,) or (b, lq)
-    causal: bool
-    return_weights: bool
-    cache: KVCache | None
-    attn_mask: torch.Tensor | None  # (1 or b, 1 or h, lq, total)
-    key_padding_mask: torch.Tensor | None  # (b, lk_new), True = padding
-    document_ids: torch.Tensor | None  # (b, lq)
-    key_documents: torch.Tensor | None  # (b, lk_new)
-    q_positions: torch.Tensor  # (lq,) or (b, lq)
-    k_positions: torch.Tensor  # (lk_new,) or (b, lk_new)
-    total: int  # keys in the whole sequence, the queries being its last lq
-    valid_rows: torch.Tensor | None  # (b, lq) bool, with skip_padded_queries
 
 
 class _Seen(NamedTuple):
@@ -71,7 +44,7 @@ class _Seen(NamedTuple):
     num_keys: int  # lk
 
     @classmethod
-    def new_keys(cls, request: _Request) -> _Seen:
+    def new_keys(cls, request: Request) -> _Seen:
         return cls(request.k_positions, request.key_padding_mask, request.key_documents, 0, request.keys.shape[1])
 
 
@@ -306,30 +279,13 @@ class MultiHeadAttention(nn.Module):
         Returns:
             ``(b, lq, d)``, or ``(output, weights)``.
         """
-        request = self._check(
+        request = check_request(
+            self,
             queries, keys, values, valid_lens, causal, return_weights, offset, cache, positions, key_positions,
             attn_mask, key_padding_mask, document_ids, cumulative_lengths,
         )  # fmt: skip
         call = self._describe(request)
-        result = dispatch.run(call)
-        out = result.out
-        if result.stage == "heads":
-            out = out.transpose(1, 2).flatten(2)  # (b, h, lq, dh) -> (b, lq, d)
-        if result.stage != "projected":
-            out = self.W_o(out)  # (b, lq, d)
-        if request.valid_rows is not None:
-            out = out.masked_fill(~request.valid_rows[:, :, None], 0.0)  # padded query rows: zero, no W_o bias
-        if cache is not None:
-            cache.commit()  # the new keys count as stored only once attention has succeeded
-        if not return_weights:
-            return out
-        weights = result.weights
-        assert weights is not None
-        if request.valid_rows is not None:
-            weights = weights.masked_fill(~request.valid_rows[:, None, :, None], 0.0)  # (b, h, lq, lk)
-        # Keys never scored (skipped padding, or dropped by a windowed cache) weigh 0: (b, h, lq, total).
-        first = call.visibility.k_first
-        return out, F.pad(weights, (first, request.total - first - weights.shape[-1]))
+        return self._finish(request, call, dispatch.run(call))
 
     def explain(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any
@@ -344,7 +300,7 @@ class MultiHeadAttention(nn.Module):
         given = dict(forward_arguments.arguments)
         if given["cache"] is not None:
             given["cache"] = given["cache"].copy()
-        return dispatch.explain(self._describe(self._check(**given)))
+        return dispatch.explain(self._describe(check_request(self, **given)))
 
     def split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """``(b, l, heads * dh)`` -> ``(b, heads, l, dh)``, a view."""
@@ -365,84 +321,30 @@ class MultiHeadAttention(nn.Module):
 
     # ------------------------------------------------------------------ the steps of forward
 
-    def _check(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        valid_lens: torch.Tensor | None,
-        causal: bool,
-        return_weights: bool,
-        offset: int | None,
-        cache: KVCache | None,
-        positions: torch.Tensor | None,
-        key_positions: torch.Tensor | None,
-        attn_mask: torch.Tensor | None,
-        key_padding_mask: torch.Tensor | None,
-        document_ids: torch.Tensor | None,
-        cumulative_lengths: torch.Tensor | Sequence[torch.Tensor | Sequence[int]] | None,
-    ) -> _Request:
-        """Check every argument; derive positions, document ids and the rows that are padding."""
-        check_inputs(self, queries, keys, values)
-        if cache is not None and not isinstance(cache, KVCache):
-            raise ArgumentTypeError(f"cache must be a KVCache, got {type(cache).__name__} {cache!r}")
-        batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
-        if cache is not None and cache.window is not None and (self.window is None or cache.window < self.window):
-            raise ValueError(
-                f"cache keeps only a window of {cache.window} keys, and this layer has window={self.window}"
-            )
-        total = (0 if cache is None else cache.length) + num_new_keys
-        if cumulative_lengths is not None:
-            if document_ids is not None:
-                raise ValueError("give document_ids or cumulative_lengths, not both")
-            if num_queries != num_new_keys or (cache is not None and cache.length):
-                raise ValueError(
-                    "cumulative_lengths describe whole packed sequences: self-attention, and no keys in the cache "
-                    "(give document_ids for the tokens that follow)"
-                )
-            document_ids = cumulative_lengths_to_document_ids(cumulative_lengths, batch, num_queries).to(queries.device)
-        attn_mask, key_padding_mask, document_ids = check_masks(
-            self, attn_mask, key_padding_mask, document_ids, batch, num_queries, num_new_keys, total, cache
-        )
-        q_positions, k_positions = resolve_positions(
-            batch, num_queries, num_new_keys, total, offset, positions, key_positions, document_ids, cache,
-            queries.device,
-        )  # fmt: skip
-        request = _Request(
-            queries, keys, values, valid_lens, causal, return_weights, cache, attn_mask, key_padding_mask,
-            document_ids, document_ids, q_positions, k_positions, total, None,
-        )  # fmt: skip
-        return request if valid_lens is None else self._check_lengths(request)
+    def _finish(
+        self, request: Request, call: AttentionCall, result: Output
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Project out, zero padded query rows, commit the cache, pad the weights to every key."""
+        out = result.out
+        if result.stage == "heads":
+            out = out.transpose(1, 2).flatten(2)  # (b, h, lq, dh) -> (b, lq, d)
+        if result.stage != "projected":
+            out = self.W_o(out)  # (b, lq, d)
+        if request.valid_rows is not None:
+            out = out.masked_fill(~request.valid_rows[:, :, None], 0.0)  # padded query rows: zero, no W_o bias
+        if request.cache is not None:
+            request.cache.commit()  # the new keys count as stored only once attention has succeeded
+        if not request.return_weights:
+            return out
+        weights = result.weights
+        assert weights is not None
+        if request.valid_rows is not None:
+            weights = weights.masked_fill(~request.valid_rows[:, None, :, None], 0.0)  # (b, h, lq, lk)
+        # Keys never scored (skipped padding, or dropped by a windowed cache) weigh 0: (b, h, lq, total).
+        first = call.visibility.k_first
+        return out, F.pad(weights, (first, request.total - first - weights.shape[-1]))
 
-    def _check_lengths(self, request: _Request) -> _Request:
-        """Valid lengths checked; with ``skip_padded_queries`` the padded rows zeroed; keys no query sees dropped."""
-        cache, queries, keys = request.cache, request.queries, request.keys
-        batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
-        max_keys = request.total if cache is None or cache.max_len is None else cache.max_len
-        assert request.valid_lens is not None
-        valid_lens = check_valid_lens(request.valid_lens, batch, num_queries, max_keys).to(queries.device)
-        request = request._replace(valid_lens=valid_lens)
-        if self.skip_padded_queries:
-            check_skip_padded_queries(valid_lens, num_queries, num_new_keys, cache)
-            valid_rows = torch.arange(num_queries, device=queries.device) < valid_lens[:, None]  # (b, lq)
-            request = request._replace(valid_rows=valid_rows)
-        if cache is not None or _validation.is_compiling():
-            return request
-        # Keys at or past the longest valid length are invisible to every query: skip them.
-        kept = max(int(valid_lens.max()), 1) if valid_lens.numel() else num_new_keys
-        if kept >= num_new_keys:
-            return request
-        trimmed = request.keys[:, :kept]
-        return request._replace(
-            keys=trimmed,
-            values=trimmed if request.values is request.keys else request.values[:, :kept],  # one tensor stays one
-            k_positions=request.k_positions[..., :kept],
-            key_padding_mask=None if request.key_padding_mask is None else request.key_padding_mask[:, :kept],
-            attn_mask=None if request.attn_mask is None else request.attn_mask[..., :kept],
-            key_documents=None if request.key_documents is None else request.key_documents[:, :kept],
-        )
-
-    def _describe(self, request: _Request) -> AttentionCall:
+    def _describe(self, request: Request) -> AttentionCall:
         """The call: lazily projected heads, positions, the cache's keys, and what each query may see."""
         queries, keys = request.queries, request.keys
         batch, num_queries = queries.shape[:2]
@@ -500,7 +402,7 @@ class MultiHeadAttention(nn.Module):
             ),
         )  # fmt: skip
 
-    def _update_cached_keys(self, request: _Request) -> None:
+    def _update_cached_keys(self, request: Request) -> None:
         """Give the encoding every key's position before new keys join the cache (dynamic rotary re-rotates it)."""
         cache = request.cache
         cached = None if cache is None or cache.window is not None else cache.positions
@@ -512,7 +414,7 @@ class MultiHeadAttention(nn.Module):
             cached, new_positions = cached.expand(batch, -1), new_positions.expand(batch, -1)
         self.query_key_encoding.update_cached_keys(cache, torch.cat((cached, new_positions), dim=-1))
 
-    def _visibility(self, request: _Request, seen: _Seen) -> tuple[Visibility, torch.Tensor | None]:
+    def _visibility(self, request: Request, seen: _Seen) -> tuple[Visibility, torch.Tensor | None]:
         """What each query may see (and a float ``attn_mask``'s finite part, a bias)."""
         num_queries = request.queries.shape[1]
         visibility = Visibility(num_queries, seen.num_keys, request.total - num_queries, seen.first_index)

@@ -7,16 +7,19 @@ Shape legend: b batch, lq queries, lk keys, h heads, d* feature sizes.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 import selfattn._validation as _validation
 from selfattn._validation import ArgumentTypeError, require_position
 from selfattn.cache import KVCache
-from selfattn.core.documents import document_positions
+from selfattn.core.documents import cumulative_lengths_to_document_ids, document_positions
 
 __all__ = [
+    "Request",
+    "check_request",
     "check_inputs",
     "check_masks",
     "check_skip_padded_queries",
@@ -211,3 +214,100 @@ def zero_padding(
         if id(x) not in zeroed:
             zeroed[id(x)] = x.masked_fill(padded, 0.0)  # masked_fill, not a product: a NaN there is dropped
     return zeroed[id(queries)], zeroed[id(keys)], zeroed[id(values)]
+
+
+class Request(NamedTuple):
+    """A checked call of :meth:`MultiHeadAttention.forward`."""
+
+    queries: torch.Tensor  # (b, lq, dq)
+    keys: torch.Tensor  # (b, lk_new, dk); past the longest valid length dropped
+    values: torch.Tensor  # (b, lk_new, dv)
+    valid_lens: torch.Tensor | None  # (b,) or (b, lq)
+    causal: bool
+    return_weights: bool
+    cache: KVCache | None
+    attn_mask: torch.Tensor | None  # (1 or b, 1 or h, lq, total)
+    key_padding_mask: torch.Tensor | None  # (b, lk_new), True = padding
+    document_ids: torch.Tensor | None  # (b, lq)
+    key_documents: torch.Tensor | None  # (b, lk_new)
+    q_positions: torch.Tensor  # (lq,) or (b, lq)
+    k_positions: torch.Tensor  # (lk_new,) or (b, lk_new)
+    total: int  # keys in the whole sequence, the queries being its last lq
+    valid_rows: torch.Tensor | None  # (b, lq) bool, with skip_padded_queries
+
+
+def check_request(
+    module: Any,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid_lens: torch.Tensor | None,
+    causal: bool,
+    return_weights: bool,
+    offset: int | None,
+    cache: KVCache | None,
+    positions: torch.Tensor | None,
+    key_positions: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    cumulative_lengths: torch.Tensor | Sequence[torch.Tensor | Sequence[int]] | None,
+) -> Request:
+    """Check every argument; derive positions, document ids and the rows that are padding."""
+    check_inputs(module, queries, keys, values)
+    if cache is not None and not isinstance(cache, KVCache):
+        raise ArgumentTypeError(f"cache must be a KVCache, got {type(cache).__name__} {cache!r}")
+    batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
+    if cache is not None and cache.window is not None and (module.window is None or cache.window < module.window):
+        raise ValueError(f"cache keeps only a window of {cache.window} keys, and this layer has window={module.window}")
+    total = (0 if cache is None else cache.length) + num_new_keys
+    if cumulative_lengths is not None:
+        if document_ids is not None:
+            raise ValueError("give document_ids or cumulative_lengths, not both")
+        if num_queries != num_new_keys or (cache is not None and cache.length):
+            raise ValueError(
+                "cumulative_lengths describe whole packed sequences: self-attention, and no keys in the cache "
+                "(give document_ids for the tokens that follow)"
+            )
+        document_ids = cumulative_lengths_to_document_ids(cumulative_lengths, batch, num_queries).to(queries.device)
+    attn_mask, key_padding_mask, document_ids = check_masks(
+        module, attn_mask, key_padding_mask, document_ids, batch, num_queries, num_new_keys, total, cache
+    )
+    q_positions, k_positions = resolve_positions(
+        batch, num_queries, num_new_keys, total, offset, positions, key_positions, document_ids, cache,
+        queries.device,
+    )  # fmt: skip
+    request = Request(
+        queries, keys, values, valid_lens, causal, return_weights, cache, attn_mask, key_padding_mask,
+        document_ids, document_ids, q_positions, k_positions, total, None,
+    )  # fmt: skip
+    return request if valid_lens is None else _check_lengths(module, request)
+
+
+def _check_lengths(module: Any, request: Request) -> Request:
+    """Valid lengths checked; with ``skip_padded_queries`` the padded rows zeroed; keys no query sees dropped."""
+    cache, queries, keys = request.cache, request.queries, request.keys
+    batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
+    max_keys = request.total if cache is None or cache.max_len is None else cache.max_len
+    assert request.valid_lens is not None
+    valid_lens = check_valid_lens(request.valid_lens, batch, num_queries, max_keys).to(queries.device)
+    request = request._replace(valid_lens=valid_lens)
+    if module.skip_padded_queries:
+        check_skip_padded_queries(valid_lens, num_queries, num_new_keys, cache)
+        valid_rows = torch.arange(num_queries, device=queries.device) < valid_lens[:, None]  # (b, lq)
+        request = request._replace(valid_rows=valid_rows)
+    if cache is not None or _validation.is_compiling():
+        return request
+    # Keys at or past the longest valid length are invisible to every query: skip them.
+    kept = max(int(valid_lens.max()), 1) if valid_lens.numel() else num_new_keys
+    if kept >= num_new_keys:
+        return request
+    trimmed = request.keys[:, :kept]
+    return request._replace(
+        keys=trimmed,
+        values=trimmed if request.values is request.keys else request.values[:, :kept],  # one tensor stays one
+        k_positions=request.k_positions[..., :kept],
+        key_padding_mask=None if request.key_padding_mask is None else request.key_padding_mask[:, :kept],
+        attn_mask=None if request.attn_mask is None else request.attn_mask[..., :kept],
+        key_documents=None if request.key_documents is None else request.key_documents[:, :kept],
+    )

@@ -136,154 +136,212 @@ class _BlockwiseAttention(torch.autograd.Function):
             grads = iter(torch.autograd.grad(out, sources, grad_out, create_graph=True, allow_unused=True))
             return (None, *(next(grads) if w else None for w in wanted))
         with torch.no_grad(), ctx.plan.using(params):
-            return _BlockwiseAttention._backward(ctx, grad_out)
+            return _Backward(ctx, grad_out).run()
 
-    @staticmethod
-    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        plan: _Plan = ctx.plan
-        q, k, v, out, lse, *params = ctx.saved_tensors
-        compute = _compute_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=compute, device=q.device)
-        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
-        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
-        param_grads: list[torch.Tensor | None] = [None] * len(params)
-        inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
 
-        def accumulate(grads: Sequence[torch.Tensor | None]) -> None:
-            for i, g in enumerate(grads):
-                if g is not None:
-                    previous = param_grads[i]
-                    param_grads[i] = g if previous is None else previous + g
+class _Backward:
+    """The blockwise backward pass: gradients gathered block by block, the probabilities recomputed.
 
-        def add_param_grad(i: int, g: torch.Tensor) -> None:
-            accumulate([None] * i + [g.to(params[i].dtype)])
+    A flash block hands its gradient to the CPU kernel; an explicit block recomputes its
+    probabilities, applies dropout's mask, the value term's and the clipped tables' gradients,
+    and hands the score gradient to the keys, the queries and the term's parameters.
+    """
 
-        workspace = _Workspace(q.device)
-        band = band_values = band_grad = None
-        if plan.band_base is not None:
-            with torch.set_grad_enabled(plan.bias_needs_grad):
-                band = plan.band(q[:1, :, : plan.block].to(compute))
-            band_values = plan.hide_future(band.detach())
-            if band.requires_grad:  # the score gradient of every block lands in one band-sized tensor
-                band_grad = torch.zeros(band.shape, dtype=band.dtype, device=band.device)
+    def __init__(self, ctx: Any, grad_out: torch.Tensor):
+        self.plan: _Plan = ctx.plan
+        self.value_sums: torch.Tensor | None = ctx.value_sums
+        self.q, self.k, self.v, self.out, self.lse, *self.params = ctx.saved_tensors
+        self.grad_out = grad_out
+        q, k, v = self.q, self.k, self.v
+        self.compute = compute = _compute_dtype(q.dtype)
+        self.dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+        self.dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+        self.dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+        self.param_grads: list[torch.Tensor | None] = [None] * len(self.params)
+        self.inverse_keep = 1.0 / dropout_keep_probability(self.plan.dropout_p)
+        self.workspace = _Workspace(q.device)
+        self.band = self.band_values = self.band_grad = None
+        if self.plan.band_base is not None:
+            with torch.set_grad_enabled(self.plan.bias_needs_grad):
+                self.band = self.plan.band(q[:1, :, : self.plan.block].to(compute))
+            self.band_values = self.plan.hide_future(self.band.detach())
+            if self.band.requires_grad:  # the score gradient of every block lands in one band-sized tensor
+                self.band_grad = torch.zeros(self.band.shape, dtype=self.band.dtype, device=self.band.device)
 
+    def run(self) -> tuple[torch.Tensor | None, ...]:
+        plan, q = self.plan, self.q
         for index, start, end, keys in plan.blocks():
-            qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
-            gb = grad_out[..., start:end, :]
+            gb = self.grad_out[..., start:end, :]
             if empty is not None:
                 gb = gb.masked_fill(empty, 0.0)  # the output of an empty row is a constant zero
-            if plan.flash_backward and plan.key_bias is not None:
-                mask: torch.Tensor | None = plan.key_mask(end - start)
-            elif plan.flash_backward:
-                if band_values is None:
-                    bias = plan.bias(qb.to(compute), start, end, keys)
-                else:
-                    bias = plan.window(band_values, start, end, keys)
-                mask = _float_mask(bias, visible, compute)
             if plan.flash_backward:
-                ob = out[..., start:end, :].to(q.dtype)
-                gq, gk, gv = _flash_backward(
-                    gb.contiguous(), qb, kb, vb, ob, lse[..., start:end], 0.0, False, attn_mask=mask, scale=plan.scale
-                )
-                dq[..., start:end, :] = gq
-                dk[..., :keys, :] += gk
-                dv[..., :keys, :] += gv
-                continue
+                self.flash_block(start, end, keys, visible, gb)
+            else:
+                self.explicit_block(index, start, end, keys, visible, gb)
+        if self.band is not None and self.band_grad is not None:
+            self.accumulate(torch.autograd.grad(self.band, self.params, self.band_grad, allow_unused=True))
+        dq, dk, dv = self.dq.to(q.dtype), self.dk.to(self.k.dtype), self.dv.to(self.v.dtype)
+        return (None, dq, dk, dv, *self.param_grads)
 
-            qc, kc, vc, gc = qb.to(compute), kb.to(compute), vb.to(compute), gb.to(compute)
-            q_leaf = qc.detach().requires_grad_(plan.queries_in_term)
-            clipped, split, k_wide = plan.clipped, None, None
-            bias = None
-            if clipped is not None:
-                split = clipped.split(start, end, keys, q.device)
-                probs, k_wide = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
-            else:
-                if band_values is None:
-                    with torch.set_grad_enabled(plan.bias_needs_grad):
-                        bias = plan.bias(q_leaf, start, end, keys)
-                else:
-                    bias = plan.window(band_values, start, end, keys)
-                probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
-            keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
-            g_scaled = gc if keep is None else gc * inverse_keep  # dropout's 1 / keep, on the small side
-            # Without a value term the dropped weights serve only the values' gradient: they are
-            # made in place from probs after its last use (no buffer, one stream fewer).
-            drop_late = keep is not None and not plan.value_term and (clipped is None or clipped.value_table is None)
-            dropped = probs
-            if keep is not None and not drop_late:
-                # the forward's weights, unscaled: probs with the same entries dropped
-                dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
-            if not drop_late:
-                _add_matmul(dv[..., :keys, :], dropped.transpose(-2, -1), g_scaled)
-            grad_buffer = workspace.get("grad", probs.shape, compute)
-            if clipped is not None and clipped.value_table is not None:
-                assert split is not None
-                first, last, distance_index = split
-                table = clipped.value_table.to(compute)
-                g_by_distance = torch.matmul(g_scaled, table.t())  # (b, h, block, 2K+1)
-                g_wide = torch.cat([g_scaled, _ends(g_by_distance)], dim=-1)  # (b, h, block, dv + 2)
-                v_wide = _with_indicators(
-                    vc, first, last, workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute)
+    def accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
+        for i, g in enumerate(grads):
+            if g is not None:
+                previous = self.param_grads[i]
+                self.param_grads[i] = g if previous is None else previous + g
+
+    def add_param_grad(self, i: int, g: torch.Tensor) -> None:
+        self.accumulate([None] * i + [g.to(self.params[i].dtype)])
+
+    def block_bias(self, q: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor | None:
+        if self.band_values is None:
+            return self.plan.bias(q, start, end, keys)
+        return self.plan.window(self.band_values, start, end, keys)
+
+    def flash_block(self, start: int, end: int, keys: int, visible: torch.Tensor | None, gb: torch.Tensor) -> None:
+        plan, q, k, v = self.plan, self.q, self.k, self.v
+        qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
+        if plan.key_bias is not None:
+            mask: torch.Tensor | None = plan.key_mask(end - start)
+        else:
+            mask = _float_mask(self.block_bias(qb.to(self.compute), start, end, keys), visible, self.compute)
+        ob = self.out[..., start:end, :].to(q.dtype)
+        gq, gk, gv = _flash_backward(
+            gb.contiguous(), qb, kb, vb, ob, self.lse[..., start:end], 0.0, False, attn_mask=mask, scale=plan.scale
+        )
+        self.dq[..., start:end, :] = gq
+        self.dk[..., :keys, :] += gk
+        self.dv[..., :keys, :] += gv
+
+    def explicit_block(
+        self, index: int, start: int, end: int, keys: int, visible: torch.Tensor | None, gb: torch.Tensor
+    ) -> None:
+        plan, compute, workspace = self.plan, self.compute, self.workspace
+        qc, kc = self.q[..., start:end, :].to(compute), self.k[..., :keys, :].to(compute)
+        vc, gc = self.v[..., :keys, :].to(compute), gb.to(compute)
+        q_leaf = qc.detach().requires_grad_(plan.queries_in_term)
+        clipped, split, k_wide, bias = plan.clipped, None, None, None
+        if clipped is not None:
+            split = clipped.split(start, end, keys, self.q.device)
+            probs, k_wide = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
+        else:
+            with torch.set_grad_enabled(plan.bias_needs_grad and self.band_values is None):
+                bias = self.block_bias(q_leaf, start, end, keys)
+            probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
+        keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
+        g_scaled = gc if keep is None else gc * self.inverse_keep  # dropout's 1 / keep, on the small side
+        # Without a value term the dropped weights serve only the values' gradient: they are
+        # made in place from probs after its last use (no buffer, one stream fewer).
+        drop_late = keep is not None and not plan.value_term and (clipped is None or clipped.value_table is None)
+        dropped = probs
+        if keep is not None and not drop_late:
+            # the forward's weights, unscaled: probs with the same entries dropped
+            dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
+        if not drop_late:
+            _add_matmul(self.dv[..., :keys, :], dropped.transpose(-2, -1), g_scaled)
+        grad_weights = self.weights_grad(start, end, keys, vc, g_scaled, dropped, split)
+        if keep is not None:
+            grad_weights = grad_weights.mul_(keep)
+        grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
+        if drop_late:
+            assert keep is not None
+            _add_matmul(self.dv[..., :keys, :], probs.mul_(keep).transpose(-2, -1), g_scaled)
+        self.queries_grad(start, end, qc, kc, grad_scores, split, k_wide)
+        _add_matmul(self.dk[..., :keys, :], grad_scores.transpose(-2, -1), qc * plan.scale)
+        self.term_grad(start, end, keys, grad_scores, bias, q_leaf)
+
+    def weights_grad(
+        self,
+        start: int,
+        end: int,
+        keys: int,
+        vc: torch.Tensor,
+        g_scaled: torch.Tensor,
+        dropped: torch.Tensor,
+        split: tuple[int, int, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The gradient of the block's (dropped) weights, ``(b, h, block, keys)``; the value tables' on the way."""
+        plan, compute = self.plan, self.compute
+        grad_buffer = self.workspace.get("grad", dropped.shape, compute)
+        clipped = plan.clipped
+        if clipped is not None and clipped.value_table is not None:
+            assert split is not None
+            first, last, distance_index = split
+            table = clipped.value_table.to(compute)
+            g_by_distance = torch.matmul(g_scaled, table.t())  # (b, h, block, 2K+1)
+            g_wide = torch.cat([g_scaled, _ends(g_by_distance)], dim=-1)  # (b, h, block, dv + 2)
+            v_wide = _with_indicators(
+                vc, first, last, self.workspace.get("v_wide", (*vc.shape[:-1], vc.shape[-1] + 2), compute)
+            )
+            grad_weights = torch.matmul(g_wide, v_wide.transpose(-2, -1), out=grad_buffer)
+            if last > first:
+                grad_weights[..., first:last] += torch.gather(
+                    g_by_distance, -1, distance_index.expand(*g_by_distance.shape[:-1], -1)
                 )
-                grad_weights = torch.matmul(g_wide, v_wide.transpose(-2, -1), out=grad_buffer)
-                if last > first:
-                    grad_weights[..., first:last] += torch.gather(
-                        g_by_distance, -1, distance_index.expand(*g_by_distance.shape[:-1], -1)
-                    )
-                if clipped.value_param is not None:
-                    sums = ctx.value_sums[..., start:end, :]  # (b, h, block, 2K+1), saved by the forward
-                    add_param_grad(
-                        clipped.value_param,
-                        sums.reshape(-1, sums.shape[-1]).t() @ g_scaled.reshape(-1, g_scaled.shape[-1]),
-                    )
-            else:
-                grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=grad_buffer)
-                if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
-                    with torch.enable_grad():
-                        weights_leaf = dropped.detach().requires_grad_(True)
-                        value = plan.value(weights_leaf, start, end, keys)
-                        grads = torch.autograd.grad(value, [weights_leaf, *params], g_scaled, allow_unused=True)
-                    if grads[0] is not None:
-                        grad_weights += grads[0]
-                    accumulate(grads[1:])
-            if keep is not None:
-                grad_weights = grad_weights.mul_(keep)
-            grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
-            if drop_late:
-                assert keep is not None
-                _add_matmul(dv[..., :keys, :], probs.mul_(keep).transpose(-2, -1), g_scaled)
-            if clipped is not None and clipped.key_table is not None and k_wide is not None:
-                assert split is not None
-                dq_wide = torch.matmul(grad_scores, k_wide)  # (b, h, block, d + 2)
-                table = clipped.key_table.to(compute)
-                sums = _per_distance(dq_wide, grad_scores, split, table.shape[0])  # (b, h, block, 2K+1)
-                dq[..., start:end, :] = dq_wide[..., :-2] * plan.scale + torch.matmul(sums, table) * clipped.key_scale
-                if clipped.key_param is not None:
-                    add_param_grad(
-                        clipped.key_param,
-                        (
-                            sums.reshape(-1, sums.shape[-1]).t()
-                            @ qc.expand(*sums.shape[:-1], -1).reshape(-1, qc.shape[-1])
-                        )
-                        * clipped.key_scale,
-                    )
-            else:
-                dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
-            _add_matmul(dk[..., :keys, :], grad_scores.transpose(-2, -1), qc * plan.scale)
-            if band_grad is not None:
-                window = plan.window(band_grad, start, end, keys)
-                window += grad_scores.sum_to_size(window.shape)
-            elif bias is not None and bias.requires_grad:
-                inputs = ([q_leaf] if plan.queries_in_term else []) + list(params)
-                grads = torch.autograd.grad(
-                    bias, inputs, grad_scores.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True
+            if clipped.value_param is not None:
+                assert self.value_sums is not None
+                sums = self.value_sums[..., start:end, :]  # (b, h, block, 2K+1), saved by the forward
+                self.add_param_grad(
+                    clipped.value_param, sums.reshape(-1, sums.shape[-1]).t() @ g_scaled.reshape(-1, g_scaled.shape[-1])
                 )
-                if plan.queries_in_term:
-                    if grads[0] is not None:
-                        dq[..., start:end, :] += grads[0]
-                    grads = grads[1:]
-                accumulate(grads)
-        if band is not None and band_grad is not None:
-            accumulate(torch.autograd.grad(band, params, band_grad, allow_unused=True))
-        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *param_grads)
+            return grad_weights
+        grad_weights = torch.matmul(g_scaled, vc.transpose(-2, -1), out=grad_buffer)
+        if plan.value_term:  # linear in the weights, so g * (1 / keep) gives its gradients with dropout
+            with torch.enable_grad():
+                weights_leaf = dropped.detach().requires_grad_(True)
+                value = plan.value(weights_leaf, start, end, keys)
+                grads = torch.autograd.grad(value, [weights_leaf, *self.params], g_scaled, allow_unused=True)
+            if grads[0] is not None:
+                grad_weights += grads[0]
+            self.accumulate(grads[1:])
+        return grad_weights
+
+    def queries_grad(
+        self,
+        start: int,
+        end: int,
+        qc: torch.Tensor,
+        kc: torch.Tensor,
+        grad_scores: torch.Tensor,
+        split: tuple[int, int, torch.Tensor] | None,
+        k_wide: torch.Tensor | None,
+    ) -> None:
+        """The block's query gradient, and with clipped key tables, the tables' gradient."""
+        plan, clipped = self.plan, self.plan.clipped
+        if clipped is None or clipped.key_table is None or k_wide is None:
+            self.dq[..., start:end, :] = torch.matmul(grad_scores, kc) * plan.scale
+            return
+        assert split is not None
+        dq_wide = torch.matmul(grad_scores, k_wide)  # (b, h, block, d + 2)
+        table = clipped.key_table.to(self.compute)
+        sums = _per_distance(dq_wide, grad_scores, split, table.shape[0])  # (b, h, block, 2K+1)
+        self.dq[..., start:end, :] = dq_wide[..., :-2] * plan.scale + torch.matmul(sums, table) * clipped.key_scale
+        if clipped.key_param is not None:
+            per_distance = sums.reshape(-1, sums.shape[-1]).t()
+            queries = qc.expand(*sums.shape[:-1], -1).reshape(-1, qc.shape[-1])
+            self.add_param_grad(clipped.key_param, (per_distance @ queries) * clipped.key_scale)
+
+    def term_grad(
+        self,
+        start: int,
+        end: int,
+        keys: int,
+        grad_scores: torch.Tensor,
+        bias: torch.Tensor | None,
+        q_leaf: torch.Tensor,
+    ) -> None:
+        """The score gradient into the term: its band, or autograd on the block's bias (parameters, queries)."""
+        plan = self.plan
+        if self.band_grad is not None:
+            window = plan.window(self.band_grad, start, end, keys)
+            window += grad_scores.sum_to_size(window.shape)
+            return
+        if bias is None or not bias.requires_grad:
+            return
+        inputs = ([q_leaf] if plan.queries_in_term else []) + list(self.params)
+        grads = torch.autograd.grad(bias, inputs, grad_scores.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True)
+        if plan.queries_in_term:
+            if grads[0] is not None:
+                self.dq[..., start:end, :] += grads[0]
+            grads = grads[1:]
+        self.accumulate(grads)

@@ -123,30 +123,11 @@ def blockwise_attention(
         ``(b, h, lq, dv)``.
     """
     dropout_p = require_probability("dropout_p", dropout_p)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"q, k and v must have shape (batch, heads, length, features), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"q, k, v do not fit together: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
-        raise ValueError(
-            f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
-        )
+    q_positions, k_positions = _check_inputs(q, k, v, term, q_positions, k_positions, mask)
     if block_size is not None:
         block_size = require_positive_int("block_size", block_size)
     batch, heads, num_queries, head_dim = q.shape
     num_keys = k.shape[-2]
-    if term is not None:
-        if k_positions is None:
-            k_positions = torch.arange(num_keys, device=q.device)
-        if q_positions is None:
-            q_positions = torch.arange(num_keys - num_queries, num_keys, device=q.device)
-        if q_positions.shape[-1] != num_queries or k_positions.shape[-1] != num_keys:
-            raise ValueError(
-                f"q_positions and k_positions must end in {num_queries} and {num_keys}, "
-                f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}"
-            )
     rules = [
         causal_rule() if causal else None,
         None if valid_lens is None else valid_lengths(valid_lens.to(q.device)),
@@ -168,3 +149,37 @@ def blockwise_attention(
         block_size=block_size,
     )
     return dispatch.run(call, dispatch.BLOCKWISE_ROUTES).out
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    term: ScoreTerm | None,
+    q_positions: torch.Tensor | None,
+    k_positions: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Raise for heads that do not fit or a mask that is not bool; the positions a term reads (defaults filled)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k and v must have shape (batch, heads, length, features), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"q, k, v do not fit together: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
+        raise ValueError(
+            f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
+        )
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    if term is not None:
+        if k_positions is None:
+            k_positions = torch.arange(num_keys, device=q.device)
+        if q_positions is None:
+            q_positions = torch.arange(num_keys - num_queries, num_keys, device=q.device)
+        if q_positions.shape[-1] != num_queries or k_positions.shape[-1] != num_keys:
+            raise ValueError(
+                f"q_positions and k_positions must end in {num_queries} and {num_keys}, "
+                f"got {tuple(q_positions.shape)} and {tuple(k_positions.shape)}"
+            )
+    return q_positions, k_positions

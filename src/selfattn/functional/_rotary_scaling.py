@@ -144,32 +144,8 @@ def _factors(rope_type: str, key: str, value: object) -> tuple[float, ...]:
     return tuple(_number(rope_type, f"{key}[{i}]", v, minimum=0.0, strict=True) for i, v in enumerate(values))
 
 
-def parse_rotary_scaling(
-    scaling: str | Mapping[str, Any] | None, scaling_factor: float = 1.0
-) -> RotaryScalingConfig | None:
-    """Validate a scaling given by name (with ``scaling_factor``) or as a Hugging Face dict.
-
-    Args:
-        scaling: ``None``; a type name (``"linear"``, ``"ntk"``, ...: then ``scaling_factor`` is
-            its ``factor``); or a ``rope_scaling`` / ``rope_parameters`` dict with ``"rope_type"``
-            (or the legacy ``"type"``) and the parameters of that type. ``"rope_theta"`` and
-            ``"partial_rotary_factor"`` entries are allowed (they describe the model; see
-            :meth:`RotaryPositionalEncoding.from_config`).
-        scaling_factor: the factor for a scaling given by name; must stay 1 with a dict.
-
-    Returns:
-        The validated config, or ``None`` for no scaling (``None`` or ``"default"``).
-
-    Raises:
-        ValueError: unknown type, missing or unknown keys, or a parameter out of range; the
-            message names them.
-    """
-    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real) or not scaling_factor >= 1.0:
-        raise ValueError(f"scaling_factor must be a number >= 1, got {scaling_factor!r}")
-    if scaling is None:
-        if scaling_factor != 1.0:
-            raise ValueError(f"scaling_factor={scaling_factor!r} needs scaling= (e.g. 'linear' or 'ntk')")
-        return None
+def _scaling_params(scaling: str | Mapping[str, Any], scaling_factor: float) -> dict[str, Any]:
+    """The scaling as a dict with a ``"rope_type"`` (a name with its factor, or a copy of the given dict)."""
     if isinstance(scaling, str):
         if scaling not in ROPE_TYPES:
             raise ValueError(f"scaling must be None, one of {', '.join(ROPE_TYPES)} or a dict; got {scaling!r}")
@@ -190,25 +166,11 @@ def parse_rotary_scaling(
             raise ValueError(f"scaling dict needs a 'rope_type' (or 'type') key, got keys {sorted(params)}")
     else:
         raise ValueError(f"scaling must be None, a type name or a dict, got {type(scaling).__name__}")
+    return params
 
-    rope_type = params.pop("rope_type")
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"unknown rope_type {rope_type!r}; known: {', '.join(ROPE_TYPES)}")
-    for key in _MODEL_KEYS:
-        params.pop(key, None)
-    required, optional = _REQUIRED[rope_type], _OPTIONAL.get(rope_type, ())
-    missing = [key for key in required if params.get(key) is None]
-    if missing:
-        raise ValueError(f"scaling {rope_type!r} needs {', '.join(missing)}")
-    unknown = sorted(key for key in params if key not in required and key not in optional)
-    if unknown:
-        raise ValueError(
-            f"scaling {rope_type!r} does not take {', '.join(unknown)}; it takes {', '.join(required + optional) or 'nothing'}"
-        )
-    given = tuple(key for key in required + optional if params.get(key) is not None)
-    if rope_type == "default":
-        return None
 
+def _checked_values(rope_type: str, params: dict[str, Any], given: tuple[str, ...]) -> dict[str, Any]:
+    """Each given parameter of ``rope_type`` checked against its range, and the checks across parameters."""
     values: dict[str, Any] = {}
     if "factor" in given:
         values["factor"] = _number(rope_type, "factor", params["factor"], minimum=1.0)
@@ -252,6 +214,55 @@ def parse_rotary_scaling(
                 f"scaling 'longrope': short_factor has {len(values['short_factor'])} entries but long_factor "
                 f"{len(values['long_factor'])}"
             )
+    return values
+
+
+def parse_rotary_scaling(
+    scaling: str | Mapping[str, Any] | None, scaling_factor: float = 1.0
+) -> RotaryScalingConfig | None:
+    """Validate a scaling given by name (with ``scaling_factor``) or as a Hugging Face dict.
+
+    Args:
+        scaling: ``None``; a type name (``"linear"``, ``"ntk"``, ...: then ``scaling_factor`` is
+            its ``factor``); or a ``rope_scaling`` / ``rope_parameters`` dict with ``"rope_type"``
+            (or the legacy ``"type"``) and the parameters of that type. ``"rope_theta"`` and
+            ``"partial_rotary_factor"`` entries are allowed (they describe the model; see
+            :meth:`RotaryPositionalEncoding.from_config`).
+        scaling_factor: the factor for a scaling given by name; must stay 1 with a dict.
+
+    Returns:
+        The validated config, or ``None`` for no scaling (``None`` or ``"default"``).
+
+    Raises:
+        ValueError: unknown type, missing or unknown keys, or a parameter out of range; the
+            message names them.
+    """
+    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real) or not scaling_factor >= 1.0:
+        raise ValueError(f"scaling_factor must be a number >= 1, got {scaling_factor!r}")
+    if scaling is None:
+        if scaling_factor != 1.0:
+            raise ValueError(f"scaling_factor={scaling_factor!r} needs scaling= (e.g. 'linear' or 'ntk')")
+        return None
+    params = _scaling_params(scaling, scaling_factor)
+    rope_type = params.pop("rope_type")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unknown rope_type {rope_type!r}; known: {', '.join(ROPE_TYPES)}")
+    for key in _MODEL_KEYS:
+        params.pop(key, None)
+    required, optional = _REQUIRED[rope_type], _OPTIONAL.get(rope_type, ())
+    missing = [key for key in required if params.get(key) is None]
+    if missing:
+        raise ValueError(f"scaling {rope_type!r} needs {', '.join(missing)}")
+    unknown = sorted(key for key in params if key not in required and key not in optional)
+    if unknown:
+        raise ValueError(
+            f"scaling {rope_type!r} does not take {', '.join(unknown)}; it takes {', '.join(required + optional) or 'nothing'}"
+        )
+    given = tuple(key for key in required + optional if params.get(key) is not None)
+    if rope_type == "default":
+        return None
+
+    values = _checked_values(rope_type, params, given)
     return RotaryScalingConfig(rope_type=rope_type, given=given, **values)
 
 
