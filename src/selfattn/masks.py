@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -93,14 +94,24 @@ def _batched(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class All(Rule):
+class _Joined(Rule):
+    """Rules joined by a logical operation (:attr:`join`)."""
+
     rules: tuple[Rule, ...]
+    join: ClassVar[Callable[..., torch.Tensor]]
 
     def allows(self, at: Indices) -> torch.Tensor:
-        return functools.reduce(torch.logical_and, (rule.allows(at) for rule in self.rules))
+        return functools.reduce(type(self).join, (rule.allows(at) for rule in self.rules))
 
     def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return functools.reduce(torch.logical_and, (rule.scalar(at, b, h) for rule in self.rules))
+        return functools.reduce(type(self).join, (rule.scalar(at, b, h) for rule in self.rules))
+
+
+@dataclass(frozen=True, eq=False)
+class All(_Joined):
+    """Every rule must allow the pair."""
+
+    join = staticmethod(torch.logical_and)
 
     def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
         low: int | None = None
@@ -113,14 +124,10 @@ class All(Rule):
 
 
 @dataclass(frozen=True, eq=False)
-class Any(Rule):
-    rules: tuple[Rule, ...]
+class Any(_Joined):
+    """One rule allowing the pair is enough."""
 
-    def allows(self, at: Indices) -> torch.Tensor:
-        return functools.reduce(torch.logical_or, (rule.allows(at) for rule in self.rules))
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return functools.reduce(torch.logical_or, (rule.scalar(at, b, h) for rule in self.rules))
+    join = staticmethod(torch.logical_or)
 
     def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
         bounds = [rule.key_bounds(q_low, q_high) for rule in self.rules]

@@ -129,6 +129,16 @@ class AttentionCall:
         self._facts: dict[str, Any] = {}
         self.four_d = all(t is None or t.dim() == 4 for t in (q, k, v))
 
+    @classmethod
+    def of_heads(
+        cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility: Visibility, **options: Any
+    ) -> AttentionCall:
+        """The call on given heads ``(b, h, lq, d)`` (other leading dimensions count as one batch and head)."""
+        lead = (q.shape[0] if q.dim() == 4 else 1, q.shape[-3] if q.dim() >= 3 else 1)
+        kv_heads = k.shape[-3] if k.dim() >= 3 else 1
+        shape = (*lead, kv_heads, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
+        return cls(shape=shape, visibility=visibility, device=q.device, dtype=q.dtype, q=q, k=k, v=v, **options)
+
     # ------------------------------------------------------------------ the heads, made on first use
 
     @property

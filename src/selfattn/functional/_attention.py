@@ -6,6 +6,8 @@ Shape legend:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import selfattn.core.dispatch as dispatch
@@ -13,11 +15,11 @@ from selfattn._validation import require_probability
 from selfattn.core.call import AttentionCall
 from selfattn.functional._kernels import (
     _check_groups,
-    _check_scores_term,
     _check_shapes,
     _scale,
     attention_weights,
     causal_mask,
+    check_mask_and_bias,
     valid_lens_mask,
 )
 from selfattn.masks import Visibility, dense
@@ -86,52 +88,21 @@ def attention(
     return (result.out, result.weights) if return_weights else result.out  # type: ignore[return-value]
 
 
-def describe_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    return_weights: bool = False,
-) -> AttentionCall:
-    """The checked :class:`~selfattn.core.call.AttentionCall` of :func:`attention` with these arguments.
+def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> AttentionCall:
+    """The checked :class:`~selfattn.core.call.AttentionCall` of :func:`attention` with these keyword arguments.
 
-    ``selfattn.core.dispatch.explain(describe_attention(...))`` says which route it takes.
+    ``selfattn.core.dispatch.explain(describe_attention(q, k, v, causal=True))`` says which
+    route that call takes.
     """
-    dropout_p = require_probability("dropout_p", dropout_p)
+    unknown = sorted(set(options) - {"mask", "bias", "causal", "dropout_p", "scale", "return_weights"})
+    if unknown:
+        raise TypeError(f"attention() got unexpected keyword arguments {', '.join(unknown)}")
+    dropout_p = require_probability("dropout_p", options.get("dropout_p", 0.0))
     _check_shapes(q, k, v)
     _check_groups(q, k, v)  # raises for heads that do not divide
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise ValueError(
-                f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
-            )
-        mask = _check_scores_term("mask", mask, q, k)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            raise ValueError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
-        bias = _check_scores_term("bias", bias, q, k)
-    scale = _scale(scale, q.shape[-1])
-    num_queries, num_keys = q.shape[-2], k.shape[-2]
-    lead = (q.shape[0] if q.dim() == 4 else 1, q.shape[-3] if q.dim() >= 3 else 1)
-    kv_heads = k.shape[-3] if k.dim() >= 3 else 1
-    call = AttentionCall(
-        shape=(*lead, kv_heads, num_queries, num_keys, q.shape[-1], v.shape[-1]),
-        visibility=Visibility.lower_right(
-            num_queries, num_keys, causal_rule() if causal else None, None if mask is None else dense(mask)
-        ),
-        device=q.device,
-        dtype=q.dtype,
-        q=q,
-        k=k,
-        v=v,
-        bias=bias,
-        dropout_p=dropout_p,
-        scale=scale,
-        return_weights=return_weights,
-    )
-    return call
+    mask, bias = check_mask_and_bias(options.get("mask"), options.get("bias"), q, k)
+    rules = (causal_rule() if options.get("causal") else None, None if mask is None else dense(mask))
+    return AttentionCall.of_heads(
+        q, k, v, Visibility.lower_right(q.shape[-2], k.shape[-2], *rules), bias=bias, dropout_p=dropout_p,
+        scale=_scale(options.get("scale"), q.shape[-1]), return_weights=bool(options.get("return_weights")),
+    )  # fmt: skip

@@ -126,28 +126,16 @@ def blockwise_attention(
     q_positions, k_positions = _check_inputs(q, k, v, term, q_positions, k_positions, mask)
     if block_size is not None:
         block_size = require_positive_int("block_size", block_size)
-    batch, heads, num_queries, head_dim = q.shape
-    num_keys = k.shape[-2]
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
     rules = [
         causal_rule() if causal else None,
         None if valid_lens is None else valid_lengths(valid_lens.to(q.device)),
         None if mask is None else dense(mask.reshape(1, -1) if mask.dim() < 2 else mask),
     ]
-    call = AttentionCall(
-        shape=(batch, heads, k.shape[1], num_queries, num_keys, head_dim, v.shape[-1]),
-        visibility=Visibility.lower_right(num_queries, num_keys, *rules),
-        device=q.device,
-        dtype=q.dtype,
-        q=q,
-        k=k,
-        v=v,
-        q_positions=q_positions,
-        k_positions=k_positions,
-        term=term,  # type: ignore[arg-type]  # any ScoreTerm: the routes use its declared capabilities
-        dropout_p=dropout_p,
-        scale=scale,
-        block_size=block_size,
-    )
+    call = AttentionCall.of_heads(
+        q, k, v, Visibility.lower_right(num_queries, num_keys, *rules), q_positions=q_positions,
+        k_positions=k_positions, term=term, dropout_p=dropout_p, scale=scale, block_size=block_size,
+    )  # fmt: skip
     return dispatch.run(call, dispatch.BLOCKWISE_ROUTES).out
 
 

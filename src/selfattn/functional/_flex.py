@@ -6,11 +6,11 @@ Shape legend: b batch, h heads, lq queries, lk keys, d head size, dv value size.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
 
+from selfattn.core.call import AttentionCall
 from selfattn.masks import Visibility, dense
 from selfattn.masks import causal as causal_rule
 
@@ -87,28 +87,18 @@ def flex_score_attention(
     Returns:
         ``(b, h, lq, dv)``.
     """
-    num_queries, num_keys = q.shape[-2], k.shape[-2]
-    visibility = Visibility.lower_right(num_queries, num_keys, causal_rule() if causal else None)
+    visibility = Visibility.lower_right(q.shape[-2], k.shape[-2], causal_rule() if causal else None)
     if mask is not None:
         visibility = visibility & dense(mask)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return flex_attention_with(
-        q, k, v, term=term, q_positions=q_positions, k_positions=k_positions, visibility=visibility, scale=scale
-    )
+    options = {"q_positions": q_positions, "k_positions": k_positions, "term": term, "scale": scale}
+    return flex_attention_with(AttentionCall.of_heads(q, k, v, visibility, **options), q, k, v)
 
 
-def flex_attention_with(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    term: Any,
-    q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
-    visibility: Visibility,
-    scale: float,
-) -> torch.Tensor:
-    """:func:`flex_score_attention` with the call's :class:`~selfattn.masks.Visibility`, ``(b, h, lq, dv)``."""
+def flex_attention_with(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:func:`flex_score_attention` for a described call (its term, positions, visibility, scale), ``(b, h, lq, dv)``."""
+    term, visibility = call.term, call.visibility
+    assert term is not None and call.q_positions is not None and call.k_positions is not None
+    q_positions, k_positions, scale = call.q_positions, call.k_positions, call.scale
     term_mod, _ = term.to_score_mod(q_positions=q_positions, k_positions=k_positions, q=q)
     allowed = visibility.predicate()
 

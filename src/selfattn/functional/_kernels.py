@@ -23,7 +23,7 @@ from selfattn._validation import (
 from selfattn.masks import Visibility, valid_lengths
 from selfattn.masks import causal as causal_rule
 
-__all__ = ["attention_weights", "causal_mask", "explicit_attention", "fused_attention", "valid_lens_mask"]
+__all__ = ["attention_weights", "causal_mask", "fused_attention", "valid_lens_mask"]
 
 # PyTorch's CPU flash kernel runs 3-7% faster on contiguous (b, h, l, d) heads than on the
 # transposed views a head split produces, once its O(lq * lk) work outweighs the O(l * d) copy
@@ -139,6 +139,23 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
     return term if term.dim() >= 2 else term.reshape(*([1] * (2 - term.dim())), *term.shape)  # (.., lq, lk)
 
 
+def check_mask_and_bias(
+    mask: object, bias: object, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``mask`` bool and ``bias`` float, each broadcastable to the scores ``(.., lq, lk)`` (at least 2-D)."""
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise ValueError(
+                f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
+            )
+        mask = _check_scores_term("mask", mask, q, k)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise ValueError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
+        bias = _check_scores_term("bias", bias, q, k)
+    return mask, bias
+
+
 def _scale(scale: object, head_size: int) -> float:
     return 1.0 / math.sqrt(head_size) if scale is None else require_positive_finite("scale", scale)
 
@@ -182,16 +199,7 @@ def _prepare(
     empty row too.
     """
     _check_shapes(q, k, v)
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise ValueError(
-                f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
-            )
-        mask = _check_scores_term("mask", mask, q, k)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            raise ValueError(f"bias must be a floating-point tensor, got {getattr(bias, 'dtype', type(bias).__name__)}")
-        bias = _check_scores_term("bias", bias, q, k)
+    mask, bias = check_mask_and_bias(mask, bias, q, k)
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     scale = _scale(scale, q.shape[-1])
 
@@ -342,33 +350,16 @@ def attention_weights(
     return weights if empty_rows is None else weights.masked_fill(empty_rows, 0.0)
 
 
-def explicit_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    causal: bool,
-    dropout_p: float,
-    scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Matmul, softmax, matmul: ``(b, h, lq, dv)`` output and the ``(b, h, lq, lk)`` weights (before dropout)."""
-    weights = attention_weights(q, k, mask=mask, bias=bias, causal=causal, scale=scale)
-    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    return torch.matmul(dropped, _repeat_kv(q, v)), weights
-
-
 def fused_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
     causal: bool,
     dropout_p: float,
     scale: float | None,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch's fused kernel with the bias folded into a float mask and empty rows zeroed, ``(b, h, lq, dv)``."""
     mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)

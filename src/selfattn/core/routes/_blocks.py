@@ -32,6 +32,16 @@ def blocks_decline(call: AttentionCall) -> str | None:
     return None
 
 
+def cpu_term_declines(call: AttentionCall) -> str | None:
+    """Why a route that hands a score term's blocks to the CPU flash kernel cannot take the call, or None."""
+    if call.term is None:
+        return "no score term"
+    reason = blocks_decline(call)
+    if reason is None and not call.on_cpu:
+        reason = "not on CPU (the flash kernel of these blocks is the CPU one)"
+    return reason
+
+
 def heads(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q (b, h, lq, d)``, and ``k, v`` repeated to every query head ``(b, h, lk, d)``: blocks take every head."""
     q = call.q

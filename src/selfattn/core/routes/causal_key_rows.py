@@ -10,19 +10,15 @@ import torch
 import selfattn.functional._block_key_rows as _block_key_rows
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
-from selfattn.core.routes._blocks import blocks_decline, heads
+from selfattn.core.routes._blocks import cpu_term_declines, heads
 from selfattn.functional._block_common import _compute_dtype
 
 __all__ = ["CAUSAL_KEY_ROWS"]
 
 
 def _declines(call: AttentionCall) -> str | None:
-    if call.term is None:
-        return "no score term"
-    reason = blocks_decline(call)
-    if reason is None and not call.on_cpu:
-        reason = "not on CPU (the flash chunks are the CPU kernel's)"
-    elif reason is None and not call.visibility.kernel_causal:
+    reason = cpu_term_declines(call)
+    if reason is None and not call.visibility.kernel_causal:
         reason = "not causal alone on a square"
     elif reason is None and call.block_size is not None:
         reason = "a block size was set"

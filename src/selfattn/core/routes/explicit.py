@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
-from selfattn.functional._kernels import _repeat_kv, attention_weights, explicit_attention
+from selfattn.functional._kernels import _repeat_kv, attention_weights
 
 __all__ = ["EXPLICIT", "EXPLICIT_VALUE_TERM"]
 
@@ -19,27 +19,21 @@ def _declines_weights(call: AttentionCall) -> str | None:
     return None if call.return_weights else "the weights were not asked for"
 
 
-def _run_weights(call: AttentionCall) -> Output:
-    out, weights = explicit_attention(
-        call.q, call.k, call.v, mask=call.visibility.dense(call.device), bias=call.full_bias(), causal=False,
-        dropout_p=call.dropout_p, scale=call.scale,
-    )  # fmt: skip
-    return Output(out, weights if call.return_weights else None)
-
-
 def _declines_value_term(call: AttentionCall) -> str | None:
     return None if call.value_term else "no value term"
 
 
-def _run_value_term(call: AttentionCall) -> Output:
-    assert call.term is not None and call.q_positions is not None and call.k_positions is not None
+def _run(call: AttentionCall) -> Output:
+    """``weights @ v`` (plus the term's value term), and the weights before dropout."""
     mask = call.visibility.dense(call.device)
     weights = attention_weights(call.q, call.k, mask=mask, bias=call.full_bias(), scale=call.scale)
     dropped = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0 else weights
-    value = call.term.value_term(dropped, q_positions=call.q_positions, k_positions=call.k_positions)
-    out = torch.matmul(dropped, _repeat_kv(call.q, call.v)) + value  # (b, h, lq, dv)
+    out = torch.matmul(dropped, _repeat_kv(call.q, call.v))  # (b, h, lq, dv)
+    if call.term is not None and call.value_term:
+        assert call.q_positions is not None and call.k_positions is not None
+        out = out + call.term.value_term(dropped, q_positions=call.q_positions, k_positions=call.k_positions)
     return Output(out, weights if call.return_weights else None)
 
 
-EXPLICIT_VALUE_TERM = Route("explicit value term", _declines_value_term, _run_value_term)
-EXPLICIT = Route("explicit", _declines_weights, _run_weights)
+EXPLICIT_VALUE_TERM = Route("explicit value term", _declines_value_term, _run)
+EXPLICIT = Route("explicit", _declines_weights, _run)

@@ -31,13 +31,7 @@ def _declines(call: AttentionCall) -> str | None:
 
 
 def _run(call: AttentionCall) -> Output:
-    assert call.q_positions is not None and call.k_positions is not None
-    q, k, v = heads(call)
-    out = flex_attention_with(
-        q, k, v, term=call.term, q_positions=call.q_positions, k_positions=call.k_positions,
-        visibility=call.visibility, scale=call.scale,
-    )  # fmt: skip
-    return Output(out)
+    return Output(flex_attention_with(call, *heads(call)))
 
 
 FLEX = Route("flex", _declines, _run)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
-from selfattn.core.routes._blocks import blocks_decline, plan_for, run_plan
+from selfattn.core.routes._blocks import cpu_term_declines, plan_for, run_plan
 from selfattn.functional._block_common import _compute_dtype
 from selfattn.functional._block_key_rows import _key_only_bias
 
@@ -15,12 +15,8 @@ __all__ = ["KEY_ROW"]
 
 
 def _declines(call: AttentionCall) -> str | None:
-    if call.term is None:
-        return "no score term"
-    reason = blocks_decline(call)
-    if reason is None and not call.on_cpu:
-        reason = "not on CPU (the flash blocks are the CPU kernel's)"
-    elif reason is None and call.visibility.causal:
+    reason = cpu_term_declines(call)
+    if reason is None and call.visibility.causal:
         reason = "causal: each query sees other keys"
     elif reason is None and not call.simple_term:
         reason = "the term needs gradients, reads the queries, adds to the values, or there is dropout"
