@@ -18,6 +18,7 @@ __all__ = [
     "LazyChoices",
     "OneLineErrorParser",
     "kind_names",
+    "add_kind_argument",
     "non_negative_int",
     "positive_float",
     "positive_int",
@@ -106,6 +107,17 @@ def _registry_names() -> Iterable[str]:
 def kind_names() -> LazyChoices:
     """Encodings :func:`selfattn.positional.build` knows, loaded when first needed."""
     return LazyChoices(_registry_names)
+
+
+def add_kind_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kind``: the encoding, one of the registry's names (listed lazily: torch loads only when asked)."""
+    parser.add_argument(
+        "--kind",
+        choices=kind_names(),
+        default="sinusoidal",
+        metavar="KIND",
+        help="the encoding: %(choices)s (default: %(default)s)",
+    )
 
 
 def stderr_line(message: str) -> None:

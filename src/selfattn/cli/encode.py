@@ -10,7 +10,7 @@ from selfattn._atomic import atomic_write_path
 from selfattn.cli._args import (
     ExamplesFormatter,
     OneLineErrorParser,
-    kind_names,
+    add_kind_argument,
     non_negative_int,
     positive_float,
     positive_int,
@@ -37,13 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         "  selfattn encode --kind alibi -n 16 -d 32 --heads 8 -o alibi.pt",
         formatter_class=ExamplesFormatter,
     )
-    parser.add_argument(
-        "--kind",
-        choices=kind_names(),
-        default="sinusoidal",
-        metavar="KIND",
-        help="the encoding: %(choices)s (default: %(default)s)",
-    )
+    add_kind_argument(parser)
     parser.add_argument("-n", "--num-steps", type=positive_int, default=60, metavar="N", help="positions (default 60)")
     parser.add_argument(
         "-d", "--num-hiddens", type=positive_int, default=32, metavar="D", help="model size (default 32)"

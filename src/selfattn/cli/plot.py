@@ -10,7 +10,7 @@ from selfattn._atomic import atomic_write_path
 from selfattn.cli._args import (
     ExamplesFormatter,
     OneLineErrorParser,
-    kind_names,
+    add_kind_argument,
     positive_int,
     require_memory,
     require_output,
@@ -40,13 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         "  selfattn plot --kind alibi --figure panel --causal -o alibi-causal.png",
         formatter_class=ExamplesFormatter,
     )
-    parser.add_argument(
-        "--kind",
-        choices=kind_names(),
-        default="sinusoidal",
-        metavar="KIND",
-        help="the encoding: %(choices)s (default: %(default)s)",
-    )
+    add_kind_argument(parser)
     parser.add_argument("--figure", choices=FIGURES, default="panel", help="which figure (default: panel)")
     parser.add_argument("-n", "--num-steps", type=positive_int, default=32, metavar="N", help="positions (default 32)")
     parser.add_argument(
