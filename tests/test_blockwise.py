@@ -17,7 +17,6 @@ from selfattn.functional import (
     dropout_keep_probability,
     flex_score_attention,
 )
-from selfattn.functional._flex import FLEX_MIN_HEAD_SIZE, flex_applies
 from selfattn.positional import build
 
 HEADS, HEAD_DIM = 4, 8
@@ -410,15 +409,6 @@ def test_flex_attention_names_itself_to_the_profiler():
             q, k, v, term=make_term("alibi", torch.float32), q_positions=positions, k_positions=positions
         )
     assert "selfattn::flex_attention" in {event.key for event in prof.key_averages()}
-
-
-def test_flex_takes_head_sizes_from_16_on_cuda_only():
-    assert FLEX_MIN_HEAD_SIZE == 16
-    small, large = torch.zeros(1, 1, 2, 8, device="meta"), torch.zeros(1, 1, 2, 16, device="meta")
-    assert not flex_applies(large, large)  # not CUDA
-    if torch.cuda.is_available():  # pragma: no cover - GPU only
-        small, large = torch.zeros(1, 1, 2, 8, device="cuda"), torch.zeros(1, 1, 2, 16, device="cuda")
-        assert flex_applies(large, large) and not flex_applies(small, large) and not flex_applies(large, small)
 
 
 def test_functional_attention_with_dropout_runs_blockwise():

@@ -226,16 +226,23 @@ class ForwardOnly(torch.nn.Module):
         (build("t5", num_hiddens=32, num_heads=H), 16, {}, "flex", None),
         (FIREPositionalBias(H), 16, {}, "blockwise", "compiles_in_flex"),
         (ALiBiPositionalBias(H), 8, {}, "blockwise band", "head size below 16"),
+        (ALiBiPositionalBias(H), 15, {}, "blockwise band", "head size below 16"),
         (ALiBiPositionalBias(H), 16, {"dropout_p": 0.1}, "blockwise band", "dropout"),
         (ShawRelativePositionEncoding(16, max_distance=2), 16, {}, "blockwise clipped", "value term"),
     ],
-    ids=["alibi", "t5", "fire", "small heads", "dropout", "shaw values"],
+    ids=["alibi", "t5", "fire", "heads of 8", "heads of 15", "dropout", "shaw values"],
 )
 def test_cuda_selection(term, head_dim, options, expected, reason):
     explanation = dispatch.explain(_cuda_call(term, head_dim, **options))
     assert explanation.route == expected, str(explanation)
     if reason is not None:
         assert reason in dict(explanation.declined)["flex"]
+
+
+def test_flex_only_on_cuda():
+    call = _cuda_call(ALiBiPositionalBias(H))
+    call.device = torch.device("cpu")
+    assert dict(dispatch.explain(call).declined)["flex"] == "not on CUDA"
 
 
 def test_a_forward_only_term_is_not_sent_to_flex():

@@ -14,18 +14,13 @@ from selfattn.core.call import AttentionCall
 from selfattn.masks import Visibility, dense
 from selfattn.masks import causal as causal_rule
 
-__all__ = ["flex_applies", "flex_attention_with", "flex_score_attention"]
+__all__ = ["flex_attention_with", "flex_score_attention"]
 
 #: FlexAttention's compiled CUDA kernel rejects smaller head sizes ("NYI: embedding dimension of
 #: the query, key, and value must be at least 16", seen with torch 2.11 on an H100).
 FLEX_MIN_HEAD_SIZE = 16
 #: Compiled variants of the FlexAttention frame kept before dynamo falls back to eager.
 FLEX_RECOMPILE_LIMIT = 64
-
-
-def flex_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether :func:`flex_score_attention` should take ``q`` ``(..., d)`` and ``v`` ``(..., dv)``: on CUDA, d, dv >= 16."""
-    return q.device.type == "cuda" and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_SIZE
 
 
 @functools.cache
