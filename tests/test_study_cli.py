@@ -48,6 +48,8 @@ def test_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert set(results["summary"]["copy"]["learned"]) >= {"in_distribution", "beyond", "spread"}
     html = (out / "study.html").read_text()
     assert "Relative vs absolute" in html and "Learned vs fixed" in html and "cannot extrapolate" in html
+    assert "a smoke test of the pipeline, not a measurement" in html  # --quick settings
+    assert "trained models answer the chapter's exercises" not in html
     for stem in ("accuracy_copy", "accuracy_reverse", "learned_vs_sinusoidal"):
         assert (out / "figures" / f"{stem}.png").stat().st_size > 0
         assert (out / "figures" / f"{stem}.svg").read_text().lstrip().startswith("<?xml")

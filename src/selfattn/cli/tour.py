@@ -33,7 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         default=Path("selfattn-report"),
         help="output folder (default: ./selfattn-report)",
     )
-    parser.add_argument("--quick", action="store_true", help="smaller sweeps: under a minute on 2 cores")
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller sweeps: a smoke test of every section, not a measurement"
+    )
     parser.add_argument(
         "--study", metavar="DIR", type=Path, default=None,
         help="a `selfattn study` output folder: section 8 also shows its trained deep stacks "

@@ -6,27 +6,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from selfattn.study.runner import Grid
-from selfattn.study.training import ENCODINGS, StudyConfig
+from selfattn.study.training import ENCODINGS, QUICK, StudyConfig
 
 __all__ = ["DEFAULT_TASKS", "QUICK", "study_settings"]
 
 DEFAULT_TASKS = ("copy", "reverse", "sort", "addition")
 DEFAULT_SEEDS = 3
-# --quick: a smoke test of the whole pipeline, not a measurement.
-QUICK = StudyConfig(
-    steps=30,
-    batch_size=16,
-    warmup=5,
-    check_every=10,
-    ema_decay=0.9,
-    train_len=4,
-    eval_factor=2,
-    eval_samples=8,
-    num_hiddens=16,
-    num_heads=2,
-    num_layers=1,
-    ffn_hiddens=32,
-)
 QUICK_TASKS = ("copy", "reverse")
 QUICK_ENCODINGS = ("none", "rotary", "learned")
 

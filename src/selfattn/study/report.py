@@ -5,6 +5,7 @@ Every number in the report is read from the results or measured here from a save
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, cast
@@ -16,7 +17,7 @@ from selfattn._atomic import write_text
 from selfattn.positional.learned import LearnedPositionalEncoding
 from selfattn.study.figures import accuracy_figure, learned_table_figure
 from selfattn.study.tasks import get_task
-from selfattn.study.training import RunSpec, StudyConfig, build_model, encoding_label, evaluated_weights
+from selfattn.study.training import QUICK, RunSpec, StudyConfig, build_model, encoding_label, evaluated_weights
 
 __all__ = ["learned_table_analysis", "write_report"]
 
@@ -104,6 +105,8 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     figures.mkdir(parents=True, exist_ok=True)
     config = dict(results["config"])
     config["eval_len"] = config["eval_factor"] * config["train_len"]
+    quick = dataclasses.asdict(QUICK)
+    config["smoke_test"] = all(config.get(key) == value for key, value in quick.items() if key in config)
     # Each run records its schedule (the per-task budget unless --steps set one for all) and the
     # steps it took (fewer when a check stopped it).
     scheduled = {str(r["task"]): int(r.get("scheduled_steps", r["steps"])) for r in results["runs"]}

@@ -83,7 +83,7 @@ def study_section_html(folder: Path | None = None) -> str:
     if study is None:
         return (
             f"{head}<p>No study found in <code>{html.escape(str(folder))}</code>. The exercises are answered with "
-            "trained models by <code>selfattn study</code> (about an hour on 2 CPU cores: "
+            "trained models by <code>selfattn study</code> (about 45 minutes on 2 CPU cores: "
             "<code>torchrun --standalone --nproc_per_node 2 -m selfattn study</code>; <code>selfattn study --quick</code> "
             "for a smoke test); rerun the tour afterwards, or point <code>SELFATTN_STUDY</code> at its folder.</p>"
         )

@@ -31,6 +31,7 @@ from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
 __all__ = [
     "ABSOLUTE_OR_ROTARY",
     "ENCODINGS",
+    "QUICK",
     "TASK_STEPS",
     "RunSpec",
     "encoding_label",
@@ -141,6 +142,23 @@ class StudyConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# --quick: a smoke test of the whole pipeline, not a measurement.
+QUICK = StudyConfig(
+    steps=30,
+    batch_size=16,
+    warmup=5,
+    check_every=10,
+    ema_decay=0.9,
+    train_len=4,
+    eval_factor=2,
+    eval_samples=8,
+    num_hiddens=16,
+    num_heads=2,
+    num_layers=1,
+    ffn_hiddens=32,
+)
 
 
 @dataclass(frozen=True)
