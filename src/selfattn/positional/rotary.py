@@ -46,7 +46,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
       turned by ``position * (w_new - w_old)`` (rotations of one plane add up), so every step
       of one attention layer equals a full pass over the sequence so far (in a deeper stack the
       later layers' cached keys come from hidden states made at earlier frequencies, which no
-      rotation undoes: 1.5e-4 apart in a 2-layer model). It costs one rotation of the cache per step
+      rotation undoes). It costs one rotation of the cache per step
       while the frequencies keep changing (every step past ``L0`` for ``dynamic``, once for
       ``longrope``), and each turn rounds once in the cache's dtype.
     * ``cached_keys="keep"``: cached keys stay as they were rotated (Hugging Face's
