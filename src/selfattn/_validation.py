@@ -96,3 +96,8 @@ def is_compiling() -> bool:
     compiler would see in eager mode.
     """
     return bool(torch.compiler.is_compiling())
+
+
+def in_func_transform() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, ...) is running: autograd Functions without functorch rules cannot."""
+    return torch._C._functorch.peek_interpreter_stack() is not None

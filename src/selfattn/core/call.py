@@ -125,7 +125,7 @@ class AttentionCall:
         self.inputs = inputs
         self.compiling = _validation.is_compiling()
         # Inside torch.func.grad / vmap: custom autograd Functions without functorch rules cannot run.
-        self.transformed = torch._C._functorch.peek_interpreter_stack() is not None
+        self.transformed = _validation.in_func_transform()
         self._facts: dict[str, Any] = {}
         self.four_d = all(t is None or t.dim() == 4 for t in (q, k, v))
 

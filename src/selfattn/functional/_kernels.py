@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import selfattn._validation as _validation
 from selfattn._validation import (
     ArgumentTypeError,
     require_non_negative_int,
@@ -281,8 +282,8 @@ def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, options: dict[str, Any]
 ) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
-    transformed = torch._C._functorch.peek_interpreter_stack() is not None  # torch.func: plain ops only
-    if needs_grad and options["dropout_p"] == 0.0 and not torch.compiler.is_compiling() and not transformed:
+    plain_ops_only = torch.compiler.is_compiling() or _validation.in_func_transform()
+    if needs_grad and options["dropout_p"] == 0.0 and not plain_ops_only:
         out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)  # type: ignore[no-untyped-call]
         return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)

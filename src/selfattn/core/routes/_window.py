@@ -27,10 +27,6 @@ def window_block(window: int) -> int:
     return max(16, min(64, 8 * window))
 
 
-def _window_block(window: int) -> int:
-    return window_block(window)  # looked up at call time: tests set other block sizes
-
-
 def window_declines(call: AttentionCall) -> str | None:
     """Why neither window route can take the call, or None."""
     window = call.visibility.window
@@ -44,6 +40,6 @@ def window_declines(call: AttentionCall) -> str | None:
         return "a float bias (attn_mask) is given"
     if not (call.visibility.square and call.visibility.k_first == 0):
         return "queries and keys are not one whole sequence (a cache, cross-attention)"
-    if call.num_queries <= 2 * (_window_block(window) + 2 * (window - 1)):
+    if call.num_queries <= 2 * (window_block(window) + 2 * (window - 1)):
         return "too short for bands to pay"
     return None
