@@ -57,6 +57,11 @@ def naive_mha(mha, queries, keys, values, visible, q_positions, k_positions):
     q = _project(mha.W_q, queries).reshape(b, lq, h, dh)
     k = _project(mha.W_k, keys).reshape(b, lk, hk, dh)
     v = _project(mha.W_v, values).reshape(b, lk, hk, dh)
+    if getattr(mha, "q_norm", None) is not None:  # RMSNorm of every head's vector, before the rotation
+        q, k = _rms_norm(q, mha.q_norm), _rms_norm(k, mha.k_norm)
+    scale = 1 / math.sqrt(dh) if getattr(mha, "scale", None) is None else mha.scale
+    softcap = getattr(mha, "softcap", None)
+    sinks = None if getattr(mha, "sinks", None) is None else mha.sinks.detach().double().numpy()
     q_positions, k_positions = np.asarray(q_positions), np.asarray(k_positions)
     visible = np.asarray(visible)
     if visible.ndim == 3:
@@ -77,7 +82,7 @@ def naive_mha(mha, queries, keys, values, visible, q_positions, k_positions):
                     continue
                 scores = []
                 for j in cols:
-                    s = qh[i] @ kh[j] / math.sqrt(dh)
+                    s = qh[i] @ kh[j] * scale
                     rel = int(k_positions[bi, j] - q_positions[bi, i])  # key - query
                     if isinstance(enc, ALiBiPositionalBias):
                         s += -_alibi_slope(hi, h) * (-rel if enc.causal else abs(rel))
@@ -87,10 +92,13 @@ def naive_mha(mha, queries, keys, values, visible, q_positions, k_positions):
                     elif isinstance(enc, ShawRelativePositionEncoding) and enc.key_embeddings is not None:
                         row = max(-enc.max_distance, min(enc.max_distance, rel)) + enc.max_distance
                         s += qh[i] @ enc.key_embeddings[row].detach().double().numpy() / math.sqrt(dh)
+                    if softcap is not None:
+                        s = softcap * math.tanh(s / softcap)
                     scores.append(s)
                 scores = np.array(scores)
-                w = np.exp(scores - scores.max())
-                w /= w.sum()
+                top = scores.max() if sinks is None else max(scores.max(), sinks[hi])
+                w = np.exp(scores - top)
+                w /= w.sum() + (0.0 if sinks is None else math.exp(sinks[hi] - top))
                 weights[bi, hi, i, cols] = w
                 out[bi, i, hi] = sum(wj * vh[j] for wj, j in zip(w, cols, strict=True))
                 if isinstance(enc, ShawRelativePositionEncoding) and enc.value_embeddings is not None:
@@ -99,7 +107,15 @@ def naive_mha(mha, queries, keys, values, visible, q_positions, k_positions):
                         row = max(-enc.max_distance, min(enc.max_distance, rel)) + enc.max_distance
                         out[bi, i, hi] += wj * enc.value_embeddings[row].detach().double().numpy()
     merged = out.reshape(b, lq, h * dh)
+    if getattr(mha, "W_g", None) is not None:
+        merged = merged / (1 + np.exp(-_project(mha.W_g, queries)))
     return torch.from_numpy(_project(mha.W_o, torch.from_numpy(merged))), torch.from_numpy(weights)
+
+
+def _rms_norm(x, norm):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis."""
+    weight = norm.weight.detach().double().numpy()
+    return x / np.sqrt((x**2).mean(axis=-1, keepdims=True) + norm.eps) * weight
 
 
 def visibility(b, lq, lk, *, causal=False, valid_lens=None, key_padding=None, documents=None, window=None, first=None):

@@ -21,7 +21,7 @@ from torch import nn
 
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
-from selfattn._validation import require_positive_int, require_probability
+from selfattn._validation import require_positive_finite, require_positive_int, require_probability
 from selfattn.cache import KVCache
 from selfattn.core.call import AttentionCall, ModuleInputs
 from selfattn.core.dispatch import Explanation
@@ -91,6 +91,19 @@ class MultiHeadAttention(nn.Module):
         dtype: dtype of the parameters.
         block_size: queries per block when attention goes blockwise (score encodings, dropout);
             default :func:`~selfattn.functional.choose_block_size` from the sizes of each call.
+        scale: the softmax's score scale (default ``1 / sqrt(dh)``): Gemma's
+            ``query_pre_attn_scalar ** -0.5``, T5's 1.
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``): each scaled score
+            plus the score term's bias ``x`` becomes ``softcap * tanh(x / softcap)``, before the mask.
+        sinks: a learnable sink logit per query head (gpt-oss), the parameter ``sinks`` ``(h,)``
+            (zeros at first): it joins each softmax's denominator and adds no value, so a query
+            may give part of its attention to nothing.
+        qk_norm: RMSNorm over each head of the queries and of the keys, after projection and
+            before the rotation (Qwen3, OLMo 2, Gemma 3): the modules ``q_norm`` and ``k_norm``
+            with ``(dh,)`` weights.
+        qk_norm_eps: the RMSNorm's epsilon.
+        gated_output: a sigmoid gate per output feature, ``sigmoid(W_g(queries))``, multiplies
+            the merged heads before ``W_o`` (Qwen3-Next's full-attention layers).
         skip_padded_queries: self-attention over a padded batch with per-sequence ``valid_lens``
             ``(b,)``: rows ``i >= valid_lens[s]`` of sequence ``s`` are padding as queries too.
             Their output (and attention weights) are exactly zero, with no ``W_o`` bias, and
@@ -119,6 +132,12 @@ class MultiHeadAttention(nn.Module):
         window: int | None = None,
         block_size: int | None = None,
         skip_padded_queries: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6,
+        gated_output: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -147,12 +166,24 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(skip_padded_queries, bool):
             raise ValueError(f"skip_padded_queries must be True or False, got {skip_padded_queries!r}")
         self.skip_padded_queries = skip_padded_queries
+        self.scale = None if scale is None else require_positive_finite("scale", scale)
+        self.softcap = None if softcap is None else require_positive_finite("softcap", softcap)
+        for name, flag in (("sinks", sinks), ("qk_norm", qk_norm), ("gated_output", gated_output)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         kv_hiddens = self.num_kv_heads * self.head_dim
         self.W_q = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory)
         self.W_k = nn.Linear(self.key_size, kv_hiddens, bias=bias, **factory)
         self.W_v = nn.Linear(self.value_size, kv_hiddens, bias=bias, **factory)
         self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias, **factory)
+        self.W_g = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory) if gated_output else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            eps = require_positive_finite("qk_norm_eps", qk_norm_eps)
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=eps, **factory)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=eps, **factory)
 
     def reset_parameters(self) -> None:
         """Reset ``position`` (built before this module), then re-draw the projections as ``nn.Linear`` does.
@@ -163,8 +194,12 @@ class MultiHeadAttention(nn.Module):
         reset = getattr(self.position, "reset_parameters", None)
         if callable(reset):
             reset()
-        for linear in (self.W_q, self.W_k, self.W_v, self.W_o):
-            linear.reset_parameters()
+        for layer in (self.W_q, self.W_k, self.W_v, self.W_o, self.W_g, self.q_norm, self.k_norm):
+            if layer is not None:
+                layer.reset_parameters()
+        if self.sinks is not None:
+            with torch.no_grad():
+                self.sinks.zero_()
 
     @classmethod
     def from_torch(
@@ -319,6 +354,27 @@ class MultiHeadAttention(nn.Module):
         assert isinstance(self.position, QueryKeyEncoding)
         return self.position
 
+    def project_queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Query heads ``(b, h, lq, dh)`` from ``(b, lq, dq)``: ``W_q``, QK-norm, then the rotation at ``positions``."""
+        q = self.split_heads(self.W_q(x))  # (b, h, lq, dh)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return self.query_key_encoding.encode_queries(q, _per_head(positions)) if self.rotates else q
+
+    def project_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Key heads ``(b, hk, lk, dh)`` from ``(b, lk, dk)``: ``W_k``, QK-norm, then the rotation at ``positions``."""
+        k = self.split_heads(self.W_k(x), self.num_kv_heads)  # (b, hk, lk, dh)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return self.query_key_encoding.encode_keys(k, _per_head(positions)) if self.rotates else k
+
+    def project_output(self, merged: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """``W_o`` of the merged heads ``(b, lq, h * dh)``, gated by ``sigmoid(W_g(queries))`` first when gated."""
+        if self.W_g is not None:
+            merged = merged * torch.sigmoid(self.W_g(queries))  # (b, lq, h * dh)
+        out: torch.Tensor = self.W_o(merged)  # (b, lq, d)
+        return out
+
     # ------------------------------------------------------------------ the steps of forward
 
     def _finish(
@@ -329,7 +385,10 @@ class MultiHeadAttention(nn.Module):
         if result.stage == "heads":
             out = out.transpose(1, 2).flatten(2)  # (b, h, lq, dh) -> (b, lq, d)
         if result.stage != "projected":
-            out = self.W_o(out)  # (b, lq, d)
+            queries = request.queries
+            if self.W_g is not None and request.valid_rows is not None:  # padded rows reach no gate
+                queries = queries.masked_fill(~request.valid_rows[:, :, None], 0.0)
+            out = self.project_output(out, queries)  # (b, lq, d)
         if request.valid_rows is not None:
             out = out.masked_fill(~request.valid_rows[:, :, None], 0.0)  # padded query rows: zero, no W_o bias
         if request.cache is not None:
@@ -360,15 +419,13 @@ class MultiHeadAttention(nn.Module):
             return zeroed[0]
 
         def make_q() -> torch.Tensor:
-            q = self.split_heads(self.W_q(inputs()[0]))  # (b, h, lq, dh)
-            return self.query_key_encoding.encode_queries(q, _per_head(request.q_positions)) if self.rotates else q
+            return self.project_queries(inputs()[0], request.q_positions)  # (b, h, lq, dh)
 
         def project_kv() -> tuple[torch.Tensor, torch.Tensor]:
-            k = self.split_heads(self.W_k(inputs()[1]), self.num_kv_heads)  # (b, hk, lk_new, dh)
-            v = self.split_heads(self.W_v(inputs()[2]), self.num_kv_heads)  # (b, hk, lk_new, dh)
             if self.rotates:
                 self._update_cached_keys(request)
-                k = self.query_key_encoding.encode_keys(k, _per_head(request.k_positions))
+            k = self.project_keys(inputs()[1], request.k_positions)  # (b, hk, lk_new, dh)
+            v = self.split_heads(self.W_v(inputs()[2]), self.num_kv_heads)  # (b, hk, lk_new, dh)
             return k, v
 
         seen = _Seen.new_keys(request)
@@ -394,6 +451,9 @@ class MultiHeadAttention(nn.Module):
             term=self.position if isinstance(self.position, ScoreEncoding) else None,
             bias=bias,
             dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
+            softcap=self.softcap,
+            sinks=self.sinks,
             return_weights=request.return_weights,
             block_size=self.block_size,
             inputs=ModuleInputs(
@@ -439,4 +499,9 @@ class MultiHeadAttention(nn.Module):
         extra = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
         extra += "" if self.window is None else f", window={self.window}"
         extra += ", skip_padded_queries=True" if self.skip_padded_queries else ""
+        extra += "" if self.scale is None else f", scale={self.scale}"
+        extra += "" if self.softcap is None else f", softcap={self.softcap}"
+        extra += ", sinks=True" if self.sinks is not None else ""
+        extra += ", qk_norm=True" if self.q_norm is not None else ""
+        extra += ", gated_output=True" if self.W_g is not None else ""
         return f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"

@@ -82,6 +82,10 @@ class AttentionCall:
         bias: a float tensor added to the scaled scores (broadcastable to ``(b, h, lq, lk)``).
         dropout_p: dropout on the weights (0 in evaluation).
         scale: score scale, default ``1 / sqrt(dh)``.
+        softcap: ``c`` of ``c * tanh(logit / c)``, applied to each scaled score plus the term's
+            bias before the mask (Gemma 2), or None.
+        sinks: ``(h,)`` logits, one per query head, that join each softmax's denominator and
+            add nothing to the output (gpt-oss), or None.
         return_weights: whether the ``(b, h, lq, lk)`` weights are wanted.
         block_size: queries per block for the blockwise routes, or None to choose.
         device / dtype: of the heads.
@@ -106,6 +110,8 @@ class AttentionCall:
         bias: torch.Tensor | None = None,
         dropout_p: float = 0.0,
         scale: float | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
         return_weights: bool = False,
         block_size: int | None = None,
         inputs: ModuleInputs | None = None,
@@ -120,6 +126,7 @@ class AttentionCall:
         self.bias = bias
         self.dropout_p = dropout_p
         self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        self.softcap, self.sinks = softcap, sinks
         self.return_weights = return_weights
         self.block_size = block_size
         self.inputs = inputs
@@ -170,6 +177,11 @@ class AttentionCall:
     @property
     def on_cpu(self) -> bool:
         return self.device.type == "cpu"
+
+    @property
+    def modifies_scores(self) -> bool:
+        """Whether a softcap or sinks change the softmax beyond a bias (only some routes apply them)."""
+        return self.softcap is not None or self.sinks is not None
 
     @property
     def value_term(self) -> bool:

@@ -18,7 +18,7 @@ from selfattn.core.routes.band_only import BAND_ONLY
 from selfattn.core.routes.banded import BANDED
 from selfattn.core.routes.blockwise import BLOCKWISE, BLOCKWISE_ANY, BLOCKWISE_BAND, BLOCKWISE_CLIPPED
 from selfattn.core.routes.causal_key_rows import CAUSAL_KEY_ROWS
-from selfattn.core.routes.explicit import EXPLICIT, EXPLICIT_VALUE_TERM
+from selfattn.core.routes.explicit import EXPLICIT, EXPLICIT_MODIFIERS, EXPLICIT_VALUE_TERM
 from selfattn.core.routes.flex import FLEX
 from selfattn.core.routes.fused import FUSED
 from selfattn.core.routes.key_row import KEY_ROW
@@ -43,6 +43,7 @@ ROUTES: tuple[Route, ...] = (
     BLOCKWISE,
     EXPLICIT_VALUE_TERM,
     EXPLICIT,
+    EXPLICIT_MODIFIERS,
     FUSED,
 )
 
@@ -78,6 +79,9 @@ class Explanation:
 def _choose(call: AttentionCall, routes: Sequence[Route]) -> tuple[Route, Explanation]:
     declined: list[tuple[str, str]] = []
     for route in routes:
+        if call.modifies_scores and not route.modifies_scores:
+            declined.append((route.name, "softcap or sinks: this route does not apply them"))
+            continue
         reason = route.declines(call)
         if reason is None:
             return route, Explanation(route.name, tuple(declined))

@@ -41,8 +41,11 @@ class Route:
         declines: ``declines(call)`` is None when the route can take the call, else the reason
             it cannot (it reads only what the call knows without computing attention).
         run: ``run(call)`` computes it.
+        modifies_scores: whether it applies a call's softcap and sinks; the dispatcher passes
+            over the routes that do not when a call has either.
     """
 
     name: str
     declines: Callable[[AttentionCall], str | None]
     run: Callable[[AttentionCall], Output]
+    modifies_scores: bool = False

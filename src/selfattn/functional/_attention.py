@@ -20,6 +20,7 @@ from selfattn.functional._kernels import (
     attention_weights,
     causal_mask,
     check_mask_and_bias,
+    check_softcap_and_sinks,
     valid_lens_mask,
 )
 from selfattn.masks import Visibility, dense
@@ -38,6 +39,8 @@ def attention(
     causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     return_weights: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention ``softmax(q k^T * scale + bias) v`` with masking.
@@ -72,6 +75,11 @@ def attention(
             :func:`causal_mask`).
         dropout_p: dropout on the attention weights; pass 0 in evaluation.
         scale: score scale, a positive finite number; default ``1 / sqrt(d)``.
+        softcap: logit soft-capping (Gemma 2): each logit ``x`` (scaled score plus bias) becomes
+            ``softcap * tanh(x / softcap)`` before the mask. A positive finite number, or None.
+        sinks: ``(h,)`` attention-sink logits (gpt-oss): each head's sink joins the softmax's
+            denominator and adds nothing to the output, so a query's weights sum to
+            ``1 - sigmoid(sink - logsumexp(logits))``. Differentiable.
         return_weights: also return the ``(b, h, lq, lk)`` weights (before dropout).
 
     Returns:
@@ -82,8 +90,9 @@ def attention(
             or bias that does not broadcast to ``(b, h, lq, lk)``, a bad ``scale`` or ``dropout_p``.
     """
     call = describe_attention(
-        q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale, return_weights=return_weights
-    )
+        q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale, softcap=softcap, sinks=sinks,
+        return_weights=return_weights,
+    )  # fmt: skip
     result = dispatch.run(call)
     return (result.out, result.weights) if return_weights else result.out  # type: ignore[return-value]
 
@@ -94,15 +103,18 @@ def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **opti
     ``selfattn.core.dispatch.explain(describe_attention(q, k, v, causal=True))`` says which
     route that call takes.
     """
-    unknown = sorted(set(options) - {"mask", "bias", "causal", "dropout_p", "scale", "return_weights"})
+    known = {"mask", "bias", "causal", "dropout_p", "scale", "softcap", "sinks", "return_weights"}
+    unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"attention() got unexpected keyword arguments {', '.join(unknown)}")
     dropout_p = require_probability("dropout_p", options.get("dropout_p", 0.0))
     _check_shapes(q, k, v)
     _check_groups(q, k, v)  # raises for heads that do not divide
     mask, bias = check_mask_and_bias(options.get("mask"), options.get("bias"), q, k)
+    softcap, sinks = check_softcap_and_sinks(options.get("softcap"), options.get("sinks"), q)
     rules = (causal_rule() if options.get("causal") else None, None if mask is None else dense(mask))
     return AttentionCall.of_heads(
         q, k, v, Visibility.lower_right(q.shape[-2], k.shape[-2], *rules), bias=bias, dropout_p=dropout_p,
-        scale=_scale(options.get("scale"), q.shape[-1]), return_weights=bool(options.get("return_weights")),
+        scale=_scale(options.get("scale"), q.shape[-1]), softcap=softcap, sinks=sinks,
+        return_weights=bool(options.get("return_weights")),
     )  # fmt: skip

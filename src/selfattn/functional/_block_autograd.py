@@ -13,11 +13,11 @@ import torch
 from selfattn.functional._block_clipped import _clipped_probs, _ends, _per_distance, _with_indicators
 from selfattn.functional._block_common import (
     _add_matmul,
-    _block_probs,
     _compute_dtype,
     _flash_backward,
     _flash_forward,
     _float_mask,
+    _modified_block_probs,
     _settle_empty_rows,
     _softmax_backward,
     _Workspace,
@@ -26,7 +26,9 @@ from selfattn.functional._block_plan import _Plan
 from selfattn.functional._dropout_masks import dropout_keep_probability
 
 
-def _differentiable_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _differentiable_forward(
+    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor:
     """The forward of :class:`_BlockwiseAttention` block by block in differentiable ops (for double backward)."""
     compute = _compute_dtype(q.dtype)
     inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
@@ -38,9 +40,15 @@ def _differentiable_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: to
         scores = torch.matmul(qc, kc.transpose(-2, -1)) * plan.scale  # (b, h, block, keys)
         if bias is not None:
             scores = scores + bias.to(scores.dtype)
+        if plan.softcap is not None:
+            scores = torch.tanh(scores / plan.softcap) * plan.softcap
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            weights = torch.softmax(scores, dim=-1)
+        else:
+            sink_column = sinks.to(compute)[:, None, None].expand(*scores.shape[:-1], 1)  # (b, h, block, 1)
+            weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
         if plan.dropout_p > 0:
             weights = weights * plan.keep(index, weights.shape, q.device) * inverse_keep
         block_out = torch.matmul(weights, vc)  # (b, h, block, dv)
@@ -63,6 +71,8 @@ class _BlockwiseAttention(torch.autograd.Function):
         lse = torch.empty(out.shape[:-1], dtype=compute, device=q.device)  # (b, h, lq)
         inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
         band = None if plan.band_base is None else plan.hide_future(plan.band(q[:1, :, : plan.block].to(compute)))
+        sinks = plan.sinks(params)
+        sink_logits = None if sinks is None else sinks.detach().to(compute)  # (h,)
         workspace = _Workspace(q.device)
         value_sums: torch.Tensor | None = None
         for index, start, end, keys in plan.blocks():
@@ -78,6 +88,10 @@ class _BlockwiseAttention(torch.autograd.Function):
             if plan.flash_forward:
                 block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
                 block_lse = block_lse.to(compute)
+                if sink_logits is not None:  # the sink joins the denominator: rescale, and keep the whole lse
+                    with_sink = torch.logaddexp(block_lse, sink_logits[:, None])  # (b, h, block)
+                    block_out = block_out * torch.exp(block_lse - with_sink).unsqueeze(-1).to(block_out.dtype)
+                    block_lse = with_sink
                 # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
                 query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
                 block_out = block_out + query_sums.mul(0).to(block_out.dtype)
@@ -89,7 +103,17 @@ class _BlockwiseAttention(torch.autograd.Function):
                     weights, _ = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
                 else:
                     bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
-                    weights = _block_probs(qc, kc, bias, visible, plan.scale, workspace)  # (b, h, block, keys)
+                    weights = _modified_block_probs(
+                        qc,
+                        kc,
+                        bias,
+                        visible,
+                        plan.scale,
+                        workspace,
+                        softcap=plan.softcap,
+                        sinks=sink_logits,
+                        want_slope=False,
+                    ).probs  # (b, h, block, keys)
                 if plan.dropout_p > 0:  # dropped weights stay unscaled: 1 / keep goes on the block's output
                     weights = weights.mul_(plan.keep_factors(index, weights.shape, weights.dtype, workspace))
                 if clipped is not None and clipped.value_table is not None:
@@ -131,7 +155,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             inputs = [q, k, v, *params]
             wanted = [t.requires_grad for t in inputs]
             with ctx.plan.using(params):
-                out = _differentiable_forward(ctx.plan, q, k, v)
+                out = _differentiable_forward(ctx.plan, q, k, v, ctx.plan.sinks(params))
             sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
             grads = iter(torch.autograd.grad(out, sources, grad_out, create_graph=True, allow_unused=True))
             return (None, *(next(grads) if w else None for w in wanted))
@@ -151,6 +175,8 @@ class _Backward:
         self.plan: _Plan = ctx.plan
         self.value_sums: torch.Tensor | None = ctx.value_sums
         self.q, self.k, self.v, self.out, self.lse, *self.params = ctx.saved_tensors
+        self.term_params = list(self.plan.term_params(self.params))
+        sinks = self.plan.sinks(self.params)
         self.grad_out = grad_out
         q, k, v = self.q, self.k, self.v
         self.compute = compute = _compute_dtype(q.dtype)
@@ -158,6 +184,8 @@ class _Backward:
         self.dk = torch.zeros(k.shape, dtype=compute, device=k.device)
         self.dv = torch.zeros(v.shape, dtype=compute, device=v.device)
         self.param_grads: list[torch.Tensor | None] = [None] * len(self.params)
+        self.sink_logits = None if sinks is None else sinks.detach().to(compute)  # (h,)
+        self.sink_grad = None if sinks is None else torch.zeros(sinks.shape, dtype=compute, device=q.device)
         self.inverse_keep = 1.0 / dropout_keep_probability(self.plan.dropout_p)
         self.workspace = _Workspace(q.device)
         self.band = self.band_values = self.band_grad = None
@@ -180,7 +208,10 @@ class _Backward:
             else:
                 self.explicit_block(index, start, end, keys, visible, gb)
         if self.band is not None and self.band_grad is not None:
-            self.accumulate(torch.autograd.grad(self.band, self.params, self.band_grad, allow_unused=True))
+            self.accumulate(torch.autograd.grad(self.band, self.term_params, self.band_grad, allow_unused=True))
+        if self.sink_grad is not None:
+            assert self.plan.sink_param is not None
+            self.add_param_grad(self.plan.sink_param, self.sink_grad)
         dq, dk, dv = self.dq.to(q.dtype), self.dk.to(self.k.dtype), self.dv.to(self.v.dtype)
         return (None, dq, dk, dv, *self.param_grads)
 
@@ -212,6 +243,14 @@ class _Backward:
         self.dq[..., start:end, :] = gq
         self.dk[..., :keys, :] += gk
         self.dv[..., :keys, :] += gv
+        if self.sink_logits is not None:
+            sink_weight = torch.exp(self.sink_logits[:, None] - self.lse[..., start:end])  # (b, h, block)
+            self.add_sink_grad(sink_weight, (gb.to(self.compute) * ob.to(self.compute)).sum(dim=-1))
+
+    def add_sink_grad(self, sink_weight: torch.Tensor, row_dot: torch.Tensor) -> None:
+        """The sink takes weight ``s`` of a row whose ``sum_j p_j dL/dp_j`` is ``row_dot``: its logit's gradient is ``-s * row_dot``."""
+        assert self.sink_grad is not None
+        self.sink_grad -= (sink_weight * row_dot).sum_to_size(1, *self.sink_grad.shape, 1).flatten()
 
     def explicit_block(
         self, index: int, start: int, end: int, keys: int, visible: torch.Tensor | None, gb: torch.Tensor
@@ -224,10 +263,14 @@ class _Backward:
         if clipped is not None:
             split = clipped.split(start, end, keys, self.q.device)
             probs, k_wide = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
+            sink_weight = cap_slope = None  # the clipped route takes no softcap or sinks
         else:
             with torch.set_grad_enabled(plan.bias_needs_grad and self.band_values is None):
                 bias = self.block_bias(q_leaf, start, end, keys)
-            probs = _block_probs(qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace)
+            probs, sink_weight, cap_slope = _modified_block_probs(
+                qc, kc, None if bias is None else bias.detach(), visible, plan.scale, workspace,
+                softcap=plan.softcap, sinks=self.sink_logits, want_slope=True,
+            )  # fmt: skip
         keep = plan.keep_factors(index, probs.shape, compute, workspace) if plan.dropout_p > 0 else None
         g_scaled = gc if keep is None else gc * self.inverse_keep  # dropout's 1 / keep, on the small side
         # Without a value term the dropped weights serve only the values' gradient: they are
@@ -242,7 +285,11 @@ class _Backward:
         grad_weights = self.weights_grad(start, end, keys, vc, g_scaled, dropped, split)
         if keep is not None:
             grad_weights = grad_weights.mul_(keep)
+        if sink_weight is not None:
+            self.add_sink_grad(sink_weight, (grad_weights * probs).sum(dim=-1))
         grad_scores = _softmax_backward(grad_weights, probs)  # (b, h, block, keys)
+        if cap_slope is not None:
+            grad_scores = grad_scores.mul_(cap_slope)  # through the cap, to the logit before it
         if drop_late:
             assert keep is not None
             _add_matmul(self.dv[..., :keys, :], probs.mul_(keep).transpose(-2, -1), g_scaled)
@@ -290,7 +337,7 @@ class _Backward:
             with torch.enable_grad():
                 weights_leaf = dropped.detach().requires_grad_(True)
                 value = plan.value(weights_leaf, start, end, keys)
-                grads = torch.autograd.grad(value, [weights_leaf, *self.params], g_scaled, allow_unused=True)
+                grads = torch.autograd.grad(value, [weights_leaf, *self.term_params], g_scaled, allow_unused=True)
             if grads[0] is not None:
                 grad_weights += grads[0]
             self.accumulate(grads[1:])
@@ -338,7 +385,7 @@ class _Backward:
             return
         if bias is None or not bias.requires_grad:
             return
-        inputs = ([q_leaf] if plan.queries_in_term else []) + list(self.params)
+        inputs = ([q_leaf] if plan.queries_in_term else []) + self.term_params
         grads = torch.autograd.grad(bias, inputs, grad_scores.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True)
         if plan.queries_in_term:
             if grads[0] is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -122,6 +122,28 @@ def _lead_shape(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
     return tuple(max(a, b) for a, b in zip(q.shape[:-2], k.shape[:-2], strict=True))
 
 
+def _block_scores(
+    qc: torch.Tensor, kc: torch.Tensor, bias: torch.Tensor | None, scale: float, workspace: _Workspace
+) -> torch.Tensor:
+    """One block's scaled scores plus its bias, ``(b, h, block, keys)``, in the workspace's score buffer.
+
+    The scale goes on the queries: a ``(block, d)`` product instead of a ``(block, keys)`` one.
+    """
+    shape = (*_lead_shape(qc, kc), qc.shape[-2], kc.shape[-2])
+    scores = torch.matmul(qc * scale, kc.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
+    if bias is not None:
+        scores.add_(bias.to(scores.dtype))
+    return scores
+
+
+def _softmax_in_place(scores: torch.Tensor) -> torch.Tensor:
+    """PyTorch's fused softmax over the last axis, in place on CPU: one pass where logsumexp-then-exp takes several."""
+    if scores.device.type == "cpu":
+        probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        return probs
+    return torch.softmax(scores, dim=-1)
+
+
 def _block_probs(
     qc: torch.Tensor,
     kc: torch.Tensor,
@@ -130,22 +152,57 @@ def _block_probs(
     scale: float,
     workspace: _Workspace,
 ) -> torch.Tensor:
-    """Softmax of one block's scores, ``(b, h, block, keys)``, computed in the workspace's score buffer.
-
-    The scale goes on the queries (a ``(block, d)`` product instead of a ``(block, keys)`` one)
-    and the softmax is PyTorch's fused kernel, in place on CPU: one pass where
-    logsumexp-then-exp takes several.
-    """
-    shape = (*_lead_shape(qc, kc), qc.shape[-2], kc.shape[-2])
-    scores = torch.matmul(qc * scale, kc.transpose(-2, -1), out=workspace.get("scores", shape, qc.dtype))
-    if bias is not None:
-        scores.add_(bias.to(scores.dtype))
+    """Softmax of one block's scores, ``(b, h, block, keys)``, computed in the workspace's score buffer."""
+    scores = _block_scores(qc, kc, bias, scale, workspace)
     if visible is not None:
         scores.masked_fill_(~visible, float("-inf"))
-    if scores.device.type == "cpu":
-        probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
-        return probs
-    return torch.softmax(scores, dim=-1)
+    return _softmax_in_place(scores)
+
+
+class _ModifiedProbs(NamedTuple):
+    probs: torch.Tensor  # (b, h, block, keys), rows sum to 1 - sink
+    sink: torch.Tensor | None  # (b, h, block): the weight the sink takes
+    cap_slope: torch.Tensor | None  # (b, h, block, keys): d capped / d logit = 1 - tanh^2
+
+
+def _modified_block_probs(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    bias: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    scale: float,
+    workspace: _Workspace,
+    *,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    want_slope: bool,
+) -> _ModifiedProbs:
+    """:func:`_block_probs` with the logits capped by ``softcap * tanh(. / softcap)`` and ``(h,)`` sink logits.
+
+    The sink joins each row's denominator: the keys' weights are the plain softmax times
+    ``sigmoid(lse - sink)``, and the sink's own weight is ``sigmoid(sink - lse)`` (``lse``: the
+    row's log-sum-exp over the keys it sees).
+    """
+    scores = _block_scores(qc, kc, bias, scale, workspace)
+    slope = None
+    if softcap is not None:
+        scores.div_(softcap).tanh_()
+        if want_slope:
+            slope = torch.mul(scores, scores, out=workspace.get("cap_slope", scores.shape, scores.dtype))
+            slope.neg_().add_(1.0)
+        scores.mul_(softcap)
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
+    sink_weight = None
+    if sinks is not None:
+        lse = torch.logsumexp(scores, dim=-1)  # (b, h, block)
+        sink_logits = sinks.to(scores.dtype)[:, None]  # (h, 1)
+        sink_weight = torch.sigmoid(sink_logits - lse)
+        keys_share = torch.sigmoid(lse - sink_logits)
+    probs = _softmax_in_place(scores)
+    if sinks is not None:
+        probs.mul_(keys_share.unsqueeze(-1))
+    return _ModifiedProbs(probs, sink_weight, slope)
 
 
 def _add_matmul(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

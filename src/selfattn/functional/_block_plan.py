@@ -42,6 +42,15 @@ class _Plan:
     # Names of the term's parameters handed to the autograd Function: the term is evaluated with
     # those very tensors, so a stateless call (torch.func.functional_call) gets its gradients.
     param_names: list[str] = field(default_factory=list)
+    softcap: float | None = None  # logits become softcap * tanh(logit / softcap) before the mask
+    sink_param: int | None = None  # index of the (h,) sink logits among the Function's params
+
+    def term_params(self, params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The score term's parameters among the Function's ``params`` (the sink logits come last)."""
+        return params if self.sink_param is None else params[: self.sink_param]
+
+    def sinks(self, params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        return None if self.sink_param is None else params[self.sink_param]
 
     @contextlib.contextmanager
     def using(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -49,7 +58,8 @@ class _Plan:
         if self.term is None or not self.param_names:
             yield
             return
-        with stateless._reparametrize_module(self.term, dict(zip(self.param_names, params, strict=True))):  # type: ignore[arg-type]
+        named = dict(zip(self.param_names, self.term_params(params), strict=True))
+        with stateless._reparametrize_module(self.term, named):  # type: ignore[arg-type]
             yield
 
     @property
@@ -96,8 +106,8 @@ class _Plan:
 
     @property
     def flash_forward(self) -> bool:
-        """Whether the forward hands blocks to the CPU flash kernel (it takes no value term, no dropout)."""
-        return self.on_cpu and self.dropout_p == 0.0 and not self.value_term
+        """Whether the forward hands blocks to the CPU flash kernel (it takes no value term, no dropout, no softcap)."""
+        return self.on_cpu and self.dropout_p == 0.0 and not self.value_term and self.softcap is None
 
     @property
     def flash_backward(self) -> bool:

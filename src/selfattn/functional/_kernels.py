@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import selfattn._validation as _validation
 from selfattn._validation import (
     ArgumentTypeError,
+    require_floating,
     require_non_negative_int,
     require_positive_finite,
     require_tensor,
@@ -138,6 +139,23 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
     if term.device != q.device:
         raise ValueError(f"{name} must be on the device of q ({q.device}), got {term.device}")
     return term if term.dim() >= 2 else term.reshape(*([1] * (2 - term.dim())), *term.shape)  # (.., lq, lk)
+
+
+def check_softcap_and_sinks(
+    softcap: object, sinks: object, q: torch.Tensor
+) -> tuple[float | None, torch.Tensor | None]:
+    """A positive finite ``softcap`` or None; ``sinks`` a float ``(h,)`` tensor for the ``h`` heads of ``q``, or None."""
+    cap = None if softcap is None else require_positive_finite("softcap", softcap)
+    if sinks is None:
+        return cap, None
+    sink_logits = require_tensor("sinks", sinks)
+    require_floating("sinks", sink_logits)
+    heads = q.shape[-3] if q.dim() >= 3 else 1
+    if tuple(sink_logits.shape) != (heads,):
+        raise ValueError(f"sinks must have shape ({heads},), one logit per query head; got {tuple(sink_logits.shape)}")
+    if sink_logits.device != q.device:
+        raise ValueError(f"sinks are on {sink_logits.device}, q on {q.device}")
+    return cap, sink_logits
 
 
 def check_mask_and_bias(
@@ -333,11 +351,16 @@ def attention_weights(
     bias: torch.Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weights ``softmax(q k^T * scale + bias)``, ``(b, h, lq, lk)``; see :func:`attention`.
 
     Rows whose keys are all masked are zeros. The scores and the softmax are computed in at
     least float32 (as the fused kernels do), and the weights returned in the dtype of ``q``.
+    With ``softcap`` each logit becomes ``softcap * tanh(logit / softcap)`` before the mask;
+    with ``sinks`` (``(h,)``) each head's sink logit joins the softmax's denominator, so a
+    row sums to less than 1.
     """
     mask, bias, empty_rows, _, scale = _prepare(q, k, k, mask, bias, causal, scale, fused=False)
     k = _repeat_kv(q, k)
@@ -345,9 +368,16 @@ def attention_weights(
     scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1)) * scale  # (b, h, lq, lk)
     if bias is not None:
         scores = scores + bias.to(compute_dtype)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(q.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        sink_column = sinks.to(compute_dtype)[:, None, None].expand(*scores.shape[:-1], 1)  # (b, h, lq, 1)
+        weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
+    weights = weights.to(q.dtype)
     return weights if empty_rows is None else weights.masked_fill(empty_rows, 0.0)
 
 

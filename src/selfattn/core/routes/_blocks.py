@@ -78,6 +78,8 @@ def plan_for(call: AttentionCall, *, block: int | None = None, **choices: object
         num_keys=call.num_keys,
         on_cpu=call.on_cpu,
         param_names=names,
+        softcap=call.softcap,
+        sink_param=None if call.sinks is None else len(call.term_parameters),
         **choices,  # type: ignore[arg-type]
     )
 
@@ -85,7 +87,8 @@ def plan_for(call: AttentionCall, *, block: int | None = None, **choices: object
 def run_plan(call: AttentionCall, plan: _Plan) -> torch.Tensor:
     """The plan through :class:`_BlockwiseAttention`, ``(b, h, lq, dv)``."""
     q, k, v = heads(call)
-    out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *call.term_parameters)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+    sinks = [] if call.sinks is None else [call.sinks]
+    out: torch.Tensor = _BlockwiseAttention.apply(plan, q, k, v, *call.term_parameters, *sinks)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
     return out
 
 

@@ -52,9 +52,9 @@ def pick_rows(x: torch.Tensor, take: slice | torch.Tensor) -> torch.Tensor:
 
 
 def group_positions(positions: torch.Tensor, length: int, take: slice | torch.Tensor) -> torch.Tensor:
-    """The first ``length`` positions of the group's rows: ``(length,)`` or ``(b_g, 1, length)`` (over heads)."""
+    """The first ``length`` positions of the group's rows: ``(length,)`` or ``(b_g, length)``."""
     positions = positions[..., :length]
-    return pick_rows(positions, take)[:, None, :] if positions.dim() == 2 else positions
+    return pick_rows(positions, take) if positions.dim() == 2 else positions
 
 
 def project_keys(
@@ -70,8 +70,6 @@ def project_keys(
     else:  # (b_g, length, dk): one copy of the valid rows, read by both projections in self-attention
         key_rows = pick_rows(inputs.keys[:, :length], take).contiguous()
     value_rows = key_rows if inputs.values is inputs.keys else pick_rows(inputs.values[:, :length], take)
-    k_g = module.split_heads(module.W_k(key_rows), module.num_kv_heads)
+    k_g = module.project_keys(key_rows, group_positions(inputs.k_positions, length, take))
     v_g = module.split_heads(module.W_v(value_rows), module.num_kv_heads)
-    if module.rotates:
-        k_g = module.query_key_encoding.encode_keys(k_g, group_positions(inputs.k_positions, length, take))
     return k_g, v_g

@@ -28,7 +28,7 @@ def _declines(call: AttentionCall) -> str | None:
     return reason
 
 
-def _band_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility: Visibility) -> torch.Tensor:
+def _band_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility: Visibility, scale: float) -> torch.Tensor:
     """``(b, h, l, dh)``: a leading part, inner blocks sharing one ``(block, span)`` mask, a trailing part.
 
     The leading part's window reaches before key 0 and the trailing part's past the last key;
@@ -48,7 +48,7 @@ def _band_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility: Vi
     if batch > 1 and 2 * num_blocks * span * k.shape[1] * head_dim >= PER_ROW_BAND_ELEMENTS:
         # Overlapping views of the keys cannot span sequences (the batch stride is no multiple of
         # a block's), so a batch copies every band: long rows go one at a time, as views.
-        rows = [_band_only(q[r : r + 1], k[r : r + 1], v[r : r + 1], visibility) for r in range(batch)]
+        rows = [_band_only(q[r : r + 1], k[r : r + 1], v[r : r + 1], visibility, scale) for r in range(batch)]
         return torch.cat([row.transpose(1, 2) for row in rows]).transpose(1, 2)  # (b, h, l, dh)
 
     def band(q_start: int, q_stop: int, k_start: int, k_stop: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _band_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility: Vi
         k_start, k_stop = max(0, q_start - before), min(length, q_stop + after)
         out = fused_attention(
             q[..., q_start:q_stop, :], k[..., k_start:k_stop, :], v[..., k_start:k_stop, :],
-            mask=band(q_start, q_stop, k_start, k_stop), bias=None, causal=False, dropout_p=0.0, scale=None,
+            mask=band(q_start, q_stop, k_start, k_stop), bias=None, causal=False, dropout_p=0.0, scale=scale,
         )  # fmt: skip
         return out.transpose(1, 2)  # (b, lq, h, dh)
 
@@ -75,16 +75,14 @@ def _band_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility: Vi
     q_b = q[..., start:stop, :].reshape(batch, heads, num_blocks, block, head_dim).transpose(1, 2)
     q_b = q_b.reshape(batch * num_blocks, heads, block, head_dim)  # (b * blocks, h, block, dh)
     pattern = q.new_zeros(block, span).masked_fill_(~band(before, before + block, 0, span), float("-inf"))
-    inner = _fused_kernel(
-        q_b, kv_bands(k), kv_bands(v), pattern, dropout_p=0.0, is_causal=False, scale=1 / math.sqrt(head_dim)
-    )
+    inner = _fused_kernel(q_b, kv_bands(k), kv_bands(v), pattern, dropout_p=0.0, is_causal=False, scale=scale)
     inner = inner.transpose(1, 2).reshape(batch, num_blocks * block, heads, -1)  # (b, stop - start, h, dh)
     out = torch.cat((edge(0, start), inner, edge(stop, length)), dim=1)  # (b, l, h, dh)
     return out.transpose(1, 2)
 
 
 def _run(call: AttentionCall) -> Output:
-    return Output(_band_only(call.q, call.k, call.v, call.visibility))
+    return Output(_band_only(call.q, call.k, call.v, call.visibility, call.scale))
 
 
 BAND_ONLY = Route("band only", _declines, _run)

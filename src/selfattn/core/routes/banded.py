@@ -68,7 +68,7 @@ def _run(call: AttentionCall) -> Output:
         k_pos = bands(call.k_positions.expand(batch, length)).reshape(batch * num_blocks, span)
         bias = call.term(q_b, q_positions=q_pos, k_positions=k_pos)  # (b * blocks, h, block, span)
     out = fused_attention(
-        q_b, kv_bands(k), kv_bands(v), mask=mask, bias=bias, causal=False, dropout_p=call.dropout_p, scale=None
+        q_b, kv_bands(k), kv_bands(v), mask=mask, bias=bias, causal=False, dropout_p=call.dropout_p, scale=call.scale
     )  # (b * blocks, h, block, dh)
     out = out.view(batch, num_blocks, heads, block, -1).transpose(1, 2)  # (b, h, blocks, block, dh)
     return Output(out.reshape(batch, heads, num_blocks * block, -1)[:, :, :length])

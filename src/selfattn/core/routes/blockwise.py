@@ -17,8 +17,8 @@ __all__ = ["BLOCKWISE", "BLOCKWISE_ANY", "BLOCKWISE_BAND", "BLOCKWISE_CLIPPED"]
 
 
 def _nothing_for_blocks(call: AttentionCall) -> str | None:
-    if call.term is None and call.dropout_p == 0:
-        return "no score term and no dropout"
+    if call.term is None and call.dropout_p == 0 and not call.modifies_scores:
+        return "no score term, no dropout, no softcap and no sinks"
     return blocks_decline(call)
 
 
@@ -67,7 +67,7 @@ def _run_any(call: AttentionCall) -> Output:
 
 
 BLOCKWISE_CLIPPED = Route("blockwise clipped", _declines_clipped, _run_clipped)
-BLOCKWISE_BAND = Route("blockwise band", _declines_band, _run_band)
-BLOCKWISE = Route("blockwise", _nothing_for_blocks, _run_any)
+BLOCKWISE_BAND = Route("blockwise band", _declines_band, _run_band, modifies_scores=True)
+BLOCKWISE = Route("blockwise", _nothing_for_blocks, _run_any, modifies_scores=True)
 #: The last resort of :func:`~selfattn.functional.blockwise_attention`, which is asked for blocks.
-BLOCKWISE_ANY = Route("blockwise", lambda call: None, _run_any)
+BLOCKWISE_ANY = Route("blockwise", lambda call: None, _run_any, modifies_scores=True)

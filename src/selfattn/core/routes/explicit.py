@@ -12,7 +12,7 @@ from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.functional._kernels import _repeat_kv, attention_weights
 
-__all__ = ["EXPLICIT", "EXPLICIT_VALUE_TERM"]
+__all__ = ["EXPLICIT", "EXPLICIT_MODIFIERS", "EXPLICIT_VALUE_TERM"]
 
 
 def _declines_weights(call: AttentionCall) -> str | None:
@@ -23,10 +23,16 @@ def _declines_value_term(call: AttentionCall) -> str | None:
     return None if call.value_term else "no value term"
 
 
+def _declines_modifiers(call: AttentionCall) -> str | None:
+    return None if call.modifies_scores else "no softcap and no sinks"
+
+
 def _run(call: AttentionCall) -> Output:
     """``weights @ v`` (plus the term's value term), and the weights before dropout."""
     mask = call.visibility.dense(call.device)
-    weights = attention_weights(call.q, call.k, mask=mask, bias=call.full_bias(), scale=call.scale)
+    weights = attention_weights(
+        call.q, call.k, mask=mask, bias=call.full_bias(), scale=call.scale, softcap=call.softcap, sinks=call.sinks
+    )
     dropped = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0 else weights
     out = torch.matmul(dropped, _repeat_kv(call.q, call.v))  # (b, h, lq, dv)
     if call.term is not None and call.value_term:
@@ -35,5 +41,7 @@ def _run(call: AttentionCall) -> Output:
     return Output(out, weights if call.return_weights else None)
 
 
-EXPLICIT_VALUE_TERM = Route("explicit value term", _declines_value_term, _run)
-EXPLICIT = Route("explicit", _declines_weights, _run)
+EXPLICIT_VALUE_TERM = Route("explicit value term", _declines_value_term, _run, modifies_scores=True)
+EXPLICIT = Route("explicit", _declines_weights, _run, modifies_scores=True)
+#: Softcap or sinks where no blockwise route could take them (a compiled graph, a float bias): O(lq * lk) memory.
+EXPLICIT_MODIFIERS = Route("explicit softcap/sinks", _declines_modifiers, _run, modifies_scores=True)

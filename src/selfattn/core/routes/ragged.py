@@ -29,7 +29,9 @@ def _run(call: AttentionCall) -> Output:
     merged = q.new_empty(batch, num_queries, heads * head_dim)  # (b, lq, d)
 
     def attend(q_g: torch.Tensor, k_g: torch.Tensor, v_g: torch.Tensor, causal: bool) -> torch.Tensor:
-        return fused_attention(q_g, k_g, v_g, mask=None, bias=None, causal=causal, dropout_p=dropout_p, scale=None)
+        return fused_attention(
+            q_g, k_g, v_g, mask=None, bias=None, causal=causal, dropout_p=dropout_p, scale=call.scale
+        )
 
     for length, take in length_groups(call.ragged_lengths, q.device):
 

@@ -37,14 +37,21 @@ def _run(call: AttentionCall) -> Output:
         if length == 0:
             continue  # no valid row: the output stays zero
         query_rows = pick_rows(queries[:, :length], take)  # (b_g, length, dq)
-        q_g = module.split_heads(module.W_q(query_rows), module.num_heads)  # (b_g, h, length, dh)
-        if module.rotates:
-            q_g = module.query_key_encoding.encode_queries(q_g, group_positions(inputs.q_positions, length, take))
+        q_g = module.project_queries(
+            query_rows, group_positions(inputs.q_positions, length, take)
+        )  # (b_g, h, length, dh)
         k_g, v_g = project_keys(inputs, length, take, query_rows)
         out_g = fused_attention(
-            q_g, k_g, v_g, mask=None, bias=None, causal=call.visibility.causal, dropout_p=call.dropout_p, scale=None
+            q_g,
+            k_g,
+            v_g,
+            mask=None,
+            bias=None,
+            causal=call.visibility.causal,
+            dropout_p=call.dropout_p,
+            scale=call.scale,
         )  # (b_g, h, length, dh)
-        projected = module.W_o(out_g.transpose(1, 2).flatten(2))  # (b_g, length, d)
+        projected = module.project_output(out_g.transpose(1, 2).flatten(2), query_rows)  # (b_g, length, d)
         if isinstance(take, slice) and take == slice(0, batch) and length == num_queries:
             return Output(projected, stage="projected")  # nothing padded: the output needs no buffer
         out[take, :length] = projected
