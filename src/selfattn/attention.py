@@ -102,6 +102,12 @@ class MultiHeadAttention(nn.Module):
             before the rotation (Qwen3, OLMo 2, Gemma 3): the modules ``q_norm`` and ``k_norm``
             with ``(dh,)`` weights.
         qk_norm_eps: the RMSNorm's epsilon.
+        chunk_size: chunked attention (Llama 4's ``attention_chunk_size``): query ``i`` sees only
+            keys of its own chunk, ``i // chunk_size == j // chunk_size`` (indices in the whole
+            sequence, cache included); combined with every other mask by "and".
+        temperature_tuning: ``(attn_scale, floor_scale)``: each query at position ``p`` is
+            multiplied by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` before
+            attention (Llama 4's NoPE layers, which sharpen attention at long range).
         gated_output: a sigmoid gate per output feature, ``sigmoid(W_g(queries))``, multiplies
             the merged heads before ``W_o`` (Qwen3-Next's full-attention layers).
         skip_padded_queries: self-attention over a padded batch with per-sequence ``valid_lens``
@@ -138,6 +144,8 @@ class MultiHeadAttention(nn.Module):
         qk_norm: bool = False,
         qk_norm_eps: float = 1e-6,
         gated_output: bool = False,
+        chunk_size: int | None = None,
+        temperature_tuning: tuple[float, float] | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -150,6 +158,15 @@ class MultiHeadAttention(nn.Module):
         if num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
         self.window = None if window is None else require_positive_int("window", window)
+        self.chunk_size = None if chunk_size is None else require_positive_int("chunk_size", chunk_size)
+        self.temperature_tuning = None
+        if temperature_tuning is not None:
+            if not isinstance(temperature_tuning, (tuple, list)) or len(temperature_tuning) != 2:
+                raise ValueError(f"temperature_tuning must be (attn_scale, floor_scale), got {temperature_tuning!r}")
+            self.temperature_tuning = (
+                require_positive_finite("temperature_tuning[0] (attn_scale)", temperature_tuning[0]),
+                require_positive_finite("temperature_tuning[1] (floor_scale)", temperature_tuning[1]),
+            )
         self.head_dim = num_hiddens // num_heads
         self.dropout = require_probability("dropout", dropout)
         sizes = {}
@@ -359,6 +376,10 @@ class MultiHeadAttention(nn.Module):
         q = self.split_heads(self.W_q(x))  # (b, h, lq, dh)
         if self.q_norm is not None:
             q = self.q_norm(q)
+        if self.temperature_tuning is not None:
+            attn_scale, floor_scale = self.temperature_tuning
+            steps = torch.floor((_per_head(positions).to(torch.float64) + 1) / floor_scale)  # (lq,) or (b, 1, lq)
+            q = q * (1 + attn_scale * torch.log1p(steps)).to(q.dtype)[..., None]  # (b, h, lq, dh)
         return self.query_key_encoding.encode_queries(q, _per_head(positions)) if self.rotates else q
 
     def project_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -488,6 +509,7 @@ class MultiHeadAttention(nn.Module):
         visibility = visibility.with_rules(
             masks.causal() if request.causal else None,
             None if self.window is None else masks.window(self.window),
+            None if self.chunk_size is None else masks.chunks(self.chunk_size),
             None if request.valid_lens is None else masks.valid_lengths(request.valid_lens),
             None if seen.padding is None else masks.key_padding(seen.padding),
             masks.documents(request.document_ids, seen.documents) if both else None,  # type: ignore[arg-type]
@@ -498,6 +520,8 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
         extra += "" if self.window is None else f", window={self.window}"
+        extra += "" if self.chunk_size is None else f", chunk_size={self.chunk_size}"
+        extra += "" if self.temperature_tuning is None else f", temperature_tuning={self.temperature_tuning}"
         extra += ", skip_padded_queries=True" if self.skip_padded_queries else ""
         extra += "" if self.scale is None else f", scale={self.scale}"
         extra += "" if self.softcap is None else f", softcap={self.softcap}"

@@ -138,7 +138,8 @@ class _Plan:
 
         With a band the causal part is already in the band's ``-inf`` and is left out here.
         """
-        skip_causal = self.band_base is not None
+        # A softcap would turn the band's -inf into -softcap: then the mask hides the future itself.
+        skip_causal = self.band_base is not None and self.softcap is None
         return self.visibility.block(start, end, keys, device=device, skip_causal=skip_causal)
 
     def keep(self, index: int, shape: Sequence[int], device: torch.device) -> torch.Tensor:
