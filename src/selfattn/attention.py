@@ -284,6 +284,7 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cumulative_lengths: torch.Tensor | Sequence[torch.Tensor | Sequence[int]] | None = None,
+        mask: masks.Rule | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from ``queries`` to ``keys``/``values``.
 
@@ -327,6 +328,12 @@ class MultiHeadAttention(nn.Module):
                 every row, or a list of ``b`` of them (one per row); document ``i`` is tokens
                 ``c_i .. c_{i+1} - 1`` and gets document id ``i``. With a cache, only while it is
                 empty (later calls give ``document_ids``).
+            mask: a rule of :mod:`selfattn.masks`, joined to everything above by "and": e.g.
+                ``masks.causal() | masks.prefix(n)`` (prefix-LM), ``masks.causal() |
+                masks.spans(ids)`` (bidirectional image spans), ``masks.causal() &
+                masks.chunks(512)``. Indices count tokens in the whole sequence (cache
+                included). A block of queries that can reach no key of a stretch of keys never
+                computes them (see :meth:`selfattn.masks.Visibility.key_range`).
 
         Returns:
             ``(b, lq, d)``, or ``(output, weights)``.
@@ -334,7 +341,7 @@ class MultiHeadAttention(nn.Module):
         request = check_request(
             self,
             queries, keys, values, valid_lens, causal, return_weights, offset, cache, positions, key_positions,
-            attn_mask, key_padding_mask, document_ids, cumulative_lengths,
+            attn_mask, key_padding_mask, document_ids, cumulative_lengths, mask,
         )  # fmt: skip
         call = self._describe(request)
         return self._finish(request, call, dispatch.run(call))
@@ -514,6 +521,7 @@ class MultiHeadAttention(nn.Module):
             None if seen.padding is None else masks.key_padding(seen.padding),
             masks.documents(request.document_ids, seen.documents) if both else None,  # type: ignore[arg-type]
             None if mask is None else masks.dense(mask),
+            request.mask,
         )
         return visibility, bias
 

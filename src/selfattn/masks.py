@@ -1,7 +1,8 @@
 """Which keys each query may see, written once: small rules that compose, and the call's visibility.
 
 A *rule* answers "may query ``i`` see key ``j``" for index tensors: :func:`causal`, :func:`window`,
-:func:`chunks`, :func:`valid_lengths`, :func:`key_padding`, :func:`documents`, :func:`dense`.
+:func:`chunks`, :func:`prefix`, :func:`spans`, :func:`valid_lengths`, :func:`key_padding`,
+:func:`documents`, :func:`dense`.
 Rules compose with ``&`` (a key must pass both) and ``|`` (either is enough). A
 :class:`Visibility` puts a rule on the queries and keys of one call: where they sit in the
 whole sequence (a cache or lower-right alignment shifts them), and renders it in every form a
@@ -32,6 +33,8 @@ __all__ = [
     "dense",
     "documents",
     "key_padding",
+    "prefix",
+    "spans",
     "valid_lengths",
     "window",
 ]
@@ -65,8 +68,8 @@ class Rule:
         """Bool, True = visible, broadcastable to ``(b, h, *S)`` (``S``: the broadcast shape of the indices)."""
         raise NotImplementedError
 
-    def block(self, at: Indices, start: int, end: int, keys: int) -> torch.Tensor:
-        """The rule on queries ``[start, end)`` and keys ``[0, keys)`` (``at`` holds those aranges)."""
+    def block(self, at: Indices, start: int, end: int, keys: slice) -> torch.Tensor:
+        """The rule on queries ``[start, end)`` and the call's keys ``keys`` (``at`` holds those aranges)."""
         return self.allows(at)
 
     def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -241,9 +244,54 @@ class Dense(Rule):
         k_local = at.k_local if mask.shape[-1] > 1 else 0
         return mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, q_local, k_local]
 
-    def block(self, at: Indices, start: int, end: int, keys: int) -> torch.Tensor:
+    def block(self, at: Indices, start: int, end: int, keys: slice) -> torch.Tensor:
         rows = slice(None) if self.mask.shape[-2] == 1 else slice(start, end)
-        return self.mask[..., rows, :keys]  # a view: no gather
+        columns = slice(None) if self.mask.shape[-1] == 1 else keys
+        return self.mask[..., rows, columns]  # a view: no gather
+
+
+@dataclass(frozen=True, eq=False)
+class Prefix(Rule):
+    """Key ``j`` is in the bidirectional prefix: ``j < lengths`` (an int, or ``(b,)`` per sequence).
+
+    Alone it lets every query see the prefix; ``causal() | prefix(n)`` is the prefix-LM mask.
+    """
+
+    lengths: torch.Tensor | int
+    longest: int | None  # the largest length, when known without reading a tensor under compile
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        if isinstance(self.lengths, int):
+            return at.k < self.lengths
+        lengths = self.lengths.to(at.k.device).view(-1, *([1] * at.k.dim()))  # (b, 1, ..)
+        return _batched(at.k < lengths)
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return at.k < (self.lengths if isinstance(self.lengths, int) else self.lengths[b])
+
+    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
+        return 0, self.longest
+
+
+@dataclass(frozen=True, eq=False)
+class Spans(Rule):
+    """Tokens of one span see each other: ``ids[i] == ids[j] != 0`` (``(b, l)`` ids by index in the whole sequence)."""
+
+    ids: torch.Tensor
+
+    def _ids(self, index: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
+        inside = index < self.ids.shape[-1]
+        clamped = index.clamp(0, self.ids.shape[-1] - 1)
+        ids = self.ids[:, clamped] if batch is None else self.ids[batch, clamped]
+        return torch.where(inside, ids, 0)  # past the ids: in no span
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        q_ids, k_ids = self._ids(at.q), self._ids(at.k)
+        return _batched((q_ids == k_ids) & (q_ids != 0))
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        q_ids, k_ids = self._ids(at.q, b), self._ids(at.k, b)
+        return (q_ids == k_ids) & (q_ids != 0)
 
 
 def causal() -> Rule:
@@ -263,6 +311,37 @@ def chunks(size: int) -> Rule:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"chunk size must be a positive integer, got {size!r}")
     return Chunks(size)
+
+
+def prefix(lengths: int | torch.Tensor) -> Rule:
+    """Keys ``j < lengths`` (an int, or integer ``(b,)``): the bidirectional prefix of a prefix-LM.
+
+    ``causal() | prefix(n)``: the first ``n`` tokens see each other, the rest see everything
+    before them (PaliGemma). Indices count tokens in the whole sequence, cache included.
+    """
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            raise ValueError(
+                f"prefix lengths must be an int or an integer (b,) tensor, got {lengths.dtype} {tuple(lengths.shape)}"
+            )
+        longest = None if torch.compiler.is_compiling() else int(lengths.max()) if lengths.numel() else 0
+        return Prefix(lengths, longest)
+    if isinstance(lengths, bool) or not isinstance(lengths, int) or lengths < 0:
+        raise ValueError(f"prefix lengths must be a non-negative int or an integer (b,) tensor, got {lengths!r}")
+    return Prefix(lengths, lengths)
+
+
+def spans(ids: torch.Tensor) -> Rule:
+    """Bidirectional spans: tokens with the same nonzero id see each other; id 0 is in no span.
+
+    ``causal() | spans(ids)`` lets an image's tokens see each other inside a causal sequence
+    (Gemma 3). ``ids`` are ``(b, l)`` integers by token index in the whole sequence (cache
+    included); indices past ``l`` are in no span.
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"span ids must be an integer (b, l) tensor, got {shown}")
+    return Spans(ids)
 
 
 def valid_lengths(lengths: torch.Tensor) -> Rule:
@@ -376,19 +455,26 @@ class Visibility:
         return functools.reduce(torch.logical_and, (rule.allows(where) for rule in self.rules))
 
     def block(
-        self, start: int, end: int, keys: int | None = None, *, device: torch.device, skip_causal: bool = False
+        self,
+        start: int,
+        end: int,
+        keys: int | slice | None = None,
+        *,
+        device: torch.device,
+        skip_causal: bool = False,
     ) -> torch.Tensor | None:
-        """Bool ``(.., end - start, keys)``, True = attend, for queries ``[start, end)`` and keys ``[0, keys)``.
+        """Bool ``(.., end - start, keys)``, True = attend, for queries ``[start, end)`` and keys ``keys``.
 
-        None when every key is visible. ``skip_causal`` leaves the causal rule out (a route
-        that applies it itself).
+        ``keys``: the call's keys ``[0, keys)`` for an int, a ``slice`` of them, or all. None when
+        every key is visible. ``skip_causal`` leaves the causal rule out (a route that applies it itself).
         """
         vis = self.without(Causal) if skip_causal else self
         if not vis.rules:
             return None
-        keys = self.num_keys if keys is None else keys
+        if not isinstance(keys, slice):
+            keys = slice(0, self.num_keys if keys is None else keys)
         rows = torch.arange(start, end, device=device)[:, None]  # (block, 1)
-        columns = torch.arange(keys, device=device)  # (keys,)
+        columns = torch.arange(keys.start, keys.stop, device=device)  # (keys,)
         where = Indices.at(rows, columns, self.q_first, self.k_first)
         return functools.reduce(torch.logical_and, (rule.block(where, start, end, keys) for rule in vis.rules))
 
@@ -407,6 +493,13 @@ class Visibility:
         if high is None:
             return self.num_keys
         return min(self.num_keys, max(high - self.k_first, 1))
+
+    def key_range(self, start: int, end: int) -> tuple[int, int]:
+        """The call's keys ``[low, high)`` that queries ``[start, end)`` may reach (at least one key)."""
+        low, high = All(self.rules).key_bounds(start + self.q_first, end + self.q_first)
+        high_local = self.num_keys if high is None else min(self.num_keys, max(high - self.k_first, 1))
+        low_local = 0 if low is None else min(max(low - self.k_first, 0), high_local - 1)
+        return low_local, high_local
 
     def predicate(self) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """``allowed(b, h, q_idx, kv_idx)`` on scalar index tensors (FlexAttention's ``mask_mod``), or None."""

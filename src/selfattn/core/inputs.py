@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 import selfattn._validation as _validation
+import selfattn.masks as masks
 from selfattn._validation import ArgumentTypeError, require_position
 from selfattn.cache import KVCache
 from selfattn.core.documents import cumulative_lengths_to_document_ids, document_positions
@@ -234,6 +235,7 @@ class Request(NamedTuple):
     k_positions: torch.Tensor  # (lk_new,) or (b, lk_new)
     total: int  # keys in the whole sequence, the queries being its last lq
     valid_rows: torch.Tensor | None  # (b, lq) bool, with skip_padded_queries
+    mask: masks.Rule | None = None  # the caller's rule, joined to the others by "and"
 
 
 def check_request(
@@ -252,9 +254,15 @@ def check_request(
     key_padding_mask: torch.Tensor | None,
     document_ids: torch.Tensor | None,
     cumulative_lengths: torch.Tensor | Sequence[torch.Tensor | Sequence[int]] | None,
+    mask: masks.Rule | None = None,
 ) -> Request:
     """Check every argument; derive positions, document ids and the rows that are padding."""
     check_inputs(module, queries, keys, values)
+    if mask is not None and not isinstance(mask, masks.Rule):
+        raise ValueError(
+            f"mask must be a selfattn.masks rule (e.g. masks.causal() | masks.prefix(n)), got {type(mask).__name__}"
+            + (" (a tensor goes in attn_mask)" if isinstance(mask, torch.Tensor) else "")
+        )
     if cache is not None and not isinstance(cache, KVCache):
         raise ArgumentTypeError(f"cache must be a KVCache, got {type(cache).__name__} {cache!r}")
     batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
@@ -279,7 +287,7 @@ def check_request(
     )  # fmt: skip
     request = Request(
         queries, keys, values, valid_lens, causal, return_weights, cache, attn_mask, key_padding_mask,
-        document_ids, document_ids, q_positions, k_positions, total, None,
+        document_ids, document_ids, q_positions, k_positions, total, None, mask,
     )  # fmt: skip
     return request if valid_lens is None else _check_lengths(module, request)
 

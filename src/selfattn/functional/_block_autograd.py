@@ -34,7 +34,7 @@ def _differentiable_forward(
     inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
     pieces = []
     for index, start, end, keys in plan.blocks():
-        qc, kc, vc = q[..., start:end, :].to(compute), k[..., :keys, :].to(compute), v[..., :keys, :].to(compute)
+        qc, kc, vc = q[..., start:end, :].to(compute), k[..., keys, :].to(compute), v[..., keys, :].to(compute)
         visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
         bias = plan.bias(qc, start, end, keys)
         scores = torch.matmul(qc, kc.transpose(-2, -1)) * plan.scale  # (b, h, block, keys)
@@ -76,10 +76,10 @@ class _BlockwiseAttention(torch.autograd.Function):
         workspace = _Workspace(q.device)
         value_sums: torch.Tensor | None = None
         for index, start, end, keys in plan.blocks():
-            qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
+            qb, kb, vb = q[..., start:end, :], k[..., keys, :], v[..., keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
             if plan.flash_forward and plan.key_bias is not None:
-                mask: torch.Tensor | None = plan.key_mask(end - start)
+                mask: torch.Tensor | None = plan.key_mask(end - start, keys)
             elif plan.flash_forward:
                 bias = (
                     plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
@@ -99,7 +99,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
                 clipped = plan.clipped
                 if clipped is not None:
-                    split = clipped.split(start, end, keys, q.device)
+                    split = clipped.split(start, end, keys.stop, q.device)
                     weights, _ = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
                 else:
                     bias = plan.bias(qc, start, end, keys) if band is None else plan.window(band, start, end, keys)
@@ -224,16 +224,16 @@ class _Backward:
     def add_param_grad(self, i: int, g: torch.Tensor) -> None:
         self.accumulate([None] * i + [g.to(self.params[i].dtype)])
 
-    def block_bias(self, q: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor | None:
+    def block_bias(self, q: torch.Tensor, start: int, end: int, keys: slice) -> torch.Tensor | None:
         if self.band_values is None:
             return self.plan.bias(q, start, end, keys)
         return self.plan.window(self.band_values, start, end, keys)
 
-    def flash_block(self, start: int, end: int, keys: int, visible: torch.Tensor | None, gb: torch.Tensor) -> None:
+    def flash_block(self, start: int, end: int, keys: slice, visible: torch.Tensor | None, gb: torch.Tensor) -> None:
         plan, q, k, v = self.plan, self.q, self.k, self.v
-        qb, kb, vb = q[..., start:end, :], k[..., :keys, :], v[..., :keys, :]
+        qb, kb, vb = q[..., start:end, :], k[..., keys, :], v[..., keys, :]
         if plan.key_bias is not None:
-            mask: torch.Tensor | None = plan.key_mask(end - start)
+            mask: torch.Tensor | None = plan.key_mask(end - start, keys)
         else:
             mask = _float_mask(self.block_bias(qb.to(self.compute), start, end, keys), visible, self.compute)
         ob = self.out[..., start:end, :].to(q.dtype)
@@ -241,8 +241,8 @@ class _Backward:
             gb.contiguous(), qb, kb, vb, ob, self.lse[..., start:end], 0.0, False, attn_mask=mask, scale=plan.scale
         )
         self.dq[..., start:end, :] = gq
-        self.dk[..., :keys, :] += gk
-        self.dv[..., :keys, :] += gv
+        self.dk[..., keys, :] += gk
+        self.dv[..., keys, :] += gv
         if self.sink_logits is not None:
             sink_weight = torch.exp(self.sink_logits[:, None] - self.lse[..., start:end])  # (b, h, block)
             self.add_sink_grad(sink_weight, (gb.to(self.compute) * ob.to(self.compute)).sum(dim=-1))
@@ -253,15 +253,15 @@ class _Backward:
         self.sink_grad -= (sink_weight * row_dot).sum_to_size(1, *self.sink_grad.shape, 1).flatten()
 
     def explicit_block(
-        self, index: int, start: int, end: int, keys: int, visible: torch.Tensor | None, gb: torch.Tensor
+        self, index: int, start: int, end: int, keys: slice, visible: torch.Tensor | None, gb: torch.Tensor
     ) -> None:
         plan, compute, workspace = self.plan, self.compute, self.workspace
-        qc, kc = self.q[..., start:end, :].to(compute), self.k[..., :keys, :].to(compute)
-        vc, gc = self.v[..., :keys, :].to(compute), gb.to(compute)
+        qc, kc = self.q[..., start:end, :].to(compute), self.k[..., keys, :].to(compute)
+        vc, gc = self.v[..., keys, :].to(compute), gb.to(compute)
         q_leaf = qc.detach().requires_grad_(plan.queries_in_term)
         clipped, split, k_wide, bias = plan.clipped, None, None, None
         if clipped is not None:
-            split = clipped.split(start, end, keys, self.q.device)
+            split = clipped.split(start, end, keys.stop, self.q.device)
             probs, k_wide = _clipped_probs(clipped, qc, kc, visible, plan.scale, split, workspace)
             sink_weight = cap_slope = None  # the clipped route takes no softcap or sinks
         else:
@@ -281,7 +281,7 @@ class _Backward:
             # the forward's weights, unscaled: probs with the same entries dropped
             dropped = torch.mul(probs, keep, out=workspace.get("dropped", probs.shape, compute))
         if not drop_late:
-            _add_matmul(self.dv[..., :keys, :], dropped.transpose(-2, -1), g_scaled)
+            _add_matmul(self.dv[..., keys, :], dropped.transpose(-2, -1), g_scaled)
         grad_weights = self.weights_grad(start, end, keys, vc, g_scaled, dropped, split)
         if keep is not None:
             grad_weights = grad_weights.mul_(keep)
@@ -292,16 +292,16 @@ class _Backward:
             grad_scores = grad_scores.mul_(cap_slope)  # through the cap, to the logit before it
         if drop_late:
             assert keep is not None
-            _add_matmul(self.dv[..., :keys, :], probs.mul_(keep).transpose(-2, -1), g_scaled)
+            _add_matmul(self.dv[..., keys, :], probs.mul_(keep).transpose(-2, -1), g_scaled)
         self.queries_grad(start, end, qc, kc, grad_scores, split, k_wide)
-        _add_matmul(self.dk[..., :keys, :], grad_scores.transpose(-2, -1), qc * plan.scale)
+        _add_matmul(self.dk[..., keys, :], grad_scores.transpose(-2, -1), qc * plan.scale)
         self.term_grad(start, end, keys, grad_scores, bias, q_leaf)
 
     def weights_grad(
         self,
         start: int,
         end: int,
-        keys: int,
+        keys: slice,
         vc: torch.Tensor,
         g_scaled: torch.Tensor,
         dropped: torch.Tensor,
@@ -372,7 +372,7 @@ class _Backward:
         self,
         start: int,
         end: int,
-        keys: int,
+        keys: slice,
         grad_scores: torch.Tensor,
         bias: torch.Tensor | None,
         q_leaf: torch.Tensor,

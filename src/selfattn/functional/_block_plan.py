@@ -44,6 +44,7 @@ class _Plan:
     param_names: list[str] = field(default_factory=list)
     softcap: float | None = None  # logits become softcap * tanh(logit / softcap) before the mask
     sink_param: int | None = None  # index of the (h,) sink logits among the Function's params
+    skip_leading_keys: bool = False  # a block starts at the first key its queries may reach, not at key 0
 
     def term_params(self, params: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """The score term's parameters among the Function's ``params`` (the sink logits come last)."""
@@ -66,10 +67,11 @@ class _Plan:
     def causal(self) -> bool:
         return self.visibility.causal
 
-    def key_mask(self, rows: int) -> torch.Tensor:
+    def key_mask(self, rows: int, keys: slice) -> torch.Tensor:
         """The float mask of a block of ``rows`` queries when the bias is the same for every query: a view."""
         assert self.key_bias is not None
-        return self.key_bias.expand(*self.key_bias.shape[:-2], rows, self.key_bias.shape[-1])
+        row = self.key_bias[..., keys]
+        return row.expand(*row.shape[:-2], rows, row.shape[-1])
 
     @property
     def last_start(self) -> int:
@@ -99,10 +101,10 @@ class _Plan:
         hidden = columns > rows + self.last_start + shift  # (block, width)
         return band.masked_fill(hidden, float("-inf"))
 
-    def window(self, band: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor:
+    def window(self, band: torch.Tensor, start: int, end: int, keys: slice) -> torch.Tensor:
         """Block ``start``'s ``(1 or b, h, end - start, keys)`` bias: a view of the band."""
         first = self.last_start - start
-        return band[..., : end - start, first : first + keys]
+        return band[..., : end - start, first + keys.start : first + keys.stop]
 
     @property
     def flash_forward(self) -> bool:
@@ -113,27 +115,31 @@ class _Plan:
     def flash_backward(self) -> bool:
         return self.flash_forward and not self.bias_needs_grad
 
-    def blocks(self) -> list[tuple[int, int, int, int]]:
-        """``(index, first query, end query, end key)`` of every block."""
+    def blocks(self) -> list[tuple[int, int, int, slice]]:
+        """``(index, first query, end query, keys)`` of every block: the keys its queries may reach."""
         out = []
         for index, start in enumerate(range(0, self.num_queries, self.block)):
             end = min(start + self.block, self.num_queries)
-            out.append((index, start, end, self.visibility.key_limit(start, end)))
+            if self.skip_leading_keys:
+                keys = slice(*self.visibility.key_range(start, end))
+            else:
+                keys = slice(0, self.visibility.key_limit(start, end))
+            out.append((index, start, end, keys))
         return out
 
-    def bias(self, q: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor | None:
+    def bias(self, q: torch.Tensor, start: int, end: int, keys: slice) -> torch.Tensor | None:
         if self.term is None:
             return None
         assert self.q_positions is not None and self.k_positions is not None
-        return self.term(q, q_positions=self.q_positions[..., start:end], k_positions=self.k_positions[..., :keys])
+        return self.term(q, q_positions=self.q_positions[..., start:end], k_positions=self.k_positions[..., keys])
 
-    def value(self, weights: torch.Tensor, start: int, end: int, keys: int) -> torch.Tensor:
+    def value(self, weights: torch.Tensor, start: int, end: int, keys: slice) -> torch.Tensor:
         assert self.term is not None and self.q_positions is not None and self.k_positions is not None
         return self.term.value_term(
-            weights, q_positions=self.q_positions[..., start:end], k_positions=self.k_positions[..., :keys]
+            weights, q_positions=self.q_positions[..., start:end], k_positions=self.k_positions[..., keys]
         )
 
-    def visible(self, start: int, end: int, keys: int, device: torch.device) -> torch.Tensor | None:
+    def visible(self, start: int, end: int, keys: slice, device: torch.device) -> torch.Tensor | None:
         """Bool, True = attend, broadcastable to ``(b, h, block, keys)``; None when all are visible.
 
         With a band the causal part is already in the band's ``-inf`` and is left out here.

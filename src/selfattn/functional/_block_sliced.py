@@ -120,8 +120,8 @@ def _slice_tile_probs(
 
 def _slice_tiles(plan: _Plan, device: torch.device) -> tuple[float, list[tuple[int, int, int, int]], list[Any]]:
     """What both passes of the per-slice route share: ``1 / keep``, the blocks, and each block's visibility and empty rows."""
-    blocks = plan.blocks()
-    visibles = [_settle_empty_rows(plan.visible(start, end, keys, device)) for _, start, end, keys in blocks]
+    blocks = [(index, start, end, keys.stop) for index, start, end, keys in plan.blocks()]  # keys from the first
+    visibles = [_settle_empty_rows(plan.visible(start, end, slice(0, keys), device)) for _, start, end, keys in blocks]
     return 1.0 / dropout_keep_probability(plan.dropout_p), blocks, visibles
 
 
@@ -235,9 +235,10 @@ def _sliced_dropout_reference(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: 
     inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
     batch, heads = (max(t.shape[i] for t in (q, k, v)) for i in (0, 1))
     pieces = []
-    for index, start, end, keys in plan.blocks():
+    for index, start, end, span in plan.blocks():
+        keys = span.stop  # this route's plans do not skip leading keys
         qc, kc, vc = q[..., start:end, :].to(compute), k[..., :keys, :].to(compute), v[..., :keys, :].to(compute)
-        visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
+        visible, empty = _settle_empty_rows(plan.visible(start, end, span, q.device))
         scores = torch.matmul(qc * plan.scale, kc.transpose(-2, -1))  # (b, h, block, keys)
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))

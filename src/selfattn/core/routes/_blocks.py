@@ -14,7 +14,7 @@ from selfattn.functional._block_common import choose_block_size
 from selfattn.functional._block_plan import _Plan
 from selfattn.functional._kernels import _repeat_kv
 
-__all__ = ["blocks_decline", "plan_for", "run_plan"]
+__all__ = ["block_for", "blocks_decline", "plan_for", "reached_share", "run_plan"]
 
 
 def blocks_decline(call: AttentionCall) -> str | None:
@@ -48,13 +48,27 @@ def heads(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return q, _repeat_kv(q, call.k), _repeat_kv(q, call.v)
 
 
+def block_for(call: AttentionCall) -> int:
+    """Queries per block: the call's ``block_size``, or :func:`choose_block_size` of its sizes."""
+    block = call.block_size or choose_block_size(
+        call.batch, call.heads, call.num_queries, call.num_keys, dtype=call.dtype
+    )
+    return max(1, min(block, call.num_queries))
+
+
+def reached_share(call: AttentionCall, block: int) -> float:
+    """The share of the ``(lq, lk)`` pairs that blocks of ``block`` queries compute, skipping keys no query of a block reaches."""
+    visibility, pairs = call.visibility, 0
+    for start in range(0, call.num_queries, block):
+        end = min(start + block, call.num_queries)
+        low, high = visibility.key_range(start, end)
+        pairs += (end - start) * (high - low)
+    return pairs / max(call.num_queries * call.num_keys, 1)
+
+
 def plan_for(call: AttentionCall, *, block: int | None = None, **choices: object) -> _Plan:
     """The plan of a blockwise call; ``choices`` set the route's own fields (``band_base``, ``clipped``, ``key_bias``)."""
-    if block is None:
-        block = call.block_size or choose_block_size(
-            call.batch, call.heads, call.num_queries, call.num_keys, dtype=call.dtype
-        )
-    block = max(1, min(block, call.num_queries))
+    block = block_for(call) if block is None else max(1, min(block, call.num_queries))
     seed = int(torch.randint(0, 2**62, (1,)).item()) if call.dropout_p > 0 else 0
     grad = torch.is_grad_enabled()
     queries_in_term = bool(grad and call.q.requires_grad and call.term_reads_queries)

@@ -11,15 +11,26 @@ from __future__ import annotations
 
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
-from selfattn.core.routes._blocks import blocks_decline, clipped_for, plan_for, run_plan
+from selfattn.core.routes._blocks import block_for, blocks_decline, clipped_for, plan_for, reached_share, run_plan
+from selfattn.masks import Causal, Dense, Documents, KeyPadding, ValidLengths
 
 __all__ = ["BLOCKWISE", "BLOCKWISE_ANY", "BLOCKWISE_BAND", "BLOCKWISE_CLIPPED"]
 
 
+#: A call with nothing else for blocks goes blockwise when its blocks compute at most this share of the pairs.
+SKIPPED_BLOCKS_WORTH = 0.5
+
+
 def _nothing_for_blocks(call: AttentionCall) -> str | None:
-    if call.term is None and call.dropout_p == 0 and not call.modifies_scores:
-        return "no score term, no dropout, no softcap and no sinks"
-    return blocks_decline(call)
+    reason = blocks_decline(call)
+    if reason is not None or call.term is not None or call.dropout_p > 0 or call.modifies_scores:
+        return reason
+    if call.visibility.kernel_causal or call.visibility.only(Causal, ValidLengths, KeyPadding, Dense, Documents):
+        return "no score term, no dropout, no softcap, no sinks, and no key range to skip"
+    share = reached_share(call, block_for(call))
+    if share > SKIPPED_BLOCKS_WORTH:
+        return f"no score term, no dropout, no softcap, no sinks, and blocks would compute {share:.0%} of the pairs"
+    return None
 
 
 def _declines_clipped(call: AttentionCall) -> str | None:
@@ -57,13 +68,13 @@ def _declines_band(call: AttentionCall) -> str | None:
 
 
 def _run_band(call: AttentionCall) -> Output:
-    plan = plan_for(call)
+    plan = plan_for(call, skip_leading_keys=True)
     plan.band_base = _band_base(call, plan.block)
     return Output(run_plan(call, plan))
 
 
 def _run_any(call: AttentionCall) -> Output:
-    return Output(run_plan(call, plan_for(call)))
+    return Output(run_plan(call, plan_for(call, skip_leading_keys=True)))
 
 
 BLOCKWISE_CLIPPED = Route("blockwise clipped", _declines_clipped, _run_clipped)
