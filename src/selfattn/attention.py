@@ -52,6 +52,11 @@ def _per_head(positions: torch.Tensor) -> torch.Tensor:
     return positions[:, None, :] if positions.dim() == 2 else positions  # (b, 1, l) broadcasts over heads
 
 
+def _encoded_at(positions: torch.Tensor, axes: torch.Tensor | None) -> torch.Tensor:
+    """What the query/key encoding gets: M-RoPE's ``(3, b, l)`` rows, else the positions per head."""
+    return _per_head(positions) if axes is None else axes
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head scaled dot-product attention, named as in the chapter.
 
@@ -254,9 +259,12 @@ class MultiHeadAttention(nn.Module):
             positions: integer positions of the queries, ``(lq,)`` or per sequence
                 ``(b, lq)`` (left padding, packed documents); the new keys get the same ones
                 in self-attention. Every encoding (rotary, ALiBi, T5, Shaw) uses them, and a
-                cache stores them with the keys.
-            key_positions: positions of the keys, ``(lk,)`` or ``(b, lk)``, when they are not
-                the queries' (cross-attention).
+                cache stores them with the keys. With an M-RoPE ``position``
+                (:class:`~selfattn.positional.MultimodalRotaryPositionalEncoding`) also
+                ``(3, b, lq)``: time, height and width (:func:`~selfattn.positional.multimodal_positions`);
+                the encoding gets all three, the rest of the call (the cache) the time row.
+            key_positions: positions of the keys, ``(lk,)`` or ``(b, lk)`` (or ``(3, b, lk)``
+                with M-RoPE), when they are not the queries' (cross-attention).
             attn_mask: bool with **True = attend** (as ``scaled_dot_product_attention`` and
                 :func:`selfattn.functional.attention`; the *opposite* of
                 ``nn.MultiheadAttention``'s bool mask), or float, added to the scaled scores
@@ -361,14 +369,16 @@ class MultiHeadAttention(nn.Module):
 
         def make_q() -> torch.Tensor:
             q = self.split_heads(self.W_q(inputs()[0]))  # (b, h, lq, dh)
-            return self.query_key_encoding.encode_queries(q, _per_head(request.q_positions)) if self.rotates else q
+            if not self.rotates:
+                return q
+            return self.query_key_encoding.encode_queries(q, _encoded_at(request.q_positions, request.q_axes))
 
         def project_kv() -> tuple[torch.Tensor, torch.Tensor]:
             k = self.split_heads(self.W_k(inputs()[1]), self.num_kv_heads)  # (b, hk, lk_new, dh)
             v = self.split_heads(self.W_v(inputs()[2]), self.num_kv_heads)  # (b, hk, lk_new, dh)
             if self.rotates:
                 self._update_cached_keys(request)
-                k = self.query_key_encoding.encode_keys(k, _per_head(request.k_positions))
+                k = self.query_key_encoding.encode_keys(k, _encoded_at(request.k_positions, request.k_axes))
             return k, v
 
         seen = _Seen.new_keys(request)
@@ -397,7 +407,9 @@ class MultiHeadAttention(nn.Module):
             return_weights=request.return_weights,
             block_size=self.block_size,
             inputs=ModuleInputs(
-                self, queries, keys, request.values, request.q_positions, request.k_positions,
+                self, queries, keys, request.values,
+                request.q_positions if request.q_axes is None else request.q_axes,  # the encoding's positions
+                request.k_positions if request.k_axes is None else request.k_axes,
                 self.skip_padded_queries, request.cache is not None,
             ),
         )  # fmt: skip

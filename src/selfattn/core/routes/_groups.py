@@ -52,9 +52,15 @@ def pick_rows(x: torch.Tensor, take: slice | torch.Tensor) -> torch.Tensor:
 
 
 def group_positions(positions: torch.Tensor, length: int, take: slice | torch.Tensor) -> torch.Tensor:
-    """The first ``length`` positions of the group's rows: ``(length,)`` or ``(b_g, 1, length)`` (over heads)."""
+    """The first ``length`` positions of the group's rows, over heads.
+
+    ``(length,)`` stays; ``(b, l)`` gives ``(b_g, 1, length)``, M-RoPE's ``(3, b, l)`` ``(3, b_g, 1, length)``.
+    """
     positions = positions[..., :length]
-    return pick_rows(positions, take)[:, None, :] if positions.dim() == 2 else positions
+    if positions.dim() == 1:
+        return positions
+    rows = pick_rows(positions.movedim(-2, 0), take).movedim(0, -2)  # (b_g, length) or (3, b_g, length)
+    return rows.unsqueeze(-2)
 
 
 def project_keys(
