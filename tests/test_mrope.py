@@ -172,13 +172,20 @@ def test_from_config_reads_a_qwen2_vl_config():
     _, config, _ = _hf_rotary(sections=(2, 2, 4), base=1e6)
     encoding = MultimodalRotaryPositionalEncoding.from_config(config)
     assert (encoding.head_dim, encoding.base, encoding.sections) == (HEAD_DIM, 1e6, (2, 2, 4))
-    legacy = {"hidden_size": 256, "num_attention_heads": 2, "rope_theta": 1e6, "rope_scaling": {"mrope_section": [16, 24, 24]}}
+    legacy = {
+        "hidden_size": 256,
+        "num_attention_heads": 2,
+        "rope_theta": 1e6,
+        "rope_scaling": {"mrope_section": [16, 24, 24]},
+    }
     assert MultimodalRotaryPositionalEncoding.from_config(legacy).sections == (16, 24, 24)
     with pytest.raises(ValueError, match="config has no mrope_section"):
         MultimodalRotaryPositionalEncoding.from_config({"head_dim": 16})
 
 
-def _hf_rope_index(ids, *, attention_mask=None, images=None, videos=None, merge=2, seconds=None, tokens_per_second=None):
+def _hf_rope_index(
+    ids, *, attention_mask=None, images=None, videos=None, merge=2, seconds=None, tokens_per_second=None
+):
     """transformers' get_rope_index, called on a stand-in that carries only the config it reads."""
     pytest.importorskip("transformers", reason="transformers is not installed (optional cross-check)")
     if tokens_per_second is None:
@@ -259,7 +266,8 @@ def test_adjacent_images_are_cut_by_their_grids():
     two_calls = torch.cat(
         [
             multimodal_positions(_tokens([1], [IMAGE] * 4), image_token_id=IMAGE, image_grids=[[1, 4, 4]]).positions,
-            multimodal_positions(_tokens([IMAGE] * 2, [2]), image_token_id=IMAGE, image_grids=[[1, 2, 4]]).positions + 3,
+            multimodal_positions(_tokens([IMAGE] * 2, [2]), image_token_id=IMAGE, image_grids=[[1, 2, 4]]).positions
+            + 3,
         ],
         dim=-1,
     )
@@ -290,7 +298,9 @@ def test_position_builder_errors(kwargs, message):
 
 
 def test_position_builder_rejects_bad_input_ids():
-    with pytest.raises(ValueError, match=r"input_ids must be integer token ids of shape \(batch, length\), got .*\(4,\)"):
+    with pytest.raises(
+        ValueError, match=r"input_ids must be integer token ids of shape \(batch, length\), got .*\(4,\)"
+    ):
         multimodal_positions(torch.arange(4))
 
 
@@ -317,9 +327,7 @@ def test_attention_matches_transformers_style_reference():
     q = mha.split_heads(mha.W_q(x)).detach().numpy()
     k = mha.split_heads(mha.W_k(x)).detach().numpy()
     v = mha.split_heads(mha.W_v(x)).detach()
-    rotated = [
-        [mrope_numpy(t[row], positions[:, row].numpy(), SECTIONS, BASE) for row in range(2)] for t in (q, k)
-    ]
+    rotated = [[mrope_numpy(t[row], positions[:, row].numpy(), SECTIONS, BASE) for row in range(2)] for t in (q, k)]
     q_r, k_r = (torch.from_numpy(np.stack(t)) for t in rotated)
     scores = q_r @ k_r.transpose(-1, -2) / HEAD_DIM**0.5
     scores = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
@@ -366,20 +374,25 @@ def test_text_positions_in_attention_equal_rotary_attention():
     x = torch.randn(2, 9, HEAD_DIM * HEADS, dtype=torch.float64)
     per_sequence = torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5, 6], list(range(4, 13))])  # (b, l) text positions
     for positions in (None, per_sequence, per_sequence.expand(3, -1, -1)):
-        expected = rotary(x, x, x, causal=True, positions=positions if positions is None or positions.dim() == 2 else per_sequence)
+        expected = rotary(
+            x, x, x, causal=True, positions=positions if positions is None or positions.dim() == 2 else per_sequence
+        )
         torch.testing.assert_close(mrope(x, x, x, causal=True, positions=positions), expected, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("skip_padded_queries", [False, True])
-def test_ragged_batch_equals_each_sequence_alone(skip_padded_queries):
-    """valid_lens (b,) with causal takes the ragged routes, which project and rotate per group of rows."""
+@pytest.mark.parametrize(("skip_padded_queries", "return_weights"), [(False, False), (True, False), (False, True)])
+def test_ragged_batch_equals_each_sequence_alone(skip_padded_queries, return_weights):
+    """valid_lens (b,) with causal takes the ragged routes, which project and rotate per group of rows
+    (or, with the weights asked for, one masked call); keys past the longest length are dropped first."""
     mha = _mha()
     mha.skip_padded_queries = skip_padded_queries
     positions = _prompt().positions
     x = torch.randn(2, 12, HEAD_DIM * HEADS, dtype=torch.float64)
-    lengths = torch.tensor([12, 9])
-    assert mha.explain(x, x, x, lengths, causal=True, positions=positions).route.startswith("ragged")
-    out = mha(x, x, x, lengths, causal=True, positions=positions)
+    lengths = torch.tensor([10, 7])
+    route = mha.explain(x, x, x, lengths, causal=True, positions=positions, return_weights=return_weights).route
+    assert route.startswith("ragged") != return_weights
+    out = mha(x, x, x, lengths, causal=True, positions=positions, return_weights=return_weights)
+    out = out[0] if return_weights else out
     for row, length in enumerate(lengths.tolist()):
         alone = x[row : row + 1, :length]
         expected = mha(alone, alone, alone, causal=True, positions=positions[:, row : row + 1, :length])
@@ -398,7 +411,11 @@ def test_three_axis_positions_need_an_mrope_layer():
     with pytest.raises(ValueError, match=r"positions of shape \(3, 2, 5\) are 3-D.*no position encoding"):
         MultiHeadAttention(32, 2)(x, x, x, positions=positions)
     mrope = MultiHeadAttention(32, 2, position=build("mrope", num_hiddens=32, num_heads=2))
-    with pytest.raises(ValueError, match=r"positions must be an integer tensor of shape \(3, 2, 5\), got .*\(2, 2, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"positions must be an integer tensor of shape \(3, 2, 5\), got .*\(2, 2, 5\)"
+    ):
         mrope(x, x, x, positions=torch.zeros(2, 2, 5, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"positions must be an integer tensor of shape \(3, 2, 5\), got torch.float32"):
+    with pytest.raises(
+        ValueError, match=r"positions must be an integer tensor of shape \(3, 2, 5\), got torch.float32"
+    ):
         mrope(x, x, x, positions=positions.float())

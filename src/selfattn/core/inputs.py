@@ -186,7 +186,9 @@ def split_position_axes(
     return positions, key_positions, q_axes, k_axes
 
 
-def lift_position_axes(module: Any, axes: torch.Tensor | None, positions: torch.Tensor, batch: int) -> torch.Tensor | None:
+def lift_position_axes(
+    module: Any, axes: torch.Tensor | None, positions: torch.Tensor, batch: int
+) -> torch.Tensor | None:
     """The ``(3, b, l)`` positions an M-RoPE encoding gets (text positions on every axis), else None."""
     if getattr(module.position, "position_axes", 1) != 3:
         return None

@@ -67,7 +67,7 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
 
     #: How many position axes a token has; :class:`~selfattn.MultiHeadAttention` reads it.
     position_axes: ClassVar[int] = 3
-    exact_tables = ("inv_freq", "axis_of_frequency")
+    exact_tables = ("inv_freq",)
     inv_freq: torch.Tensor
     axis_of_frequency: torch.Tensor
 
@@ -87,9 +87,7 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.base = _require_base(base)
         self.sections = self._check_sections(default_sections(self.head_dim) if sections is None else sections)
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
-        self.register_buffer(
-            "axis_of_frequency", torch.empty(0, dtype=torch.long, device=device), persistent=False
-        )
+        self.register_buffer("axis_of_frequency", torch.empty(0, dtype=torch.long, device=device), persistent=False)
         self._build_tables()
 
     def _check_sections(self, sections: object) -> tuple[int, int, int]:

@@ -40,12 +40,13 @@ def _grids(name: str, grids: torch.Tensor | Sequence[Sequence[int]] | None, merg
         return []
     rows = grids.tolist() if isinstance(grids, torch.Tensor) else [list(g) for g in grids]
     checked = []
-    for t, h, w in (row if len(row) == 3 else (None, None, None) for row in rows):
-        if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in (t, h, w)):
+    for row in rows:
+        if len(row) != 3 or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in row):
             raise ValueError(f"{name} must be rows of three positive integers (t, h, w), got {rows!r}")
+        t, h, w = (int(s) for s in row)
         if h % merge or w % merge:
             raise ValueError(f"{name} has a grid {(t, h, w)} whose height or width is not a multiple of {merge}")
-        checked.append((int(t), int(h) // merge, int(w) // merge))
+        checked.append((t, h // merge, w // merge))
     return checked
 
 
@@ -138,7 +139,10 @@ def multimodal_positions(
     if video_time_steps is None:
         time_steps = [1.0] * len(grids[_VIDEO])
     else:
-        time_steps = [float(s) for s in (video_time_steps.tolist() if isinstance(video_time_steps, torch.Tensor) else video_time_steps)]
+        time_steps = [
+            float(s)
+            for s in (video_time_steps.tolist() if isinstance(video_time_steps, torch.Tensor) else video_time_steps)
+        ]
         if len(time_steps) != len(grids[_VIDEO]) or not all(math.isfinite(s) and s >= 0 for s in time_steps):
             raise ValueError(
                 f"video_time_steps must be one finite step >= 0 per video ({len(grids[_VIDEO])}), got {time_steps!r}"
