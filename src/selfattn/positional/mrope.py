@@ -69,7 +69,6 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
     position_axes: ClassVar[int] = 3
     exact_tables = ("inv_freq",)
     inv_freq: torch.Tensor
-    axis_of_frequency: torch.Tensor
 
     def __init__(
         self,
@@ -87,7 +86,6 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.base = _require_base(base)
         self.sections = self._check_sections(default_sections(self.head_dim) if sections is None else sections)
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
-        self.register_buffer("axis_of_frequency", torch.empty(0, dtype=torch.long, device=device), persistent=False)
         self._build_tables()
 
     def _check_sections(self, sections: object) -> tuple[int, int, int]:
@@ -110,11 +108,8 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self._build_tables()
 
     def _build_tables(self) -> None:
-        """``inv_freq`` ``(dh / 2,)`` float64 and the axis (0, 1, 2) each frequency follows, on the buffers' device."""
-        device = self.inv_freq.device
-        self.inv_freq = rotary_frequencies(self.head_dim, self.base).to(device)
-        axes = torch.arange(3).repeat_interleave(torch.tensor(self.sections))  # (dh / 2,)
-        self.axis_of_frequency = axes.to(device)
+        """``inv_freq`` ``(dh / 2,)`` in float64 on the buffer's device."""
+        self.inv_freq = rotary_frequencies(self.head_dim, self.base).to(self.inv_freq.device)
 
     def axis_positions(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``(3, ..., l)`` positions broadcastable to ``x.shape[:-1]``, from any accepted form (see the class)."""
@@ -137,10 +132,11 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             raise ValueError(f"x must have shape (..., length, {self.head_dim}), got {tuple(getattr(x, 'shape', ()))}")
         axes = self.axis_positions(x, positions)
         _check_rotary_inputs(x, axes[0])
-        # Each frequency j reads the position of its own axis: (..., l, dh / 2), then the angle.
-        per_frequency = axes.to(x.device).movedim(0, -1)[..., self.axis_of_frequency]
+        # Each axis turns its own section of the frequencies: (..., l, dh / 2) angles.
         angle_dtype = _angle_dtype(x.device)
-        angles = per_frequency.to(angle_dtype) * self.inv_freq.to(angle_dtype)
+        frequencies = self.inv_freq.to(x.device, angle_dtype).split(self.sections)
+        axes = axes.to(x.device, angle_dtype)
+        angles = torch.cat([axes[a][..., None] * frequencies[a] for a in range(3)], dim=-1)
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         cos, sin = torch.cos(angles).to(compute_dtype), torch.sin(angles).to(compute_dtype)
         return _rotate(x.to(compute_dtype), cos, sin, interleaved=False).to(x.dtype)
