@@ -134,7 +134,7 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         _check_rotary_inputs(x, axes[0])
         # Each axis turns its own section of the frequencies: (..., l, dh / 2) angles.
         angle_dtype = _angle_dtype(x.device)
-        frequencies = torch.split(self.inv_freq.to(x.device, angle_dtype), self.sections)
+        frequencies = torch.split(self.inv_freq.to(x.device, angle_dtype), list(self.sections))
         axes = axes.to(x.device, angle_dtype)
         angles = torch.cat([axes[a][..., None] * frequencies[a] for a in range(3)], dim=-1)
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
