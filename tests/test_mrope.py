@@ -32,17 +32,15 @@ def mrope_numpy(x: np.ndarray, positions: np.ndarray, sections, base: float) -> 
     axis = np.repeat(np.arange(3), sections)  # the axis each frequency follows
     out = np.empty_like(x)
     for j in range(half):
-        theta = positions[axis[j]].astype(np.float64) * base ** (-2.0 * j / dh)  # (l,)
-        cos, sin = np.cos(theta)[:, None].T, np.sin(theta)[:, None].T  # (1, l), broadcast over leading axes
-        cos, sin = cos[0], sin[0]
+        theta = positions[axis[j]].astype(np.float64) * base ** (-2.0 * j / dh)  # (l,), broadcast over (..., l)
+        cos, sin = np.cos(theta), np.sin(theta)
         out[..., j] = x[..., j] * cos - x[..., j + half] * sin
         out[..., j + half] = x[..., j] * sin + x[..., j + half] * cos
     return out
 
 
-def image_positions(length: int = 12, seed: int = 0) -> torch.Tensor:
+def image_positions(length: int = 12) -> torch.Tensor:
     """``(3, l)`` positions of text, a 2x3 image, text: the layout multimodal_positions makes."""
-    del seed
     ids = torch.tensor([[1, 2, *[IMAGE] * 6, *range(3, 3 + length - 8)]])
     return multimodal_positions(ids, image_token_id=IMAGE, image_grids=[[1, 4, 6]]).positions[:, 0]
 
