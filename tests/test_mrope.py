@@ -351,6 +351,36 @@ def test_cached_decoding_equals_full_pass(num_kv_heads):
     assert torch.equal(cache.positions, positions[0])  # the cache keeps the temporal row
 
 
+def test_left_padded_prompt_then_decoding_equals_each_sequence_alone():
+    """Row 0 is left-padded by 3: its tokens, prompt and generated, give what the row gives alone."""
+    mha = _mha()
+    ids = torch.stack([_tokens([0, 0, 0, 1], [IMAGE] * 6, [3, 4, 5])[0], _tokens([1], [IMAGE] * 8, [3, 4, 5, 6])[0]])
+    padding = ids == 0  # (b, 13), True = padding
+    prompt = multimodal_positions(
+        ids, image_token_id=IMAGE, image_grids=[[1, 4, 6], [1, 4, 8]], attention_mask=~padding
+    )
+    # three generated tokens: index among the row's own tokens (padding not counted) + delta
+    index = (~padding).sum(-1, keepdim=True) + torch.arange(3)  # (b, 3)
+    positions = torch.cat([prompt.positions, (index + prompt.deltas).expand(3, -1, -1)], dim=-1)  # (3, b, 16)
+    padding = torch.cat([padding, torch.zeros(2, 3, dtype=torch.bool)], dim=-1)
+    x = torch.randn(2, 16, HEAD_DIM * HEADS, dtype=torch.float64)
+    cache = KVCache(16)
+    steps = [mha(x[:, :13], x[:, :13], x[:, :13], causal=True, cache=cache, positions=positions[..., :13],
+                 key_padding_mask=padding[:, :13])]  # fmt: skip
+    for t in range(13, 16):
+        step = x[:, t : t + 1]
+        steps.append(mha(step, step, step, causal=True, cache=cache, positions=positions[..., t : t + 1],
+                         key_padding_mask=padding[:, t : t + 1]))  # fmt: skip
+    decoded = torch.cat(steps, dim=1)
+    alone = x[:1, 3:]
+    expected = mha(alone, alone, alone, causal=True, positions=positions[:, :1, 3:])
+    torch.testing.assert_close(decoded[:1, 3:], expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(decoded[1:], mha(x[1:], x[1:], x[1:], causal=True, positions=positions[:, 1:]))
+    assert (
+        positions[:, 0, 3].tolist() == [0, 0, 0] and positions[:, 0, 13].tolist() == [7] * 3
+    )  # text 0, image 1-3, text 4-6
+
+
 def test_shifting_every_axis_changes_nothing_and_one_axis_does():
     mha = _mha()
     positions = _prompt().positions
