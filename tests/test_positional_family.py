@@ -17,7 +17,8 @@ NUM_HIDDENS, NUM_HEADS, LENGTH, BATCH = 16, 4, 6, 2
 # rotary3d needs a head size of at least 6 (2 features per axis); tests/test_rotary_variants.py covers it.
 NAMES = tuple(name for name in NAMES if name != "rotary3d")
 GRIDS = {"sinusoidal2d": (2, 3), "sinusoidal3d": (3, 1, 2)}  # LENGTH tokens in raster order
-RELATIVE = {"none", "rotary", "alibi", "t5", "shaw", "xpos", "rotary2d", "rotary3d", "kerple"}
+# mrope runs here on text positions (all three axes equal); tests/test_mrope.py gives it (3, b, l) positions.
+RELATIVE = {"none", "rotary", "alibi", "t5", "shaw", "xpos", "rotary2d", "rotary3d", "kerple", "mrope"}
 PARAMETERS = {
     "learned": {"weight"},
     "t5": {"relative_attention_bias.weight"},
@@ -30,6 +31,7 @@ BUFFERS = {
     "rotary": {"inv_freq"},
     "xpos": {"inv_freq", "zeta"},
     "rotary2d": {"inv_freq"},
+    "mrope": {"inv_freq"},
     "alibi": {"slopes"},
     "sinusoidal2d": {"axes.0.P", "axes.1.P"},
     "sinusoidal3d": {"axes.0.P", "axes.1.P", "axes.2.P"},
@@ -239,6 +241,7 @@ def test_kinds_and_derived_sizes():
         "rotary2d": "query_key",
         "kerple": "scores",
         "fire": "scores",
+        "mrope": "query_key",
     }
     assert isinstance(build("rotary", num_hiddens=24, num_heads=3), QueryKeyEncoding)
     assert build("rotary", num_hiddens=24, num_heads=3).head_dim == 8

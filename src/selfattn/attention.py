@@ -52,6 +52,16 @@ def _per_head(positions: torch.Tensor) -> torch.Tensor:
     return positions[:, None, :] if positions.dim() == 2 else positions  # (b, 1, l) broadcasts over heads
 
 
+def _encoding_positions(positions: torch.Tensor, axes: torch.Tensor | None) -> torch.Tensor:
+    """The positions the projections take: M-RoPE's ``(3, b, l)`` axes when there are some, else ``positions``."""
+    return positions if axes is None else axes
+
+
+def _for_heads(positions: torch.Tensor) -> torch.Tensor:
+    """``(l,)``, ``(b, l)`` or M-RoPE's ``(3, b, l)`` as the encodings take them over heads."""
+    return positions if positions.dim() == 3 else _per_head(positions)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head scaled dot-product attention, named as in the chapter.
 
@@ -307,9 +317,12 @@ class MultiHeadAttention(nn.Module):
             positions: integer positions of the queries, ``(lq,)`` or per sequence
                 ``(b, lq)`` (left padding, packed documents); the new keys get the same ones
                 in self-attention. Every encoding (rotary, ALiBi, T5, Shaw) uses them, and a
-                cache stores them with the keys.
-            key_positions: positions of the keys, ``(lk,)`` or ``(b, lk)``, when they are not
-                the queries' (cross-attention).
+                cache stores them with the keys. With an M-RoPE ``position``
+                (:class:`~selfattn.positional.MultimodalRotaryPositionalEncoding`) also
+                ``(3, b, lq)``: time, height and width (:func:`~selfattn.positional.multimodal_positions`);
+                the encoding gets all three, the rest of the call (the cache) the time row.
+            key_positions: positions of the keys, ``(lk,)`` or ``(b, lk)`` (or ``(3, b, lk)``
+                with M-RoPE), when they are not the queries' (cross-attention).
             attn_mask: bool with **True = attend** (as ``scaled_dot_product_attention`` and
                 :func:`selfattn.functional.attention`; the *opposite* of
                 ``nn.MultiheadAttention``'s bool mask), or float, added to the scaled scores
@@ -379,22 +392,26 @@ class MultiHeadAttention(nn.Module):
         return self.position
 
     def project_queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Query heads ``(b, h, lq, dh)`` from ``(b, lq, dq)``: ``W_q``, QK-norm, then the rotation at ``positions``."""
+        """Query heads ``(b, h, lq, dh)`` from ``(b, lq, dq)``: ``W_q``, QK-norm, then the rotation at ``positions``.
+
+        ``positions``: ``(lq,)``, ``(b, lq)``, or M-RoPE's ``(3, b, lq)``.
+        """
         q = self.split_heads(self.W_q(x))  # (b, h, lq, dh)
         if self.q_norm is not None:
             q = self.q_norm(q)
         if self.temperature_tuning is not None:
             attn_scale, floor_scale = self.temperature_tuning
-            steps = torch.floor((_per_head(positions).to(torch.float64) + 1) / floor_scale)  # (lq,) or (b, 1, lq)
+            time = positions[0] if positions.dim() == 3 else positions  # M-RoPE's first axis counts tokens
+            steps = torch.floor((_per_head(time).to(torch.float64) + 1) / floor_scale)  # (lq,) or (b, 1, lq)
             q = q * (1 + attn_scale * torch.log1p(steps)).to(q.dtype)[..., None]  # (b, h, lq, dh)
-        return self.query_key_encoding.encode_queries(q, _per_head(positions)) if self.rotates else q
+        return self.query_key_encoding.encode_queries(q, _for_heads(positions)) if self.rotates else q
 
     def project_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Key heads ``(b, hk, lk, dh)`` from ``(b, lk, dk)``: ``W_k``, QK-norm, then the rotation at ``positions``."""
         k = self.split_heads(self.W_k(x), self.num_kv_heads)  # (b, hk, lk, dh)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return self.query_key_encoding.encode_keys(k, _per_head(positions)) if self.rotates else k
+        return self.query_key_encoding.encode_keys(k, _for_heads(positions)) if self.rotates else k
 
     def project_output(self, merged: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """``W_o`` of the merged heads ``(b, lq, h * dh)``, gated by ``sigmoid(W_g(queries))`` first when gated."""
@@ -447,12 +464,16 @@ class MultiHeadAttention(nn.Module):
             return zeroed[0]
 
         def make_q() -> torch.Tensor:
-            return self.project_queries(inputs()[0], request.q_positions)  # (b, h, lq, dh)
+            return self.project_queries(
+                inputs()[0], _encoding_positions(request.q_positions, request.q_axes)
+            )  # (b, h, lq, dh)
 
         def project_kv() -> tuple[torch.Tensor, torch.Tensor]:
             if self.rotates:
                 self._update_cached_keys(request)
-            k = self.project_keys(inputs()[1], request.k_positions)  # (b, hk, lk_new, dh)
+            k = self.project_keys(
+                inputs()[1], _encoding_positions(request.k_positions, request.k_axes)
+            )  # (b, hk, lk_new, dh)
             v = self.split_heads(self.W_v(inputs()[2]), self.num_kv_heads)  # (b, hk, lk_new, dh)
             return k, v
 
@@ -485,7 +506,9 @@ class MultiHeadAttention(nn.Module):
             return_weights=request.return_weights,
             block_size=self.block_size,
             inputs=ModuleInputs(
-                self, queries, keys, request.values, request.q_positions, request.k_positions,
+                self, queries, keys, request.values,
+                request.q_positions if request.q_axes is None else request.q_axes,  # the encoding's positions
+                request.k_positions if request.k_axes is None else request.k_axes,
                 self.skip_padded_queries, request.cache is not None,
             ),
         )  # fmt: skip

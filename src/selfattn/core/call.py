@@ -37,7 +37,8 @@ class ModuleInputs:
         module: the calling module (its projections and position encoding).
         queries, keys, values: the raw inputs ``(b, l, d*)``; keys past the longest valid
             length already dropped.
-        q_positions, k_positions: ``(lq,)``/``(b, lq)`` and ``(lk,)``/``(b, lk)``.
+        q_positions, k_positions: what the module's query/key encoding reads: ``(lq,)``/``(b, lq)``
+            and ``(lk,)``/``(b, lk)``, or M-RoPE's ``(3, b, lq)`` and ``(3, b, lk)``.
         skip_padded_queries: the module's option.
         has_cache: whether a cache takes part.
     """

@@ -25,8 +25,10 @@ __all__ = [
     "check_masks",
     "check_skip_padded_queries",
     "check_valid_lens",
+    "lift_position_axes",
     "require_int_tensor",
     "resolve_positions",
+    "split_position_axes",
     "zero_padding",
 ]
 
@@ -146,6 +148,54 @@ def check_masks(
     return attn_mask, key_padding_mask, document_ids
 
 
+def split_position_axes(
+    module: Any,
+    positions: torch.Tensor | None,
+    key_positions: torch.Tensor | None,
+    batch: int,
+    num_queries: int,
+    num_new_keys: int,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """M-RoPE's 3-D positions taken apart: ``(positions, key_positions, q_axes, k_axes)``.
+
+    Positions ``(3, b, l)`` (time, height, width) go whole to an encoding whose
+    ``position_axes`` is 3 (``q_axes``/``k_axes``); the rest of the call (the cache, score
+    terms, visibility) uses their temporal row ``p[0]``, ``(b, l)``. Any other layer given
+    3-D positions raises.
+    """
+    axes = getattr(module.position, "position_axes", 1)
+
+    def split(name: str, value: torch.Tensor | None, count: int) -> torch.Tensor | None:
+        if not isinstance(value, torch.Tensor) or value.dim() != 3:
+            return None
+        if axes != 3:
+            encoding = "no position encoding" if module.position is None else type(module.position).__name__
+            raise ValueError(
+                f"{name} of shape {tuple(value.shape)} are 3-D, M-RoPE's (3, batch, length); this layer has "
+                f"{encoding}, which takes ({count},) or ({batch}, {count})"
+            )
+        return require_int_tensor(name, value, ((3, batch, count),))
+
+    q_axes = split("positions", positions, num_queries)
+    k_axes = split("key_positions", key_positions, num_new_keys)
+    if q_axes is not None:
+        positions = q_axes[0]
+        if key_positions is None:
+            k_axes = q_axes  # self-attention: the keys are the queries (resolve_positions checks the lengths)
+    if k_axes is not None and key_positions is not None:
+        key_positions = k_axes[0]
+    return positions, key_positions, q_axes, k_axes
+
+
+def lift_position_axes(
+    module: Any, axes: torch.Tensor | None, positions: torch.Tensor, batch: int
+) -> torch.Tensor | None:
+    """The ``(3, b, l)`` positions an M-RoPE encoding gets (text positions on every axis), else None."""
+    if getattr(module.position, "position_axes", 1) != 3:
+        return None
+    return axes.to(positions.device) if axes is not None else positions.expand(3, batch, positions.shape[-1])
+
+
 def resolve_positions(
     batch: int,
     num_queries: int,
@@ -236,6 +286,8 @@ class Request(NamedTuple):
     total: int  # keys in the whole sequence, the queries being its last lq
     valid_rows: torch.Tensor | None  # (b, lq) bool, with skip_padded_queries
     mask: masks.Rule | None = None  # the caller's rule, joined to the others by "and"
+    q_axes: torch.Tensor | None = None  # (3, b, lq) for an M-RoPE encoding (q_positions is its row 0)
+    k_axes: torch.Tensor | None = None  # (3, b, lk_new)
 
 
 def check_request(
@@ -281,6 +333,9 @@ def check_request(
     attn_mask, key_padding_mask, document_ids = check_masks(
         module, attn_mask, key_padding_mask, document_ids, batch, num_queries, num_new_keys, total, cache
     )
+    positions, key_positions, q_axes, k_axes = split_position_axes(
+        module, positions, key_positions, batch, num_queries, num_new_keys
+    )
     q_positions, k_positions = resolve_positions(
         batch, num_queries, num_new_keys, total, offset, positions, key_positions, document_ids, cache,
         queries.device,
@@ -288,6 +343,7 @@ def check_request(
     request = Request(
         queries, keys, values, valid_lens, causal, return_weights, cache, attn_mask, key_padding_mask,
         document_ids, document_ids, q_positions, k_positions, total, None, mask,
+        lift_position_axes(module, q_axes, q_positions, batch), lift_position_axes(module, k_axes, k_positions, batch),
     )  # fmt: skip
     return request if valid_lens is None else _check_lengths(module, request)
 
@@ -315,6 +371,7 @@ def _check_lengths(module: Any, request: Request) -> Request:
         keys=trimmed,
         values=trimmed if request.values is request.keys else request.values[:, :kept],  # one tensor stays one
         k_positions=request.k_positions[..., :kept],
+        k_axes=None if request.k_axes is None else request.k_axes[..., :kept],
         key_padding_mask=None if request.key_padding_mask is None else request.key_padding_mask[:, :kept],
         attn_mask=None if request.attn_mask is None else request.attn_mask[..., :kept],
         key_documents=None if request.key_documents is None else request.key_documents[:, :kept],

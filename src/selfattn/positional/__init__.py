@@ -3,7 +3,9 @@
 * added to the input: :class:`SinusoidalPositionalEncoding`, :class:`LearnedPositionalEncoding`,
   :class:`SinusoidalPositionalEncoding2D` / ``3D`` / ``ND``, :class:`NoPositionalEncoding`;
 * rotating queries and keys: :class:`RotaryPositionalEncoding`, :class:`XPosEncoding`,
-  :class:`RotaryPositionalEncoding2D` / ``3D`` / ``ND`` (axial, for images and video);
+  :class:`RotaryPositionalEncoding2D` / ``3D`` / ``ND`` (axial, for images and video),
+  :class:`MultimodalRotaryPositionalEncoding` (M-RoPE, Qwen2-VL: a (time, height, width)
+  position per token, built by :func:`multimodal_positions`);
 * terms in the attention scores: :class:`ALiBiPositionalBias`, :class:`T5RelativePositionBias`,
   :class:`ShawRelativePositionEncoding` (which also adds a term to the values),
   :class:`KerplePositionalBias`, :class:`FIREPositionalBias`.
@@ -18,6 +20,8 @@ from selfattn.positional.identity import NoPositionalEncoding
 from selfattn.positional.kerple import KerplePositionalBias
 from selfattn.positional.layout import convert_rotary_layout
 from selfattn.positional.learned import LearnedPositionalEncoding
+from selfattn.positional.mrope import MultimodalRotaryPositionalEncoding
+from selfattn.positional.multimodal_positions import MultimodalPositions, multimodal_positions
 from selfattn.positional.registry import NAMES, build
 from selfattn.positional.rotary import RotaryPositionalEncoding
 from selfattn.positional.rotary_nd import (
@@ -42,6 +46,8 @@ __all__ = [
     "InputEncoding",
     "KerplePositionalBias",
     "LearnedPositionalEncoding",
+    "MultimodalPositions",
+    "MultimodalRotaryPositionalEncoding",
     "NoPositionalEncoding",
     "PositionalEncoding",
     "QueryKeyEncoding",
@@ -59,4 +65,5 @@ __all__ = [
     "XPosEncoding",
     "build",
     "convert_rotary_layout",
+    "multimodal_positions",
 ]

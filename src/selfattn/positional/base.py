@@ -85,6 +85,9 @@ class QueryKeyEncoding(PositionalEncoding):
 
     acts_on = "query_key"
     is_relative = True
+    #: Position axes per token: 1, or 3 for M-RoPE's (time, height, width), which then takes
+    #: positions ``(3, ..., l)`` from :class:`~selfattn.MultiHeadAttention`.
+    position_axes: ClassVar[int] = 1
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -14,6 +14,7 @@ from selfattn.positional.fire import FIREPositionalBias
 from selfattn.positional.identity import NoPositionalEncoding
 from selfattn.positional.kerple import KerplePositionalBias
 from selfattn.positional.learned import LearnedPositionalEncoding
+from selfattn.positional.mrope import MultimodalRotaryPositionalEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
 from selfattn.positional.rotary_nd import RotaryPositionalEncoding2D, RotaryPositionalEncoding3D
 from selfattn.positional.shaw import ShawRelativePositionEncoding
@@ -46,6 +47,7 @@ _REGISTRY: dict[str, _Entry] = {
     "rotary3d": _Entry(RotaryPositionalEncoding3D, "head_dim"),
     "kerple": _Entry(KerplePositionalBias, "num_heads"),
     "fire": _Entry(FIREPositionalBias, "num_heads"),
+    "mrope": _Entry(MultimodalRotaryPositionalEncoding, "head_dim"),
 }
 
 NAMES: tuple[str, ...] = tuple(_REGISTRY)
@@ -55,7 +57,7 @@ def build(name: str, *, num_hiddens: int, num_heads: int, **options: Any) -> Pos
     """The encoding called ``name``, sized for attention with ``num_hiddens`` and ``num_heads``.
 
     Each encoding takes the size it needs: the model size ``d`` (sinusoidal, learned, N-D
-    sinusoidal), the number of heads (ALiBi, T5, Kerple, FIRE) or the head size ``d / h`` (rotary, Shaw).
+    sinusoidal), the number of heads (ALiBi, T5, Kerple, FIRE) or the head size ``d / h`` (rotary, M-RoPE, Shaw).
     ``options`` go to the constructor; ``learned`` defaults to ``max_len=1000``. Input
     encodings (``none``, ``sinusoidal``, ``learned``, ``sinusoidal2d``, ``sinusoidal3d``) are
     added to the input by the caller; the others go to

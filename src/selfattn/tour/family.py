@@ -33,10 +33,13 @@ __all__ = ["encoding_diagnostics", "encoding_table", "family_names", "has_causal
 
 
 def family_names() -> tuple[str, ...]:
-    """Names of the encodings :func:`selfattn.positional.build` makes (ImportError when absent)."""
+    """Names of the encodings :func:`selfattn.positional.build` makes (ImportError when absent).
+
+    M-RoPE is left out: the tour's sequences are text, where it is half-split rotary.
+    """
     from selfattn.positional import NAMES
 
-    return tuple(NAMES)
+    return tuple(name for name in NAMES if name != "mrope")
 
 
 def _build(name: str, num_hiddens: int, num_heads: int, **options: Any) -> PositionalEncoding:

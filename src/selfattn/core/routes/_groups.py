@@ -52,9 +52,11 @@ def pick_rows(x: torch.Tensor, take: slice | torch.Tensor) -> torch.Tensor:
 
 
 def group_positions(positions: torch.Tensor, length: int, take: slice | torch.Tensor) -> torch.Tensor:
-    """The first ``length`` positions of the group's rows: ``(length,)`` or ``(b_g, length)``."""
+    """The first ``length`` positions of the group's rows: ``(length,)``, ``(b_g, length)`` or M-RoPE's ``(3, b_g, length)``."""
     positions = positions[..., :length]
-    return pick_rows(positions, take) if positions.dim() == 2 else positions
+    if positions.dim() == 1:
+        return positions
+    return pick_rows(positions.movedim(-2, 0), take).movedim(0, -2)  # the batch axis is the one before the last
 
 
 def project_keys(
