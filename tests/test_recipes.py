@@ -317,3 +317,30 @@ def test_chunk_size_and_temperature_tuning():
         MultiHeadAttention(D, H, chunk_size=0)
     with pytest.raises(ValueError, match=r"temperature_tuning must be \(attn_scale, floor_scale\), got 0.1"):
         MultiHeadAttention(D, H, temperature_tuning=0.1)
+
+
+# ---------------------------------------------------------------- StreamingLLM's sink tokens
+
+
+def test_cache_with_sink_tokens_equals_a_mask_of_sinks_and_window():
+    torch.manual_seed(5)
+    mha = MultiHeadAttention(D, H, position=make_encoding("rotary", D, H), dtype=torch.float64).eval()
+    sinks, window, n = 2, 4, 14
+    x = torch.randn(2, n, D, dtype=torch.float64)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    seen = (j <= i) & ((j < sinks) | (i - j < window))  # the first keys, and a window ending at the query
+    expected = mha(x, x, x, attn_mask=seen)
+    cache = KVCache(window=window, sink_tokens=sinks)
+    steps = [mha(x[:, :3], x[:, :3], x[:, :3], causal=True, cache=cache)]
+    for t in range(3, n):  # one token at a time: it sees the sinks, the kept window and itself
+        steps.append(mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache))
+    assert cache.stored == sinks + window - 1
+    torch.testing.assert_close(torch.cat(steps, 1), expected, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="sink_tokens=2 drops the keys between its sinks"):
+        MultiHeadAttention(D, H, window=4, dtype=torch.float64)(
+            x, x, x, causal=True, cache=KVCache(window=4, sink_tokens=2)
+        )
+    with pytest.raises(ValueError, match="sink_tokens=2 needs a window"):
+        KVCache(16, sink_tokens=2)
+    with pytest.raises(ValueError, match="sink_tokens must be a non-negative integer, got -1"):
+        KVCache(window=4, sink_tokens=-1)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from selfattn._validation import require_positive_int, require_tensor
+from selfattn._validation import require_non_negative_int, require_positive_int, require_tensor
 
 __all__ = ["CachedKeys", "KVCache"]
 
@@ -49,6 +49,15 @@ class KVCache:
     ``w - 1`` keys are kept, the most a future query can see: memory is O(w) however long
     the decoding runs, and ``max_len`` may be left out.
 
+    With ``sink_tokens=k`` as well, the first ``k`` keys of the sequence are kept forever
+    beside the last ``w - 1`` (StreamingLLM's attention sinks): a layer *without* a window
+    then attends to those ``k + w - 1`` keys and the new ones (causally among themselves), in
+    O(k + w) memory: decoding one token at a time, token ``t`` sees keys ``j < k`` and
+    ``t - w < j <= t``. The kept
+    keys keep their own positions (rotary keys stay rotated at them); the keys dropped in
+    between are gone, so a layer with a window, chunks or a ``mask`` rule (which read where
+    keys sit in the sequence) refuses such a cache.
+
     A call that fails leaves the cache as it was: :meth:`update` checks everything before it
     writes, and :class:`~selfattn.MultiHeadAttention` updates with ``commit=False`` and commits
     only once attention has succeeded.
@@ -56,15 +65,19 @@ class KVCache:
     Args:
         max_len: the most positions the cache will hold (without a window).
         window: keep only what a sliding window of this size can still see.
+        sink_tokens: with ``window``, also keep the sequence's first ``sink_tokens`` keys.
 
     Attributes:
         length: positions seen so far; the default ``offset`` of the next call.
     """
 
-    def __init__(self, max_len: int | None = None, *, window: int | None = None):
+    def __init__(self, max_len: int | None = None, *, window: int | None = None, sink_tokens: int = 0):
         self.window = None if window is None else require_positive_int("window", window)
         if max_len is None and self.window is None:
             raise ValueError("max_len must be a positive integer (or give window=...), got None")
+        self.sink_tokens = require_non_negative_int("sink_tokens", sink_tokens)
+        if self.sink_tokens and self.window is None:
+            raise ValueError(f"sink_tokens={sink_tokens} needs a window: KVCache(window=w, sink_tokens=k)")
         self.max_len = None if max_len is None else require_positive_int("max_len", max_len)
         self.length = 0
         self._keys: torch.Tensor | None = None
@@ -85,8 +98,8 @@ class KVCache:
 
     @property
     def stored(self) -> int:
-        """Keys held now (``length``, or at most ``window - 1`` for a windowed cache)."""
-        return self.length if self.window is None else min(self.length, self.window - 1)
+        """Keys held now (``length``, or at most ``sink_tokens + window - 1`` for a windowed cache)."""
+        return self.length if self.window is None else min(self.length, self.sink_tokens + self.window - 1)
 
     def reset(self) -> None:
         """Forget everything stored, the batch size, shapes, dtype and device included."""
@@ -274,17 +287,22 @@ class KVCache:
                 old_padding = torch.zeros(positions.shape[0], old, dtype=torch.bool, device=positions.device)
             new_padding = torch.zeros_like(positions, dtype=torch.bool) if padding is None else padding.to(torch.bool)
             all_padding = torch.cat((old_padding, new_padding), dim=-1)  # (b, old + l)
+        # The stored keys count as the ones just before the new: exact for a window, and for sink
+        # tokens the causal mask still lets every query see them (no other rule is allowed then).
         first_index = self.length - old
         keep = self.window - 1
-        start = max(all_keys.shape[-2] - keep, 0)
-        # Copies, not views: the window slides, and nothing may keep the older keys alive.
+        total = all_keys.shape[-2]
+        sinks = min(self.sink_tokens, total)
+        kept = torch.cat((torch.arange(sinks), torch.arange(max(total - keep, sinks), total))).to(keys.device)
+
+        def pick(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+            # Copies, not views: the window slides, and nothing may keep the older keys alive.
+            return None if x is None else x.index_select(dim, kept)
+
         self._pending_window = (
-            all_keys[..., start:, :].clone(),
-            all_values[..., start:, :].clone(),
-            all_positions[:, start:].clone(),
-            None if all_padding is None else all_padding[:, start:].clone(),
-            None if all_documents is None else all_documents[:, start:].clone(),
-        )
+            pick(all_keys, -2), pick(all_values, -2), pick(all_positions, -1), pick(all_padding, -1),
+            pick(all_documents, -1),
+        )  # type: ignore[assignment]  # fmt: skip
         self._pending = keys.shape[-2]
         seen = self._seen(all_keys, all_values, all_positions, all_padding, first_index, all_documents)
         if commit:

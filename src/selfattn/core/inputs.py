@@ -318,7 +318,13 @@ def check_request(
     if cache is not None and not isinstance(cache, KVCache):
         raise ArgumentTypeError(f"cache must be a KVCache, got {type(cache).__name__} {cache!r}")
     batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
-    if cache is not None and cache.window is not None and (module.window is None or cache.window < module.window):
+    if cache is not None and cache.sink_tokens:
+        if module.window is not None or module.chunk_size is not None or mask is not None:
+            raise ValueError(
+                f"a KVCache with sink_tokens={cache.sink_tokens} drops the keys between its sinks and its window, "
+                "so a layer with window, chunk_size or a mask rule (which read where keys sit) cannot use it"
+            )
+    elif cache is not None and cache.window is not None and (module.window is None or cache.window < module.window):
         raise ValueError(f"cache keeps only a window of {cache.window} keys, and this layer has window={module.window}")
     total = (0 if cache is None else cache.length) + num_new_keys
     if cumulative_lengths is not None:
