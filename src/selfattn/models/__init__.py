@@ -1,11 +1,13 @@
-"""Small transformers built from selfattn's own modules, for the study and the tour.
+"""Small transformers built from selfattn's own modules, for the study, the tour and today's layer recipes.
 
 * :class:`TransformerBlock`: attention + MLP, pre- or post-LayerNorm, residuals optional.
 * :class:`TransformerLM`: a causal language model with any encoding of
-  :func:`selfattn.positional.build`, a tied output head, ``KVCache`` decoding.
+  :func:`selfattn.positional.build`, a tied output head, ``KVCache`` decoding, and one
+  :class:`LayerRecipe` per layer (:func:`repeat_pattern`).
 """
 
 from selfattn.models.block import TransformerBlock
 from selfattn.models.lm import TransformerLM
+from selfattn.models.recipe import LayerRecipe, repeat_pattern
 
-__all__ = ["TransformerBlock", "TransformerLM"]
+__all__ = ["LayerRecipe", "TransformerBlock", "TransformerLM", "repeat_pattern"]

@@ -13,6 +13,7 @@ from torch import nn
 from selfattn._validation import require_positive_int, require_probability
 from selfattn.attention import MultiHeadAttention
 from selfattn.cache import KVCache
+from selfattn.models.recipe import LayerRecipe, check_recipe
 from selfattn.positional.base import PositionalEncoding
 
 __all__ = ["TransformerBlock"]
@@ -44,6 +45,9 @@ class TransformerBlock(nn.Module):
         residual: keep the residual connections.
         mlp: keep the MLP half of the block.
         bias: biases in the attention projections and the MLP.
+        recipe: the attention's options (window, chunks, softcap, sinks, QK-norm, gate,
+            temperature, scale) as a :class:`~selfattn.models.LayerRecipe`; its ``position``
+            and ``rotary_base`` are for the model, which passes this block its ``position``.
 
     Shape:
         x ``(b, l, d)`` -> ``(b, l, d)``.
@@ -61,13 +65,15 @@ class TransformerBlock(nn.Module):
         residual: bool = True,
         mlp: bool = True,
         bias: bool = False,
+        recipe: LayerRecipe | None = None,
     ):
         super().__init__()
         self.num_hiddens = require_positive_int("num_hiddens", num_hiddens)
         self.ffn_hiddens = require_positive_int("ffn_hiddens", ffn_hiddens)
         self.dropout_p = require_probability("dropout", dropout)
         self.norm_first, self.residual, self.has_mlp = bool(norm_first), bool(residual), bool(mlp)
-        self.attention = MultiHeadAttention(num_hiddens, num_heads, dropout, bias=bias, position=position)
+        options = {} if recipe is None else check_recipe(recipe, "recipe").attention_options()
+        self.attention = MultiHeadAttention(num_hiddens, num_heads, dropout, bias=bias, position=position, **options)
         self.norm_1 = nn.LayerNorm(num_hiddens)
         self.mlp: nn.Sequential | None = None
         self.norm_2: nn.LayerNorm | None = None

@@ -15,8 +15,10 @@ from torch import nn
 from selfattn._validation import require_non_negative_int, require_positive_int, require_probability
 from selfattn.cache import KVCache
 from selfattn.models.block import TransformerBlock
+from selfattn.models.recipe import LayerRecipe, check_recipes
 from selfattn.positional.base import InputEncoding, PositionalEncoding, QueryKeyEncoding
 from selfattn.positional.registry import NAMES, build
+from selfattn.positional.rotary import RotaryPositionalEncoding
 
 __all__ = ["TransformerLM"]
 
@@ -47,6 +49,9 @@ class TransformerLM(nn.Module):
         residual: keep the blocks' residual connections.
         mlp: keep the blocks' MLPs.
         position_options: extra constructor options for the encoding (e.g. ``{"max_distance": 8}``).
+        layers: one :class:`~selfattn.models.LayerRecipe` per layer (default: the plain recipe
+            for every layer): NoPE layers, per-layer rotary bases, windows, chunks, softcap,
+            sinks, QK-norm, gates (see :func:`~selfattn.models.repeat_pattern`).
 
     Shape:
         tokens ``(b, l)`` int64 -> logits ``(b, l, v)``.
@@ -67,6 +72,7 @@ class TransformerLM(nn.Module):
         residual: bool = True,
         mlp: bool = True,
         position_options: Mapping[str, Any] | None = None,
+        layers: Sequence[LayerRecipe] | None = None,
     ):
         super().__init__()
         self.vocab_size = require_positive_int("vocab_size", vocab_size)
@@ -84,18 +90,36 @@ class TransformerLM(nn.Module):
         self.input_encoding: InputEncoding | None = encoding if isinstance(encoding, InputEncoding) else None
         self.position: PositionalEncoding | None = None if self.input_encoding is not None else encoding
         self.embedding = nn.Embedding(vocab_size, num_hiddens)
+        self.layers = check_recipes(layers, self.num_layers) if layers is not None else [LayerRecipe()] * num_layers
+        own_bases: dict[float, PositionalEncoding] = {}  # one rotary per distinct per-layer base
+
+        def layer_position(recipe: LayerRecipe) -> PositionalEncoding | None:
+            if not recipe.position:
+                return None
+            if recipe.rotary_base is None:
+                return self.position
+            if not isinstance(self.position, RotaryPositionalEncoding):
+                raise ValueError(
+                    f"a layer has rotary_base={recipe.rotary_base}, but position={position!r} is not rotary"
+                )
+            if recipe.rotary_base not in own_bases:
+                own = {**options, "base": recipe.rotary_base}
+                own_bases[recipe.rotary_base] = build("rotary", num_hiddens=num_hiddens, num_heads=num_heads, **own)
+            return own_bases[recipe.rotary_base]
+
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 num_hiddens,
                 num_heads,
                 4 * num_hiddens if ffn_hiddens is None else ffn_hiddens,
                 dropout,
-                position=self.position,
+                position=layer_position(recipe),
                 norm_first=norm_first,
                 residual=residual,
                 mlp=mlp,
+                recipe=recipe,
             )
-            for _ in range(num_layers)
+            for recipe in self.layers
         )
         self.norm = nn.LayerNorm(num_hiddens)
         nn.init.normal_(self.embedding.weight, std=num_hiddens**-0.5)
