@@ -344,3 +344,79 @@ def test_cache_with_sink_tokens_equals_a_mask_of_sinks_and_window():
         KVCache(16, sink_tokens=2)
     with pytest.raises(ValueError, match="sink_tokens must be a non-negative integer, got -1"):
         KVCache(window=4, sink_tokens=-1)
+
+
+# ---------------------------------------------------------------- mask rules passed to forward
+
+
+def _dense(rule_name, n, ids=None):
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    causal = j <= i
+    return {
+        "chunks": causal & (i // 50 == j // 50),
+        "prefix": causal | (j < 40),
+        "spans": causal | ((ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] != 0)),
+        "window or prefix": causal & ((i - j < 30) | (j < 5)),
+    }[rule_name]
+
+
+@pytest.mark.parametrize("rule_name", ["chunks", "prefix", "spans", "window or prefix"])
+@pytest.mark.parametrize("recipe", [None, "softcap+sinks+scale"])
+def test_mask_rules_equal_the_same_dense_mask(rule_name, recipe):
+    from selfattn import masks
+
+    n = 300
+    ids = torch.zeros(2, n, dtype=torch.long)
+    ids[0, 100:130], ids[1, 10:20], ids[1, 200:260] = 1, 1, 2
+    rule = {
+        "chunks": masks.causal() & masks.chunks(50),
+        "prefix": masks.causal() | masks.prefix(40),
+        "spans": masks.causal() | masks.spans(ids),
+        "window or prefix": masks.causal() & (masks.window(30) | masks.prefix(5)),
+    }[rule_name]
+    mha = _module(recipe) if recipe else MultiHeadAttention(D, H, dtype=torch.float64).eval()
+    x = torch.randn(2, n, D, dtype=torch.float64, requires_grad=True)
+    route = mha.explain(x, x, x, mask=rule).route
+    if rule_name == "chunks":
+        assert route == "blockwise"  # blocks skip the keys of earlier chunks
+    out = mha(x, x, x, mask=rule)
+    expected = mha(x, x, x, attn_mask=_dense(rule_name, n, ids))
+    grad = torch.randn_like(out)
+    params = [x, *mha.parameters()]
+    got, wanted = torch.autograd.grad(out, params, grad), torch.autograd.grad(expected, params, grad)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    for a, b in zip(got, wanted, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_prefix_lm_decoding_with_a_cache_equals_the_full_pass():
+    from selfattn import masks
+
+    mha = _module("everything", position=make_encoding("rotary", D, H))
+    x = torch.randn(2, 12, D, dtype=torch.float64)
+    rule = masks.causal() | masks.prefix(torch.tensor([4, 6]))
+    full = mha(x, x, x, mask=rule)
+    cache = KVCache(max_len=12)
+    steps = [mha(x[:, :6], x[:, :6], x[:, :6], mask=rule, cache=cache)]
+    steps += [mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], mask=rule, cache=cache) for t in range(6, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-12)
+
+
+def test_bad_mask_rules_name_the_argument():
+    from selfattn import masks
+
+    x = torch.randn(1, 4, D)
+    with pytest.raises(
+        ValueError, match=r"mask must be a selfattn.masks rule .* got Tensor \(a tensor goes in attn_mask\)"
+    ):
+        MultiHeadAttention(D, H)(x, x, x, mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="chunk size must be a positive integer, got 0"):
+        masks.chunks(0)
+    with pytest.raises(ValueError, match=r"prefix lengths must be a non-negative int .* got -1"):
+        masks.prefix(-1)
+    with pytest.raises(
+        ValueError, match=r"prefix lengths must be an int or an integer \(b,\) tensor, got torch.float32"
+    ):
+        masks.prefix(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"span ids must be an integer \(b, l\) tensor, got torch.int64 \(4,\)"):
+        masks.spans(torch.zeros(4, dtype=torch.long))

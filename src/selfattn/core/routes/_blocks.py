@@ -10,11 +10,15 @@ import torch
 from selfattn.core.call import AttentionCall
 from selfattn.functional._block_autograd import _BlockwiseAttention
 from selfattn.functional._block_clipped import _Clipped
-from selfattn.functional._block_common import choose_block_size
+from selfattn.functional._block_common import MIN_BLOCK, choose_block_size
 from selfattn.functional._block_plan import _Plan
 from selfattn.functional._kernels import _repeat_kv
+from selfattn.masks import Causal, Dense, Documents, KeyPadding, ValidLengths
 
-__all__ = ["block_for", "blocks_decline", "plan_for", "reached_share", "run_plan"]
+#: A smaller block is chosen only when the blocks' computed pairs shrink by more than this factor.
+SMALLER_BLOCKS_WORTH = 1.25
+
+__all__ = ["SMALLER_BLOCKS_WORTH", "block_for", "blocks_decline", "plan_for", "reached_share", "run_plan"]
 
 
 def blocks_decline(call: AttentionCall) -> str | None:
@@ -49,11 +53,22 @@ def heads(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def block_for(call: AttentionCall) -> int:
-    """Queries per block: the call's ``block_size``, or :func:`choose_block_size` of its sizes."""
-    block = call.block_size or choose_block_size(
-        call.batch, call.heads, call.num_queries, call.num_keys, dtype=call.dtype
-    )
-    return max(1, min(block, call.num_queries))
+    """Queries per block: the call's ``block_size``, or :func:`choose_block_size` of its sizes made smaller
+    while that lets the blocks skip many more keys (chunks, windows: a block should not straddle many).
+
+    Of the powers of two from the chosen size down to ``MIN_BLOCK``, the largest whose blocks
+    compute at most :data:`SMALLER_BLOCKS_WORTH` times the fewest pairs any of them computes.
+    """
+    if call.block_size:
+        return max(1, min(call.block_size, call.num_queries))
+    block = choose_block_size(call.batch, call.heads, call.num_queries, call.num_keys, dtype=call.dtype)
+    block = max(1, min(block, call.num_queries))
+    if call.visibility.only(Causal, ValidLengths, KeyPadding, Dense, Documents):
+        return block  # no rule bounds the keys from below: smaller blocks skip nothing more
+    candidates = [block >> halvings for halvings in range(block.bit_length()) if block >> halvings >= MIN_BLOCK]
+    shares = {size: reached_share(call, size) for size in candidates or [block]}
+    fewest = min(shares.values())
+    return next(size for size, share in shares.items() if share <= SMALLER_BLOCKS_WORTH * fewest)
 
 
 def reached_share(call: AttentionCall, block: int) -> float:
