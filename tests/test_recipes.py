@@ -420,3 +420,21 @@ def test_bad_mask_rules_name_the_argument():
         masks.prefix(torch.tensor([1.0]))
     with pytest.raises(ValueError, match=r"span ids must be an integer \(b, l\) tensor, got torch.int64 \(4,\)"):
         masks.spans(torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("encoding", ["alibi_causal", "t5", "shaw"])
+def test_gradients_with_score_terms_agree_between_blockwise_and_explicit(encoding):
+    mha = _module("softcap+sinks+scale", position=make_encoding(encoding, D, H), bias=False)
+    x = torch.randn(2, 9, D, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 9, D, dtype=torch.float64)
+    params = [x, *mha.parameters()]
+    blockwise_route = mha.explain(x, x, x, causal=True).route
+    assert blockwise_route.startswith("blockwise")
+    blockwise = torch.autograd.grad(mha(x, x, x, causal=True), params, grad)
+    with without_routes("blockwise", "blockwise band"):
+        expected_route = "explicit value term" if encoding == "shaw" else "explicit softcap/sinks"
+        assert mha.explain(x, x, x, causal=True).route == expected_route
+        explicit = torch.autograd.grad(mha(x, x, x, causal=True), params, grad)
+    names = ["x", *(name for name, _ in mha.named_parameters())]
+    for name, a, b in zip(names, blockwise, explicit, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"{blockwise_route}: {name}")
