@@ -126,6 +126,8 @@ WINDOW_ROWS = [
     ("long window + documents", {"document_ids": torch.zeros(2, 100, dtype=torch.long), "causal": True}, 100, "banded"),
     ("long window + per-query valid_lens", {"valid_lens": torch.full((2, 100), 50)}, 100, "fused"),
     ("long window + bool attn_mask", {"attn_mask": torch.ones(100, 100, dtype=torch.bool)}, 100, "fused"),
+    # from 2**16 pairs on, blocks that skip the keys outside the window pay for their loop
+    ("longer window + bool attn_mask", {"attn_mask": torch.ones(300, 300, dtype=torch.bool)}, 300, "blockwise"),
     ("long window + weights", {"return_weights": True}, 100, "explicit"),
     ("short window", {"causal": True}, 12, "fused"),
 ]

@@ -153,10 +153,9 @@ def _block_probs(
     workspace: _Workspace,
 ) -> torch.Tensor:
     """Softmax of one block's scores, ``(b, h, block, keys)``, computed in the workspace's score buffer."""
-    scores = _block_scores(qc, kc, bias, scale, workspace)
-    if visible is not None:
-        scores.masked_fill_(~visible, float("-inf"))
-    return _softmax_in_place(scores)
+    return _modified_block_probs(
+        qc, kc, bias, visible, scale, workspace, softcap=None, sinks=None, want_slope=False
+    ).probs
 
 
 class _ModifiedProbs(NamedTuple):

@@ -17,8 +17,10 @@ from selfattn.masks import Causal, Dense, Documents, KeyPadding, ValidLengths
 __all__ = ["BLOCKWISE", "BLOCKWISE_ANY", "BLOCKWISE_BAND", "BLOCKWISE_CLIPPED"]
 
 
-#: A call with nothing else for blocks goes blockwise when its blocks compute at most this share of the pairs.
+#: A call with nothing else for blocks goes blockwise when its blocks compute at most this share of the pairs,
+#: and it has at least SKIPPING_MIN_PAIRS (query, key) pairs (below, one fused call with a mask is cheaper).
 SKIPPED_BLOCKS_WORTH = 0.5
+SKIPPING_MIN_PAIRS = 1 << 16
 
 
 def _nothing_for_blocks(call: AttentionCall) -> str | None:
@@ -27,6 +29,10 @@ def _nothing_for_blocks(call: AttentionCall) -> str | None:
         return reason
     if call.visibility.kernel_causal or call.visibility.only(Causal, ValidLengths, KeyPadding, Dense, Documents):
         return "no score term, no dropout, no softcap, no sinks, and no key range to skip"
+    if call.num_queries * call.num_keys < SKIPPING_MIN_PAIRS:
+        return (
+            f"no score term, no dropout, no softcap, no sinks, and fewer than {SKIPPING_MIN_PAIRS} pairs to skip among"
+        )
     share = reached_share(call, block_for(call))
     if share > SKIPPED_BLOCKS_WORTH:
         return f"no score term, no dropout, no softcap, no sinks, and blocks would compute {share:.0%} of the pairs"
