@@ -1,0 +1,191 @@
+"""A Hugging Face attention layer as a :class:`~selfattn.MultiHeadAttention`, and the way back.
+
+:func:`from_transformers` reads a transformers (5.x) attention layer and its config (the layer
+carries both: ``layer.config``, ``layer.layer_idx``) and builds the selfattn module with the same
+weights and recipe; :func:`to_transformers_config` gives the config fields that rebuild a module.
+Neither imports transformers: layers are recognised by their class names.
+
+Shape legend:
+    b: batch, l: tokens, h: query heads, hk: key/value heads, dh: head size, d: hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from selfattn.positional.rotary import RotaryPositionalEncoding
+
+if TYPE_CHECKING:
+    from selfattn.attention import MultiHeadAttention
+
+__all__ = ["LAYERS", "from_transformers", "to_transformers_config"]
+
+# Attention layer class -> model family (the config's model_type).
+LAYERS: dict[str, str] = {
+    "LlamaAttention": "llama",
+    "Qwen3Attention": "qwen3",
+    "Gemma2Attention": "gemma2",
+    "Gemma3Attention": "gemma3_text",
+    "GptOssAttention": "gpt_oss",
+    "Llama4TextAttention": "llama4_text",
+    "Qwen3NextAttention": "qwen3_next",
+}
+# Families whose QK-norm scales by (1 + weight) (Gemma's RMSNorm), not by the weight.
+_ONE_PLUS_WEIGHT = {"gemma3_text", "qwen3_next"}
+_LAYER_TYPES = (None, "full_attention", "sliding_attention", "chunked_attention")
+
+
+def _family(layer: nn.Module) -> str:
+    for cls in type(layer).__mro__:
+        if cls.__name__ in LAYERS and cls.__module__.startswith("transformers."):
+            return LAYERS[cls.__name__]
+    raise ValueError(
+        f"layer must be a transformers attention layer of {sorted(LAYERS)}, got {type(layer).__name__}"
+    )
+
+
+def _rotary(config: Any, layer_type: str | None, *, interleaved: bool) -> RotaryPositionalEncoding:
+    """The rotary of ``config`` for a layer of ``layer_type`` (Gemma 3 keeps one ``rope_parameters`` per type)."""
+    parameters = getattr(config, "rope_parameters", None)
+    if isinstance(parameters, Mapping) and isinstance(parameters.get(layer_type), Mapping):
+        parameters = parameters[layer_type]
+    fields = {
+        name: getattr(config, name, None)
+        for name in (
+            "head_dim", "hidden_size", "num_attention_heads", "max_position_embeddings",
+            "original_max_position_embeddings", "partial_rotary_factor",
+        )
+    }  # fmt: skip
+    fields["rope_parameters"] = parameters
+    rotary = RotaryPositionalEncoding.from_config(fields)
+    if not interleaved:
+        return rotary
+    return RotaryPositionalEncoding(
+        rotary.head_dim,
+        rotary.base,
+        True,  # Llama 4 rotates pairs (2j, 2j + 1), as complex numbers
+        rotary_dim=rotary.rotary_dim,
+        scaling=rotary.scaling,
+        scaling_factor=rotary.scaling_factor,
+    )
+
+
+def _norm_weight(norm: nn.Module, family: str) -> tuple[torch.Tensor, float]:
+    """The weight an ``nn.RMSNorm`` needs to equal ``norm``, and its epsilon."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    if not isinstance(eps, float) or not isinstance(weight, torch.Tensor):
+        raise ValueError(f"q_norm {type(norm).__name__} has no weight and epsilon to read")
+    return (1 + weight if family in _ONE_PLUS_WEIGHT else weight), eps
+
+
+def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = None) -> MultiHeadAttention:
+    """The selfattn module equal to a transformers attention layer: same weights, same recipe.
+
+    ``mha(x, x, x, causal=True, positions=position_ids)`` then equals the layer called with its
+    model's rotary embedding at ``position_ids`` and its causal (sliding, chunked) mask. See
+    :meth:`selfattn.MultiHeadAttention.from_transformers` for the layers and what is read.
+
+    Raises:
+        ValueError: an unknown layer class, a layer type or option selfattn cannot express, named.
+    """
+    if cls is None:
+        from selfattn.attention import MultiHeadAttention
+
+        cls = MultiHeadAttention
+    family = _family(layer)
+    config = layer.config
+    layer_types = getattr(config, "layer_types", None)
+    layer_type = None if layer_types is None else layer_types[layer.layer_idx]
+    if layer_type not in _LAYER_TYPES:
+        raise ValueError(f"layer_types[{layer.layer_idx}]={layer_type!r} is not an attention selfattn can express")
+    if not getattr(layer, "is_causal", True):
+        raise ValueError(
+            "use_bidirectional_attention=True: a bidirectional layer (its sliding window counts |i - j| <= w) "
+            "is not expressed here"
+        )
+    head_dim = int(layer.head_dim)
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    projections = (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
+    with_bias = {p.bias is not None for p in projections}
+    if len(with_bias) > 1:
+        raise ValueError("the layer has a bias on only some of q_proj, k_proj, v_proj, o_proj; selfattn has all or none")
+    gated = family == "qwen3_next"  # its q_proj emits each head's query and gate side by side
+    options: dict[str, Any] = {
+        "bias": with_bias.pop(),
+        "query_size": layer.q_proj.in_features,
+        "output_size": layer.o_proj.out_features,
+        "num_kv_heads": kv_heads,
+        "dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        "window": getattr(layer, "sliding_window", None),
+        "softcap": getattr(layer, "attn_logit_softcapping", None),
+        "sinks": isinstance(getattr(layer, "sinks", None), torch.Tensor),
+        "gated_output": gated,
+    }
+    options["key_size"] = options["value_size"] = options["query_size"]
+    scale = float(layer.scaling)
+    options["scale"] = None if math.isclose(scale, head_dim**-0.5, rel_tol=1e-12) else scale
+    if layer_type == "chunked_attention":
+        options["chunk_size"] = config.attention_chunk_size
+    norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+    if getattr(layer, "q_norm", None) is not None:
+        (q_weight, eps), (k_weight, _) = _norm_weight(layer.q_norm, family), _norm_weight(layer.k_norm, family)
+        options.update(qk_norm=True, qk_norm_eps=eps)
+        norm_weights = (q_weight, k_weight)
+    elif getattr(layer, "qk_norm", None) is not None:  # Llama 4's L2 norm: an RMSNorm with unit weights
+        options.update(qk_norm=True, qk_norm_eps=float(layer.qk_norm.eps))
+    if family == "llama4_text" and not layer.use_rope:
+        if config.attn_temperature_tuning:
+            options["temperature_tuning"] = (float(config.attn_scale), float(config.floor_scale))
+    else:
+        options["position"] = _rotary(config, layer_type, interleaved=family == "llama4_text")
+    weight = layer.o_proj.weight
+    mha = cls(heads * head_dim, heads, device=weight.device, dtype=weight.dtype, **options)
+    if mha.position is not None:
+        mha.position.to(weight.device)
+    with torch.no_grad():
+        q_weight_rows, q_bias_rows = layer.q_proj.weight, layer.q_proj.bias
+        if gated:
+            halves = q_weight_rows.view(heads, 2, head_dim, -1)  # (h, query | gate, dh, d)
+            q_weight_rows, gate_rows = halves[:, 0].flatten(0, 1), halves[:, 1].flatten(0, 1)
+            assert mha.W_g is not None
+            mha.W_g.weight.copy_(gate_rows)
+            if q_bias_rows is not None:
+                bias_halves = q_bias_rows.view(heads, 2, head_dim)
+                q_bias_rows = bias_halves[:, 0].flatten()
+                mha.W_g.bias.copy_(bias_halves[:, 1].flatten())
+        for linear, weight_rows, bias_rows in (
+            (mha.W_q, q_weight_rows, q_bias_rows),
+            (mha.W_k, layer.k_proj.weight, layer.k_proj.bias),
+            (mha.W_v, layer.v_proj.weight, layer.v_proj.bias),
+            (mha.W_o, layer.o_proj.weight, layer.o_proj.bias),
+        ):
+            linear.weight.copy_(weight_rows)
+            if bias_rows is not None:
+                linear.bias.copy_(bias_rows)
+        if mha.sinks is not None:
+            mha.sinks.copy_(layer.sinks)
+        if norm_weights is not None:
+            assert mha.q_norm is not None and mha.k_norm is not None
+            mha.q_norm.weight.copy_(norm_weights[0])
+            mha.k_norm.weight.copy_(norm_weights[1])
+    return mha.train(layer.training)
+
+
+def to_transformers_config(mha: MultiHeadAttention) -> dict[str, Any]:
+    """Config fields that rebuild ``mha`` as one transformers attention layer (its ``layer_idx`` 0).
+
+    ``model_type`` names the family that can express every option ``mha`` uses; build the
+    config with ``transformers.AutoConfig.for_model(**fields)`` (add a ``vocab_size`` and the
+    rest of a model as you like). Weights are not part of a config: copy them as
+    :func:`from_transformers` reads them.
+
+    Raises:
+        ValueError: an option no supported family expresses, or a combination of them, named.
+    """
+    raise NotImplementedError
