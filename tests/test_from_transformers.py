@@ -160,3 +160,25 @@ def _check(family: str, layer_idx: int, dtype: torch.dtype, pads: tuple[int, ...
 def test_equals_the_layer(family: str, layer_idx: int, dtype: torch.dtype) -> None:
     pads = (0, 4, 0) if family == "llama4" else (0, 3, 1)  # Llama 4 chunks: see the xfail below
     assert _check(family, layer_idx, dtype, pads) <= 1e-5
+
+
+@pytest.mark.parametrize(("family", "layer_idx"), CASES)
+def test_config_round_trip(family: str, layer_idx: int) -> None:
+    """A config from to_transformers_config, a layer built from it with the weights copied, equals the module."""
+    layer, config, _ = _layer(family, layer_idx, torch.float32)
+    mha = MultiHeadAttention.from_transformers(layer)
+    fields = mha.to_transformers_config()
+    assert fields["model_type"] == config.model_type
+    rebuilt_config = transformers.AutoConfig.for_model(**fields)
+    rebuilt_config._attn_implementation = "eager"
+    _, _, attention_name, rotary_name, module_name = FAMILIES[family]
+    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    rebuilt = getattr(modeling, attention_name)(rebuilt_config, 0).eval()
+    rebuilt.load_state_dict(layer.state_dict())
+    x, attention_mask = _inputs(torch.float32, (0, 4, 0) if family == "llama4" else (0, 3, 1))
+    expected = _reference(rebuilt, rebuilt_config, getattr(modeling, rotary_name)(rebuilt_config), x, attention_mask)
+    with torch.no_grad():
+        got = mha(x, x, x, causal=True, positions=_selfattn_positions(layer, attention_mask),
+                  key_padding_mask=attention_mask == 0)  # fmt: skip
+    real = attention_mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)

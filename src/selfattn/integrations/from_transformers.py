@@ -177,15 +177,115 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
     return mha.train(layer.training)
 
 
-def to_transformers_config(mha: MultiHeadAttention) -> dict[str, Any]:
-    """Config fields that rebuild ``mha`` as one transformers attention layer (its ``layer_idx`` 0).
+# What each family's layer expresses beyond heads, sizes, a bias on every projection and dropout;
+# the first family (in this order) that expresses a module's options is chosen.
+_HALF_SPLIT = "half-split rotary"
+_EXPRESSES: dict[str, frozenset[str]] = {
+    "llama": frozenset({_HALF_SPLIT}),
+    "qwen3": frozenset({_HALF_SPLIT, "window", "qk_norm"}),
+    "gemma2": frozenset({_HALF_SPLIT, "window", "scale", "softcap"}),
+    "gemma3_text": frozenset({_HALF_SPLIT, "window", "scale", "softcap", "qk_norm"}),
+    "gpt_oss": frozenset({_HALF_SPLIT, "window", "sinks"}),
+    "llama4_text": frozenset({"interleaved rotary", "chunk_size", "unit qk_norm", "no rotary", "temperature_tuning"}),
+    "qwen3_next": frozenset({_HALF_SPLIT, "qk_norm", "gated_output", "partial rotary"}),
+}
 
-    ``model_type`` names the family that can express every option ``mha`` uses; build the
-    config with ``transformers.AutoConfig.for_model(**fields)`` (add a ``vocab_size`` and the
-    rest of a model as you like). Weights are not part of a config: copy them as
-    :func:`from_transformers` reads them.
+
+def _options(mha: MultiHeadAttention) -> set[str]:
+    """The recipe options ``mha`` uses, in the names of :data:`_EXPRESSES`."""
+    if mha.key_size != mha.query_size or mha.value_size != mha.query_size or mha.output_size != mha.query_size:
+        raise ValueError(
+            "a transformers layer reads, and writes, the hidden size: query_size, key_size, value_size and "
+            f"output_size must be equal, got {mha.query_size}, {mha.key_size}, {mha.value_size}, {mha.output_size}"
+        )
+    used = {name for name in ("window", "scale", "softcap", "chunk_size", "temperature_tuning") if getattr(mha, name)}
+    used |= {name for name, part in (("sinks", mha.sinks), ("gated_output", mha.W_g)) if part is not None}
+    if mha.q_norm is not None and mha.k_norm is not None:
+        unit = bool((mha.q_norm.weight == 1).all()) and bool((mha.k_norm.weight == 1).all())
+        used.add("unit qk_norm" if unit and mha.position is not None else "qk_norm")
+    rotary = mha.position
+    if rotary is None:
+        used.add("no rotary")
+    elif not isinstance(rotary, RotaryPositionalEncoding) or rotary.p != 1.0:
+        raise ValueError(f"position={rotary!r}: transformers layers rotate queries and keys (full rotary) or nothing")
+    else:
+        used.add("interleaved rotary" if rotary.interleaved else _HALF_SPLIT)
+        used |= {"partial rotary"} if rotary.rotary_dim != rotary.head_dim else set()
+    return used
+
+
+def _integer(name: str, value: float) -> int:
+    """``value`` as the int a transformers config field requires, if it is one up to rounding."""
+    nearest = round(value)
+    if nearest < 1 or abs(value - nearest) > 1e-9 * nearest:
+        raise ValueError(f"{name}={value!r}: transformers' config takes a positive integer there")
+    return nearest
+
+
+def _rope_parameters(rotary: RotaryPositionalEncoding) -> dict[str, Any]:
+    scaling = {} if rotary.scaling_config is None else rotary.scaling_config.as_dict()
+    return {"rope_type": "default", **scaling, "rope_theta": rotary.base}
+
+
+def to_transformers_config(mha: MultiHeadAttention) -> dict[str, Any]:
+    """Config fields that rebuild ``mha`` as one transformers attention layer (a model of one layer).
+
+    ``model_type`` names the first family (Llama, Qwen3, Gemma 2, Gemma 3, gpt-oss, Llama 4 text,
+    Qwen3-Next) whose layer expresses every option ``mha`` uses; build the config with
+    ``transformers.AutoConfig.for_model(**fields)`` and the layer with ``layer_idx=0``. Weights
+    are not part of a config: copy them as :func:`from_transformers` reads them (Gemma 3 and
+    Qwen3-Next store ``w - 1`` for a QK-norm weight ``w``).
 
     Raises:
-        ValueError: an option no supported family expresses, or a combination of them, named.
+        ValueError: an option no family expresses (a score encoding, p-RoPE, sizes that differ
+            from the hidden size), or options no one family has together, named.
     """
-    raise NotImplementedError
+    used = _options(mha)
+    family = next((name for name, expresses in _EXPRESSES.items() if used <= expresses), None)
+    if family is None or ("temperature_tuning" in used and mha.position is not None):
+        raise ValueError(f"no transformers attention layer has all of {sorted(used)}")
+    rotary = mha.position if isinstance(mha.position, RotaryPositionalEncoding) else None
+    fields: dict[str, Any] = {
+        "model_type": family,
+        "hidden_size": mha.query_size,
+        "num_attention_heads": mha.num_heads,
+        "num_key_value_heads": mha.num_kv_heads,
+        "head_dim": mha.head_dim,
+        "attention_bias": mha.W_q.bias is not None,
+        "attention_dropout": mha.dropout,
+        "num_hidden_layers": 1,
+    }
+    if rotary is not None:
+        fields["rope_parameters"] = _rope_parameters(rotary)
+        if rotary.rotary_dim != rotary.head_dim:
+            fields["partial_rotary_factor"] = rotary.rotary_dim / rotary.head_dim
+    if mha.q_norm is not None:
+        fields["rms_norm_eps"] = mha.q_norm.eps
+    layer_type = "sliding_attention" if mha.window is not None else "full_attention"
+    if family != "llama":
+        fields["layer_types"] = [layer_type]
+    if mha.window is not None:
+        fields["sliding_window"] = mha.window
+        if family == "qwen3":
+            fields.update(use_sliding_window=True, max_window_layers=0)
+    if family in ("gemma2", "gemma3_text"):
+        scale = mha.head_dim**-0.5 if mha.scale is None else mha.scale
+        fields.update(
+            query_pre_attn_scalar=_integer("scale ** -2 (query_pre_attn_scalar)", scale**-2),
+            attn_logit_softcapping=mha.softcap,
+        )
+        if family == "gemma3_text" and rotary is not None:  # one rotary per layer type
+            both = _rope_parameters(rotary)
+            fields["rope_parameters"] = {"sliding_attention": both, "full_attention": dict(both)}
+    if family == "llama4_text":
+        tuning = mha.temperature_tuning
+        fields.update(
+            layer_types=["chunked_attention" if mha.chunk_size is not None else "full_attention"],
+            attention_chunk_size=mha.chunk_size,
+            no_rope_layers=[int(rotary is not None)],
+            use_qk_norm=mha.q_norm is not None,
+            attn_temperature_tuning=tuning is not None,
+        )
+        if tuning is not None:
+            fields.update(attn_scale=tuning[0], floor_scale=_integer("temperature_tuning[1] (floor_scale)", tuning[1]))
+    return fields
