@@ -44,9 +44,7 @@ def _family(layer: nn.Module) -> str:
     for cls in type(layer).__mro__:
         if cls.__name__ in LAYERS and cls.__module__.startswith("transformers."):
             return LAYERS[cls.__name__]
-    raise ValueError(
-        f"layer must be a transformers attention layer of {sorted(LAYERS)}, got {type(layer).__name__}"
-    )
+    raise ValueError(f"layer must be a transformers attention layer of {sorted(LAYERS)}, got {type(layer).__name__}")
 
 
 def _rotary(config: Any, layer_type: str | None, *, interleaved: bool) -> RotaryPositionalEncoding:
@@ -114,7 +112,9 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
     projections = (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
     with_bias = {p.bias is not None for p in projections}
     if len(with_bias) > 1:
-        raise ValueError("the layer has a bias on only some of q_proj, k_proj, v_proj, o_proj; selfattn has all or none")
+        raise ValueError(
+            "the layer has a bias on only some of q_proj, k_proj, v_proj, o_proj; selfattn has all or none"
+        )
     gated = family == "qwen3_next"  # its q_proj emits each head's query and gate side by side
     options: dict[str, Any] = {
         "bias": with_bias.pop(),
@@ -180,14 +180,15 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
 # What each family's layer expresses beyond heads, sizes, a bias on every projection and dropout;
 # the first family (in this order) that expresses a module's options is chosen.
 _HALF_SPLIT = "half-split rotary"
+_UNIT_NORM = "qk_norm with unit weights"  # what Llama 4 has; a weighted QK-norm with weights 1 too
 _EXPRESSES: dict[str, frozenset[str]] = {
     "llama": frozenset({_HALF_SPLIT}),
-    "qwen3": frozenset({_HALF_SPLIT, "window", "qk_norm"}),
+    "qwen3": frozenset({_HALF_SPLIT, "window", "qk_norm", _UNIT_NORM}),
     "gemma2": frozenset({_HALF_SPLIT, "window", "scale", "softcap"}),
-    "gemma3_text": frozenset({_HALF_SPLIT, "window", "scale", "softcap", "qk_norm"}),
+    "gemma3_text": frozenset({_HALF_SPLIT, "window", "scale", "softcap", "qk_norm", _UNIT_NORM}),
     "gpt_oss": frozenset({_HALF_SPLIT, "window", "sinks"}),
-    "llama4_text": frozenset({"interleaved rotary", "chunk_size", "unit qk_norm", "no rotary", "temperature_tuning"}),
-    "qwen3_next": frozenset({_HALF_SPLIT, "qk_norm", "gated_output", "partial rotary"}),
+    "llama4_text": frozenset({"interleaved rotary", "chunk_size", _UNIT_NORM, "no rotary", "temperature_tuning"}),
+    "qwen3_next": frozenset({_HALF_SPLIT, "qk_norm", _UNIT_NORM, "gated_output", "partial rotary"}),
 }
 
 
@@ -202,7 +203,7 @@ def _options(mha: MultiHeadAttention) -> set[str]:
     used |= {name for name, part in (("sinks", mha.sinks), ("gated_output", mha.W_g)) if part is not None}
     if mha.q_norm is not None and mha.k_norm is not None:
         unit = bool((mha.q_norm.weight == 1).all()) and bool((mha.k_norm.weight == 1).all())
-        used.add("unit qk_norm" if unit and mha.position is not None else "qk_norm")
+        used.add(_UNIT_NORM if unit and mha.position is not None else "qk_norm")
     rotary = mha.position
     if rotary is None:
         used.add("no rotary")
