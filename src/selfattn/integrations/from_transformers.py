@@ -97,19 +97,20 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
 
         cls = MultiHeadAttention
     family = _family(layer)
-    config = layer.config
+    hf: Any = layer  # read by attribute names: projections, norms, sinks, the config
+    config = hf.config
     layer_types = getattr(config, "layer_types", None)
-    layer_type = None if layer_types is None else layer_types[layer.layer_idx]
+    layer_type = None if layer_types is None else layer_types[hf.layer_idx]
     if layer_type not in _LAYER_TYPES:
-        raise ValueError(f"layer_types[{layer.layer_idx}]={layer_type!r} is not an attention selfattn can express")
-    if not getattr(layer, "is_causal", True):
+        raise ValueError(f"layer_types[{hf.layer_idx}]={layer_type!r} is not an attention selfattn can express")
+    if not getattr(hf, "is_causal", True):
         raise ValueError(
             "use_bidirectional_attention=True: a bidirectional layer (its sliding window counts |i - j| <= w) "
             "is not expressed here"
         )
-    head_dim = int(layer.head_dim)
+    head_dim = int(hf.head_dim)
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-    projections = (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)
+    projections = (hf.q_proj, hf.k_proj, hf.v_proj, hf.o_proj)
     with_bias = {p.bias is not None for p in projections}
     if len(with_bias) > 1:
         raise ValueError(
@@ -118,38 +119,38 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
     gated = family == "qwen3_next"  # its q_proj emits each head's query and gate side by side
     options: dict[str, Any] = {
         "bias": with_bias.pop(),
-        "query_size": layer.q_proj.in_features,
-        "output_size": layer.o_proj.out_features,
+        "query_size": hf.q_proj.in_features,
+        "output_size": hf.o_proj.out_features,
         "num_kv_heads": kv_heads,
         "dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
-        "window": getattr(layer, "sliding_window", None),
-        "softcap": getattr(layer, "attn_logit_softcapping", None),
-        "sinks": isinstance(getattr(layer, "sinks", None), torch.Tensor),
+        "window": getattr(hf, "sliding_window", None),
+        "softcap": getattr(hf, "attn_logit_softcapping", None),
+        "sinks": isinstance(getattr(hf, "sinks", None), torch.Tensor),
         "gated_output": gated,
     }
     options["key_size"] = options["value_size"] = options["query_size"]
-    scale = float(layer.scaling)
+    scale = float(hf.scaling)
     options["scale"] = None if math.isclose(scale, head_dim**-0.5, rel_tol=1e-12) else scale
     if layer_type == "chunked_attention":
         options["chunk_size"] = config.attention_chunk_size
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-    if getattr(layer, "q_norm", None) is not None:
-        (q_weight, eps), (k_weight, _) = _norm_weight(layer.q_norm, family), _norm_weight(layer.k_norm, family)
+    if getattr(hf, "q_norm", None) is not None:
+        (q_weight, eps), (k_weight, _) = _norm_weight(hf.q_norm, family), _norm_weight(hf.k_norm, family)
         options.update(qk_norm=True, qk_norm_eps=eps)
         norm_weights = (q_weight, k_weight)
-    elif getattr(layer, "qk_norm", None) is not None:  # Llama 4's L2 norm: an RMSNorm with unit weights
-        options.update(qk_norm=True, qk_norm_eps=float(layer.qk_norm.eps))
-    if family == "llama4_text" and not layer.use_rope:
+    elif getattr(hf, "qk_norm", None) is not None:  # Llama 4's L2 norm: an RMSNorm with unit weights
+        options.update(qk_norm=True, qk_norm_eps=float(hf.qk_norm.eps))
+    if family == "llama4_text" and not hf.use_rope:
         if config.attn_temperature_tuning:
             options["temperature_tuning"] = (float(config.attn_scale), float(config.floor_scale))
     else:
         options["position"] = _rotary(config, layer_type, interleaved=family == "llama4_text")
-    weight = layer.o_proj.weight
+    weight = hf.o_proj.weight
     mha = cls(heads * head_dim, heads, device=weight.device, dtype=weight.dtype, **options)
     if mha.position is not None:
         mha.position.to(weight.device)
     with torch.no_grad():
-        q_weight_rows, q_bias_rows = layer.q_proj.weight, layer.q_proj.bias
+        q_weight_rows, q_bias_rows = hf.q_proj.weight, hf.q_proj.bias
         if gated:
             halves = q_weight_rows.view(heads, 2, head_dim, -1)  # (h, query | gate, dh, d)
             q_weight_rows, gate_rows = halves[:, 0].flatten(0, 1), halves[:, 1].flatten(0, 1)
@@ -161,20 +162,20 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
                 mha.W_g.bias.copy_(bias_halves[:, 1].flatten())
         for linear, weight_rows, bias_rows in (
             (mha.W_q, q_weight_rows, q_bias_rows),
-            (mha.W_k, layer.k_proj.weight, layer.k_proj.bias),
-            (mha.W_v, layer.v_proj.weight, layer.v_proj.bias),
-            (mha.W_o, layer.o_proj.weight, layer.o_proj.bias),
+            (mha.W_k, hf.k_proj.weight, hf.k_proj.bias),
+            (mha.W_v, hf.v_proj.weight, hf.v_proj.bias),
+            (mha.W_o, hf.o_proj.weight, hf.o_proj.bias),
         ):
             linear.weight.copy_(weight_rows)
             if bias_rows is not None:
                 linear.bias.copy_(bias_rows)
         if mha.sinks is not None:
-            mha.sinks.copy_(layer.sinks)
+            mha.sinks.copy_(hf.sinks)
         if norm_weights is not None:
             assert mha.q_norm is not None and mha.k_norm is not None
             mha.q_norm.weight.copy_(norm_weights[0])
             mha.k_norm.weight.copy_(norm_weights[1])
-    return mha.train(layer.training)
+    return mha.train(hf.training)
 
 
 # What each family's layer expresses beyond heads, sizes, a bias on every projection and dropout;
