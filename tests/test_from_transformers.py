@@ -260,8 +260,8 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match=r"got MistralAttention"):
         MultiHeadAttention.from_transformers(MistralAttention(mistral, 0))
     layer, _, _ = _layer("llama", 0, torch.float32)
-    layer.o_proj.bias = None
-    with pytest.raises(ValueError, match=r"bias on only some of q_proj, k_proj, v_proj, o_proj"):
+    layer.k_proj.bias = None
+    with pytest.raises(ValueError, match=r"bias on only some of q_proj, k_proj, v_proj"):
         MultiHeadAttention.from_transformers(layer)
     layer, _, _ = _layer("gemma3", 0, torch.float32, use_bidirectional_attention=True)
     with pytest.raises(ValueError, match=r"use_bidirectional_attention=True"):

@@ -74,6 +74,8 @@ class MultiHeadAttention(nn.Module):
         num_heads: number of query heads ``h``; must divide ``num_hiddens``.
         dropout: dropout on the attention weights (training only).
         bias: whether the four projections have a bias.
+        output_bias: whether ``W_o`` has one (default ``bias``): Qwen2 and Qwen2-VL have a bias on
+            ``W_q, W_k, W_v`` only.
         query_size: feature size of the queries (default ``num_hiddens``).
         key_size: feature size of the keys (default ``num_hiddens``).
         value_size: feature size of the values (default ``num_hiddens``).
@@ -133,6 +135,7 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         *,
         bias: bool = False,
+        output_bias: bool | None = None,
         query_size: int | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
@@ -204,7 +207,9 @@ class MultiHeadAttention(nn.Module):
         self.W_q = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory)
         self.W_k = nn.Linear(self.key_size, kv_hiddens, bias=bias, **factory)
         self.W_v = nn.Linear(self.value_size, kv_hiddens, bias=bias, **factory)
-        self.W_o = nn.Linear(num_hiddens, self.output_size, bias=bias, **factory)
+        if output_bias is not None and not isinstance(output_bias, bool):
+            raise ValueError(f"output_bias must be True, False or None, got {output_bias!r}")
+        self.W_o = nn.Linear(num_hiddens, self.output_size, bias=bias if output_bias is None else output_bias, **factory)
         self.W_g = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory) if gated_output else None
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
         self.q_norm = self.k_norm = None

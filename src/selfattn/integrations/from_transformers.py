@@ -110,15 +110,13 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
         )
     head_dim = int(hf.head_dim)
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-    projections = (hf.q_proj, hf.k_proj, hf.v_proj, hf.o_proj)
-    with_bias = {p.bias is not None for p in projections}
+    with_bias = {p.bias is not None for p in (hf.q_proj, hf.k_proj, hf.v_proj)}
     if len(with_bias) > 1:
-        raise ValueError(
-            "the layer has a bias on only some of q_proj, k_proj, v_proj, o_proj; selfattn has all or none"
-        )
+        raise ValueError("the layer has a bias on only some of q_proj, k_proj, v_proj; selfattn has all or none")
     gated = family == "qwen3_next"  # its q_proj emits each head's query and gate side by side
     options: dict[str, Any] = {
         "bias": with_bias.pop(),
+        "output_bias": hf.o_proj.bias is not None,
         "query_size": hf.q_proj.in_features,
         "output_size": hf.o_proj.out_features,
         "num_kv_heads": kv_heads,
