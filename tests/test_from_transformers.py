@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import masking_utils  # noqa: E402
 
 from selfattn import KVCache, MultiHeadAttention  # noqa: E402
+from selfattn.positional import NAMES  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -71,8 +72,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, str, str]] = {
         "Qwen3NextConfig", dict(head_dim=16, partial_rotary_factor=0.5, layer_types=["full_attention"] * 2),
         "Qwen3NextAttention", "Qwen3NextRotaryEmbedding", "qwen3_next",
     ),
+    "qwen2_vl": (
+        "Qwen2VLTextConfig", dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2])),
+        "Qwen2VLAttention", "Qwen2VLRotaryEmbedding", "qwen2_vl",
+    ),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLTextConfig",
+        dict(rope_parameters=dict(rope_type="default", rope_theta=1000.0, mrope_section=[2, 1, 1])),
+        "Qwen2_5_VLAttention", "Qwen2_5_VLRotaryEmbedding", "qwen2_5_vl",
+    ),
 }  # fmt: skip
-CASES = [(family, layer) for family in FAMILIES for layer in (0, 1) if family != "qwen3_next" or layer == 0]
+MROPE = {"qwen2_vl", "qwen2_5_vl"}  # positions (3, b, l)
+_NO_MROPE = pytest.mark.skipif("mrope" not in NAMES, reason="M-RoPE (build('mrope')) is not in this checkout")
+CASES = [
+    pytest.param(family, layer, marks=[_NO_MROPE] if family in MROPE else [])
+    for family in FAMILIES
+    for layer in (0, 1)
+    if family not in ("qwen3_next", *MROPE) or layer == 0
+]
 
 
 def _layer(family: str, layer_idx: int, dtype: torch.dtype, **overrides: Any) -> tuple[Any, Any, Any]:
@@ -105,11 +122,12 @@ def _mask(config: Any, layer: Any, x: torch.Tensor, attention_mask: torch.Tensor
 def _reference(layer: Any, config: Any, rotary: Any, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The layer's output the way transformers computes it: its rotary module, its mask, its eager attention."""
     position_ids = _position_ids(attention_mask)
+    rotary_positions = _mrope_positions(attention_mask) if type(layer).__name__ in _MROPE_LAYERS else position_ids
     layer_type = config.layer_types[layer.layer_idx] if getattr(config, "layer_types", None) else None
     if type(rotary).__name__ == "Gemma3RotaryEmbedding":
         embeddings = rotary(x, position_ids, layer_type)
     else:
-        embeddings = rotary(x, position_ids)
+        embeddings = rotary(x, rotary_positions)
     with torch.no_grad():
         out, _ = layer(
             x, position_embeddings=embeddings, attention_mask=_mask(config, layer, x, attention_mask, position_ids)
@@ -120,6 +138,15 @@ def _reference(layer: Any, config: Any, rotary: Any, x: torch.Tensor, attention_
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """As generate makes them: count the real tokens; padding gets position 1."""
     return (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+
+
+_MROPE_LAYERS = ("Qwen2VLAttention", "Qwen2_5_VLAttention")
+
+
+def _mrope_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(3, b, l) positions whose time, height and width differ, as an image's tokens' do."""
+    position_ids = _position_ids(attention_mask)
+    return torch.stack((position_ids, (2 * position_ids) % 5, position_ids // 2))
 
 
 def _inputs(dtype: torch.dtype, pads: tuple[int, ...] = (0, 3, 1), length: int = 7) -> tuple[torch.Tensor, ...]:
@@ -135,7 +162,7 @@ def _selfattn_positions(layer: Any, attention_mask: torch.Tensor) -> torch.Tenso
     """position_ids, except Llama 4's NoPE layers, whose temperature follows each token's index in the batch."""
     if type(layer).__name__ == "Llama4TextAttention" and not layer.use_rope:
         return torch.arange(attention_mask.shape[1]).expand_as(attention_mask)
-    return _position_ids(attention_mask)
+    return _mrope_positions(attention_mask) if type(layer).__name__ in _MROPE_LAYERS else _position_ids(attention_mask)
 
 
 def _check(family: str, layer_idx: int, dtype: torch.dtype, pads: tuple[int, ...] = (0, 3, 1)) -> float:
@@ -152,7 +179,7 @@ def _check(family: str, layer_idx: int, dtype: torch.dtype, pads: tuple[int, ...
         for start, stop in [(0, 3)] + [(t, t + 1) for t in range(3, x.shape[1])]:
             chunk = x[:, start:stop]
             steps.append(
-                mha(chunk, chunk, chunk, causal=True, cache=cache, positions=positions[:, start:stop],
+                mha(chunk, chunk, chunk, causal=True, cache=cache, positions=positions[..., start:stop],
                     key_padding_mask=padding[:, start:stop])
             )  # fmt: skip
     decoded = torch.cat(steps, dim=1)
@@ -174,7 +201,7 @@ def test_config_round_trip(family: str, layer_idx: int) -> None:
     layer, config, _ = _layer(family, layer_idx, torch.float32)
     mha = MultiHeadAttention.from_transformers(layer)
     fields = mha.to_transformers_config()
-    assert fields["model_type"] == config.model_type
+    assert fields["model_type"] == config.model_type.replace("qwen2_5_vl", "qwen2_vl")  # the same attention
     rebuilt_config = transformers.AutoConfig.for_model(**fields)
     rebuilt_config._attn_implementation = "eager"
     _, _, attention_name, rotary_name, module_name = FAMILIES[family]
@@ -298,3 +325,21 @@ def test_config_errors(options: dict[str, Any], message: str) -> None:
     mha = MultiHeadAttention(32, 4, position=encoding, **options)
     with pytest.raises(ValueError, match=message):
         mha.to_transformers_config()
+
+
+def test_bias_errors() -> None:
+    with pytest.raises(ValueError, match=r"output_bias must be True, False or None, got 'yes'"):
+        MultiHeadAttention(32, 4, output_bias="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"a bias on W_o only"):
+        MultiHeadAttention(32, 4, output_bias=True).to_transformers_config()
+
+
+@_NO_MROPE
+def test_mrope_config_needs_qwen2_vl_biases() -> None:
+    from selfattn.positional import build
+
+    mrope = build("mrope", num_hiddens=32, num_heads=4, sections=(1, 1, 2))
+    with pytest.raises(ValueError, match=r"M-RoPE is Qwen2-VL's.*got output_bias=False, bias=False"):
+        MultiHeadAttention(32, 4, position=mrope).to_transformers_config()
+    fields = MultiHeadAttention(32, 4, position=mrope, bias=True, output_bias=False).to_transformers_config()
+    assert fields["model_type"] == "qwen2_vl_text" and fields["rope_parameters"]["mrope_section"] == [1, 1, 2]

@@ -209,7 +209,9 @@ class MultiHeadAttention(nn.Module):
         self.W_v = nn.Linear(self.value_size, kv_hiddens, bias=bias, **factory)
         if output_bias is not None and not isinstance(output_bias, bool):
             raise ValueError(f"output_bias must be True, False or None, got {output_bias!r}")
-        self.W_o = nn.Linear(num_hiddens, self.output_size, bias=bias if output_bias is None else output_bias, **factory)
+        self.W_o = nn.Linear(
+            num_hiddens, self.output_size, bias=bias if output_bias is None else output_bias, **factory
+        )
         self.W_g = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory) if gated_output else None
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
         self.q_norm = self.k_norm = None

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from selfattn.positional.base import PositionalEncoding
+from selfattn.positional.registry import build
 from selfattn.positional.rotary import RotaryPositionalEncoding
 
 if TYPE_CHECKING:
@@ -34,7 +36,10 @@ LAYERS: dict[str, str] = {
     "GptOssAttention": "gpt_oss",
     "Llama4TextAttention": "llama4_text",
     "Qwen3NextAttention": "qwen3_next",
+    "Qwen2VLAttention": "qwen2_vl_text",
+    "Qwen2_5_VLAttention": "qwen2_5_vl_text",
 }
+_MROPE = {"qwen2_vl_text", "qwen2_5_vl_text"}  # rotary from (time, height, width) positions
 # Families whose QK-norm scales by (1 + weight) (Gemma's RMSNorm), not by the weight.
 _ONE_PLUS_WEIGHT = {"gemma3_text", "qwen3_next"}
 _LAYER_TYPES = (None, "full_attention", "sliding_attention", "chunked_attention")
@@ -70,6 +75,18 @@ def _rotary(config: Any, layer_type: str | None, *, interleaved: bool) -> Rotary
         rotary_dim=rotary.rotary_dim,
         scaling=rotary.scaling,
         scaling_factor=rotary.scaling_factor,
+    )
+
+
+def _mrope(config: Any, heads: int, head_dim: int) -> PositionalEncoding:
+    """Qwen2-VL's M-RoPE: ``build("mrope")`` with the config's ``mrope_section`` and base."""
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(f"rope_parameters rope_type={kind!r} with M-RoPE: selfattn's M-RoPE has no scaling")
+    sections = tuple(parameters.get("mrope_section", ()))
+    return build(
+        "mrope", num_hiddens=heads * head_dim, num_heads=heads, base=parameters["rope_theta"], sections=sections
     )
 
 
@@ -141,6 +158,8 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
     if family == "llama4_text" and not hf.use_rope:
         if config.attn_temperature_tuning:
             options["temperature_tuning"] = (float(config.attn_scale), float(config.floor_scale))
+    elif family in _MROPE:
+        options["position"] = _mrope(config, heads, head_dim)
     else:
         options["position"] = _rotary(config, layer_type, interleaved=family == "llama4_text")
     weight = hf.o_proj.weight
@@ -180,6 +199,8 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
 # the first family (in this order) that expresses a module's options is chosen.
 _HALF_SPLIT = "half-split rotary"
 _UNIT_NORM = "qk_norm with unit weights"  # what Llama 4 has; a weighted QK-norm with weights 1 too
+_QKV_BIAS = "a bias on W_q, W_k, W_v only"
+_MROPE_OPTION = "M-RoPE"
 _EXPRESSES: dict[str, frozenset[str]] = {
     "llama": frozenset({_HALF_SPLIT}),
     "qwen3": frozenset({_HALF_SPLIT, "window", "qk_norm", _UNIT_NORM}),
@@ -188,6 +209,7 @@ _EXPRESSES: dict[str, frozenset[str]] = {
     "gpt_oss": frozenset({_HALF_SPLIT, "window", "sinks"}),
     "llama4_text": frozenset({"interleaved rotary", "chunk_size", _UNIT_NORM, "no rotary", "temperature_tuning"}),
     "qwen3_next": frozenset({_HALF_SPLIT, "qk_norm", _UNIT_NORM, "gated_output", "partial rotary"}),
+    "qwen2_vl_text": frozenset({_MROPE_OPTION, _QKV_BIAS}),  # it always has this bias
 }
 
 
@@ -203,9 +225,15 @@ def _options(mha: MultiHeadAttention) -> set[str]:
     if mha.q_norm is not None and mha.k_norm is not None:
         unit = bool((mha.q_norm.weight == 1).all()) and bool((mha.k_norm.weight == 1).all())
         used.add(_UNIT_NORM if unit and mha.position is not None else "qk_norm")
+    if mha.W_o.bias is not None and mha.W_q.bias is None:
+        raise ValueError("a bias on W_o only: no transformers attention layer has it")
+    if mha.W_q.bias is not None and mha.W_o.bias is None:
+        used.add(_QKV_BIAS)
     rotary = mha.position
     if rotary is None:
         used.add("no rotary")
+    elif getattr(rotary, "position_axes", 1) == 3:  # M-RoPE
+        used.add(_MROPE_OPTION)
     elif not isinstance(rotary, RotaryPositionalEncoding) or rotary.p != 1.0:
         raise ValueError(f"position={rotary!r}: transformers layers rotate queries and keys (full rotary) or nothing")
     else:
@@ -244,6 +272,12 @@ def to_transformers_config(mha: MultiHeadAttention) -> dict[str, Any]:
     family = next((name for name, expresses in _EXPRESSES.items() if used <= expresses), None)
     if family is None or ("temperature_tuning" in used and mha.position is not None):
         raise ValueError(f"no transformers attention layer has all of {sorted(used)}")
+    if family == "qwen2_vl_text" and (_QKV_BIAS not in used or mha.num_hiddens != mha.query_size):
+        raise ValueError(
+            "M-RoPE is Qwen2-VL's, whose layer has a bias on W_q, W_k, W_v only and heads that add up to the "
+            f"hidden size; got output_bias={mha.W_o.bias is not None}, bias={mha.W_q.bias is not None}, "
+            f"num_hiddens={mha.num_hiddens}, query_size={mha.query_size}"
+        )
     rotary = mha.position if isinstance(mha.position, RotaryPositionalEncoding) else None
     fields: dict[str, Any] = {
         "model_type": family,
@@ -277,6 +311,12 @@ def to_transformers_config(mha: MultiHeadAttention) -> dict[str, Any]:
         if family == "gemma3_text" and rotary is not None:  # one rotary per layer type
             both = _rope_parameters(rotary)
             fields["rope_parameters"] = {"sliding_attention": both, "full_attention": dict(both)}
+    if family == "qwen2_vl_text":
+        mrope: Any = mha.position
+        fields["rope_parameters"] = {
+            "rope_type": "default", "mrope_section": list(mrope.sections), "rope_theta": mrope.base,
+        }  # fmt: skip
+        del fields["head_dim"], fields["attention_bias"]  # hidden_size / heads; q, k, v biased, o not
     if family == "llama4_text":
         tuning = mha.temperature_tuning
         fields.update(
