@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -22,8 +22,9 @@ from selfattn.positional.base import PositionalEncoding
 from selfattn.positional.registry import build
 from selfattn.positional.rotary import RotaryPositionalEncoding
 
-if TYPE_CHECKING:
-    from selfattn.attention import MultiHeadAttention
+# The module class is passed in (MultiHeadAttention.from_transformers passes itself): importing
+# selfattn.attention here would make the two modules import each other.
+Module = TypeVar("Module", bound=nn.Module)
 
 __all__ = ["LAYERS", "from_transformers", "to_transformers_config"]
 
@@ -99,7 +100,7 @@ def _norm_weight(norm: nn.Module, family: str) -> tuple[torch.Tensor, float]:
     return (1 + weight if family in _ONE_PLUS_WEIGHT else weight), eps
 
 
-def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = None) -> MultiHeadAttention:
+def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
     """The selfattn module equal to a transformers attention layer: same weights, same recipe.
 
     ``mha(x, x, x, causal=True, positions=position_ids)`` then equals the layer called with its
@@ -109,10 +110,6 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
     Raises:
         ValueError: an unknown layer class, a layer type or option selfattn cannot express, named.
     """
-    if cls is None:
-        from selfattn.attention import MultiHeadAttention
-
-        cls = MultiHeadAttention
     family = _family(layer)
     hf: Any = layer  # read by attribute names: projections, norms, sinks, the config
     config = hf.config
@@ -163,7 +160,7 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
     else:
         options["position"] = _rotary(config, layer_type, interleaved=family == "llama4_text")
     weight = hf.o_proj.weight
-    mha = cls(heads * head_dim, heads, device=weight.device, dtype=weight.dtype, **options)
+    mha: Any = cls(heads * head_dim, heads, device=weight.device, dtype=weight.dtype, **options)
     if mha.position is not None:
         mha.position.to(weight.device)
     with torch.no_grad():
@@ -192,7 +189,7 @@ def from_transformers(layer: nn.Module, cls: type[MultiHeadAttention] | None = N
             assert mha.q_norm is not None and mha.k_norm is not None
             mha.q_norm.weight.copy_(norm_weights[0])
             mha.k_norm.weight.copy_(norm_weights[1])
-    return mha.train(hf.training)
+    return cast(Module, mha.train(hf.training))
 
 
 # What each family's layer expresses beyond heads, sizes, a bias on every projection and dropout;
@@ -213,7 +210,7 @@ _EXPRESSES: dict[str, frozenset[str]] = {
 }
 
 
-def _options(mha: MultiHeadAttention) -> set[str]:
+def _options(mha: Any) -> set[str]:
     """The recipe options ``mha`` uses, in the names of :data:`_EXPRESSES`."""
     if mha.key_size != mha.query_size or mha.value_size != mha.query_size or mha.output_size != mha.query_size:
         raise ValueError(
@@ -255,11 +252,12 @@ def _rope_parameters(rotary: RotaryPositionalEncoding) -> dict[str, Any]:
     return {"rope_type": "default", **scaling, "rope_theta": rotary.base}
 
 
-def to_transformers_config(mha: MultiHeadAttention) -> dict[str, Any]:
-    """Config fields that rebuild ``mha`` as one transformers attention layer (a model of one layer).
+def to_transformers_config(module: nn.Module) -> dict[str, Any]:
+    """Config fields that rebuild ``module`` (a MultiHeadAttention) as one transformers attention layer.
 
     ``model_type`` names the first family (Llama, Qwen3, Gemma 2, Gemma 3, gpt-oss, Llama 4 text,
-    Qwen3-Next) whose layer expresses every option ``mha`` uses; build the config with
+    Qwen3-Next, Qwen2-VL) whose layer expresses every option ``module`` uses (a model of one
+    layer); build the config with
     ``transformers.AutoConfig.for_model(**fields)`` and the layer with ``layer_idx=0``. Weights
     are not part of a config: copy them as :func:`from_transformers` reads them (Gemma 3 and
     Qwen3-Next store ``w - 1`` for a QK-norm weight ``w``).
@@ -268,6 +266,7 @@ def to_transformers_config(mha: MultiHeadAttention) -> dict[str, Any]:
         ValueError: an option no family expresses (a score encoding, p-RoPE, sizes that differ
             from the hidden size), or options no one family has together, named.
     """
+    mha: Any = module  # a MultiHeadAttention
     used = _options(mha)
     family = next((name for name, expresses in _EXPRESSES.items() if used <= expresses), None)
     if family is None or ("temperature_tuning" in used and mha.position is not None):
