@@ -343,3 +343,20 @@ def test_mrope_config_needs_qwen2_vl_biases() -> None:
         MultiHeadAttention(32, 4, position=mrope).to_transformers_config()
     fields = MultiHeadAttention(32, 4, position=mrope, bias=True, output_bias=False).to_transformers_config()
     assert fields["model_type"] == "qwen2_vl_text" and fields["rope_parameters"]["mrope_section"] == [1, 1, 2]
+
+
+def test_output_size_and_bias_on_every_route() -> None:
+    """output_size and output_bias=False, on the ragged route (skip_padded_queries) and the plain one."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 4, query_size=32, key_size=32, value_size=32, output_size=24, bias=True,
+                             output_bias=False, skip_padded_queries=True)  # fmt: skip
+    assert mha.W_o.out_features == 24 and mha.W_o.bias is None and mha.W_q.bias is not None
+    x, lengths = torch.randn(3, 6, 32), torch.tensor([6, 2, 4])
+    assert mha.explain(x, x, x, lengths).route == "ragged valid rows"
+    with torch.no_grad():
+        out = mha(x, x, x, lengths)
+        assert isinstance(out, torch.Tensor) and out.shape == (3, 6, 24)
+        for row, length in enumerate(lengths.tolist()):
+            alone = mha(x[row : row + 1, :length], x[row : row + 1, :length], x[row : row + 1, :length])
+            torch.testing.assert_close(out[row, :length], alone[0], atol=1e-6, rtol=0)
+            assert not out[row, length:].any()
