@@ -69,7 +69,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, str, str]] = {
         "Llama4TextAttention", "Llama4TextRotaryEmbedding", "llama4",
     ),
     "qwen3_next": (
-        "Qwen3NextConfig", dict(head_dim=16, partial_rotary_factor=0.5, layer_types=["full_attention"] * 2),
+        "Qwen3NextConfig",
+        dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True, layer_types=["full_attention"] * 2),
         "Qwen3NextAttention", "Qwen3NextRotaryEmbedding", "qwen3_next",
     ),
     "qwen2_vl": (
