@@ -114,12 +114,38 @@ def test_dropout_is_applied() -> None:
     assert not torch.allclose(plain, dropped)
 
 
-def test_unsupported_options_raise() -> None:
+def test_softcap_and_sinks_match_eager() -> None:
+    """What Gemma 2 (softcap) and gpt-oss (s_aux, its (h,) sinks) pass, against their own eager functions."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    q, k, v = _qkv(5, 5)
+    q = q * 4  # scores of a few units, so a cap of 2 bites
+    mask = _padding_mask(5, 5, causal=True)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)  # as eager gets it
+    seen = mask[:, 0].any(-1)  # (b, lq): a query that sees no key is zeros here, a uniform average in eager
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2, training=False, head_dim=8)
+    expected, _ = gemma2_eager(module, q, k, v, additive, scaling=0.3, softcap=2.0)
+    got, _ = attention_forward(module, q, k, v, mask, scaling=0.3, softcap=2.0)
+    torch.testing.assert_close(got[seen], expected[seen], atol=ATOL, rtol=0)
+    uncapped, _ = attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert (uncapped - expected)[seen].abs().max() > 0.1  # the cap matters here
+
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3)) * 2
+    module.sinks = sinks
+    expected, _ = gpt_oss_eager(module, q, k, v, additive, scaling=0.3)
+    got, _ = attention_forward(module, q, k, v, mask, scaling=0.3, s_aux=sinks)
+    torch.testing.assert_close(got[seen], expected[seen], atol=ATOL, rtol=0)
+    sinkless, _ = attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert (sinkless - expected)[seen].abs().max() > 0.1  # the sinks matter here
+
+
+def test_softcap_with_an_additive_mask_raises() -> None:
     q, k, v = _qkv(3, 3, kv_heads=4)
-    with pytest.raises(NotImplementedError, match=r"softcap=50.0 \(attention logit soft-capping\)"):
-        attention_forward(_module(True), q, k, v, None, softcap=50.0)
-    with pytest.raises(NotImplementedError, match=r"s_aux \(attention sinks\)"):
-        attention_forward(_module(True), q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"softcap=50.0 with a float attention_mask or a position_bias"):
+        attention_forward(_module(True), q, k, v, torch.zeros(2, 1, 3, 3), softcap=50.0)
+    with pytest.raises(ValueError, match=r"softcap=50.0 with a float attention_mask or a position_bias"):
+        attention_forward(_module(True), q, k, v, None, softcap=50.0, position_bias=torch.zeros(1, 4, 3, 3))
 
 
 def _model(family: str, **overrides: Any) -> Any:
@@ -180,19 +206,42 @@ def test_model_matches_reference(family: str, reference: str, cache: str | None)
     assert torch.equal(got_generated, generated)
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="pending core feature: attention logit soft-capping")
+def _exercised(model: Any, name: str, scale: float) -> Any:
+    """Larger attention weights (and sinks), so softcap and sinks change the logits: the tests can fail."""
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if ".self_attn." in param_name and param_name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+            if param_name.endswith(name):
+                param.copy_(torch.randn(param.shape, generator=gen) * 2)
+    return model
+
+
 def test_gemma2_with_softcapping() -> None:
-    model = _model("gemma2", attn_logit_softcapping=50.0)
+    """Gemma 2 passes softcap; transformers refuses sdpa for it, so eager is the reference."""
+    model = _exercised(_model("gemma2", attn_logit_softcapping=1.0), "no parameter", 0.5)
     logits, _, generated = _run(model, "eager")
     got_logits, _, got_generated = _run(model, "selfattn")
     torch.testing.assert_close(got_logits, logits, atol=ATOL, rtol=0)
     assert torch.equal(got_generated, generated)
+    model.config.attn_logit_softcapping = None  # the layers read the shared config: the cap is off
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    uncapped, _, _ = _run(model, "eager")
+    assert (uncapped - logits).abs().max() > 10 * ATOL  # the cap changed the logits, so the test can fail
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="pending core feature: attention sinks (s_aux)")
-def test_gpt_oss() -> None:
-    model = _model("gpt_oss")
-    logits, _, generated = _run(model, "eager")
-    got_logits, _, got_generated = _run(model, "selfattn")
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_gpt_oss(cache: str | None) -> None:
+    """gpt-oss passes its sinks as s_aux ((h,)); it supports no sdpa, so eager is the reference."""
+    model = _exercised(_model("gpt_oss"), "self_attn.sinks", 0.5)
+    logits, _, generated = _run(model, "eager", cache)
+    got_logits, _, got_generated = _run(model, "selfattn", cache)
     torch.testing.assert_close(got_logits, logits, atol=ATOL, rtol=0)
     assert torch.equal(got_generated, generated)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # a sink nobody attends to: attention without sinks
+    sinkless, _, _ = _run(model, "eager", cache)
+    assert (sinkless - logits).abs().max() > 10 * ATOL  # the sinks changed the logits

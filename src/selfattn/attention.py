@@ -79,13 +79,18 @@ class MultiHeadAttention(nn.Module):
     * with ``skip_padded_queries=True`` (opt-in), padded query rows are zeros, not computed.
 
     Args:
-        num_hiddens: output size ``d``, split over the heads.
+        num_hiddens: size ``d`` of the merged heads, split over them (``h * dh``), and of the
+            output unless ``output_size`` is given.
         num_heads: number of query heads ``h``; must divide ``num_hiddens``.
         dropout: dropout on the attention weights (training only).
         bias: whether the four projections have a bias.
+        output_bias: whether ``W_o`` has one (default ``bias``): Qwen2 and Qwen2-VL have a bias on
+            ``W_q, W_k, W_v`` only.
         query_size: feature size of the queries (default ``num_hiddens``).
         key_size: feature size of the keys (default ``num_hiddens``).
         value_size: feature size of the values (default ``num_hiddens``).
+        output_size: feature size of the output, ``W_o``'s ``out_features`` (default
+            ``num_hiddens``): a model whose ``h * dh`` differs from its hidden size (Gemma, gpt-oss).
         position: a query/key encoding (rotary) or a score encoding (ALiBi, T5, Shaw, Kerple,
             FIRE) applied inside attention. Encodings added to the input are applied by the caller.
         num_kv_heads: heads of the keys and values ``hk`` (grouped-query attention; 1 is
@@ -140,9 +145,11 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         *,
         bias: bool = False,
+        output_bias: bool | None = None,
         query_size: int | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
+        output_size: int | None = None,
         position: PositionalEncoding | None = None,
         num_kv_heads: int | None = None,
         window: int | None = None,
@@ -180,9 +187,16 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = num_hiddens // num_heads
         self.dropout = require_probability("dropout", dropout)
         sizes = {}
-        for name, size in (("query_size", query_size), ("key_size", key_size), ("value_size", value_size)):
+        given = (
+            ("query_size", query_size),
+            ("key_size", key_size),
+            ("value_size", value_size),
+            ("output_size", output_size),
+        )
+        for name, size in given:
             sizes[name] = num_hiddens if size is None else require_positive_int(name, size)
         self.query_size, self.key_size, self.value_size = sizes["query_size"], sizes["key_size"], sizes["value_size"]
+        self.output_size = sizes["output_size"]
         if position is not None and not isinstance(position, (QueryKeyEncoding, ScoreEncoding)):
             raise ValueError(
                 f"position must rotate queries/keys or bias the scores, got {type(position).__name__} "
@@ -203,7 +217,11 @@ class MultiHeadAttention(nn.Module):
         self.W_q = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory)
         self.W_k = nn.Linear(self.key_size, kv_hiddens, bias=bias, **factory)
         self.W_v = nn.Linear(self.value_size, kv_hiddens, bias=bias, **factory)
-        self.W_o = nn.Linear(num_hiddens, num_hiddens, bias=bias, **factory)
+        if output_bias is not None and not isinstance(output_bias, bool):
+            raise ValueError(f"output_bias must be True, False or None, got {output_bias!r}")
+        self.W_o = nn.Linear(
+            num_hiddens, self.output_size, bias=bias if output_bias is None else output_bias, **factory
+        )
         self.W_g = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory) if gated_output else None
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
         self.q_norm = self.k_norm = None
@@ -277,6 +295,43 @@ class MultiHeadAttention(nn.Module):
                 mha.W_o.bias.copy_(module.out_proj.bias)
         return mha.train(module.training)
 
+    @classmethod
+    def from_transformers(cls, layer: nn.Module) -> MultiHeadAttention:
+        """The same attention as a Hugging Face transformers (5.x) attention layer, with its weights copied.
+
+        Reads the layer and the config it carries (``layer.config``, ``layer.layer_idx``): Llama,
+        Qwen3 (QK-norm), Gemma 2 (softcap, ``query_pre_attn_scalar``, sliding or global by
+        ``layer_types``), Gemma 3 (QK-norm with Gemma's ``(1 + weight)`` RMSNorm, whose ``1 + w``
+        is copied; a rotary base per layer type), gpt-oss (sinks, sliding or full, bias), Llama 4
+        text (chunked layers; NoPE layers with temperature tuning; the L2 QK-norm of its rotary
+        layers, an RMSNorm with unit weights; interleaved rotary) and Qwen3-Next full attention
+        (gated output from the gate half of each head's ``q_proj`` rows, QK-norm with
+        ``(1 + w)``, partial rotary). Then ``mha(x, x, x, causal=True, positions=position_ids)``
+        equals the layer run with its model's rotary embedding and its causal mask; pass the
+        attention mask's padding as ``key_padding_mask``.
+
+        Two Llama 4 details differ with left padding: transformers tunes a NoPE layer's
+        temperature by each token's index in the padded batch (pass those indices as
+        ``positions`` there), and counts a chunked layer's chunks from each sequence's first
+        token, which ``chunk_size`` (chunks of indices) does not.
+
+        Raises:
+            ValueError: an unknown layer class, or a layer type or option this module cannot
+                express (e.g. a bidirectional Gemma layer, a bias on only some projections), named.
+        """
+        from selfattn.integrations.from_transformers import from_transformers
+
+        return from_transformers(layer, cls)
+
+    def to_transformers_config(self) -> dict[str, Any]:
+        """The Hugging Face config fields that rebuild this module as one transformers attention layer.
+
+        See :func:`selfattn.integrations.from_transformers.to_transformers_config`.
+        """
+        from selfattn.integrations.from_transformers import to_transformers_config
+
+        return to_transformers_config(self)
+
     def forward(
         self,
         queries: torch.Tensor,
@@ -349,7 +404,7 @@ class MultiHeadAttention(nn.Module):
                 computes them (see :meth:`selfattn.masks.Visibility.key_range`).
 
         Returns:
-            ``(b, lq, d)``, or ``(output, weights)``.
+            ``(b, lq, output_size)``, or ``(output, weights)``.
         """
         request = check_request(
             self,
@@ -550,6 +605,7 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         extra = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        extra += "" if self.output_size == self.num_hiddens else f", output_size={self.output_size}"
         extra += "" if self.window is None else f", window={self.window}"
         extra += "" if self.chunk_size is None else f", chunk_size={self.chunk_size}"
         extra += "" if self.temperature_tuning is None else f", temperature_tuning={self.temperature_tuning}"

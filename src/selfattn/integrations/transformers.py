@@ -50,8 +50,10 @@ def attention_forward(
         scaling: score scale (default ``1 / sqrt(d)``).
         is_causal: overrides ``module.is_causal``.
         sliding_window: window of a local layer (applied here only when there is no mask).
-        softcap: attention logit soft-capping (Gemma 2): not available yet.
-        s_aux: attention sinks (gpt-oss): not available yet.
+        softcap: attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``): each
+            scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` before the mask.
+        s_aux: attention sinks (gpt-oss passes its ``sinks`` parameter, ``(h,)``): one logit per
+            query head that joins the softmax's denominator and adds no value.
         position_bias: float ``(b or 1, h, lq, lk)`` added to the scores (T5-style models).
         **kwargs: what else the model passes (ignored).
 
@@ -59,16 +61,15 @@ def attention_forward(
         ``((b, lq, h, d) output, None)``.
 
     Raises:
-        NotImplementedError: ``softcap`` or ``s_aux`` that is not None.
+        ValueError: ``softcap`` with a float ``attention_mask`` or a ``position_bias``: transformers
+            adds those after the capping, selfattn caps them with the scores.
     """
-    if softcap is not None:
-        raise NotImplementedError(
-            f"softcap={softcap} (attention logit soft-capping) is not in selfattn yet; "
-            "use attn_implementation='eager' for this model, or set attn_logit_softcapping=None in its config"
-        )
-    if s_aux is not None:
-        raise NotImplementedError(
-            "s_aux (attention sinks) is not in selfattn yet; use attn_implementation='eager' for this model"
+    if softcap is not None and (
+        position_bias is not None or (attention_mask is not None and attention_mask.is_floating_point())
+    ):
+        raise ValueError(
+            f"softcap={softcap} with a float attention_mask or a position_bias: transformers adds them after the "
+            "capping and selfattn would cap them too; register() builds bool masks, use them"
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     mask = bias = None
@@ -89,7 +90,18 @@ def attention_forward(
         mask, causal = (distance >= 0) & (distance < sliding_window), False
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
-    out = attention(query, key, value, mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling)
+    out = attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        dropout_p=dropout,
+        scale=scaling,
+        softcap=softcap,
+        sinks=s_aux,
+    )
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous(), None  # (b, lq, h, d)
 

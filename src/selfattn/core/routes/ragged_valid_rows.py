@@ -32,7 +32,7 @@ def _run(call: AttentionCall) -> Output:
     assert inputs is not None and call.ragged_lengths is not None
     module, queries = inputs.module, inputs.queries
     batch, num_queries, _ = queries.shape
-    out = queries.new_zeros(batch, num_queries, module.num_hiddens)  # (b, l, d); padded rows stay zero
+    out = queries.new_zeros(batch, num_queries, module.output_size)  # (b, l, d); padded rows stay zero
     for length, take in length_groups(call.ragged_lengths, queries.device):
         if length == 0:
             continue  # no valid row: the output stays zero
