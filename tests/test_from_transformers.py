@@ -192,8 +192,7 @@ def _check(family: str, layer_idx: int, dtype: torch.dtype, pads: tuple[int, ...
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("family", "layer_idx"), CASES)
 def test_equals_the_layer(family: str, layer_idx: int, dtype: torch.dtype) -> None:
-    pads = (0, 4, 0) if family == "llama4" else (0, 3, 1)  # Llama 4 chunks: see the xfail below
-    assert _check(family, layer_idx, dtype, pads) <= 1e-5
+    assert _check(family, layer_idx, dtype) <= 1e-5
 
 
 @pytest.mark.parametrize(("family", "layer_idx"), CASES)
@@ -267,12 +266,12 @@ def test_positions_past_8192() -> None:
     assert 1e-5 < theirs <= 5e-3  # the float32 angles show, within their rounding
 
 
-@pytest.mark.xfail(strict=True, reason="missing in selfattn: chunks counted from each sequence's first token")
 def test_llama4_chunks_with_left_padding() -> None:
     """transformers counts a chunked layer's chunks from each sequence's first real token
-    ((i - left_padding) // C); chunk_size counts them from index 0, so a left padding that is not
-    a multiple of C moves the chunk boundaries."""
+    ((i - left_padding) // C); chunk_size counts positions, which start there too, so a left
+    padding that is not a multiple of C moves the boundaries alike (and the cache keeps them)."""
     assert _check("llama4", 0, torch.float32, pads=(0, 3, 1)) <= 1e-5
+    assert _check("llama4", 0, torch.float64, pads=(2, 0, 5)) <= 1e-5
 
 
 class _NotAttention(torch.nn.Module):

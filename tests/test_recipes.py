@@ -418,6 +418,8 @@ def test_bad_mask_rules_name_the_argument():
         ValueError, match=r"prefix lengths must be an int or an integer \(b,\) tensor, got torch.float32"
     ):
         masks.prefix(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="key_positions need query_positions"):
+        masks.chunks(4, key_positions=torch.arange(4))
     with pytest.raises(ValueError, match=r"span ids must be an integer \(b, l\) tensor, got torch.int64 \(4,\)"):
         masks.spans(torch.zeros(4, dtype=torch.long))
 

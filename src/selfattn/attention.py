@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import selfattn._validation as _validation
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
 from selfattn._validation import require_positive_finite, require_positive_int, require_probability
@@ -117,9 +118,11 @@ class MultiHeadAttention(nn.Module):
             before the rotation (Qwen3, OLMo 2, Gemma 3): the modules ``q_norm`` and ``k_norm``
             with ``(dh,)`` weights.
         qk_norm_eps: the RMSNorm's epsilon.
-        chunk_size: chunked attention (Llama 4's ``attention_chunk_size``): query ``i`` sees only
-            keys of its own chunk, ``i // chunk_size == j // chunk_size`` (indices in the whole
-            sequence, cache included); combined with every other mask by "and".
+        chunk_size: chunked attention (Llama 4's ``attention_chunk_size``): a query sees only keys
+            of its own chunk, ``p_i // chunk_size == p_j // chunk_size`` for the tokens' positions
+            ``p`` (by default their indices in the whole sequence, cache included; with left
+            padding, ``positions`` counted from each row's first token start its chunks there,
+            as Llama 4 does); combined with every other mask by "and".
         temperature_tuning: ``(attn_scale, floor_scale)``: each query at position ``p`` is
             multiplied by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` before
             attention (Llama 4's NoPE layers, which sharpen attention at long range).
@@ -594,7 +597,7 @@ class MultiHeadAttention(nn.Module):
         visibility = visibility.with_rules(
             masks.causal() if request.causal else None,
             None if self.window is None else masks.window(self.window),
-            None if self.chunk_size is None else masks.chunks(self.chunk_size),
+            self._chunks(request, seen),
             None if request.valid_lens is None else masks.valid_lengths(request.valid_lens),
             None if seen.padding is None else masks.key_padding(seen.padding),
             masks.documents(request.document_ids, seen.documents) if both else None,  # type: ignore[arg-type]
@@ -602,6 +605,20 @@ class MultiHeadAttention(nn.Module):
             request.mask,
         )
         return visibility, bias
+
+    def _chunks(self, request: Request, seen: _Seen) -> masks.Rule | None:
+        """``chunk_size`` as a rule: chunks of token indices when positions are the indices, else of positions."""
+        if self.chunk_size is None:
+            return None
+        q_positions, k_positions = request.q_positions, seen.positions
+        num_queries = request.queries.shape[1]
+        first_query = request.total - num_queries
+        if q_positions.dim() == 1 and k_positions.dim() == 1 and not _validation.is_compiling():
+            by_index = torch.arange(first_query, request.total, device=q_positions.device)
+            keys_by_index = torch.arange(seen.first_index, seen.first_index + seen.num_keys, device=k_positions.device)
+            if torch.equal(q_positions, by_index) and torch.equal(k_positions, keys_by_index):
+                return masks.chunks(self.chunk_size)  # indices: blocks can skip other chunks' keys
+        return masks.chunks(self.chunk_size, query_positions=q_positions, key_positions=k_positions)
 
     def extra_repr(self) -> str:
         extra = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"

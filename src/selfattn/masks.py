@@ -178,6 +178,35 @@ class Chunks(Rule):
 
 
 @dataclass(frozen=True, eq=False)
+class PositionChunks(Rule):
+    """Chunks counted by position: ``q_pos // size == k_pos // size`` (Llama 4 under left padding).
+
+    Positions ``(lq,)``/``(b, lq)`` and ``(lk,)``/``(b, lk)`` belong to the call's own queries
+    and the keys it sees.
+    """
+
+    size: int
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+
+    def _chunk(self, positions: torch.Tensor, local: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
+        index = local.clamp(0, positions.shape[-1] - 1)
+        if positions.dim() == 1:
+            picked = positions[index]
+        else:
+            picked = positions[:, index] if batch is None else positions[batch, index]
+        return torch.div(picked, self.size, rounding_mode="floor")
+
+    def allows(self, at: Indices) -> torch.Tensor:
+        same = self._chunk(self.query_positions, at.q_local) == self._chunk(self.key_positions, at.k_local)
+        per_sequence = self.query_positions.dim() == 2 or self.key_positions.dim() == 2
+        return _batched(same) if per_sequence else same
+
+    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self._chunk(self.query_positions, at.q_local, b) == self._chunk(self.key_positions, at.k_local, b)
+
+
+@dataclass(frozen=True, eq=False)
 class ValidLengths(Rule):
     """The chapter's ``valid_lens``: ``j < lengths[s]`` (``(b,)``) or ``j < lengths[s, i]`` (``(b, lq)``)."""
 
@@ -306,11 +335,22 @@ def window(size: int) -> Rule:
     return Window(size)
 
 
-def chunks(size: int) -> Rule:
-    """Query ``i`` sees only keys in its own chunk of ``size`` tokens (Llama 4's chunked attention)."""
+def chunks(
+    size: int, *, query_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None
+) -> Rule:
+    """Query ``i`` sees only keys in its own chunk of ``size`` tokens (Llama 4's chunked attention).
+
+    Chunks count token indices from 0; with ``query_positions`` (``(lq,)`` or ``(b, lq)``) and
+    ``key_positions`` (default the same) they count those positions instead, so a left-padded
+    row's chunks start at its first real token.
+    """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"chunk size must be a positive integer, got {size!r}")
-    return Chunks(size)
+    if query_positions is None:
+        if key_positions is not None:
+            raise ValueError("key_positions need query_positions")
+        return Chunks(size)
+    return PositionChunks(size, query_positions, query_positions if key_positions is None else key_positions)
 
 
 def prefix(lengths: int | torch.Tensor) -> Rule:
