@@ -394,7 +394,12 @@ def fused_attention(
 ) -> torch.Tensor:
     """PyTorch's fused kernel with the bias folded into a float mask and empty rows zeroed, ``(b, h, lq, dv)``."""
     mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)
-    if q.device.type == "cpu" and q.shape[-2] * k.shape[-2] >= _CONTIGUOUS_HEADS_MIN_PAIRS:
+    # Compiled graphs leave the layout to the compiler (a test on the length would guard a dynamic one).
+    if (
+        q.device.type == "cpu"
+        and not _validation.is_compiling()
+        and q.shape[-2] * k.shape[-2] >= _CONTIGUOUS_HEADS_MIN_PAIRS
+    ):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     attn_mask = mask
     if bias is not None:
