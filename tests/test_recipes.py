@@ -303,12 +303,13 @@ def test_chunk_size_and_temperature_tuning():
     plain.load_state_dict(mha.state_dict())
     factor = 1 + 0.1 * torch.log(1 + torch.floor((positions.double() + 1) / 2.0))  # (b, l), Llama 4's formula
     index = torch.arange(10)
-    chunk = (index[:, None] // 3 == index[None, :] // 3) & (index[None, :] <= index[:, None])
+    causal = index[None, :] <= index[:, None]
     # The temperature scales the queries, so it equals scaling q's rows: fold it into the scores by rows.
     expected = []
     for row in range(2):
         q = plain.split_heads(plain.W_q(x[row : row + 1])) * factor[row][:, None]
         k, v = plain.split_heads(plain.W_k(x[row : row + 1])), plain.split_heads(plain.W_v(x[row : row + 1]))
+        chunk = (positions[row][:, None] // 3 == positions[row][None, :] // 3) & causal  # chunks of positions
         weights = torch.softmax((q @ k.transpose(-1, -2) / 2).masked_fill(~chunk, float("-inf")), -1)
         expected.append(plain.W_o((weights @ v).transpose(1, 2).flatten(2)))
     torch.testing.assert_close(out, torch.cat(expected), rtol=1e-10, atol=1e-12)
@@ -378,7 +379,7 @@ def test_mask_rules_equal_the_same_dense_mask(rule_name, recipe):
     x = torch.randn(2, n, D, dtype=torch.float64, requires_grad=True)
     route = mha.explain(x, x, x, mask=rule).route
     if rule_name == "chunks":
-        assert route == "blockwise"  # blocks skip the keys of earlier chunks
+        assert route == ("blockwise" if recipe else "chunks")  # blocks skip other chunks, or one call of chunks
     out = mha(x, x, x, mask=rule)
     expected = mha(x, x, x, attn_mask=_dense(rule_name, n, ids))
     grad = torch.randn_like(out)
@@ -440,3 +441,24 @@ def test_gradients_with_score_terms_agree_between_blockwise_and_explicit(encodin
     names = ["x", *(name for name, _ in mha.named_parameters())]
     for name, a, b in zip(names, blockwise, explicit, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=f"{blockwise_route}: {name}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length", [48, 53])
+def test_chunks_as_a_batch_of_chunks_equal_the_dense_mask(causal, length):
+    from selfattn import masks
+
+    torch.manual_seed(6)
+    mha = MultiHeadAttention(D, H, num_kv_heads=2, dtype=torch.float64).eval()
+    x = torch.randn(2, length, D, dtype=torch.float64, requires_grad=True)
+    rule = (masks.causal() & masks.chunks(8)) if causal else masks.chunks(8)
+    assert mha.explain(x, x, x, mask=rule).route == "chunks"
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    dense = (i // 8 == j // 8) & ((j <= i) if causal else True)
+    out, expected = mha(x, x, x, mask=rule), mha(x, x, x, attn_mask=dense)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    params = [x, *mha.parameters()]
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, params, grad), torch.autograd.grad(expected, params, grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert MultiHeadAttention(D, H, chunk_size=8, dtype=torch.float64).explain(x, x, x, causal=True).route == "chunks"

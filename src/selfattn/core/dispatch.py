@@ -18,6 +18,7 @@ from selfattn.core.routes.band_only import BAND_ONLY
 from selfattn.core.routes.banded import BANDED
 from selfattn.core.routes.blockwise import BLOCKWISE, BLOCKWISE_ANY, BLOCKWISE_BAND, BLOCKWISE_CLIPPED
 from selfattn.core.routes.causal_key_rows import CAUSAL_KEY_ROWS
+from selfattn.core.routes.chunks import CHUNKS
 from selfattn.core.routes.explicit import EXPLICIT, EXPLICIT_MODIFIERS, EXPLICIT_VALUE_TERM
 from selfattn.core.routes.flex import FLEX
 from selfattn.core.routes.fused import FUSED
@@ -34,6 +35,7 @@ ROUTES: tuple[Route, ...] = (
     RAGGED,
     BAND_ONLY,
     BANDED,
+    CHUNKS,
     FLEX,
     CAUSAL_KEY_ROWS,
     KEY_ROW,
