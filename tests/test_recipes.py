@@ -59,7 +59,7 @@ def _check(mha, x, visible, out, rtol=1e-10):
 CASES = {
     # name: (encoding, forward options, routes left out, expected route)
     "causal": ("none", {"causal": True}, (), "blockwise"),
-    "causal, explicit": ("none", {"causal": True}, ("blockwise",), "explicit softcap/sinks"),
+    "causal, explicit": ("none", {"causal": True}, ("blockwise", "fused sinks"), "explicit softcap/sinks"),
     "weights": ("none", {"causal": True, "return_weights": True}, (), "explicit"),
     "alibi band": ("alibi_causal", {"causal": True}, (), "blockwise band"),
     "t5 learnable": ("t5", {}, (), "blockwise band"),
@@ -79,6 +79,14 @@ def test_forward_equals_the_loop_reference_on_each_route(recipe, case):
         chosen = mha.explain(x, x, x, **options).route
         result = mha(x, x, x, **options)
     if modifies:
+        sinks_alone = (
+            route == "blockwise"
+            and not options.get("return_weights")
+            and encoding in ("none", "rotary")
+            and not left_out
+        )
+        if sinks_alone and "sinks" in RECIPES[recipe] and "softcap" not in RECIPES[recipe]:
+            route = "fused sinks"  # one flash call with its log-sum-exp
         assert chosen == route
     out = result[0] if options.get("return_weights") else result
     _check(mha, x, visibility(2, 11, 11, causal=options.get("causal", False)), out)
@@ -158,7 +166,9 @@ def _formula(mha, x, causal):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("left_out", [(), ("blockwise",)], ids=["blockwise", "explicit"])
+@pytest.mark.parametrize(
+    "left_out", [(), ("blockwise",), ("blockwise", "fused sinks")], ids=["default", "no blockwise", "explicit"]
+)
 def test_gradients_of_inputs_and_every_parameter(recipe, left_out):
     mha = _module(recipe, bias=False, num_kv_heads=2)
     x = torch.randn(2, 9, D, dtype=torch.float64, requires_grad=True)
@@ -183,6 +193,13 @@ def test_sinks_and_gate_learn():
     assert not torch.equal(before[0], mha.sinks) and not torch.equal(before[1], mha.W_g.weight)
 
 
+def test_double_backward_through_the_fused_sinks_route():
+    mha = _module("sinks", bias=False)
+    x = torch.randn(1, 6, D, dtype=torch.float64, requires_grad=True)
+    assert mha.explain(x, x, x, causal=True).route == "fused sinks"
+    assert torch.autograd.gradgradcheck(lambda t: mha(t, t, t, causal=True), (x,))
+
+
 def test_double_backward_through_the_blockwise_route():
     mha = _module("softcap+sinks+scale", bias=False)
     x = torch.randn(1, 6, D, dtype=torch.float64, requires_grad=True)
@@ -199,7 +216,7 @@ def test_functional_attention_softcap_and_sinks(left_out):
     q, k, v = (torch.randn(2, 3, 10, 8, dtype=torch.float64) for _ in range(3))
     sinks = torch.randn(3, dtype=torch.float64)
     mask = torch.rand(10, 10) > 0.3
-    with without_routes(*left_out):
+    with without_routes(*left_out, "fused sinks"):
         out = attention(q, k, v, mask=mask, softcap=0.5, sinks=sinks)
     logits = 0.5 * torch.tanh(q @ k.transpose(-1, -2) / math.sqrt(8) / 0.5)
     logits = torch.cat([logits.masked_fill(~mask, float("-inf")), sinks[:, None, None].expand(2, 3, 10, 1)], -1)

@@ -22,6 +22,7 @@ from selfattn.core.routes.chunks import CHUNKS
 from selfattn.core.routes.explicit import EXPLICIT, EXPLICIT_MODIFIERS, EXPLICIT_VALUE_TERM
 from selfattn.core.routes.flex import FLEX
 from selfattn.core.routes.fused import FUSED
+from selfattn.core.routes.fused_sinks import FUSED_SINKS
 from selfattn.core.routes.key_row import KEY_ROW
 from selfattn.core.routes.ragged import RAGGED
 from selfattn.core.routes.ragged_valid_rows import RAGGED_VALID_ROWS
@@ -39,6 +40,7 @@ ROUTES: tuple[Route, ...] = (
     FLEX,
     CAUSAL_KEY_ROWS,
     KEY_ROW,
+    FUSED_SINKS,
     SLICED_DROPOUT,
     BLOCKWISE_CLIPPED,
     BLOCKWISE_BAND,

@@ -1,0 +1,84 @@
+"""Attention sinks in one call of the CPU flash kernel, by its log-sum-exp.
+
+A sink logit ``s`` joins each row's denominator and adds no value, so the output with the sink
+is the kernel's output times ``exp(lse - logaddexp(lse, s))``, and the kernel's own backward,
+handed that output and the log-sum-exp with the sink, gives the exact gradients of ``q, k, v``;
+the sink's is ``-sum(p_sink * rowsum(dO * O))``. With no other mask than the kernel's causal
+one, this is one call forward and one backward, where the blockwise route loops over blocks.
+
+Shape legend: b batch, h heads, lq queries, lk keys, d head size, dv value size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from selfattn.core.call import AttentionCall
+from selfattn.core.route import Output, Route
+from selfattn.core.routes._blocks import blocks_decline, heads
+from selfattn.functional._block_common import _compute_dtype, _flash_backward, _flash_forward
+from selfattn.functional._kernels import attention_weights
+
+__all__ = ["FUSED_SINKS"]
+
+
+class _FlashWithSinks(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, causal: bool, scale: float
+    ) -> torch.Tensor:
+        kernel: tuple[torch.Tensor, torch.Tensor] = _flash_forward(q, k, v, 0.0, causal, scale=scale)
+        out, lse = kernel  # (b, h, lq, dv), (b, h, lq)
+        compute = _compute_dtype(q.dtype)
+        with_sink = torch.logaddexp(lse.to(compute), sinks.detach().to(compute)[:, None])  # (b, h, lq)
+        out = out * torch.exp(lse.to(compute) - with_sink).unsqueeze(-1).to(out.dtype)
+        out = out + q.sum(dim=-1, keepdim=True).mul(0).to(out.dtype)  # a NaN query gives NaN, as the formula
+        ctx.save_for_backward(q, k, v, sinks, out, with_sink)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, sinks, out, with_sink = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the formula written in plain ops
+            inputs = (q, k, v, sinks)
+            weights = attention_weights(q, k, causal=ctx.causal, scale=ctx.scale, sinks=sinks)
+            recomputed = torch.matmul(weights, v)  # (b, h, lq, dv)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(recomputed, wanted, grad_out, create_graph=True))
+            return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+        dq, dk, dv = _flash_backward(
+            grad_out.contiguous(), q, k, v, out, with_sink.to(q.dtype), 0.0, ctx.causal, scale=ctx.scale
+        )
+        compute = with_sink.dtype
+        sink_weight = torch.exp(sinks.detach().to(compute)[:, None] - with_sink)  # (b, h, lq)
+        row_dot = (grad_out.to(compute) * out.to(compute)).sum(dim=-1)  # (b, h, lq)
+        dsinks = -(sink_weight * row_dot).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None
+
+
+def _declines(call: AttentionCall) -> str | None:
+    if call.sinks is None:
+        return "no sinks"
+    reason = blocks_decline(call)
+    if reason is None and call.softcap is not None:
+        reason = "a softcap (the scores must be computed)"
+    elif reason is None and (call.term is not None or call.dropout_p > 0):
+        reason = "a score term or dropout"
+    elif reason is None and not call.on_cpu:
+        reason = "not on CPU (the kernel with a log-sum-exp is the CPU one)"
+    elif reason is None and call.visibility.rules and not call.visibility.kernel_causal:
+        reason = "a mask other than causal on a square"
+    return reason
+
+
+def _run(call: AttentionCall) -> Output:
+    q, k, v = heads(call)
+    assert call.sinks is not None
+    out: torch.Tensor = _FlashWithSinks.apply(q, k, v, call.sinks, call.visibility.causal, call.scale)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+    return Output(out)
+
+
+FUSED_SINKS = Route("fused sinks", _declines, _run, modifies_scores=True)
