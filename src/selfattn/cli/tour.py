@@ -65,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from selfattn.tour.summary import print_summary
 
     with report_folder(args.out) as folder:
-        results = run_tour(folder, quick=args.quick, progress=args.progress and sys.stderr.isatty(), study=args.study)
+        results = run_tour(
+            folder,
+            quick=args.quick,
+            progress=args.progress and sys.stderr.isatty(),
+            study=args.study,
+            shown_as=args.out,
+        )
     print_summary(results, args.out / "report.html")
     return 0 if all(check["ok"] for check in results["checks"]) else 1

@@ -22,6 +22,8 @@ its beginning). The runs are trained in one process, one after another.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import shutil
 import time
@@ -76,26 +78,29 @@ QUICK_EXERCISES = ExerciseConfig(
 """A smoke test of both experiments (seconds): too short to decide anything."""
 
 
+_LONG_RANGE_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(train_at_distance).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("seed", "cnn_layers")
+}
+
+
 def _long_range_jobs(config: ExerciseConfig) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
     for distance in config.distances:
         for kind in MODELS:
             for seed in range(config.seeds):
-                yield (
-                    f"long_range/{kind}-n{distance}-s{seed}",
-                    lambda k=kind, n=distance, s=seed: train_at_distance(k, n, seed=s, **config.long_range),
-                )
+                job = functools.partial(train_at_distance, kind, distance, seed=seed, **config.long_range)
+                yield f"long_range/{kind}-n{distance}-s{seed}", job
 
 
 def _by_depth_jobs(config: ExerciseConfig) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
     for encoding in config.depth_encodings:
         for variant in config.depth_variants:
             for depth in config.depths:
-                yield (
-                    f"by_depth/{encoding}-{variant}-d{depth}",
-                    lambda e=encoding, v=variant, d=depth: trained_by_depth(
-                        encodings=(e,), variants=(v,), depths=(d,), **config.by_depth
-                    ),
+                job = functools.partial(
+                    trained_by_depth, encodings=(encoding,), variants=(variant,), depths=(depth,), **config.by_depth
                 )
+                yield f"by_depth/{encoding}-{variant}-d{depth}", job
 
 
 def _merge_by_depth(config: ExerciseConfig, found: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -125,7 +130,8 @@ def run_exercises(
     """Train (or finish) both experiments in ``out``; write and return ``out/exercises.json``.
 
     Returns:
-        ``{"config": config.as_dict(), "long_range": {"runs": [...], "by_distance":
+        ``{"config": config.as_dict(), "long_range": {"settings" (every keyword of
+        train_at_distance but the seed), "runs": [...], "by_distance":
         summarize_by_distance(runs), "chance": 1 / vocab_size, "seconds"}, "deep_stack_by_depth":
         trained_by_depth's result for every stack, "seconds": wall time of this call}``.
 
@@ -164,13 +170,14 @@ def run_exercises(
         found[key.split("/")[0]].append(result)
         tick(f"{index}/{len(jobs)} {key}")
     runs = found["long_range"]
-    vocab_size = int(config.long_range.get("vocab_size", 10))
+    settings = _LONG_RANGE_DEFAULTS | config.long_range
     results = {
         "config": saved,
         "long_range": {
+            "settings": settings,
             "runs": runs,
             "by_distance": summarize_by_distance(runs),
-            "chance": 1 / vocab_size,
+            "chance": 1 / settings["vocab_size"],
             "seconds": sum(run["seconds"] for run in runs),
         },
         "deep_stack_by_depth": _merge_by_depth(config, found["by_depth"]) if found["by_depth"] else None,
@@ -194,10 +201,10 @@ def load_exercises(folder: Path | str | None) -> dict[str, Any] | None:
 def exercise_lines(results: dict[str, Any]) -> list[str]:
     """The terminal summary: the long-range table and which stacks did not train."""
     long_range = results["long_range"]
-    config = results["config"]["long_range"]
+    settings = long_range["settings"]
     lines = [
         f"long-range dependency (answer at distance n; chance {long_range['chance']:.0%}): "
-        f"accuracy after {config.get('budget', 1000)} steps / steps to {config.get('target', 0.9):.0%} "
+        f"accuracy after {settings['budget']} steps / steps to {settings['target']:.0%} "
         "(mean over the seeds that reached it; '-' none did)"
     ]
     for kind, by_distance in long_range["by_distance"].items():

@@ -68,6 +68,8 @@ class _ConvBlock(nn.Module):
 
 
 class _AttentionBlock(nn.Module):
+    table: torch.Tensor
+
     def __init__(self, num_hiddens: int, num_heads: int, max_len: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(num_hiddens)

@@ -77,7 +77,7 @@ def _environment() -> Any:
     try:
         import jinja2
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("the report needs jinja2: pip install 'selfattn[plot]'") from error
+        raise ImportError("the report needs jinja2: pip install 'selfattn[cli]'") from error
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
         autoescape=jinja2.select_autoescape(["html", "j2"], default_for_string=True),
@@ -305,6 +305,7 @@ def _learning_context(results: dict[str, Any]) -> dict[str, Any]:
             f"{100 * run['accuracy']:.1f}\u2009%",
             run["steps_to_target"] or "never",
             run["weight_on_offset"],
+            run["position_r2"],
         ]
         for name, run in runs.items()
     ]
@@ -361,6 +362,49 @@ def _learning_context(results: dict[str, Any]) -> dict[str, Any]:
         "thread_headers": thread_headers,
         "thread_rows": thread_rows,
         "thread_sentence": thread_sentence,
+    }
+
+
+_LONG_RANGE_LABELS = {"cnn": "CNN", "rnn": "RNN", "self_attention": "self-attention"}
+
+
+def _long_range_context(results: dict[str, Any]) -> dict[str, Any]:
+    """The long-range table and its sentences, from ``selfattn study --exercises``; empty when absent."""
+    long_range = results.get("long_range")
+    if not long_range:
+        return {"long_range": None}
+    settings, by_distance = long_range["settings"], long_range["by_distance"]
+    distances = sorted({int(n) for cells in by_distance.values() for n in cells})
+    target, budget = settings["target"], settings["budget"]
+    rows, sentences = [], []
+    for kind, cells in by_distance.items():
+        label = _LONG_RANGE_LABELS.get(kind, kind)
+        row: list[object] = [label]
+        for n in distances:
+            cell = cells.get(str(n))
+            if cell is None:
+                row.append("")
+                continue
+            steps = "never" if cell["steps_to_target"] is None else f"{cell['steps_to_target']:,.0f}"
+            row.append(f"{100 * cell['accuracy_at_budget']:.0f}\u2009% / {steps}")
+        rows.append(row)
+        reached = [n for n in distances if str(n) in cells and cells[str(n)]["reached"] == cells[str(n)]["seeds"]]
+        missed = [n for n in distances if str(n) in cells and cells[str(n)]["reached"] == 0]
+        params = sorted({cells[str(n)]["parameters"] for n in distances if str(n) in cells})
+        sentences.append(
+            f"{label} ({params[0]:,} parameters"
+            + (f" at n = {distances[0]} to {params[-1]:,} at n = {distances[-1]}" if len(params) > 1 else "")
+            + f"): every seed reached {100 * target:.0f}\u2009% at n = {', '.join(map(str, reached)) or 'none'}; "
+            f"no seed within {settings['max_steps']:,} steps at n = {', '.join(map(str, missed)) or 'none'}."
+        )
+    seeds = max(cell["seeds"] for cells in by_distance.values() for cell in cells.values())
+    return {
+        "long_range": long_range,
+        "long_range_headers": ["model"] + [f"n = {n}" for n in distances],
+        "long_range_rows": rows,
+        "long_range_sentences": sentences,
+        "long_range_seeds": seeds,
+        "long_range_budget": budget,
     }
 
 
@@ -467,6 +511,7 @@ def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
     context.update(_absolute_context(results))
     context.update(_fit_context(results))
     context.update(_learning_context(results))
+    context.update(_long_range_context(results))
     context.update(_note_context(results))
     context.update(_family_context(results))
     page: str = _environment().get_template("report.html.j2").render(**context)
