@@ -443,6 +443,31 @@ def _family_context(results: dict[str, Any]) -> dict[str, Any]:
     return {"family_rows": rows, "relative_names": relative, "absolute_names": absolute, "no_position_names": nothing}
 
 
+def _unseen_sentence(unseen: dict[str, Any] | None) -> str:
+    """Why the learned table, Shaw and T5 answer nothing past the training lengths: the rows training never reaches."""
+    if not unseen:
+        return ""
+    found = unseen["encodings"]
+    parts = []
+    for name in ("learned", "shaw", "t5"):
+        if name not in found:
+            continue
+        entry = found[name]
+        parts.append(
+            f"<code>{name}</code> reads {entry['rows_read']} rows for {entry['positions']} positions or offsets, "
+            f"{entry['never_trained']} of them rows no training sequence reaches (training reaches "
+            f"{entry['rows_trained']})"
+        )
+    return (
+        f" Why, measured on the study's own models ({_e(unseen['task'])}: a training sequence has at most "
+        f"{unseen['train_tokens']} tokens, one of the longest evaluated length {unseen['eval_tokens']}): which rows of "
+        "each table get a nonzero gradient from a sequence of the longest training length, against those a sequence "
+        f"of the longest evaluated length reads. {'; '.join(parts)}. A row no training sequence reaches keeps its "
+        "random initial value (weight decay aside); fewer rows than positions means offsets past Shaw's clip, or "
+        "inside one of T5's buckets, share a row and look the same to the model."
+    )
+
+
 def _section_depth(results: dict[str, Any], figures: dict[str, str]) -> str:
     available = results["family"]["encodings"]
     learned = (
@@ -474,10 +499,9 @@ def _section_depth(results: dict[str, Any], figures: dict[str, str]) -> str:
             beyond = (
                 f" In the study (<code>{_e(study['folder'])}</code>, trained on inputs of 1 to {study['train_len']} "
                 "tokens), exact match past the training lengths on the tasks each learnt (90\u2009% or more within "
-                f"them): {', '.join(learnt)}. For the learned table this follows from the training data: unless the "
-                "study ran with <code>--randomized-positions</code>, positions past the longest training sample never "
-                "occur in training, so their rows keep their random initial values. Why Shaw's and T5's offset embeddings fail there is not measured by the tour."
+                f"them): {', '.join(learnt)}."
             )
+    beyond += _unseen_sentence(results.get("unseen_rows"))
     return f"""
 <h2 id="s8">8. The exercises</h2>
 {depth.section_html(results["depth"], figures, results.get("depth_study"), results.get("depth_by_depth"))}

@@ -35,6 +35,7 @@ from selfattn.tour import (
     parallel,
     qualities,
     taylor,
+    unseen,
 )
 
 if TYPE_CHECKING:
@@ -588,6 +589,16 @@ def study_generalization(study: Path | str | None) -> dict[str, Any] | None:
     }
 
 
+def _unseen_rows(generalization: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`selfattn.tour.unseen.unseen_rows` at the study's training length (the default one without a study)."""
+    from selfattn.study.training import StudyConfig
+    from selfattn.tour._common import single_threaded
+
+    config = StudyConfig() if generalization is None else StudyConfig(train_len=int(generalization["train_len"]))
+    with single_threaded():  # small models: a second thread costs more than it gives
+        return unseen.unseen_rows(config=config)
+
+
 def long_range_results(study: Path | str | None) -> dict[str, Any] | None:
     """``exercises.json["long_range"]`` of a study folder (``selfattn study --exercises``), with its folder.
 
@@ -658,6 +669,7 @@ def run_tour(
         results["depth_by_depth"] = depth.study_by_depth(study)
         results["study_generalization"] = study_generalization(study)
         results["long_range"] = long_range_results(study)
+        results["unseen_rows"] = _unseen_rows(results["study_generalization"])
         results["checks"] = verdicts(results)
         results["claims"] = claims.claims(results)
         figure_paths = _figures(results, out_dir / "figures", advance)
