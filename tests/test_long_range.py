@@ -68,6 +68,8 @@ def test_summary_and_claim_follow_the_steps_and_can_say_the_claim_fails():
         found["holds"] is False
         and "n=8: self_attention (path 1) slower than cnn (path 4)" in found["number"]["exceptions"]
     )
+    smoke = claims._long_range_claim({"settings": settings, "by_distance": summary, "quick": True})
+    assert smoke["evidence"] == "not shown" and "smoke test" in smoke["basis"]
     absent = claims._long_range_claim(None)
     assert absent["evidence"] == "not shown" and "selfattn study --exercises" in absent["basis"]
 
@@ -88,6 +90,7 @@ def test_exercises_write_each_run_resume_and_refuse_other_settings(tmp_path, mon
     ]  # fmt: skip
     assert results["deep_stack_by_depth"]["stacks"]["sinusoidal"]["residual"][0]["depth"] == 1
     assert results["long_range"]["settings"]["budget"] == 50 and results["long_range"]["chance"] == 0.1
+    assert results["quick"] is False
     assert exercises.load_exercises(tmp_path) == saved and exercises.load_exercises(tmp_path / "nothing") is None
     assert any("did not train" in line for line in exercises.exercise_lines(results))
 
@@ -111,4 +114,5 @@ def test_the_command_line_runs_the_exercises(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(exercises, "QUICK_EXERCISES", TINY_EXERCISES)
     assert main(["study", "--exercises", "--quick", "--no-progress", "--out", str(tmp_path)]) == 0
     assert "long-range dependency" in capsys.readouterr().out
-    assert (tmp_path / "exercises.json").is_file() and not (tmp_path / "results.json").exists()
+    assert json.loads((tmp_path / "exercises.json").read_text())["quick"] is True
+    assert not (tmp_path / "results.json").exists()  # the grid's results are not touched

@@ -130,7 +130,7 @@ def run_exercises(
     """Train (or finish) both experiments in ``out``; write and return ``out/exercises.json``.
 
     Returns:
-        ``{"config": config.as_dict(), "long_range": {"settings" (every keyword of
+        ``{"config": config.as_dict(), "quick" (the settings are QUICK_EXERCISES'), "long_range": {"settings" (every keyword of
         train_at_distance but the seed), "runs": [...], "by_distance":
         summarize_by_distance(runs), "chance": 1 / vocab_size, "seconds"}, "deep_stack_by_depth":
         trained_by_depth's result for every stack, "seconds": wall time of this call}``.
@@ -173,6 +173,7 @@ def run_exercises(
     settings = _LONG_RANGE_DEFAULTS | config.long_range
     results = {
         "config": saved,
+        "quick": config == QUICK_EXERCISES,
         "long_range": {
             "settings": settings,
             "runs": runs,

@@ -340,13 +340,14 @@ def _long_range_claim(long_range: dict[str, Any] | None) -> dict[str, object]:
         "dependencies within the sequence"
     )
     statement = "Of two models, the one with the shorter path to an answer at distance n learns it in fewer steps."
-    if long_range is None:
+    if long_range is None or long_range.get("quick"):
         return _claim(
             "long-range", "chapter", quote, statement, "not shown", None,
             "a CNN, an RNN and self-attention trained on an answer at several distances", None,
             basis="needs trained models: run `selfattn study --exercises` (its folder is read from ./selfattn-study "
             "or $SELFATTN_STUDY) and rerun the tour; the tour itself counts the paths (above) but trains no such "
-            "comparison",
+            "comparison"
+            + ("; the folder found holds a --quick smoke test, too short to decide it" if long_range else ""),
             also_on=("note", "frameworks"),
         )  # fmt: skip
     settings, by_distance = long_range["settings"], long_range["by_distance"]

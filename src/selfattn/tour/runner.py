@@ -37,6 +37,7 @@ from selfattn.tour import (
     taylor,
     unseen,
 )
+from selfattn.tour._common import single_threaded
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -243,7 +244,8 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     results["learning"] = _learning(sizes, results["positional_encoding"])
     tick("trained: offset, not harmful; timed: threads")
     results["family"] = _family(sizes, tick)
-    results["depth"] = depth.measure(**sizes.depth)
+    with single_threaded():  # 120 stacks of tiny float64 matrices: a second thread costs more than it gives
+        results["depth"] = depth.measure(**sizes.depth)
     tick("8. deep stacks")
     return results
 
@@ -592,7 +594,6 @@ def study_generalization(study: Path | str | None) -> dict[str, Any] | None:
 def _unseen_rows(generalization: dict[str, Any] | None) -> dict[str, Any]:
     """:func:`selfattn.tour.unseen.unseen_rows` at the study's training length (the default one without a study)."""
     from selfattn.study.training import StudyConfig
-    from selfattn.tour._common import single_threaded
 
     config = StudyConfig() if generalization is None else StudyConfig(train_len=int(generalization["train_len"]))
     with single_threaded():  # small models: a second thread costs more than it gives
@@ -609,7 +610,7 @@ def long_range_results(study: Path | str | None) -> dict[str, Any] | None:
     exercises = load_exercises(study)
     if exercises is None:
         return None
-    return {**exercises["long_range"], "folder": str(study)}
+    return {**exercises["long_range"], "folder": str(study), "quick": bool(exercises.get("quick"))}
 
 
 def _prepare_output(out_dir: Path, shown: Path) -> Path:
