@@ -115,4 +115,6 @@ def test_the_command_line_runs_the_exercises(tmp_path, monkeypatch, capsys):
     assert main(["study", "--exercises", "--quick", "--no-progress", "--out", str(tmp_path)]) == 0
     assert "long-range dependency" in capsys.readouterr().out
     assert json.loads((tmp_path / "exercises.json").read_text())["quick"] is True
+    assert main(["study", "--exercises", "--tasks", "copy", "--seeds", "2", "--out", str(tmp_path)]) == 2
+    assert "--tasks, --seeds apply to the grid only" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()  # the grid's results are not touched

@@ -121,6 +121,15 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
 def _run_exercises(args: argparse.Namespace) -> int:
     from selfattn.study.exercises import QUICK_EXERCISES, ExerciseConfig, exercise_lines, run_exercises
 
+    grid_only = (
+        ("--tasks", args.tasks), ("--encodings", args.encodings), ("--seeds", args.seeds), ("--steps", args.steps),
+        ("--train-len", args.train_len), ("--randomized-positions", args.randomized_positions),
+        ("--data-parallel", args.data_parallel),
+    )  # fmt: skip
+    given = [flag for flag, value in grid_only if value]
+    if given:
+        raise ValueError(f"--exercises trains its own experiments; {', '.join(given)} apply to the grid only")
+
     def tick(description: str) -> None:
         print(f"selfattn study --exercises: {description}", file=sys.stderr, flush=True)
 
