@@ -38,8 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     )
     parser.add_argument(
         "--study", metavar="DIR", type=Path, default=None,
-        help="a `selfattn study` output folder: section 8 also shows its trained deep stacks "
-        "(default: $SELFATTN_STUDY or ./selfattn-study, if there)",
+        help="a `selfattn study` output folder: the report also shows its trained models (the grid's results, "
+        "the deep stacks, and `selfattn study --exercises`) (default: $SELFATTN_STUDY or ./selfattn-study, if there)",
     )  # fmt: skip
     add_progress_flag(parser)
     parser.set_defaults(handler=run)
