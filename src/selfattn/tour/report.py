@@ -528,7 +528,8 @@ def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
         "claims_failed": sum(c["holds"] is False for c in claims),
         "evidence_counts": count_evidence(list(claims)),
         "depth_section": _section_depth(results, figures),
-        "study_section": study_section_html(),  # the study's own loader fills the slot
+        # The study's own loader fills the slot, from the folder the tour read (its default without one).
+        "study_section": study_section_html(Path(results["study_folder"]) if results.get("study_folder") else None),
     }
     context.update(_comparison_context(results["comparison"]))
     context.update(_positional_context(results))

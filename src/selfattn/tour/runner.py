@@ -666,6 +666,7 @@ def run_tour(
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
+        results["study_folder"] = None if study is None else str(study)
         results["depth_study"] = depth_study
         results["depth_by_depth"] = depth.study_by_depth(study)
         results["study_generalization"] = study_generalization(study)
