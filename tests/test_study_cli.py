@@ -167,7 +167,7 @@ def test_tour_section_shows_a_study_or_says_how_to_make_one(tmp_path: Path) -> N
     from selfattn.study.summary import study_section_html
 
     missing = study_section_html(tmp_path / "none")
-    assert "No study found" in missing and "selfattn study" in missing
+    assert "No study grid found" in missing and "selfattn study" in missing
     from selfattn.tour.report import render_report  # the tour report calls it
 
     assert "study_section_html" in render_report.__code__.co_names

@@ -128,6 +128,9 @@ def test_unwritable_output_fails_before_any_work(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="cannot write the report"):
         runner.run_tour(blocker / "report", quick=True, progress=False)
+    # The command line writes into a hidden folder beside the user's: the error names the user's.
+    with pytest.raises(ValueError, match=r"cannot write the report to '[^']*chosen'"):
+        runner.run_tour(blocker / ".hidden-tmp", quick=True, progress=False, shown_as=tmp_path / "chosen")
 
 
 def test_progress_bar_reports_on_stderr(capsys):

@@ -24,6 +24,7 @@ def test_one_layer_with_p_learns_to_attend_by_offset(offset_runs):
     assert run["steps_to_target"] is not None and run["steps_to_target"] <= 150
     assert run["accuracy"] > 0.85
     assert run["weight_on_offset"] > 0.3  # most of its attention sits on key i - delta
+    assert run["position_r2"] > 0.5  # a probe reads each token's position off the trained layer's output
 
 
 def test_without_p_or_with_shuffled_rows_it_cannot(offset_runs):
@@ -33,6 +34,7 @@ def test_without_p_or_with_shuffled_rows_it_cannot(offset_runs):
         assert run["accuracy"] < 0.5, name
         # Spread over the keys as if position did not exist: about 1/n on key i - delta.
         assert run["weight_on_offset"] < 2 / offset_runs["config"]["num_steps"], name
+        assert run["position_r2"] < 0.1, name  # nothing in the output says where a token sits
 
 
 def test_offset_experiment_rejects_bad_arguments():

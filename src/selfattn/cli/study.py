@@ -104,6 +104,12 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     parser.add_argument(
         "--no-deep-stack", dest="deep_stack", action="store_false", help="skip the deep-stack measurements"
     )
+    parser.add_argument(
+        "--exercises",
+        action="store_true",
+        help="instead of the grid: CNN/RNN/self-attention trained on long-range dependencies and deep stacks of "
+        "depth 1..8 trained until they level off (DIR/exercises.json; with --quick a smoke test)",
+    )
     add_progress_flag(parser)
     parser.set_defaults(handler=run)
 
@@ -112,7 +118,44 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _run_exercises(args: argparse.Namespace) -> int:
+    from selfattn.study.exercises import QUICK_EXERCISES, ExerciseConfig, exercise_lines, run_exercises
+
+    grid_only = (
+        ("--tasks", args.tasks), ("--encodings", args.encodings), ("--seeds", args.seeds), ("--steps", args.steps),
+        ("--train-len", args.train_len), ("--randomized-positions", args.randomized_positions),
+        ("--data-parallel", args.data_parallel),
+    )  # fmt: skip
+    given = [flag for flag, value in grid_only if value]
+    if given:
+        raise ValueError(f"--exercises trains its own experiments; {', '.join(given)} apply to the grid only")
+
+    def tick(description: str) -> None:
+        print(f"selfattn study --exercises: {description}", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        results = run_exercises(
+            args.out,
+            QUICK_EXERCISES if args.quick else ExerciseConfig(),
+            resume=args.resume,
+            progress=tick if args.progress else None,
+        )
+    except KeyboardInterrupt:
+        print(f"selfattn study: interrupted; rerun with --exercises --resume --out {args.out}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("\n".join(exercise_lines(results)))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.exercises:
+        import torch
+
+        torch.set_num_threads(1)  # small models; as the grid
+        return _run_exercises(args)
     from selfattn.study.options import study_settings
     from selfattn.study.progress import grid_progress
     from selfattn.study.runner import run_study

@@ -38,8 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     )
     parser.add_argument(
         "--study", metavar="DIR", type=Path, default=None,
-        help="a `selfattn study` output folder: section 8 also shows its trained deep stacks "
-        "(default: $SELFATTN_STUDY or ./selfattn-study, if there)",
+        help="a `selfattn study` output folder: the report also shows its trained models (the grid's results, "
+        "the deep stacks, and `selfattn study --exercises`) (default: $SELFATTN_STUDY or ./selfattn-study, if there)",
     )  # fmt: skip
     add_progress_flag(parser)
     parser.set_defaults(handler=run)
@@ -65,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from selfattn.tour.summary import print_summary
 
     with report_folder(args.out) as folder:
-        results = run_tour(folder, quick=args.quick, progress=args.progress and sys.stderr.isatty(), study=args.study)
+        results = run_tour(
+            folder,
+            quick=args.quick,
+            progress=args.progress and sys.stderr.isatty(),
+            study=args.study,
+            shown_as=args.out,
+        )
     print_summary(results, args.out / "report.html")
     return 0 if all(check["ok"] for check in results["checks"]) else 1

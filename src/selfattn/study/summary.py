@@ -81,8 +81,11 @@ def study_section_html(folder: Path | None = None) -> str:
     study = load_study(folder)
     head = '<h2 id="study">Trained models: the study</h2>'
     if study is None:
+        exercises = (folder / "exercises.json").is_file()
+        shown = "; its <code>selfattn study --exercises</code> results are shown above" if exercises else ""
         return (
-            f"{head}<p>No study found in <code>{html.escape(str(folder))}</code>. The exercises are answered with "
+            f"{head}<p>No study grid found in <code>{html.escape(str(folder))}</code> (no <code>results.json</code>"
+            f"{shown}). The exercises are answered with "
             "trained models by <code>selfattn study</code> (about 45 minutes on 2 CPU cores: "
             "<code>torchrun --standalone --nproc_per_node 2 -m selfattn study</code>; <code>selfattn study --quick</code> "
             "for a smoke test); rerun the tour afterwards, or point <code>SELFATTN_STUDY</code> at its folder.</p>"

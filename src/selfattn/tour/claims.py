@@ -264,20 +264,7 @@ def _comparison_claims(results: dict[str, Any]) -> list[dict[str, object]]:
             basis=None if timed else untimed,
             also_on=("note", "summary", "frameworks"),
         ),
-        _claim(
-            "long-range",
-            "chapter",
-            "a shorter path between any combination of sequence positions makes it easier to learn long-range "
-            "dependencies within the sequence",
-            "Layers with shorter paths learn a dependency at distance n in fewer steps.",
-            "not shown",
-            None,
-            "a CNN, an RNN and self-attention trained on dependencies at several distances",
-            None,
-            basis="needs the three layers trained on a task whose answer sits at distance n, for several n; the "
-            "tour counts the paths (above) but trains no such comparison",
-            also_on=("note", "frameworks"),
-        ),
+        _long_range_claim(results.get("long_range")),
         _claim(
             "quadratic-slow",
             "chapter",
@@ -340,6 +327,66 @@ def _comparison_claims(results: dict[str, Any]) -> list[dict[str, object]]:
             all(layers == 1 for layers in sa["path_layers_by_n"]),
         ),
     ]
+
+
+def _path(kind: str, cell: dict[str, Any], distance: int) -> int:
+    """Layers (CNN, self-attention) or steps (RNN) between the answer and the output at ``distance``."""
+    return distance if kind == "rnn" else int(cell["layers"])
+
+
+def _long_range_claim(long_range: dict[str, Any] | None) -> dict[str, object]:
+    quote = (
+        "a shorter path between any combination of sequence positions makes it easier to learn long-range "
+        "dependencies within the sequence"
+    )
+    statement = "Of two models, the one with the shorter path to an answer at distance n learns it in fewer steps."
+    if long_range is None or long_range.get("quick"):
+        return _claim(
+            "long-range", "chapter", quote, statement, "not shown", None,
+            "a CNN, an RNN and self-attention trained on an answer at several distances", None,
+            basis="needs trained models: run `selfattn study --exercises` (its folder is read from ./selfattn-study "
+            "or $SELFATTN_STUDY) and rerun the tour; the tour itself counts the paths (above) but trains no such "
+            "comparison"
+            + ("; the folder found holds a --quick smoke test, too short to decide it" if long_range else ""),
+            also_on=("note", "frameworks"),
+        )  # fmt: skip
+    settings, by_distance = long_range["settings"], long_range["by_distance"]
+    never = math.inf  # a model that never reached the target within max_steps
+    slack = settings["check_every"]  # steps are counted at the checks: one check apart is a tie
+    distances = sorted({int(n) for cells in by_distance.values() for n in cells})
+    wrong, decided = [], 0
+    for n in distances:
+        cells = {kind: by_distance[kind][str(n)] for kind in by_distance if str(n) in by_distance[kind]}
+        for (a, ca), (b, cb) in itertools.permutations(cells.items(), 2):
+            if _path(a, ca, n) >= _path(b, cb, n):
+                continue  # a's path is the shorter one
+            steps_a = never if ca["steps_to_target"] is None else ca["steps_to_target"]
+            steps_b = never if cb["steps_to_target"] is None else cb["steps_to_target"]
+            if steps_a > steps_b + slack:
+                wrong.append(f"n={n}: {a} (path {_path(a, ca, n)}) slower than {b} (path {_path(b, cb, n)})")
+            elif steps_a + slack < steps_b:
+                decided += 1
+    number: dict[str, Any] = {
+        kind: {
+            f"n={n}": {
+                "path": _path(kind, cell, int(n)),
+                f"accuracy after {settings['budget']} steps": round(cell["accuracy_at_budget"], 3),
+                f"steps to {settings['target']:.0%}": cell["steps_to_target"],
+            }
+            for n, cell in cells.items()
+        }
+        for kind, cells in by_distance.items()
+    }
+    if wrong:
+        number["exceptions"] = wrong
+    return _claim(
+        "long-range", "chapter", quote, statement, "measured", number,
+        f"for every n and every two models with different paths, the shorter path reaches {settings['target']:.0%} "
+        f"held-out accuracy no later (within {slack} steps; never = after {settings['max_steps']:,}), and sooner for "
+        "at least one pair",
+        not wrong and decided > 0,
+        also_on=("note", "frameworks"),
+    )  # fmt: skip
 
 
 def _position_claims(results: dict[str, Any]) -> list[dict[str, object]]:
@@ -537,12 +584,18 @@ def _position_claims(results: dict[str, Any]) -> list[dict[str, object]]:
             "remember-position",
             "slides",
             "位置编码在输入中加入位置信息, 使得自注意力能够记忆位置信息",
-            "With P added, a trained attention layer uses the tokens' positions (copy at an offset); without P it "
-            "cannot.",
+            "With P added, a trained attention layer's output still tells where each token sits (a linear probe "
+            "reads the position off it) and the layer uses it (copy at an offset); without P, or with P's rows "
+            "shuffled, neither.",
             "measured",
-            {name: round(run["accuracy"], 3) for name, run in runs.items()},
-            offset_expected,
-            learned_offset,
+            {
+                name: {"position probe R^2": round(run["position_r2"], 3), "offset task": round(run["accuracy"], 3)}
+                for name, run in runs.items()
+            },
+            "probe R^2 >= 0.5 with P, <= 0.1 without P and with shuffled P; " + offset_expected,
+            learned_offset
+            and runs["sinusoidal"]["position_r2"] >= 0.5
+            and all(runs[name]["position_r2"] <= 0.1 for name in ("none", "shuffled")),
         ),
         _claim(
             "inject-position",

@@ -67,25 +67,33 @@ def study_deep_stack(study_dir: Path | str | None) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"study_dir={str(study_dir)!r} holds no readable results.json ({error})") from None
+        if (Path(study_dir) / "exercises.json").is_file():
+            return None  # a folder of `selfattn study --exercises` alone
+        raise ValueError(
+            f"study_dir={str(study_dir)!r} holds no readable results.json ({error}) and no exercises.json"
+        ) from None
     stack = data.get("deep_stack") if isinstance(data, dict) else None
     return stack if isinstance(stack, dict) else None
 
 
 def study_by_depth(study_dir: Path | str | None) -> dict[str, Any] | None:
-    """``results.json["deep_stack_by_depth"]`` of a study folder (:func:`selfattn.study.deep_stack.trained_by_depth`).
+    """``deep_stack_by_depth`` of a study folder (:func:`selfattn.study.deep_stack.trained_by_depth`).
 
+    Read from ``exercises.json`` (``selfattn study --exercises``), else from ``results.json``.
     None when there is no study or it holds no such entry (a folder that cannot be read is
     reported by :func:`study_deep_stack`, which the tour calls first).
     """
     if study_dir is None:
         return None
-    try:
-        data = json.loads((Path(study_dir) / "results.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    found = data.get("deep_stack_by_depth") if isinstance(data, dict) else None
-    return found if isinstance(found, dict) and "stacks" in found else None
+    for name in ("exercises.json", "results.json"):
+        try:
+            data = json.loads((Path(study_dir) / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        found = data.get("deep_stack_by_depth") if isinstance(data, dict) else None
+        if isinstance(found, dict) and "stacks" in found:
+            return found
+    return None
 
 
 def by_depth_html(by_depth: dict[str, Any]) -> str:
@@ -113,7 +121,7 @@ def by_depth_html(by_depth: dict[str, Any]) -> str:
         "<th>position R&sup2;, last layer</th><th>order accuracy, last layer</th></tr>"
     )
     return (
-        f"<p><b>Trained until the accuracy levels off</b> (from the <code>selfattn study</code> output): for each depth "
+        f"<p><b>Trained until the accuracy levels off</b> (from <code>selfattn study --exercises</code>): for each depth "
         f"{', '.join(map(str, config['depths']))}, a stack trained on the previous-token task, its held-out accuracy "
         f"checked every {config['check_every']} steps, stopped at 0.99 or once it rose less than 0.01 in "
         f"{config['patience']} checks (at most {config['max_steps']:,} steps), then probed. Chance is {_num(chance)}. "

@@ -15,8 +15,11 @@ Three variants, same model, data and steps:
   where the token is: the control that shows the experiment can fail.
 
 Reported per variant: accuracy on fresh samples, the steps taken to reach ``target``
-(None if never), and the mean attention weight on the key at offset ``delta`` (1 means the
-layer attends by offset exactly).
+(None if never), the mean attention weight on the key at offset ``delta`` (1 means the
+layer attends by offset exactly) and ``position_r2``: a linear probe of each token's position
+read off the *trained* layer's output (ridge regression fitted on 48 fresh sequences, R^2 on
+16 others; :func:`selfattn.study.deep_stack.position_r2`), which tells whether the layer's
+output still carries where each token sits (the slides' "remember position").
 
 Shape legend: b batch, n positions, d model size, v vocabulary.
 """
@@ -30,6 +33,7 @@ from torch import nn
 
 from selfattn.attention import MultiHeadAttention
 from selfattn.functional import sinusoidal_table
+from selfattn.study.deep_stack import position_r2
 from selfattn.tour._common import seeded, single_threaded
 
 __all__ = ["VARIANTS", "OffsetModel", "attend_by_offset"]
@@ -99,7 +103,21 @@ def _train_one(variant: str, config: dict[str, Any]) -> dict[str, Any]:
                 reached = step
                 break  # the target is what is asked; stop here to keep the tour fast
     acc, on_offset = accuracy(*batch(config["eval_samples"]))
-    return {"accuracy": acc, "steps_to_target": reached, "weight_on_offset": on_offset, "curve": curve}
+    return {
+        "accuracy": acc,
+        "steps_to_target": reached,
+        "weight_on_offset": on_offset,
+        "position_r2": _position_probe(model, *batch(64)),
+        "curve": curve,
+    }
+
+
+def _position_probe(model: OffsetModel, tokens: torch.Tensor, positions: torch.Tensor | None) -> float:
+    """Held-out R^2 of a linear probe from the trained layer's outputs (b, n, d) to the positions 0..n-1."""
+    with torch.no_grad():
+        x = model.embed(tokens) if positions is None else model.embed(tokens) + positions  # (b, n, d)
+        attended = model.attention(x, x, x)  # (b, n, d)
+    return position_r2(attended[:48], attended[48:])
 
 
 def attend_by_offset(

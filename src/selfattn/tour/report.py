@@ -77,7 +77,7 @@ def _environment() -> Any:
     try:
         import jinja2
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("the report needs jinja2: pip install 'selfattn[plot]'") from error
+        raise ImportError("the report needs jinja2: pip install 'selfattn[cli]'") from error
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
         autoescape=jinja2.select_autoescape(["html", "j2"], default_for_string=True),
@@ -305,6 +305,7 @@ def _learning_context(results: dict[str, Any]) -> dict[str, Any]:
             f"{100 * run['accuracy']:.1f}\u2009%",
             run["steps_to_target"] or "never",
             run["weight_on_offset"],
+            run["position_r2"],
         ]
         for name, run in runs.items()
     ]
@@ -364,6 +365,49 @@ def _learning_context(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_LONG_RANGE_LABELS = {"cnn": "CNN", "rnn": "RNN", "self_attention": "self-attention"}
+
+
+def _long_range_context(results: dict[str, Any]) -> dict[str, Any]:
+    """The long-range table and its sentences, from ``selfattn study --exercises``; empty when absent."""
+    long_range = results.get("long_range")
+    if not long_range:
+        return {"long_range": None}
+    settings, by_distance = long_range["settings"], long_range["by_distance"]
+    distances = sorted({int(n) for cells in by_distance.values() for n in cells})
+    target, budget = settings["target"], settings["budget"]
+    rows, sentences = [], []
+    for kind, cells in by_distance.items():
+        label = _LONG_RANGE_LABELS.get(kind, kind)
+        row: list[object] = [label]
+        for n in distances:
+            cell = cells.get(str(n))
+            if cell is None:
+                row.append("")
+                continue
+            steps = "never" if cell["steps_to_target"] is None else f"{cell['steps_to_target']:,.0f}"
+            row.append(f"{100 * cell['accuracy_at_budget']:.0f}\u2009% / {steps}")
+        rows.append(row)
+        reached = [n for n in distances if str(n) in cells and cells[str(n)]["reached"] == cells[str(n)]["seeds"]]
+        missed = [n for n in distances if str(n) in cells and cells[str(n)]["reached"] == 0]
+        params = sorted({cells[str(n)]["parameters"] for n in distances if str(n) in cells})
+        sentences.append(
+            f"{label} ({params[0]:,} parameters"
+            + (f" at n = {distances[0]} to {params[-1]:,} at n = {distances[-1]}" if len(params) > 1 else "")
+            + f"): every seed reached {100 * target:.0f}\u2009% at n = {', '.join(map(str, reached)) or 'none'}; "
+            f"no seed within {settings['max_steps']:,} steps at n = {', '.join(map(str, missed)) or 'none'}."
+        )
+    seeds = max(cell["seeds"] for cells in by_distance.values() for cell in cells.values())
+    return {
+        "long_range": long_range,
+        "long_range_headers": ["model"] + [f"n = {n}" for n in distances],
+        "long_range_rows": rows,
+        "long_range_sentences": sentences,
+        "long_range_seeds": seeds,
+        "long_range_budget": budget,
+    }
+
+
 def _fit_context(results: dict[str, Any]) -> dict[str, Any]:
     fit = results["relative"]["fitted_rotation"]
     return {"fit_rows": [[int(d), fit["rotation_error"][d], fit["window_spread"][d]] for d in fit["rotation_error"]]}
@@ -399,6 +443,31 @@ def _family_context(results: dict[str, Any]) -> dict[str, Any]:
     return {"family_rows": rows, "relative_names": relative, "absolute_names": absolute, "no_position_names": nothing}
 
 
+def _unseen_sentence(unseen: dict[str, Any] | None) -> str:
+    """Why the learned table, Shaw and T5 answer nothing past the training lengths: the rows training never reaches."""
+    if not unseen:
+        return ""
+    found = unseen["encodings"]
+    parts = []
+    for name in ("learned", "shaw", "t5"):
+        if name not in found:
+            continue
+        entry = found[name]
+        parts.append(
+            f"<code>{name}</code> reads {entry['rows_read']} rows for {entry['positions']} positions or offsets, "
+            f"{entry['never_trained']} of them rows no training sequence reaches (training reaches "
+            f"{entry['rows_trained']})"
+        )
+    return (
+        f" Why, measured on the study's own models ({_e(unseen['task'])}: a training sequence has at most "
+        f"{unseen['train_tokens']} tokens, one of the longest evaluated length {unseen['eval_tokens']}): which rows of "
+        "each table get a nonzero gradient from a sequence of the longest training length, against those a sequence "
+        f"of the longest evaluated length reads. {'; '.join(parts)}. A row no training sequence reaches keeps its "
+        "random initial value (weight decay aside); fewer rows than positions means offsets past Shaw's clip, or "
+        "inside one of T5's buckets, share a row and look the same to the model."
+    )
+
+
 def _section_depth(results: dict[str, Any], figures: dict[str, str]) -> str:
     available = results["family"]["encodings"]
     learned = (
@@ -430,10 +499,9 @@ def _section_depth(results: dict[str, Any], figures: dict[str, str]) -> str:
             beyond = (
                 f" In the study (<code>{_e(study['folder'])}</code>, trained on inputs of 1 to {study['train_len']} "
                 "tokens), exact match past the training lengths on the tasks each learnt (90\u2009% or more within "
-                f"them): {', '.join(learnt)}. For the learned table this follows from the training data: unless the "
-                "study ran with <code>--randomized-positions</code>, positions past the longest training sample never "
-                "occur in training, so their rows keep their random initial values. Why Shaw's and T5's offset embeddings fail there is not measured by the tour."
+                f"them): {', '.join(learnt)}."
             )
+    beyond += _unseen_sentence(results.get("unseen_rows"))
     return f"""
 <h2 id="s8">8. The exercises</h2>
 {depth.section_html(results["depth"], figures, results.get("depth_study"), results.get("depth_by_depth"))}
@@ -460,13 +528,15 @@ def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
         "claims_failed": sum(c["holds"] is False for c in claims),
         "evidence_counts": count_evidence(list(claims)),
         "depth_section": _section_depth(results, figures),
-        "study_section": study_section_html(),  # the study's own loader fills the slot
+        # The study's own loader fills the slot, from the folder the tour read (its default without one).
+        "study_section": study_section_html(Path(results["study_folder"]) if results.get("study_folder") else None),
     }
     context.update(_comparison_context(results["comparison"]))
     context.update(_positional_context(results))
     context.update(_absolute_context(results))
     context.update(_fit_context(results))
     context.update(_learning_context(results))
+    context.update(_long_range_context(results))
     context.update(_note_context(results))
     context.update(_family_context(results))
     page: str = _environment().get_template("report.html.j2").render(**context)

@@ -35,12 +35,24 @@ from selfattn.tour import (
     parallel,
     qualities,
     taylor,
+    unseen,
 )
+from selfattn.tour._common import single_threaded
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["FULL", "QUICK", "TourSizes", "comparison_lines", "progress_bar", "run_tour", "summary_lines", "verdicts"]
+__all__ = [
+    "FULL",
+    "QUICK",
+    "TourSizes",
+    "comparison_lines",
+    "long_range_results",
+    "progress_bar",
+    "run_tour",
+    "summary_lines",
+    "verdicts",
+]
 
 
 @dataclass(frozen=True)
@@ -232,7 +244,8 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     results["learning"] = _learning(sizes, results["positional_encoding"])
     tick("trained: offset, not harmful; timed: threads")
     results["family"] = _family(sizes, tick)
-    results["depth"] = depth.measure(**sizes.depth)
+    with single_threaded():  # 120 stacks of tiny float64 matrices: a second thread costs more than it gives
+        results["depth"] = depth.measure(**sizes.depth)
     tick("8. deep stacks")
     return results
 
@@ -578,8 +591,30 @@ def study_generalization(study: Path | str | None) -> dict[str, Any] | None:
     }
 
 
-def _prepare_output(out_dir: Path) -> Path:
-    """Create the output folder now, so an unwritable one fails before minutes of work."""
+def _unseen_rows(generalization: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`selfattn.tour.unseen.unseen_rows` at the study's training length (the default one without a study)."""
+    from selfattn.study.training import StudyConfig
+
+    config = StudyConfig() if generalization is None else StudyConfig(train_len=int(generalization["train_len"]))
+    with single_threaded():  # small models: a second thread costs more than it gives
+        return unseen.unseen_rows(config=config)
+
+
+def long_range_results(study: Path | str | None) -> dict[str, Any] | None:
+    """``exercises.json["long_range"]`` of a study folder (``selfattn study --exercises``), with its folder.
+
+    None when there is none: the claim about long-range dependencies then stays "not shown".
+    """
+    from selfattn.study.exercises import load_exercises
+
+    exercises = load_exercises(study)
+    if exercises is None:
+        return None
+    return {**exercises["long_range"], "folder": str(study), "quick": bool(exercises.get("quick"))}
+
+
+def _prepare_output(out_dir: Path, shown: Path) -> Path:
+    """Create the output folder now, so an unwritable one fails before minutes of work; errors name ``shown``."""
     try:
         (out_dir / "figures").mkdir(parents=True, exist_ok=True)
         probe = out_dir / ".selfattn-write-test"
@@ -587,7 +622,7 @@ def _prepare_output(out_dir: Path) -> Path:
         probe.unlink()
     except OSError as error:
         reason = error.strerror or type(error).__name__
-        raise ValueError(f"cannot write the report to {str(out_dir)!r}: {reason}") from None
+        raise ValueError(f"cannot write the report to {str(shown)!r}: {reason}") from None
     return out_dir
 
 
@@ -597,8 +632,12 @@ def run_tour(
     quick: bool = False,
     progress: bool = True,
     study: Path | str | None = None,
+    shown_as: Path | str | None = None,
 ) -> dict[str, Any]:
     """Run every section, write ``report.html``, ``figures/`` and ``results.json`` into ``out_dir``.
+
+    ``shown_as`` is the folder error messages name instead of ``out_dir`` (the command line
+    writes into a hidden temporary folder that takes the user's folder's place at the end).
 
     ``study`` is a ``selfattn study`` output folder whose trained deep stacks section 8 shows
     (``results["depth_study"]``); by default ``$SELFATTN_STUDY`` or ``./selfattn-study`` when it
@@ -608,10 +647,11 @@ def run_tour(
     from selfattn.tour import figures  # noqa: F401  (fail now, not after the measurements, without matplotlib)
     from selfattn.tour.report import render_report
 
-    out_dir = _prepare_output(Path(out_dir))
+    out_dir = _prepare_output(Path(out_dir), Path(out_dir if shown_as is None else shown_as))
     if study is None:  # the study's own default folder, as the report's study section looks for it
         default = Path(os.environ.get("SELFATTN_STUDY", "selfattn-study"))
-        study = default if (default / "results.json").is_file() else None
+        found = any((default / name).is_file() for name in ("results.json", "exercises.json"))
+        study = default if found else None
     depth_study = depth.study_deep_stack(study)  # fail now, not after the measurements
     sizes = QUICK if quick else FULL
     family_count = len(family.family_names())
@@ -626,9 +666,12 @@ def run_tour(
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
+        results["study_folder"] = None if study is None else str(study)
         results["depth_study"] = depth_study
         results["depth_by_depth"] = depth.study_by_depth(study)
         results["study_generalization"] = study_generalization(study)
+        results["long_range"] = long_range_results(study)
+        results["unseen_rows"] = _unseen_rows(results["study_generalization"])
         results["checks"] = verdicts(results)
         results["claims"] = claims.claims(results)
         figure_paths = _figures(results, out_dir / "figures", advance)
@@ -706,6 +749,16 @@ def summary_lines(results: dict[str, Any], out_dir: Path | str | None = None) ->
         + ", ".join(f"{name} {run['accuracy']:.0%}" for name, run in runs.items())
         + f"; majority token with P {hm['with_p']['accuracy']:.0%}, without {hm['without_p']['accuracy']:.0%}"
     )
+    long_range = results.get("long_range")
+    if long_range:
+        budget = long_range["settings"]["budget"]
+        lines.append(
+            f"  trained (study --exercises): answer at distance n, accuracy after {budget} steps: "
+            + "; ".join(
+                f"{kind} " + ", ".join(f"n={n} {cell['accuracy_at_budget']:.0%}" for n, cell in cells.items())
+                for kind, cells in long_range["by_distance"].items()
+            )
+        )
     par = results["learning"]["parallel"]
     lines.append(
         f"  timed: speed-up at {par['threads'][-1]} threads "

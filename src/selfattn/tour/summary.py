@@ -76,7 +76,7 @@ def print_summary(results: dict[str, Any], report: Path | str | None = None, con
         counts = count_evidence(claims)
         sections.add_row(
             "claims",
-            f"{held} of {len(claims)} claims of the source pages hold, {len(failing)} do not"
+            f"{held} of {len(claims)} claims of the source pages hold, {len(failing)} {'does' if len(failing) == 1 else 'do'} not"
             + (f" ({', '.join(failing)})" if failing else "")
             + f", {counts['not shown']} not shown; {counts['measured']} measured, {counts['derived']} derived "
             "(report: closing table; claims do not set the exit status)",
