@@ -95,9 +95,10 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         "",
         table(["option", "route", "fwd+bwd ms", "ratio"], rows),
         "",
-        "Softcap and sinks change the softmax, so those calls leave PyTorch's fused kernel for the blockwise "
-        "route: sinks keep the CPU flash kernel per block (the sink joins each row's log-sum-exp), softcap "
-        "computes each block's scores itself (tanh is not a bias).",
+        "Softcap and sinks change the softmax, so those calls leave PyTorch's fused kernel: sinks with a causal "
+        "mask (or none) take one call of the CPU flash kernel forward and backward, the sink folded in by its "
+        "log-sum-exp (`fused sinks`; with other masks, the same per block); softcap goes blockwise and computes each "
+        "block's scores, their tanh and its slope itself, forward and again backward (tanh is not a bias).",
         "",
         spread_note(spread),
         "",
@@ -125,8 +126,8 @@ def run_masks(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         kwargs = {"causal": True} if name == "causal" else {"mask": rule}
         call = mha._describe(_request(mha, x, **kwargs))
         route = mha.explain(x, x, x, **kwargs).route
-        share = reached_share(call, block_for(call)) if name != "causal" else None
         pairs = _visible_share(rule, n)
+        share = None if name == "causal" else pairs if route == "chunks" else reached_share(call, block_for(call))
         speedups[name] = r["causal"] / r[name]
         rows.append(
             [
@@ -143,8 +144,9 @@ def run_masks(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         f"**Masks that skip blocks**, b={BATCH}, n={n}, d={NUM_HIDDENS}, {NUM_HEADS} heads, fp32, forward+backward "
         "of the whole module (`mha(x, x, x, mask=rule)`), speed-up over causal alone (`causal=True`, the fused "
         "kernel's own causal mask) in this run. `visible pairs`: share of the (query, key) pairs the rule lets "
-        "through; `pairs computed`: share the blocks of queries compute after skipping keys none of their "
-        "queries reaches (the fused causal kernel computes about half):",
+        "through; `pairs computed`: share the route computes (blocks of queries skip the keys none of their "
+        "queries reaches; the `chunks` route computes each chunk's own pairs in one fused call; the fused causal "
+        "kernel computes about half):",
         "",
         table(["mask", "route", "visible pairs", "pairs computed", "fwd+bwd ms", "speed-up over causal"], rows),
         "",
