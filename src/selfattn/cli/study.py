@@ -159,7 +159,9 @@ def _run_text(args: argparse.Namespace) -> int:
     if results is not None:
         print(f"perplexity per byte on held-out text, mean ± sd over {seeds} seed(s) (beyond L in brackets):")
         print("\n".join(text_table(results)))
-        print(f"{len(results['runs'])} runs in {time.perf_counter() - started:.0f} s; results in {out / 'results.json'}")
+        print(
+            f"{len(results['runs'])} runs in {time.perf_counter() - started:.0f} s; results in {out / 'results.json'}"
+        )
     return 0
 
 

