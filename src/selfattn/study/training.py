@@ -190,8 +190,8 @@ def encoding_label(run: dict[str, Any] | RunSpec) -> str:
     return f"{encoding}+rand" if randomized else str(encoding)
 
 
-def build_model(spec: RunSpec, config: StudyConfig) -> TransformerLM:
-    """The run's model, initialised from its seed."""
+def build_model(spec: RunSpec, config: StudyConfig, position_options: dict[str, Any] | None = None) -> TransformerLM:
+    """The run's model, initialised from its seed; ``position_options`` override the encoding's (variants)."""
     torch.manual_seed(spec.seed)
     max_len = config.longest_sequence() * (config.position_range if spec.randomized_positions else 1)
     options: dict[str, Any] = {}
@@ -199,6 +199,7 @@ def build_model(spec: RunSpec, config: StudyConfig) -> TransformerLM:
         options["bidirectional"] = False
     if spec.encoding == "shaw":
         options["max_distance"] = shaw_max_distance(spec.task, config)
+    options.update(position_options or {})
     return TransformerLM(
         VOCAB_SIZE,
         config.num_hiddens,
@@ -437,6 +438,7 @@ def train_run(
     on_step: Callable[[int, float], None] | None = None,
     device: torch.device | str = "cpu",
     data_parallel: bool = False,
+    position_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``spec`` under ``config`` and measure accuracy by length.
 
@@ -450,6 +452,7 @@ def train_run(
         device: where to train.
         data_parallel: split each batch over the ranks of the initialised process group with
             ``DistributedDataParallel`` (every rank calls this with the same arguments).
+        position_options: options of the encoding that replace the study's (:func:`build_model`).
 
     Returns:
         The run's entry of ``results.json["runs"]`` plus its loss curve.
@@ -467,7 +470,7 @@ def train_run(
         if config.batch_size % world:
             raise ValueError(f"batch_size={config.batch_size} must be divisible by the {world} data-parallel ranks")
 
-    model = build_model(spec, config).to(device)
+    model = build_model(spec, config, position_options).to(device)
     optimizer, average = make_optimizer(model, config, device)
     evaluated = model if average is None else average.module
     state = _State()
