@@ -27,9 +27,8 @@ def _task_names() -> Iterable[str]:
 
 def _encoding_names() -> Iterable[str]:
     from selfattn.study.text import TEXT_ENCODINGS
-    from selfattn.study.training import ENCODINGS
 
-    return (*ENCODINGS, *(name for name in TEXT_ENCODINGS if name not in ENCODINGS))
+    return TEXT_ENCODINGS
 
 
 def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
@@ -53,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         choices=LazyChoices(_task_names),
         default=None,
         metavar="TASK",
-        help="tasks (%(choices)s; default: copy reverse sort addition)",
+        help="tasks (%(choices)s; default: copy reverse, the tasks the default budget trains)",
     )
     parser.add_argument(
         "--encodings",
@@ -61,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         choices=LazyChoices(_encoding_names),
         default=None,
         metavar="ENCODING",
-        help="encodings (%(choices)s; default: all; --text takes every one, the synthetic tasks the first seven)",
+        help="encodings (%(choices)s; default: all; t5-short is for --text only)",
     )
     parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per cell (default 3)")
     parser.add_argument(

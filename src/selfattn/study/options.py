@@ -11,7 +11,11 @@ from selfattn.study.training import ENCODINGS, QUICK, StudyConfig
 
 __all__ = ["DEFAULT_TASKS", "QUICK", "study_settings", "text_settings"]
 
-DEFAULT_TASKS = ("copy", "reverse", "sort", "addition")
+# A task is in the default grid only if its budget trains it: copy and reverse reach >= 95% exact
+# match at the training lengths for every encoding. Sort (1000 steps: 57-94% in range) and
+# addition (300 steps: <= 1%; <= 4% after 2700 in a trial) did not in the 2026-11-22 grid, so
+# their numbers beyond the training lengths said nothing; they stay available with --tasks.
+DEFAULT_TASKS = ("copy", "reverse")
 DEFAULT_SEEDS = 3
 QUICK_TASKS = ("copy", "reverse")
 QUICK_ENCODINGS = ("none", "rotary", "learned")
@@ -42,7 +46,7 @@ def study_settings(
     return grid, config
 
 
-DEFAULT_TEXT_SEEDS = 3
+DEFAULT_TEXT_SEEDS = 2
 QUICK_TEXT_ENCODINGS = ("none", "rotary", "alibi", "learned")
 
 

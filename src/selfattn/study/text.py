@@ -43,6 +43,8 @@ from selfattn.models import TransformerLM
 from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
 from selfattn.study.runner import _checkpoint_step, _claim, _Distributed
 from selfattn.study.training import (
+    ENCODINGS,
+    P_ROPE,
     RunSpec,
     StudyConfig,
     _generator,
@@ -66,22 +68,9 @@ __all__ = [
     "train_text_run",
 ]
 
-#: Every one-dimensional encoding of :mod:`selfattn.positional`; ``p-rope`` is rotary with ``p``;
-#: ``t5-short`` is T5 with 16 buckets ending at distance 32 < L (see :func:`build_text_model`).
-TEXT_ENCODINGS = (
-    "none",
-    "sinusoidal",
-    "learned",
-    "rotary",
-    "p-rope",
-    "xpos",
-    "alibi",
-    "kerple",
-    "fire",
-    "t5",
-    "t5-short",
-    "shaw",
-)
+#: The synthetic study's encodings (``p-rope`` is rotary with ``p``), and ``t5-short``: T5 with
+#: 16 buckets, the last from distance L / 2 on (see :func:`build_text_model`).
+TEXT_ENCODINGS = (*ENCODINGS, "t5-short")
 #: Rotary scalings applied at evaluation time only.
 SCALINGS = ("linear", "ntk", "yarn", "dynamic")
 
@@ -115,7 +104,7 @@ class TextConfig:
     num_heads: int = 4
     num_layers: int = 2
     ffn_hiddens: int = 256
-    p_rope: float = 0.75
+    p_rope: float = P_ROPE
     dynamic_factor: float = 2.0
     held_out_fraction: float = 0.05
 

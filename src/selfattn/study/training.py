@@ -31,6 +31,7 @@ from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
 __all__ = [
     "ABSOLUTE_OR_ROTARY",
     "ENCODINGS",
+    "P_ROPE",
     "QUICK",
     "TASK_STEPS",
     "RunSpec",
@@ -49,7 +50,9 @@ __all__ = [
     "training_batch",
 ]
 
-ENCODINGS = ("none", "sinusoidal", "learned", "rotary", "alibi", "t5", "shaw")
+ENCODINGS = ("none", "sinusoidal", "learned", "rotary", "p-rope", "xpos", "alibi", "kerple", "fire", "t5", "shaw")
+#: p-RoPE's fraction of rotating pairs (Barbero et al. 2024, "Round and round we go!"; ``p-rope``).
+P_ROPE = 0.75
 ABSOLUTE_OR_ROTARY = ("sinusoidal", "learned", "rotary")
 
 
@@ -195,6 +198,9 @@ def build_model(spec: RunSpec, config: StudyConfig, position_options: dict[str, 
     torch.manual_seed(spec.seed)
     max_len = config.longest_sequence() * (config.position_range if spec.randomized_positions else 1)
     options: dict[str, Any] = {}
+    position = spec.encoding
+    if spec.encoding == "p-rope":
+        position, options["p"] = "rotary", P_ROPE
     if spec.encoding == "t5":
         options["bidirectional"] = False
     if spec.encoding == "shaw":
@@ -205,7 +211,7 @@ def build_model(spec: RunSpec, config: StudyConfig, position_options: dict[str, 
         config.num_hiddens,
         config.num_heads,
         config.num_layers,
-        position=spec.encoding,
+        position=position,
         max_len=max_len,
         ffn_hiddens=config.ffn_hiddens,
         position_options=options,
