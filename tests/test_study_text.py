@@ -169,3 +169,20 @@ def test_bad_settings_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[st
         run_text_study(tmp_path / "x", TINY, ["copy"])
     assert main(["study", "--text", "--tasks", "copy", "--out", str(tmp_path / "y"), "--no-progress"]) == 2
     assert "--tasks does not apply to --text" in capsys.readouterr().err
+
+
+def test_t5_buckets_that_only_evaluation_reaches() -> None:
+    from selfattn.study.literature import KAZEMNEJAD, t5_buckets_reached
+
+    def bucket(distance: int, max_distance: int) -> int:  # T5's causal buckets, written out (32 buckets)
+        if distance < 16:
+            return distance
+        return min(31, 16 + int(math.log(distance / 16) / math.log(max_distance / 16) * 16))
+
+    # copy at L = 20: BOS, 20 tokens, SEP, 20 tokens: distances up to 41 in training, 81 to 2L.
+    trained = {bucket(d, 128) for d in range(42)}
+    assert t5_buckets_reached("copy", KAZEMNEJAD) == {
+        "trained": sorted(trained),
+        "only_in_evaluation": sorted({bucket(d, 128) for d in range(82)} - trained),
+    }
+    assert t5_buckets_reached("copy", KAZEMNEJAD, 40)["only_in_evaluation"] == []
