@@ -68,7 +68,9 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values)
 
 
-def run_literature(out: Path, *, task: str = "copy", seeds: int = 1, variants: list[str] | None = None) -> dict[str, Any]:
+def run_literature(
+    out: Path, *, task: str = "copy", seeds: int = 1, variants: list[str] | None = None
+) -> dict[str, Any]:
     """Train the variants on ``task`` (resuming what ``out`` holds); write and return ``literature.json``."""
     config = KAZEMNEJAD
     (out / "runs").mkdir(parents=True, exist_ok=True)
