@@ -53,7 +53,9 @@ from selfattn.study.training import (
     _loss_by_tenth,
     _save_checkpoint,
     _State,
+    data_parallel_ranks,
     make_optimizer,
+    over_ranks,
 )
 
 __all__ = [
@@ -331,11 +333,7 @@ def train_text_run(
     import torch.distributed as dist
 
     train, held_out = corpus
-    rank, world = 0, 1
-    if data_parallel and dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if config.batch_size % world:
-            raise ValueError(f"batch_size={config.batch_size} must be divisible by the {world} data-parallel ranks")
+    rank, world = data_parallel_ranks(data_parallel, config.batch_size)
     torch.manual_seed(spec.seed)
     model = build_text_model(spec.encoding, config).to(device)
     schedule = config.optimizer_settings()
@@ -343,11 +341,7 @@ def train_text_run(
     state = _State()
     if checkpoint is not None and checkpoint.exists():
         state = _load_checkpoint(checkpoint, model, optimizer, None)
-    trained: nn.Module = model
-    if data_parallel and world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        trained = DistributedDataParallel(model)
+    trained = over_ranks(model, world)
     share = config.batch_size // world
     last_save = time.perf_counter()
     while state.step < config.steps:

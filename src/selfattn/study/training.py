@@ -435,6 +435,27 @@ def _loss_by_tenth(losses: list[float]) -> list[float]:
     return [sum(losses[a:b]) / (b - a) for a, b in itertools.pairwise(bounds)]
 
 
+def data_parallel_ranks(data_parallel: bool, batch_size: int) -> tuple[int, int]:
+    """``(rank, world)`` of the process group a data-parallel run splits each batch over; ``(0, 1)`` otherwise."""
+    import torch.distributed as dist
+
+    if not (data_parallel and dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if batch_size % world:
+        raise ValueError(f"batch_size={batch_size} must be divisible by the {world} data-parallel ranks")
+    return rank, world
+
+
+def over_ranks(model: nn.Module, world: int) -> nn.Module:
+    """``model`` wrapped in ``DistributedDataParallel`` when ``world > 1`` ranks train it together."""
+    if world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
 def train_run(
     spec: RunSpec,
     config: StudyConfig,
@@ -468,13 +489,9 @@ def train_run(
         raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}; got {spec.encoding!r}")
     if spec.randomized_positions and spec.encoding not in ABSOLUTE_OR_ROTARY:
         raise ValueError(f"randomized positions apply to {', '.join(ABSOLUTE_OR_ROTARY)}, not {spec.encoding!r}")
-    rank, world = 0, 1
     import torch.distributed as dist
 
-    if data_parallel and dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if config.batch_size % world:
-            raise ValueError(f"batch_size={config.batch_size} must be divisible by the {world} data-parallel ranks")
+    rank, world = data_parallel_ranks(data_parallel, config.batch_size)
 
     model = build_model(spec, config, position_options).to(device)
     optimizer, average = make_optimizer(model, config, device)
@@ -482,11 +499,7 @@ def train_run(
     state = _State()
     if checkpoint is not None and checkpoint.exists():
         state = _load_checkpoint(checkpoint, model, optimizer, average)
-    trained: nn.Module = model
-    if data_parallel and world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        trained = DistributedDataParallel(model)
+    trained = over_ranks(model, world)
     share = config.batch_size // world
 
     steps = config.steps_for(spec.task)
