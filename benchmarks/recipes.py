@@ -97,8 +97,10 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         "",
         "Softcap and sinks change the softmax, so those calls leave PyTorch's fused kernel: sinks with a causal "
         "mask (or none) take one call of the CPU flash kernel forward and backward, the sink folded in by its "
-        "log-sum-exp (`fused sinks`; with other masks, the same per block); softcap goes blockwise and computes each "
-        "block's scores, their tanh and its slope itself, forward and again backward (tanh is not a bias).",
+        "log-sum-exp (`fused sinks`; with other masks, the same per block); softcap (without sinks) goes one "
+        "(batch, head) slice at a time in cache-sized tiles on one-thread workers (`sliced`), computing each tile's "
+        "scores, their tanh and its slope itself, forward and again backward (tanh is not a bias); softcap with "
+        "sinks goes blockwise over every head at once.",
         "",
         spread_note(spread),
         "",

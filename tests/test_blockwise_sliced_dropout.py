@@ -1,4 +1,4 @@
-"""Dropout with no score term on CPU, slice by slice (``_SlicedDropoutAttention``).
+"""Dropout with no score term on CPU, slice by slice (``_SlicedAttention``).
 
 References are dense float64 attention whose weights are multiplied by the same keep masks,
 drawn here tile by tile from the documented seeding (call seed, slice, block index).
@@ -25,8 +25,8 @@ def sliced(monkeypatch):
     """Send even tiny calls to the per-slice route (it normally starts at SLICED_MIN_SCORES scores per slice)."""
     monkeypatch.setattr(blockwise, "SLICED_MIN_SCORES", 0)
     calls = []
-    original = blockwise._SlicedDropoutAttention.apply
-    monkeypatch.setattr(blockwise._SlicedDropoutAttention, "apply", lambda *args: calls.append(1) or original(*args))
+    original = blockwise._SlicedAttention.apply
+    monkeypatch.setattr(blockwise._SlicedAttention, "apply", lambda *args: calls.append(1) or original(*args))
     return calls
 
 

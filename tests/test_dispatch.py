@@ -154,7 +154,7 @@ def test_window_routes(kwargs, length, expected):
 def test_training_routes():
     x = torch.randn(2, 300, D)
     dropout = _mha(dropout=0.1).train()
-    assert dropout.explain(x, x, x).route == "sliced dropout"
+    assert dropout.explain(x, x, x).route == "sliced"
     small = torch.randn(2, 12, D)
     assert dropout.explain(small, small, small).route == "blockwise"
     explanation = _mha(ALIBI_CAUSAL(), dropout=0.1).train().explain(small, small, small, causal=True)
@@ -183,7 +183,7 @@ def test_functional_attention_routes():
     q = torch.randn(2, H, 300, 8)
     assert dispatch.explain(describe_attention(q, q, q)).route == "fused"
     assert dispatch.explain(describe_attention(q, q, q, return_weights=True)).route == "explicit"
-    assert dispatch.explain(describe_attention(q, q, q, dropout_p=0.1)).route == "sliced dropout"
+    assert dispatch.explain(describe_attention(q, q, q, dropout_p=0.1)).route == "sliced"
     bias = torch.zeros(300, 300)
     assert dispatch.explain(describe_attention(q, q, q, dropout_p=0.1, bias=bias)).route == "fused"
     three_d = torch.randn(H, 12, 8)

@@ -26,7 +26,7 @@ from selfattn.core.routes.fused_sinks import FUSED_SINKS
 from selfattn.core.routes.key_row import KEY_ROW
 from selfattn.core.routes.ragged import RAGGED
 from selfattn.core.routes.ragged_valid_rows import RAGGED_VALID_ROWS
-from selfattn.core.routes.sliced_dropout import SLICED_DROPOUT
+from selfattn.core.routes.sliced import SLICED
 
 __all__ = ["BLOCKWISE_ROUTES", "ROUTES", "Explanation", "explain", "run"]
 
@@ -41,7 +41,7 @@ ROUTES: tuple[Route, ...] = (
     CAUSAL_KEY_ROWS,
     KEY_ROW,
     FUSED_SINKS,
-    SLICED_DROPOUT,
+    SLICED,
     BLOCKWISE_CLIPPED,
     BLOCKWISE_BAND,
     BLOCKWISE,
@@ -55,7 +55,7 @@ ROUTES: tuple[Route, ...] = (
 BLOCKWISE_ROUTES: tuple[Route, ...] = (
     CAUSAL_KEY_ROWS,
     KEY_ROW,
-    SLICED_DROPOUT,
+    SLICED,
     BLOCKWISE_CLIPPED,
     BLOCKWISE_BAND,
     BLOCKWISE_ANY,

@@ -37,12 +37,14 @@ diagonal tile takes one with the kernel's own causal mask; the two are merged by
 log-sum-exps, and each backward call is given the merged output and log-sum-exp.
 
 Dropout draws a fresh mask per block from a generator seeded by (call seed, block index), so
-the backward pass redraws exactly the forward's mask. Dropout with no score term on CPU (and at
-least ``SLICED_MIN_SCORES`` scores per slice) goes one ``(batch, head)`` slice at a time in
-tiles of about 2 MiB (:class:`_SlicedDropoutAttention`, :func:`choose_slice_block`), seeded
-per (call seed, slice, block index): each tile's softmax, keep mask and products then work in
-cache, and the slices go to worker threads running one PyTorch thread each, so no small op
-waits on an OpenMP team. The keep test compares 16 random bits
+the backward pass redraws exactly the forward's mask. Dropout or a softcap with no score term
+and no sinks on CPU (and at least ``SLICED_MIN_SCORES`` scores per slice) goes one
+``(batch, head)`` slice at a time in tiles of about 2 MiB (:class:`_SlicedAttention`,
+:func:`choose_slice_block`), seeded per (call seed, slice, block index): each tile's cap,
+softmax, keep mask and products then work in cache, and the slices go to worker threads
+running one PyTorch thread each, so no small op waits on an OpenMP team. On CPU the cap's tanh
+is NumPy's when NumPy is installed (PyTorch's CPU tanh is slower than a tile's matrix product;
+see :func:`_tanh_in_place`). The keep test compares 16 random bits
 with a threshold: the drop probability is ``p`` rounded to a multiple of ``2**-16`` (0.1 becomes
 0.100006), and kept weights are divided by the exact keep probability, so the output stays an
 unbiased estimate. The mask is applied as 1.0 / 0.0 factors (a float multiply is several times
