@@ -45,16 +45,20 @@ def _declines(call: AttentionCall) -> str | None:
 
 
 def _as_chunks(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``(b, h, m * C, d)`` -> ``(b * m, h, C, d)``: each chunk one batch entry."""
+    """``(b, h, m * C, d)`` -> ``(b * m, h, C, d)``: each chunk one batch entry.
+
+    A view when the heads were split from a ``(b, l, h * d)`` projection (the usual layout);
+    a copy only when the heads are laid out head-major.
+    """
     b, h, length, d = x.shape
-    return x.view(b, h, length // size, size, d).transpose(1, 2).reshape(-1, h, size, d)
+    return x.view(b, h, length // size, size, d).transpose(1, 2).reshape(-1, h, size, d)  # via (b, m, h, C, d)
 
 
 def _run(call: AttentionCall) -> Output:
     size = _chunk_size(call)
     assert size is not None
     q, k, v = call.q, call.k, call.v
-    b, h, length, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
+    b, length = q.shape[0], q.shape[2]
     whole = length // size * size
     causal = call.visibility.causal
 
@@ -63,11 +67,9 @@ def _run(call: AttentionCall) -> Output:
             q_part, k_part, v_part, causal=causal, dropout_p=call.dropout_p, scale=call.scale, mask=None, bias=None
         )
 
-    q_chunks = _as_chunks(q[..., :whole, :].contiguous(), size)  # (b * m, h, C, d)
-    out = attend(
-        q_chunks, _as_chunks(k[..., :whole, :].contiguous(), size), _as_chunks(v[..., :whole, :].contiguous(), size)
-    )
-    out = out.view(b, whole // size, h, size, dv).transpose(1, 2).reshape(b, h, whole, dv)  # (b, h, whole, dv)
+    q_chunks, k_chunks, v_chunks = (_as_chunks(x[..., :whole, :], size) for x in (q, k, v))  # (b * m, h, C, d)
+    out = attend(q_chunks, k_chunks, v_chunks)  # (b * m, h, C, dv)
+    out = out.view(b, -1, *out.shape[1:]).transpose(1, 2).flatten(2, 3)  # (b, h, m, C, dv) -> (b, h, whole, dv)
     if whole < length:  # the last, shorter chunk
         tail = attend(q[..., whole:, :], k[..., whole:, :], v[..., whole:, :])
         out = torch.cat((out, tail), dim=-2)
