@@ -109,6 +109,7 @@ def test_sdist_metadata_names_licence_authors_and_classifiers(sdist: tarfile.Tar
     assert "Author: the selfattn authors\n" in info
     assert "Classifier: Programming Language :: Python :: 3.10\n" in info
     assert "Classifier: Typing :: Typed\n" in info
+    assert "Project-URL: Textbook chapter, https://d2l.ai/chapter_attention-mechanisms-and-transformers/" in info
     assert (ROOT / "LICENSE").read_text(encoding="utf-8").startswith("MIT License\n\nCopyright (c)")
 
 
