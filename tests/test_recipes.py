@@ -396,7 +396,7 @@ def test_mask_rules_equal_the_same_dense_mask(rule_name, recipe):
     x = torch.randn(2, n, D, dtype=torch.float64, requires_grad=True)
     route = mha.explain(x, x, x, mask=rule).route
     if rule_name == "chunks":
-        assert route == ("blockwise" if recipe else "chunks")  # blocks skip other chunks, or one call of chunks
+        assert route == ("sliced" if recipe else "chunks")  # tiles skip other chunks, or one call of chunks
     out = mha(x, x, x, mask=rule)
     expected = mha(x, x, x, attn_mask=_dense(rule_name, n, ids))
     grad = torch.randn_like(out)

@@ -32,13 +32,20 @@ def small_tiles(monkeypatch):
     return calls
 
 
-def _capped_attention(q, k, v, *, softcap, visible):
-    """float64 ``softmax(c tanh(q k^T / sqrt(d) / c))`` over the visible keys, zeros for a row that sees none."""
+def _capped_attention(q, k, v, *, softcap, visible, sinks=None):
+    """float64 ``softmax(c tanh(q k^T / sqrt(d) / c))`` over the visible keys (and a sink logit per head, which
+    takes weight and adds no value), zeros for a row that sees none."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     logits = softcap * torch.tanh(q @ k.transpose(-2, -1) / HEAD_DIM**0.5 / softcap)  # (b, h, lq, lk)
     empty = ~visible.any(dim=-1, keepdim=True)
-    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0), dim=-1)
+    logits = logits.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    if sinks is None:
+        weights = torch.softmax(logits, dim=-1)
+    else:
+        exp_keys = torch.exp(logits - logits.amax(-1, keepdim=True))
+        exp_sink = torch.exp(sinks.view(1, -1, 1, 1) - logits.amax(-1, keepdim=True))
+        weights = exp_keys / (exp_keys.sum(-1, keepdim=True) + exp_sink)
     return (weights @ v).masked_fill(empty, 0.0)
 
 
@@ -164,12 +171,50 @@ def test_float32_at_gemmas_cap_stays_near_the_float64_formula(small_tiles):
         assert (g_got.double() - g_want).abs().max().item() < 1e-4 * max(g_want.abs().max().item(), 1.0)
 
 
-def test_sinks_keep_a_softcap_off_the_sliced_route(small_tiles):
+@pytest.mark.parametrize("k_heads", [HEADS, 2])
+def test_softcap_with_sinks_on_the_sliced_route_equals_the_float64_formula(small_tiles, k_heads):
+    q, k, v = _qkv(2, 37, 37, k_heads=k_heads, seed=3)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 3.5], dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 1, 37, 37, generator=torch.Generator().manual_seed(6)) > 0.3
+    mask[1, 0, 4] = False  # a query that sees no key: zeros, and no share of the sink's gradient
+    call = describe_attention(q, k, v, mask=mask, causal=True, softcap=0.8, sinks=sinks)
+    assert dispatch.explain(call).route == "sliced"
+    got = attention(q, k, v, mask=mask, causal=True, softcap=0.8, sinks=sinks)
+    assert small_tiles
+    visible = mask & torch.ones(37, 37, dtype=torch.bool).tril()
+    want = _capped_attention(q, k, v, softcap=0.8, visible=visible, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert torch.equal(got[1, :, 4], torch.zeros_like(got[1, :, 4]))
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    inputs = (q, k, v, sinks)
+    for name, g_got, g_want in zip(
+        ("q", "k", "v", "sinks"), torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad),
+        strict=True,
+    ):  # fmt: skip
+        torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-10, msg=name)
+
+
+def test_sinks_with_dropout_pass_gradcheck_and_gradgradcheck(small_tiles):
+    q, k, v = (t.detach()[:1, :, :18].requires_grad_(True) for t in _qkv(1, 18, 18, seed=4))
+    sinks = torch.tensor([0.3, -0.2, 1.1, 0.0], dtype=torch.float64, requires_grad=True)
+
+    def run(q, k, v, sinks):
+        torch.manual_seed(5)
+        return attention(q, k, v, causal=True, dropout_p=0.25, sinks=sinks, softcap=1.5)
+
+    assert dispatch.explain(describe_attention(q, k, v, causal=True, dropout_p=0.25, sinks=sinks)).route == "sliced"
+    assert torch.autograd.gradcheck(run, (q, k, v, sinks), atol=1e-7, rtol=1e-5)
+    assert torch.autograd.gradgradcheck(run, (q, k, v, sinks), atol=1e-6, rtol=1e-4)
+    assert small_tiles
+
+
+def test_sinks_alone_keep_the_flash_routes(small_tiles):
     q, k, v = _qkv(1, 20, 20)
     sinks = torch.zeros(HEADS, dtype=torch.float64)
-    explanation = dispatch.explain(describe_attention(q, k, v, causal=True, softcap=1.0, sinks=sinks))
+    assert dispatch.explain(describe_attention(q, k, v, causal=True, sinks=sinks)).route == "fused sinks"
+    explanation = dispatch.explain(describe_attention(q, k, v, mask=torch.rand(20, 20) > 0.5, sinks=sinks))
     assert explanation.route == "blockwise"
-    assert ("sliced", "sinks (a tile keeps no log-sum-exp to join them to)") in explanation.declined
+    assert ("sliced", "no dropout and no softcap") in explanation.declined
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

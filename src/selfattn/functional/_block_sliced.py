@@ -180,22 +180,29 @@ def _slice_tile_probs(
     hidden: torch.Tensor | None,
     workspace: _Workspace,
     softcap: float | None,
+    sink: float | None,
     *,
     want_slope: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Softmax of one tile's (capped) scores, ``(block, keys)``, in place in the workspace, and with ``want_slope``
-    the cap's derivative ``(block, keys)``; ``hidden`` is this slice's part of ``tile.hidden``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Softmax of one tile's (capped) scores in place in the workspace: the keys' weights ``(block, keys)``, the whole
+    softmax ``(block, keys + 1 if sink)``, and with ``want_slope`` the cap's derivative ``(block, keys)``.
 
-    ``qs`` comes scaled, and divided by the softcap if there is one (a ``(block, d)`` product, not a ``(block, keys)`` one).
+    ``qs`` comes scaled, and divided by the softcap if there is one (a ``(block, d)`` product, not a
+    ``(block, keys)`` one); ``hidden`` is this slice's part of ``tile.hidden``. A sink logit is one
+    more column of the softmax (it takes weight and adds no value); its column holds the sink's weight.
     """
-    scores = torch.matmul(qs, ks.t(), out=workspace.get("scores", (qs.shape[0], ks.shape[0]), qs.dtype))
+    rows, width = qs.shape[0], ks.shape[0]
+    whole = workspace.get("scores", (rows, width + (sink is not None)), qs.dtype)
+    scores = torch.matmul(qs, ks.t(), out=whole[:, :width])  # (block, keys)
     slope = None
     if softcap is not None:
         slope = _cap_in_place(scores, softcap, workspace, want_slope=want_slope, divided=True)
     if hidden is not None:
         scores[:, tile.hidden_columns].masked_fill_(hidden, float("-inf"))
-    probs: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
-    return probs, slope
+    if sink is not None:
+        whole[:, width].fill_(sink)
+    torch.ops.aten._softmax.out(whole, -1, False, out=whole)
+    return whole[:, :width], whole, slope
 
 
 class _SlicedAttention(torch.autograd.Function):
@@ -210,7 +217,9 @@ class _SlicedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
         compute = _compute_dtype(q.dtype)
         batch, heads = (max(t.shape[i] for t in (q, k, v)) for i in (0, 1))
         out = q.new_empty(batch, heads, q.shape[-2], v.shape[-1])  # (b, h, lq, dv)
@@ -218,6 +227,7 @@ class _SlicedAttention(torch.autograd.Function):
         inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
         tiles = _slice_tiles(plan, q.device)
         score_factor = plan.scale if plan.softcap is None else plan.scale / plan.softcap
+        sink_logits = None if sinks is None else sinks.detach().to(compute).tolist()  # one float per query head
 
         def work(s: int, workspace: _Workspace) -> None:
             b, h = divmod(s, heads)
@@ -226,9 +236,9 @@ class _SlicedAttention(torch.autograd.Function):
             )
             for tile in tiles:
                 start, end, keys = tile.start, tile.end, tile.keys
-                probs, _ = _slice_tile_probs(
+                probs, _, _ = _slice_tile_probs(
                     qs[start:end] * score_factor, ks[keys], tile, _pick(tile.hidden, b, h),
-                    workspace, plan.softcap,
+                    workspace, plan.softcap, None if sink_logits is None else sink_logits[h],
                 )  # fmt: skip
                 if plan.dropout_p > 0:
                     probs.mul_(_slice_keep(plan, s, tile.block_index, probs.shape, compute, workspace))
@@ -242,33 +252,42 @@ class _SlicedAttention(torch.autograd.Function):
         _run_slices(batch * heads, work, q.device)
         if out_compute is not out:
             out.copy_(out_compute)
-        ctx.plan, ctx.tiles = plan, tiles
-        ctx.save_for_backward(q, k, v)
+        ctx.plan, ctx.tiles, ctx.with_sinks = plan, tiles, sinks is not None
+        ctx.save_for_backward(q, k, v, *([] if sinks is None else [sinks]))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v = ctx.saved_tensors
+        q, k, v, *rest = ctx.saved_tensors
+        sinks = rest[0] if ctx.with_sinks else None
         plan: _Plan = ctx.plan
         if torch.is_grad_enabled():  # create_graph=True: differentiate a recomputation made of plain ops
-            inputs = [q, k, v]
+            inputs = [q, k, v, *rest]
             wanted = [t.requires_grad for t in inputs]
-            out = _sliced_reference(plan, q, k, v)
+            out = _sliced_reference(plan, q, k, v, sinks)
             sources = [t for t, w in zip(inputs, wanted, strict=True) if w]
             grads = iter(torch.autograd.grad(out, sources, grad_out, create_graph=True, allow_unused=True))
-            return (None, *(next(grads) if w else None for w in wanted))
+            return (None, *(next(grads) if w else None for w in wanted), *([] if ctx.with_sinks else [None]))
         with torch.no_grad():
-            return _SlicedAttention._backward(plan, ctx.tiles, q, k, v, grad_out)
+            return _SlicedAttention._backward(plan, ctx.tiles, q, k, v, sinks, grad_out)
 
     @staticmethod
     def _backward(
-        plan: _Plan, tiles: list[_Tile], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor
+        plan: _Plan,
+        tiles: list[_Tile],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        grad_out: torch.Tensor,
     ) -> tuple[torch.Tensor | None, ...]:
         compute = _compute_dtype(q.dtype)
         batch, heads = grad_out.shape[:2]
         # Per-slice gradients, (b, h, ., .), laid out as the inputs are (heads split from a (b, l, h * d)
         # projection then need no copy to go back); a broadcast input sums its own afterwards.
         dq, dk, dv = (_gradient_like(t, batch, heads, compute) for t in (q, k, v))
+        sink_logits = None if sinks is None else sinks.detach().to(compute).tolist()
+        sink_grads = torch.zeros(batch, heads, dtype=compute, device=q.device)  # per slice, summed over the batch
         inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
 
         def work(s: int, workspace: _Workspace) -> None:
@@ -286,8 +305,9 @@ class _SlicedAttention(torch.autograd.Function):
                 kc, vc = ks[keys], vs[keys]
                 q_scaled = qs[start:end] * plan.scale  # (block, d)
                 q_for_scores = q_scaled if plan.softcap is None else q_scaled / plan.softcap
-                probs, slope = _slice_tile_probs(
-                    q_for_scores, kc, tile, _pick(tile.hidden, b, h), workspace, plan.softcap, want_slope=True
+                sink = None if sink_logits is None else sink_logits[h]
+                probs, whole, slope = _slice_tile_probs(
+                    q_for_scores, kc, tile, _pick(tile.hidden, b, h), workspace, plan.softcap, sink, want_slope=True
                 )
                 g_scaled = gs[start:end]
                 keep = None
@@ -297,10 +317,16 @@ class _SlicedAttention(torch.autograd.Function):
                 empty_rows = _pick(tile.empty, b, h)
                 if empty_rows is not None:
                     g_scaled = g_scaled.masked_fill(empty_rows, 0.0)  # the output of an empty row is a constant zero
-                grad = torch.matmul(g_scaled, vc.t(), out=workspace.get("grad", probs.shape, compute))
+                grad_whole = workspace.get("grad", whole.shape, compute)  # the sink's column: it adds no value
+                grad = torch.matmul(g_scaled, vc.t(), out=grad_whole[:, : probs.shape[1]])  # (block, keys)
                 if keep is not None:
                     grad.mul_(keep)
-                grad = _softmax_backward(grad, probs)  # (block, keys)
+                if sink is not None:
+                    grad_whole[:, -1].zero_()
+                grad_whole = _softmax_backward(grad_whole, whole)  # the sink's column gets its logit's gradient
+                grad = grad_whole[:, : probs.shape[1]]
+                if sink is not None:
+                    sink_grads[b, h] += grad_whole[:, -1].sum()
                 dvs_t[:, keys].addmm_(g_scaled.t().contiguous(), probs if keep is None else probs.mul_(keep))
                 if slope is not None:
                     grad.mul_(slope)  # through the cap, to the logit before it
@@ -315,6 +341,7 @@ class _SlicedAttention(torch.autograd.Function):
             dq.sum_to_size(q.shape).to(q.dtype),
             dk.sum_to_size(k.shape).to(k.dtype),
             dv.sum_to_size(v.shape).to(v.dtype),
+            None if sinks is None else sink_grads.sum(dim=0).to(sinks.dtype),
         )
 
 
@@ -328,7 +355,9 @@ def _sliced_keep_mask(plan: _Plan, index: int, batch: int, heads: int, rows: int
     return torch.stack(tiles).view(batch, heads, rows, width)
 
 
-def _sliced_reference(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _sliced_reference(
+    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor:
     """What :class:`_SlicedAttention` computes, in differentiable ops with the same masks (double backward)."""
     compute = _compute_dtype(q.dtype)
     inverse_keep = 1.0 / dropout_keep_probability(plan.dropout_p)
@@ -342,7 +371,11 @@ def _sliced_reference(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             scores = torch.tanh(scores / plan.softcap) * plan.softcap
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            weights = torch.softmax(scores, dim=-1)
+        else:  # the sink is one more column of the softmax, then left out
+            sink_column = sinks.to(compute)[:, None, None].expand(*scores.shape[:-1], 1)  # (b, h, block, 1)
+            weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
         if plan.dropout_p > 0:
             weights = weights * _sliced_keep_mask(plan, index, batch, heads, end - start, keys) * inverse_keep
         block_out = torch.matmul(weights, vc)  # (b, h, block, dv)

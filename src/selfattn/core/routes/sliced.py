@@ -1,4 +1,4 @@
-"""Dropout or a softcap with no score term on CPU, one ``(batch, head)`` slice at a time in cache-sized tiles.
+"""Dropout or a softcap (sinks with them) and no score term on CPU: one ``(batch, head)`` slice at a time, in tiles.
 
 Shape legend: b batch, h heads, lq queries, dv value size.
 """
@@ -20,8 +20,6 @@ def _declines(call: AttentionCall) -> str | None:
         return "a score term"
     if call.dropout_p == 0 and call.softcap is None:
         return "no dropout and no softcap"
-    if call.sinks is not None:
-        return "sinks (a tile keeps no log-sum-exp to join them to)"
     reason = blocks_decline(call)
     if reason is None and not call.on_cpu:
         reason = "not on CPU"
@@ -34,7 +32,7 @@ def _run(call: AttentionCall) -> Output:
     block = call.block_size or _block_sliced.choose_slice_block(call.num_queries, call.num_keys, dtype=call.dtype)
     plan = plan_for(call, block=block, skip_leading_keys=True)
     q, k, v = heads(call)
-    out: torch.Tensor = _block_sliced._SlicedAttention.apply(plan, q, k, v)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+    out: torch.Tensor = _block_sliced._SlicedAttention.apply(plan, q, k, v, call.sinks)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
     return Output(out)
 
 
