@@ -24,6 +24,7 @@ from selfattn.core.routes.flex import FLEX
 from selfattn.core.routes.fused import FUSED
 from selfattn.core.routes.fused_sinks import FUSED_SINKS
 from selfattn.core.routes.key_row import KEY_ROW
+from selfattn.core.routes.prefix import PREFIX
 from selfattn.core.routes.ragged import RAGGED
 from selfattn.core.routes.ragged_valid_rows import RAGGED_VALID_ROWS
 from selfattn.core.routes.sliced import SLICED
@@ -37,6 +38,7 @@ ROUTES: tuple[Route, ...] = (
     BAND_ONLY,
     BANDED,
     CHUNKS,
+    PREFIX,
     FLEX,
     CAUSAL_KEY_ROWS,
     KEY_ROW,
