@@ -97,10 +97,10 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         "",
         "Softcap and sinks change the softmax, so those calls leave PyTorch's fused kernel: sinks with a causal "
         "mask (or none) take one call of the CPU flash kernel forward and backward, the sink folded in by its "
-        "log-sum-exp (`fused sinks`; with other masks, the same per block); softcap (without sinks) goes one "
-        "(batch, head) slice at a time in cache-sized tiles on one-thread workers (`sliced`), computing each tile's "
-        "scores, their tanh and its slope itself, forward and again backward (tanh is not a bias); softcap with "
-        "sinks goes blockwise over every head at once.",
+        "log-sum-exp (`fused sinks`; with other masks, the same per block); softcap (with or without sinks) goes "
+        "one (batch, head) slice at a time in cache-sized tiles on one-thread workers (`sliced`), computing each "
+        "tile's scores, their tanh and its slope itself, forward and again backward (tanh is not a bias; a sink is "
+        "one more column of the tile's softmax).",
         "",
         spread_note(spread),
         "",
@@ -129,7 +129,14 @@ def run_masks(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         call = mha._describe(_request(mha, x, **kwargs))
         route = mha.explain(x, x, x, **kwargs).route
         pairs = _visible_share(rule, n)
-        share = None if name == "causal" else pairs if route == "chunks" else reached_share(call, block_for(call))
+        if name == "causal":
+            share = None
+        elif route == "chunks":
+            share = pairs
+        elif route == "prefix":  # one causal call over every row, and one call of the prefix among itself
+            share = (n * (n + 1) / 2 + (n // 4) ** 2) / n**2
+        else:
+            share = reached_share(call, block_for(call))
         speedups[name] = r["causal"] / r[name]
         rows.append(
             [
@@ -147,7 +154,8 @@ def run_masks(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         "of the whole module (`mha(x, x, x, mask=rule)`), speed-up over causal alone (`causal=True`, the fused "
         "kernel's own causal mask) in this run. `visible pairs`: share of the (query, key) pairs the rule lets "
         "through; `pairs computed`: share the route computes (blocks of queries skip the keys none of their "
-        "queries reaches; the `chunks` route computes each chunk's own pairs in one fused call; the fused causal "
+        "queries reaches; the `chunks` route computes each chunk's own pairs in one fused call; the `prefix` route "
+        "one fused causal call over every row and one over the prefix among itself; the fused causal "
         "kernel computes about half):",
         "",
         table(["mask", "route", "visible pairs", "pairs computed", "fwd+bwd ms", "speed-up over causal"], rows),
