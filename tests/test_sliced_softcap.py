@@ -238,3 +238,17 @@ def test_the_cap_keeps_nan_and_infinity():
     scores = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.0]])
     block_common._cap_in_place(scores, 2.0, block_common._Workspace(scores.device), want_slope=False)
     assert scores[0, 0].isnan() and scores[0, 1:].tolist() == [2.0, -2.0, 0.0]
+
+
+def test_bfloat16_softcap_and_sinks_compute_in_float32_and_keep_their_dtype(small_tiles):
+    q, k, v = (t.detach().float() for t in _qkv(2, 40, 40, seed=7, dtype=torch.float32, spread=1.0))
+    sinks = torch.tensor([0.2, -0.4, 1.0, 0.0])
+    low = [t.bfloat16().requires_grad_(True) for t in (q, k, v)]
+    got = attention(*low, causal=True, softcap=2.0, sinks=sinks.bfloat16())
+    assert small_tiles and got.dtype == torch.bfloat16
+    want = attention(
+        *(t.bfloat16().float() for t in (q, k, v)), causal=True, softcap=2.0, sinks=sinks.bfloat16().float()
+    )
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    got.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad).all() for t in low)
