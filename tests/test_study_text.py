@@ -186,3 +186,14 @@ def test_t5_buckets_that_only_evaluation_reaches() -> None:
         "only_in_evaluation": sorted({bucket(d, 128) for d in range(82)} - trained),
     }
     assert t5_buckets_reached("copy", KAZEMNEJAD, 40)["only_in_evaluation"] == []
+
+
+def test_resume_refuses_other_settings_and_names_them(tmp_path: Path) -> None:
+    from selfattn._atomic import write_json
+
+    out = tmp_path / "text"
+    out.mkdir()
+    write_json(out / "config.json", {"text": {**TINY.as_dict(), "steps": TINY.steps + 1}})
+    with pytest.raises(ValueError, match=r"--resume: .* other settings \(steps differ\)"):
+        run_text_study(out, TINY, ["none"], seeds=1, resume=True)
+    assert not (out / "runs").exists()  # refused before anything was made

@@ -36,6 +36,7 @@ from selfattn._atomic import check_folder, write_json
 from selfattn.study.deep_stack import ENCODINGS as DEPTH_ENCODINGS
 from selfattn.study.deep_stack import trained_by_depth
 from selfattn.study.long_range import MODELS, summarize_by_distance, train_at_distance
+from selfattn.study.runner import refuse_other_settings
 
 __all__ = ["QUICK_EXERCISES", "ExerciseConfig", "exercise_lines", "load_exercises", "run_exercises"]
 
@@ -143,15 +144,9 @@ def run_exercises(
     folder = out / "exercises"
     saved = config.as_dict()
     config_file = folder / "config.json"
-    if resume and config_file.exists():
-        before = json.loads(config_file.read_text())
-        if before != saved:
-            changed = sorted(k for k in saved if before.get(k) != saved[k])
-            raise ValueError(
-                f"--resume: {folder} was made with other settings ({', '.join(changed)} differ); "
-                "use the same options or another --out"
-            )
-    elif not resume:
+    if resume:
+        refuse_other_settings(config_file, saved, folder)
+    else:
         shutil.rmtree(folder, ignore_errors=True)
     for sub in ("long_range", "by_depth"):
         (folder / sub).mkdir(parents=True, exist_ok=True)

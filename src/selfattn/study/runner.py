@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,6 +44,10 @@ from selfattn.study.training import (
 )
 
 __all__ = ["Grid", "merge_results", "run_study", "summarize"]
+
+#: ``progress(my_specs, steps_of)``: a context manager whose value has ``start_run(spec, done_steps)``,
+#: ``step(step, loss)`` and ``end_run(finished_steps)``.
+ProgressFactory = Callable[[Sequence[RunSpec], Callable[[RunSpec], int]], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -175,9 +179,6 @@ def _deep_stack(out: Path, quick: bool, reuse: bool) -> dict[str, Any]:
     return result
 
 
-ProgressFactory = Callable[[int, int], Any]
-
-
 def run_study(
     out: Path,
     grid: Grid,
@@ -189,7 +190,7 @@ def run_study(
     checkpoint_seconds: float = 5.0,
     deep_stack: bool = True,
     report: bool = True,
-    progress: Callable[[Sequence[RunSpec], Callable[[RunSpec], int]], AbstractContextManager[Any]] | None = None,
+    progress: ProgressFactory | None = None,
 ) -> dict[str, Any] | None:
     """Run (or finish) the grid in ``out``; return the merged results on rank 0, None elsewhere.
 
@@ -216,28 +217,7 @@ def run_study(
     check_folder(out, f"cannot write the study to {str(out)!r}")
     env = _Distributed()
     try:
-        runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"
-        saved = {"study": config.as_dict()}
-        if env.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            config_file = out / "config.json"
-            if resume and config_file.exists():
-                before = json.loads(config_file.read_text())
-                if before != saved:
-                    changed = sorted(k for k in saved["study"] if before.get("study", {}).get(k) != saved["study"][k])
-                    raise ValueError(
-                        f"--resume: {out} was made with other settings ({', '.join(changed)} differ); "
-                        "use the same options or another --out"
-                    )
-            elif not resume:
-                for folder in (runs_dir, checkpoints):
-                    shutil.rmtree(folder, ignore_errors=True)
-            runs_dir.mkdir(exist_ok=True)
-            checkpoints.mkdir(exist_ok=True)
-            shutil.rmtree(claims, ignore_errors=True)  # an earlier call's claims: no rank of it runs now
-            claims.mkdir()
-            write_json(config_file, saved)
-        env.barrier()
+        runs_dir, checkpoints, claims = prepare_runs_folder(out, {"study": config.as_dict()}, env, resume=resume)
         specs = grid.specs()
         pending = [spec for spec in specs if not (runs_dir / f"{spec.key}.json").exists()]
         env.barrier()  # every rank has listed the pending runs before any new one is written
@@ -247,31 +227,22 @@ def run_study(
         if deep_stack and not shared and env.rank == env.world - 1:
             _deep_stack(out, quick, resume)  # cached in DIR for rank 0, while the other ranks train
         mine = iter(pending) if shared else (spec for spec in pending if _claim(claims, spec))
-        shows = env.rank == 0 and progress is not None
 
-        def steps_of(spec: RunSpec) -> int:
-            return config.steps_for(spec.task)
+        def train(spec: RunSpec, checkpoint: Path, on_step: Callable[[int, float], None] | None) -> dict[str, Any]:
+            return train_run(
+                spec,
+                config,
+                checkpoint=checkpoint,
+                checkpoint_seconds=checkpoint_seconds,
+                on_step=on_step,
+                device=env.device,
+                data_parallel=data_parallel,
+            )
 
-        context = progress(pending, steps_of) if shows and progress is not None else nullcontext(None)
-        with context as bars:
-            for spec in mine:
-                checkpoint = checkpoints / f"{spec.key}.pt"
-                if bars is not None:
-                    bars.start_run(spec, _checkpoint_step(checkpoint))
-                run = train_run(
-                    spec,
-                    config,
-                    checkpoint=checkpoint,
-                    checkpoint_seconds=checkpoint_seconds,
-                    on_step=None if bars is None else bars.step,
-                    device=env.device,
-                    data_parallel=data_parallel,
-                )
-                if env.rank == 0 or not data_parallel:
-                    write_json(runs_dir / f"{spec.key}.json", run)
-                if bars is not None:
-                    finished = [done for done in pending if (runs_dir / f"{done.key}.json").exists()]
-                    bars.end_run(sum(steps_of(done) for done in finished))  # by every rank
+        train_pending(
+            pending, mine, train, lambda spec: config.steps_for(spec.task), env=env, runs_dir=runs_dir,
+            checkpoints=checkpoints, data_parallel=data_parallel, progress=progress,
+        )  # fmt: skip
         env.barrier()
         if env.rank != 0:
             return None
@@ -299,6 +270,90 @@ def run_study(
 def _estimated_cost(spec: RunSpec, config: StudyConfig) -> int:
     """Steps times the training sequence length: enough to order runs from long to short."""
     return config.steps_for(spec.task) * get_task(spec.task).sequence_len(config.train_len)
+
+
+def refuse_other_settings(config_file: Path, saved: dict[str, Any], folder: Path) -> None:
+    """Raise when ``config_file`` (an earlier call's) holds other settings than ``saved``, naming those that differ."""
+    if not config_file.exists():
+        return
+    before = json.loads(config_file.read_text())
+    if before == saved:
+        return
+    changed = _differing(before, saved)
+    raise ValueError(
+        f"--resume: {folder} was made with other settings ({', '.join(changed)} differ); "
+        "use the same options or another --out"
+    )
+
+
+def _differing(before: Any, now: dict[str, Any]) -> list[str]:
+    """The keys of ``now`` whose values differ in ``before``, looking inside a value that is a dict on both sides."""
+    changed: list[str] = []
+    for key, value in now.items():
+        old = before.get(key) if isinstance(before, dict) else None
+        if isinstance(value, dict) and isinstance(old, dict):
+            changed += _differing(old, value)
+        elif old != value:
+            changed.append(key)
+    return sorted(changed)
+
+
+def prepare_runs_folder(
+    out: Path, saved: dict[str, Any], env: _Distributed, *, resume: bool
+) -> tuple[Path, Path, Path]:
+    """``out/runs``, ``out/checkpoints`` and a fresh ``out/claims``, made by rank 0 with ``saved`` in ``out/config.json``.
+
+    Without ``resume`` earlier runs and checkpoints are cleared; with it, other settings than
+    ``saved`` are refused (:func:`refuse_other_settings`). Every rank waits for rank 0.
+    """
+    runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"
+    if env.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        config_file = out / "config.json"
+        if resume:
+            refuse_other_settings(config_file, saved, out)
+        else:
+            for folder in (runs_dir, checkpoints):
+                shutil.rmtree(folder, ignore_errors=True)
+        runs_dir.mkdir(exist_ok=True)
+        checkpoints.mkdir(exist_ok=True)
+        shutil.rmtree(claims, ignore_errors=True)  # an earlier call's claims: no rank of it runs now
+        claims.mkdir()
+        write_json(config_file, saved)
+    env.barrier()
+    return runs_dir, checkpoints, claims
+
+
+def train_pending(
+    pending: Sequence[RunSpec],
+    mine: Iterable[RunSpec],
+    train: Callable[[RunSpec, Path, Callable[[int, float], None] | None], dict[str, Any]],
+    steps_of: Callable[[RunSpec], int],
+    *,
+    env: _Distributed,
+    runs_dir: Path,
+    checkpoints: Path,
+    data_parallel: bool,
+    progress: ProgressFactory | None,
+) -> None:
+    """Train this rank's runs (``mine``, of ``pending``) into ``runs_dir/KEY.json``, each resuming its checkpoint.
+
+    ``train(spec, checkpoint, on_step)`` trains one run and returns its record. Rank 0 shows
+    ``progress`` over ``pending``: after each run, the steps of every finished one, whichever
+    rank trained it.
+    """
+    context = progress(pending, steps_of) if env.rank == 0 and progress is not None else nullcontext(None)
+    with context as bars:
+        for spec in mine:
+            checkpoint = checkpoints / f"{spec.key}.pt"
+            if bars is not None:
+                bars.start_run(spec, _checkpoint_step(checkpoint))
+            run = train(spec, checkpoint, None if bars is None else bars.step)
+            if env.rank == 0 or not data_parallel:
+                write_json(runs_dir / f"{spec.key}.json", run)
+            if bars is not None:
+                finished = [done for done in pending if (runs_dir / f"{done.key}.json").exists()]
+                bars.end_run(sum(steps_of(done) for done in finished))
 
 
 def _claim(claims: Path, spec: RunSpec) -> bool:

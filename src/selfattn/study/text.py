@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ from selfattn._atomic import check_folder, write_json, write_text
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
 from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
-from selfattn.study.runner import _checkpoint_step, _claim, _Distributed
+from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
 from selfattn.study.training import (
     ENCODINGS,
     P_ROPE,
@@ -455,9 +453,6 @@ def text_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-ProgressFactory = Callable[[Sequence[RunSpec], Callable[[RunSpec], int]], AbstractContextManager[Any]]
-
-
 def run_text_study(
     out: Path,
     config: TextConfig,
@@ -490,48 +485,29 @@ def run_text_study(
         )
     env = _Distributed()
     try:
-        runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"
-        saved = {"text": config.as_dict()}
-        if env.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            config_file = out / "config.json"
-            if resume and config_file.exists() and json.loads(config_file.read_text()) != saved:
-                raise ValueError(f"--resume: {out} was made with other settings; use the same options or another --out")
-            if not resume:
-                for folder in (runs_dir, checkpoints):
-                    shutil.rmtree(folder, ignore_errors=True)
-            runs_dir.mkdir(exist_ok=True)
-            checkpoints.mkdir(exist_ok=True)
-            shutil.rmtree(claims, ignore_errors=True)
-            claims.mkdir()
-            write_json(config_file, saved)
-        env.barrier()
+        runs_dir, checkpoints, claims = prepare_runs_folder(out, {"text": config.as_dict()}, env, resume=resume)
         specs = [RunSpec("text", encoding, seed) for encoding in encodings for seed in range(seeds)]
         pending = [spec for spec in specs if not (runs_dir / f"{spec.key}.json").exists()]
         env.barrier()
         shared = data_parallel or env.world == 1
         mine = iter(pending) if shared else (spec for spec in pending if _claim(claims, spec))
-        context = progress(pending, lambda spec: config.steps) if env.rank == 0 and progress else nullcontext(None)
-        with context as bars:
-            for spec in mine:
-                checkpoint = checkpoints / f"{spec.key}.pt"
-                if bars is not None:
-                    bars.start_run(spec, _checkpoint_step(checkpoint))
-                run = train_text_run(
-                    spec,
-                    config,
-                    corpus,
-                    checkpoint=checkpoint,
-                    checkpoint_seconds=checkpoint_seconds,
-                    on_step=None if bars is None else bars.step,
-                    device=env.device,
-                    data_parallel=data_parallel,
-                )
-                if env.rank == 0 or not data_parallel:
-                    write_json(runs_dir / f"{spec.key}.json", run)
-                if bars is not None:
-                    finished = [done for done in pending if (runs_dir / f"{done.key}.json").exists()]
-                    bars.end_run(config.steps * len(finished))
+
+        def train(spec: RunSpec, checkpoint: Path, on_step: Callable[[int, float], None] | None) -> dict[str, Any]:
+            return train_text_run(
+                spec,
+                config,
+                corpus,
+                checkpoint=checkpoint,
+                checkpoint_seconds=checkpoint_seconds,
+                on_step=on_step,
+                device=env.device,
+                data_parallel=data_parallel,
+            )
+
+        train_pending(
+            pending, mine, train, lambda spec: config.steps, env=env, runs_dir=runs_dir, checkpoints=checkpoints,
+            data_parallel=data_parallel, progress=progress,
+        )  # fmt: skip
         env.barrier()
         if env.rank != 0:
             return None
