@@ -34,10 +34,11 @@ RotaryScalingName = Literal["default", "linear", "ntk", "dynamic", "yarn", "llam
 RotaryScaling = RotaryScalingName | Mapping[str, Any]
 
 
-def _require_rotary_dim(rotary_dim: int) -> int:
-    rotary_dim = require_positive_int("rotary_dim", rotary_dim)
+def _require_rotary_dim(rotary_dim: int, name: str = "rotary_dim") -> int:
+    """``rotary_dim`` (called ``name`` in the error) as a positive even int."""
+    rotary_dim = require_positive_int(name, rotary_dim)
     if rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even (features are rotated in pairs), got {rotary_dim}")
+        raise ValueError(f"{name} must be even (features are rotated in pairs), got {rotary_dim}")
     return rotary_dim
 
 

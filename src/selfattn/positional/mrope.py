@@ -12,7 +12,13 @@ from typing import Any, ClassVar
 import torch
 
 from selfattn._validation import require_positive_int
-from selfattn.functional._rotary import _angle_dtype, _check_rotary_inputs, _rotate, rotary_frequencies
+from selfattn.functional._rotary import (
+    _angle_dtype,
+    _check_rotary_inputs,
+    _require_rotary_dim,
+    _rotate,
+    rotary_frequencies,
+)
 from selfattn.functional._sinusoidal import _require_base
 from selfattn.positional._tables import KeepsTablePrecision
 from selfattn.positional.base import QueryKeyEncoding
@@ -80,9 +86,7 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.head_dim = require_positive_int("head_dim", head_dim)
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (features are rotated in pairs), got {head_dim}")
+        self.head_dim = _require_rotary_dim(head_dim, "head_dim")
         self.base = _require_base(base)
         self.sections = self._check_sections(default_sections(self.head_dim) if sections is None else sections)
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)

@@ -6,8 +6,12 @@ import math
 
 import torch
 
-from selfattn._validation import require_positive_int
-from selfattn.functional._rotary import _check_rotary_inputs, _rotate_by_positions, rotary_frequencies
+from selfattn.functional._rotary import (
+    _check_rotary_inputs,
+    _require_rotary_dim,
+    _rotate_by_positions,
+    rotary_frequencies,
+)
 from selfattn.positional._tables import KeepsTablePrecision
 from selfattn.positional.base import QueryKeyEncoding
 
@@ -58,9 +62,7 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.head_dim = require_positive_int("head_dim", head_dim)
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (features are rotated in pairs), got {head_dim}")
+        self.head_dim = _require_rotary_dim(head_dim, "head_dim")
         if isinstance(scale_base, bool) or not isinstance(scale_base, (int, float)) or not scale_base > 0:
             raise ValueError(f"scale_base must be a positive number, got {scale_base!r}")
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma < math.inf:
