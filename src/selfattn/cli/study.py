@@ -6,8 +6,9 @@ import argparse
 import signal
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from selfattn.cli._args import (
     ExamplesFormatter,
@@ -121,8 +122,23 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     parser.set_defaults(handler=run)
 
 
+T = TypeVar("T")
+
+
 def _terminate_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _until_interrupted(work: Callable[[], T], rerun: str) -> tuple[bool, T | None]:
+    """``(True, work())``, or ``(False, None)`` after Ctrl-C or SIGTERM, having said how to continue (``rerun``)."""
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        return True, work()
+    except KeyboardInterrupt:
+        print(f"selfattn study: interrupted; rerun with {rerun} to continue", file=sys.stderr)
+        return False, None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_exercises(args: argparse.Namespace) -> int:
@@ -140,19 +156,17 @@ def _run_exercises(args: argparse.Namespace) -> int:
     def tick(description: str) -> None:
         print(f"selfattn study --exercises: {description}", file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-    try:
-        results = run_exercises(
+    finished, results = _until_interrupted(
+        lambda: run_exercises(
             args.out,
             QUICK_EXERCISES if args.quick else ExerciseConfig(),
             resume=args.resume,
             progress=tick if args.progress else None,
-        )
-    except KeyboardInterrupt:
-        print(f"selfattn study: interrupted; rerun with --exercises --resume --out {args.out}", file=sys.stderr)
+        ),
+        f"--exercises --resume --out {args.out}",
+    )
+    if not finished or results is None:
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print("\n".join(exercise_lines(results)))
     return 0
 
@@ -175,10 +189,9 @@ def _run_text(args: argparse.Namespace) -> int:
 
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # as the synthetic study: one thread per rank
-    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     started = time.perf_counter()
-    try:
-        results = run_text_study(
+    finished, results = _until_interrupted(
+        lambda: run_text_study(
             out,
             config,
             encodings,
@@ -187,12 +200,11 @@ def _run_text(args: argparse.Namespace) -> int:
             data_parallel=args.data_parallel,
             checkpoint_seconds=args.checkpoint_seconds,
             progress=grid_progress if args.progress and sys.stderr.isatty() else None,
-        )
-    except KeyboardInterrupt:
-        print(f"selfattn study: interrupted; rerun with --text --resume --out {out} to continue", file=sys.stderr)
+        ),
+        f"--text --resume --out {out}",
+    )
+    if not finished:
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if results is not None:
         print(f"perplexity per byte on held-out text, mean ± sd over {seeds} seed(s) (beyond L in brackets):")
         print("\n".join(text_table(results)))
@@ -234,9 +246,8 @@ def run(args: argparse.Namespace) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         # These models are too small to gain from intra-op threads; use ranks for more cores (torchrun).
         torch.set_num_threads(1)
-    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-    try:
-        results = run_study(
+    finished, results = _until_interrupted(
+        lambda: run_study(
             args.out,
             grid,
             config,
@@ -246,12 +257,11 @@ def run(args: argparse.Namespace) -> int:
             deep_stack=args.deep_stack,
             checkpoint_seconds=args.checkpoint_seconds,
             progress=grid_progress if args.progress and sys.stderr.isatty() else None,
-        )
-    except KeyboardInterrupt:
-        print(f"selfattn study: interrupted; rerun with --resume --out {args.out} to continue", file=sys.stderr)
+        ),
+        f"--resume --out {args.out}",
+    )
+    if not finished:
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if results is not None:
         from selfattn.study.summary import summary_lines
 
