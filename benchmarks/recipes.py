@@ -110,13 +110,14 @@ def run_options(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
 
 def run_masks(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
     n, chunk = args.mask_n, args.chunk
+    prefix = n // 4
     x = torch.randn(BATCH, n, NUM_HIDDENS, generator=torch.Generator().manual_seed(n))
     grad = torch.randn(BATCH, n, NUM_HIDDENS, generator=torch.Generator().manual_seed(n + 1))
     mha = _module()
     rules = {
         "causal": masks.causal(),
         f"causal & chunks({chunk})": masks.causal() & masks.chunks(chunk),
-        f"causal | prefix({n // 4})": masks.causal() | masks.prefix(n // 4),
+        f"causal | prefix({prefix})": masks.causal() | masks.prefix(prefix),
     }
     cases = {"causal": _fwd_bwd(mha, x, grad, causal=True)}
     cases.update({name: _fwd_bwd(mha, x, grad, mask=rule) for name, rule in rules.items() if name != "causal"})
@@ -134,7 +135,7 @@ def run_masks(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
         elif route == "chunks":
             share = pairs
         elif route == "prefix":  # one causal call over every row, and one call of the prefix among itself
-            share = (n * (n + 1) / 2 + (n // 4) ** 2) / n**2
+            share = (n * (n + 1) / 2 + prefix**2) / n**2
         else:
             share = reached_share(call, block_for(call))
         speedups[name] = r["causal"] / r[name]
@@ -170,8 +171,8 @@ def run_masks(args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
             verdict(speedups[chunked] >= 4),
         ],
         [
-            f"(information) causal \\| prefix({n // 4}) vs causal alone",
-            ratio(speedups[f"causal | prefix({n // 4})"]),
+            f"(information) causal \\| prefix({prefix}) vs causal alone",
+            ratio(speedups[f"causal | prefix({prefix})"]),
             "-",
         ],
     ]

@@ -26,7 +26,7 @@ from selfattn.functional._block_plan import _Plan
 from selfattn.functional._dropout_masks import _keep_factors, _keep_mask, dropout_keep_probability
 from selfattn.masks import Causal
 
-# Dropout or a softcap on CPU (no score term, no sinks): one (batch, head) slice at a time, so
+# Dropout or a softcap (sinks with either) on CPU, no score term: one (batch, head) slice at a time, so
 # that a tile of scores stays in cache between its matrix products and its elementwise passes,
 # and the slices go to worker threads that each run PyTorch ops on one thread (see _slice_pool).
 SLICE_TILE_BYTES = 2 * 2**20
@@ -206,7 +206,7 @@ def _slice_tile_probs(
 
 
 class _SlicedAttention(torch.autograd.Function):
-    """Attention with dropout and/or a softcap and no score term on CPU, tile by tile of one ``(batch, head)`` slice.
+    """Attention with dropout and/or a softcap (and sinks) and no score term on CPU, tile by tile of one slice.
 
     Tile ``(slice s, block i)`` has ``(block, keys)`` scores (2 MiB, :func:`choose_slice_block`),
     so its cap, softmax, keep mask and products read what the previous step left in cache
