@@ -19,6 +19,7 @@ Rank 0 merges and writes the report.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -228,20 +229,10 @@ def run_study(
             _deep_stack(out, quick, resume)  # cached in DIR for rank 0, while the other ranks train
         mine = iter(pending) if shared else (spec for spec in pending if _claim(claims, spec))
 
-        def train(spec: RunSpec, checkpoint: Path, on_step: Callable[[int, float], None] | None) -> dict[str, Any]:
-            return train_run(
-                spec,
-                config,
-                checkpoint=checkpoint,
-                checkpoint_seconds=checkpoint_seconds,
-                on_step=on_step,
-                device=env.device,
-                data_parallel=data_parallel,
-            )
-
         train_pending(
-            pending, mine, train, lambda spec: config.steps_for(spec.task), env=env, runs_dir=runs_dir,
-            checkpoints=checkpoints, data_parallel=data_parallel, progress=progress,
+            pending, mine, functools.partial(train_run, config=config), lambda spec: config.steps_for(spec.task),
+            env=env, runs_dir=runs_dir, checkpoints=checkpoints, checkpoint_seconds=checkpoint_seconds,
+            data_parallel=data_parallel, progress=progress,
         )  # fmt: skip
         env.barrier()
         if env.rank != 0:
@@ -327,18 +318,21 @@ def prepare_runs_folder(
 def train_pending(
     pending: Sequence[RunSpec],
     mine: Iterable[RunSpec],
-    train: Callable[[RunSpec, Path, Callable[[int, float], None] | None], dict[str, Any]],
+    train: Callable[..., dict[str, Any]],
     steps_of: Callable[[RunSpec], int],
     *,
     env: _Distributed,
     runs_dir: Path,
     checkpoints: Path,
+    checkpoint_seconds: float,
     data_parallel: bool,
     progress: ProgressFactory | None,
 ) -> None:
     """Train this rank's runs (``mine``, of ``pending``) into ``runs_dir/KEY.json``, each resuming its checkpoint.
 
-    ``train(spec, checkpoint, on_step)`` trains one run and returns its record. Rank 0 shows
+    ``train(spec, checkpoint=, checkpoint_seconds=, on_step=, device=, data_parallel=)`` trains
+    one run and returns its record (:func:`~selfattn.study.training.train_run` with its
+    config bound, or the text study's). Rank 0 shows
     ``progress`` over ``pending``: after each run, the steps of every finished one, whichever
     rank trained it.
     """
@@ -348,7 +342,14 @@ def train_pending(
             checkpoint = checkpoints / f"{spec.key}.pt"
             if bars is not None:
                 bars.start_run(spec, _checkpoint_step(checkpoint))
-            run = train(spec, checkpoint, None if bars is None else bars.step)
+            run = train(
+                spec,
+                checkpoint=checkpoint,
+                checkpoint_seconds=checkpoint_seconds,
+                on_step=None if bars is None else bars.step,
+                device=env.device,
+                data_parallel=data_parallel,
+            )
             if env.rank == 0 or not data_parallel:
                 write_json(runs_dir / f"{spec.key}.json", run)
             if bars is not None:

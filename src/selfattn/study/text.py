@@ -22,6 +22,7 @@ Shape legend: b batch (windows), l window length, v vocabulary (256 bytes).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -492,20 +493,9 @@ def run_text_study(
         shared = data_parallel or env.world == 1
         mine = iter(pending) if shared else (spec for spec in pending if _claim(claims, spec))
 
-        def train(spec: RunSpec, checkpoint: Path, on_step: Callable[[int, float], None] | None) -> dict[str, Any]:
-            return train_text_run(
-                spec,
-                config,
-                corpus,
-                checkpoint=checkpoint,
-                checkpoint_seconds=checkpoint_seconds,
-                on_step=on_step,
-                device=env.device,
-                data_parallel=data_parallel,
-            )
-
         train_pending(
-            pending, mine, train, lambda spec: config.steps, env=env, runs_dir=runs_dir, checkpoints=checkpoints,
+            pending, mine, functools.partial(train_text_run, config=config, corpus=corpus), lambda spec: config.steps,
+            env=env, runs_dir=runs_dir, checkpoints=checkpoints, checkpoint_seconds=checkpoint_seconds,
             data_parallel=data_parallel, progress=progress,
         )  # fmt: skip
         env.barrier()
