@@ -258,11 +258,18 @@ def check_skip_padded_queries(
 def zero_padding(
     valid_rows: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inputs with their padded rows zeroed (``valid_rows`` ``(b, l)``), each shared tensor zeroed once."""
-    padded = ~valid_rows[:, :, None]  # (b, l, 1)
+    """The inputs with their padded rows zeroed, each shared tensor zeroed once.
+
+    ``valid_rows`` ``(b, l)`` marks the valid query rows. The keys and values are the same
+    tokens (self-attention), possibly cut after the longest valid length ``lk <= l``: their
+    rows are marked by ``valid_rows[:, :lk]``, never by the whole mask, which would broadcast
+    a shorter key tensor to ``l`` rows.
+    """
     zeroed: dict[int, torch.Tensor] = {}
     for x in (queries, keys, values):
         if id(x) not in zeroed:
+            assert x.shape[1] <= valid_rows.shape[1], "keys are never longer than the queries here"
+            padded = ~valid_rows[:, : x.shape[1], None]  # (b, l or lk, 1)
             zeroed[id(x)] = x.masked_fill(padded, 0.0)  # masked_fill, not a product: a NaN there is dropped
     return zeroed[id(queries)], zeroed[id(keys)], zeroed[id(values)]
 
