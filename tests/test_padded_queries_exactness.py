@@ -247,3 +247,21 @@ def test_every_row_padded_leaves_the_valid_rows_route():
     explanation = mha.explain(x, x, x, torch.tensor([0, 0]))
     assert ("ragged valid rows", "no valid row (every valid length is 0)") in explanation.declined
     assert mha.explain(x, x, x, torch.tensor([0, 3])).route == "ragged valid rows"
+
+
+def test_sliced_route_with_softcap_on_a_long_short_batch():
+    """Softcap over at least 2**16 scores takes the sliced route; a float64 dense formula per sequence checks it."""
+    lengths, length = [290, 3], 300
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 2, softcap=2.0, skip_padded_queries=True, bias=True).double()
+    x = torch.randn(2, length, 8, dtype=torch.float64)
+    x[1, 3:] = float("nan")
+    assert mha.explain(x, x, x, torch.tensor(lengths)).route == "sliced"
+    out = mha(x, x, x, torch.tensor(lengths))
+    for row, n in enumerate(lengths):
+        tokens = x[row, :n]  # (n, d)
+        q, k, v = (linear(tokens).view(n, 2, 4).transpose(0, 1) for linear in (mha.W_q, mha.W_k, mha.W_v))
+        scores = 2.0 * torch.tanh(q @ k.transpose(1, 2) / 4**0.5 / 2.0)  # (h, n, n), softcapped
+        expected = mha.W_o((scores.softmax(-1) @ v).transpose(0, 1).reshape(n, 8))
+        torch.testing.assert_close(out[row, :n], expected, atol=1e-10, rtol=1e-9)
+        assert (out[row, n:] == 0).all()
