@@ -14,7 +14,7 @@ import torch
 
 import selfattn._validation as _validation
 import selfattn.masks as masks
-from selfattn._validation import ArgumentTypeError, require_position
+from selfattn._validation import ArgumentTypeError, require_bool, require_position
 from selfattn.cache import KVCache
 from selfattn.core.documents import cumulative_lengths_to_document_ids, document_positions
 
@@ -316,6 +316,7 @@ def check_request(
     mask: masks.Rule | None = None,
 ) -> Request:
     """Check every argument; derive positions, document ids and the rows that are padding."""
+    causal, return_weights = require_bool("causal", causal), require_bool("return_weights", return_weights)
     check_inputs(module, queries, keys, values)
     if mask is not None and not isinstance(mask, masks.Rule):
         raise ValueError(
