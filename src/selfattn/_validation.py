@@ -10,6 +10,7 @@ import torch
 __all__ = [
     "MAX_EXACT_POSITION",
     "ArgumentTypeError",
+    "require_bool",
     "require_dtype",
     "require_floating",
     "require_non_negative_int",
@@ -27,6 +28,13 @@ MAX_EXACT_POSITION = 2**53
 
 class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type: a ``TypeError`` that ``except ValueError`` also catches."""
+
+
+def require_bool(name: str, value: object) -> bool:
+    """``value`` if it is ``True`` or ``False``: a string, a number or a tensor is refused, not read as truthy."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
 
 
 def require_positive_int(name: str, value: object) -> int:

@@ -63,6 +63,22 @@ def _for_heads(positions: torch.Tensor) -> torch.Tensor:
     return positions if positions.dim() == 3 else _per_head(positions)
 
 
+def _check_position_sizes(position: PositionalEncoding | None, num_heads: int, head_dim: int) -> None:
+    """Refuse an encoding built for another head count or head size, here rather than deep in a forward pass.
+
+    Score encodings record the heads they bias (``num_heads``: ALiBi, T5, Kerple, FIRE); the
+    others the head size they act on (``head_dim``: rotary, xPos, M-RoPE, Shaw).
+    """
+    built_heads, built_size = getattr(position, "num_heads", None), getattr(position, "head_dim", None)
+    name = type(position).__name__
+    if isinstance(built_heads, int) and built_heads != num_heads:
+        raise ValueError(f"position={name} built for {built_heads} heads, the layer has {num_heads}")
+    if isinstance(built_size, int) and built_size != head_dim:
+        raise ValueError(
+            f"position={name} built for head size {built_size}, the layer's is {head_dim} (num_hiddens / num_heads)"
+        )
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head scaled dot-product attention, named as in the chapter.
 
@@ -94,6 +110,8 @@ class MultiHeadAttention(nn.Module):
             ``num_hiddens``): a model whose ``h * dh`` differs from its hidden size (Gemma, gpt-oss).
         position: a query/key encoding (rotary) or a score encoding (ALiBi, T5, Shaw, Kerple,
             FIRE) applied inside attention. Encodings added to the input are applied by the caller.
+            It must be built for this layer: for ``num_heads`` heads (score encodings) or head
+            size ``num_hiddens / num_heads`` (rotary, xPos, M-RoPE, Shaw), else ``ValueError``.
         num_kv_heads: heads of the keys and values ``hk`` (grouped-query attention; 1 is
             multi-query attention); must divide ``num_heads``. Key/value head ``j`` serves
             query heads ``j * g .. j * g + g - 1`` (``g = h / hk``, as Llama's ``repeat_kv``),
@@ -205,6 +223,7 @@ class MultiHeadAttention(nn.Module):
                 f"position must rotate queries/keys or bias the scores, got {type(position).__name__} "
                 "(add input encodings to the input instead)"
             )
+        _check_position_sizes(position, self.num_heads, self.head_dim)
         self.position = position
         self.block_size = None if block_size is None else require_positive_int("block_size", block_size)
         if not isinstance(skip_padded_queries, bool):
@@ -368,6 +387,7 @@ class MultiHeadAttention(nn.Module):
                 (with a cache, ``j`` counts every key stored, and lengths may reach
                 ``cache.max_len``).
             causal: query ``i`` sees only keys up to its own index (lower-right aligned).
+                ``True`` or ``False`` (anything else raises ``ValueError``, as for ``return_weights``).
             return_weights: also return the ``(b, h, lq, lk)`` attention weights.
             offset: position of the first query (default 0, or ``cache.length``); the
                 shorthand for ``positions = offset + arange(lq)``.

@@ -14,7 +14,7 @@ import torch
 
 import selfattn._validation as _validation
 import selfattn.masks as masks
-from selfattn._validation import ArgumentTypeError, require_position
+from selfattn._validation import ArgumentTypeError, require_bool, require_position
 from selfattn.cache import KVCache
 from selfattn.core.documents import cumulative_lengths_to_document_ids, document_positions
 
@@ -258,11 +258,18 @@ def check_skip_padded_queries(
 def zero_padding(
     valid_rows: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inputs with their padded rows zeroed (``valid_rows`` ``(b, l)``), each shared tensor zeroed once."""
-    padded = ~valid_rows[:, :, None]  # (b, l, 1)
+    """The inputs with their padded rows zeroed, each shared tensor zeroed once.
+
+    ``valid_rows`` ``(b, l)`` marks the valid query rows. The keys and values are the same
+    tokens (self-attention), possibly cut after the longest valid length ``lk <= l``: their
+    rows are marked by ``valid_rows[:, :lk]``, never by the whole mask, which would broadcast
+    a shorter key tensor to ``l`` rows.
+    """
     zeroed: dict[int, torch.Tensor] = {}
     for x in (queries, keys, values):
         if id(x) not in zeroed:
+            assert x.shape[1] <= valid_rows.shape[1], "keys are never longer than the queries here"
+            padded = ~valid_rows[:, : x.shape[1], None]  # (b, l or lk, 1)
             zeroed[id(x)] = x.masked_fill(padded, 0.0)  # masked_fill, not a product: a NaN there is dropped
     return zeroed[id(queries)], zeroed[id(keys)], zeroed[id(values)]
 
@@ -309,6 +316,7 @@ def check_request(
     mask: masks.Rule | None = None,
 ) -> Request:
     """Check every argument; derive positions, document ids and the rows that are padding."""
+    causal, return_weights = require_bool("causal", causal), require_bool("return_weights", return_weights)
     check_inputs(module, queries, keys, values)
     if mask is not None and not isinstance(mask, masks.Rule):
         raise ValueError(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import selfattn.core.dispatch as dispatch
-from selfattn._validation import require_probability
+from selfattn._validation import require_bool, require_probability
 from selfattn.core.call import AttentionCall
 from selfattn.functional._kernels import (
     _check_groups,
@@ -87,7 +87,8 @@ def attention(
 
     Raises:
         ValueError: q, k, v of mismatched shapes, dtypes or devices, a head size of 0, a mask
-            or bias that does not broadcast to ``(b, h, lq, lk)``, a bad ``scale`` or ``dropout_p``.
+            or bias that does not broadcast to ``(b, h, lq, lk)``, a bad ``scale`` or ``dropout_p``,
+            a ``causal`` or ``return_weights`` other than ``True`` or ``False``.
     """
     call = describe_attention(
         q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale, softcap=softcap, sinks=sinks,
@@ -112,9 +113,11 @@ def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **opti
     _check_groups(q, k, v)  # raises for heads that do not divide
     mask, bias = check_mask_and_bias(options.get("mask"), options.get("bias"), q, k)
     softcap, sinks = check_softcap_and_sinks(options.get("softcap"), options.get("sinks"), q)
-    rules = (causal_rule() if options.get("causal") else None, None if mask is None else dense(mask))
+    causal = require_bool("causal", options.get("causal", False))
+    return_weights = require_bool("return_weights", options.get("return_weights", False))
+    rules = (causal_rule() if causal else None, None if mask is None else dense(mask))
     return AttentionCall.of_heads(
         q, k, v, Visibility.lower_right(q.shape[-2], k.shape[-2], *rules), bias=bias, dropout_p=dropout_p,
         scale=_scale(options.get("scale"), q.shape[-1]), softcap=softcap, sinks=sinks,
-        return_weights=bool(options.get("return_weights")),
+        return_weights=return_weights,
     )  # fmt: skip

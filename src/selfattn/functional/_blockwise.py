@@ -70,7 +70,7 @@ from __future__ import annotations
 import torch
 
 import selfattn.core.dispatch as dispatch
-from selfattn._validation import require_positive_int, require_probability
+from selfattn._validation import require_bool, require_positive_int, require_probability
 from selfattn.core.call import AttentionCall
 from selfattn.functional._block_common import ScoreTerm, choose_block_size
 from selfattn.functional._dropout_masks import dropout_keep_probability
@@ -124,7 +124,7 @@ def blockwise_attention(
     Returns:
         ``(b, h, lq, dv)``.
     """
-    dropout_p = require_probability("dropout_p", dropout_p)
+    dropout_p, causal = require_probability("dropout_p", dropout_p), require_bool("causal", causal)
     q_positions, k_positions = _check_inputs(q, k, v, term, q_positions, k_positions, mask)
     if block_size is not None:
         block_size = require_positive_int("block_size", block_size)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from selfattn._validation import require_bool
 from selfattn.core.call import AttentionCall
 from selfattn.masks import Visibility, dense
 from selfattn.masks import causal as causal_rule
@@ -82,6 +83,7 @@ def flex_score_attention(
     Returns:
         ``(b, h, lq, dv)``.
     """
+    causal = require_bool("causal", causal)
     visibility = Visibility.lower_right(q.shape[-2], k.shape[-2], causal_rule() if causal else None)
     if mask is not None:
         visibility = visibility & dense(mask)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from selfattn._validation import require_positive_int
+from selfattn._validation import require_bool, require_positive_int
 from selfattn.functional import alibi_slopes, relative_distances
 from selfattn.positional._tables import KeepsTablePrecision
 from selfattn.positional.base import ScoreEncoding
@@ -50,7 +50,7 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
     ):
         super().__init__()
         self.num_heads = require_positive_int("num_heads", num_heads)
-        self.causal = bool(causal)
+        self.causal = require_bool("causal", causal)
         self.register_buffer("slopes", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
         self._build_tables()
 

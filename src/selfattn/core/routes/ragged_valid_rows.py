@@ -17,6 +17,10 @@ def _declines(call: AttentionCall) -> str | None:
     reason = ragged_declines(call)
     if reason is None and call.inputs is not None and not call.inputs.skip_padded_queries:
         reason = "padded queries are kept (skip_padded_queries=False)"
+    if reason is None and call.ragged_lengths is not None and max(call.ragged_lengths, default=0) == 0:
+        # Every row is padding: no group would run, and a fresh zero buffer would leave the output out of the
+        # autograd graph (backward() raising). The masked routes compute the zeros from the inputs instead.
+        reason = "no valid row (every valid length is 0)"
     return reason
 
 
