@@ -191,7 +191,12 @@ CASES = {
         "blockwise", d=6, dv=4, rules=["causal"], padding="left", sinks=True, softcap=2.0, block_size=4
     ),
     "sliced softcap sinks dv < d": Case("sliced", lq=256, lk=256, d=6, dv=4, rules=["causal"], sinks=True, softcap=3.0),
-    "sliced softcap dv > d padded": Case("sliced", lq=256, lk=256, d=3, dv=5, padding="left", softcap=3.0),
+    "sliced softcap dv > d causal left padding": Case(
+        "sliced", lq=256, lk=256, d=3, dv=5, rules=["causal"], padding="left", softcap=3.0
+    ),
+    "blockwise softcap window left padding": Case(
+        "blockwise", rules=["causal", "window2"], padding="left", softcap=2.0, block_size=4
+    ),
     # one band of a relative term: rows empty only under causality
     "band t5 causal left padding": Case("blockwise band", rules=["causal"], padding="left", term=t5),
     "band kerple causal left padding": Case("blockwise band", rules=["causal"], padding="left", term=kerple),
@@ -379,6 +384,8 @@ def test_left_padded_causal_band_gradients(encoding: str) -> None:
     padding = torch.zeros(2, 6, dtype=torch.bool)
     padding[0, :2] = True
     assert mha.explain(x, x, x, causal=True, key_padding_mask=padding).route == "blockwise band"
+    dense = mha.explain(x, x, x, causal=True, key_padding_mask=padding, return_weights=True)
+    assert dense.route == "explicit"  # the reference: the whole score matrix in plain ops
     out, grads = _module_grads(mha, x, causal=True, key_padding_mask=padding)
     expected, expected_grads = _module_grads(mha, x, causal=True, key_padding_mask=padding, return_weights=True)
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
