@@ -17,8 +17,75 @@ __all__ = ["BLOCK_BYTES", "MAX_BLOCK", "MIN_BLOCK", "ScoreTerm", "choose_block_s
 BLOCK_BYTES = 32 * 2**20
 MIN_BLOCK, MAX_BLOCK = 16, 512
 
-_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# PyTorch's CPU flash kernel, bound raw (it returns the log-sum-exp the blocks merge by). It reads
+# q, k, v, the output and its gradient by their batch, head and row strides but assumes each row's
+# entries adjacent (stride 1 in the last dimension), and it takes one head size for q, k and v: call
+# it only through _flash_forward and _flash_backward, which hand it such tensors.
+_raw_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_raw_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _kernel_layout(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as the flash kernel reads it: last dimension ``width`` (zero columns appended) and stride 1 there.
+
+    Copies only when needed: a head sliced with a step, a transposed head, or a head size
+    smaller than the widest of q, k and v.
+    """
+    if t.shape[-1] < width:
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        return t.contiguous()
+    return t
+
+
+def _flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's ``(out (b, h, lq, dv), lse (b, h, lq))`` for any strides and any ``dv``.
+
+    A value head size other than ``d`` is served by zero columns: appended to q and k they add
+    nothing to a score, appended to v they give output columns of zeros, cut off here.
+    """
+    width = max(q.shape[-1], v.shape[-1])
+    out, lse = _raw_flash_forward(
+        _kernel_layout(q, width), _kernel_layout(k, width), _kernel_layout(v, width), dropout_p, is_causal,
+        attn_mask=attn_mask, scale=scale,
+    )  # fmt: skip
+    return out[..., : v.shape[-1]], lse
+
+
+def _flash_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's gradients ``(dq, dk, dv)`` of :func:`_flash_forward`, for any strides and any ``dv``.
+
+    The zero columns of the forward go in again (those of the output and its gradient add
+    nothing to a row's ``sum(dO * O)``) and the gradients of them are cut off.
+    """
+    width = max(q.shape[-1], v.shape[-1])
+    dq, dk, dv = _raw_flash_backward(
+        _kernel_layout(grad_out, width), _kernel_layout(q, width), _kernel_layout(k, width),
+        _kernel_layout(v, width), _kernel_layout(out, width), lse, dropout_p, is_causal,
+        attn_mask=attn_mask, scale=scale,
+    )  # fmt: skip
+    return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
 
 
 class ScoreTerm(Protocol):

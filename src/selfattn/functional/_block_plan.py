@@ -15,7 +15,7 @@ from torch.nn.utils import stateless
 from selfattn.functional._block_clipped import _Clipped
 from selfattn.functional._block_common import ScoreTerm, _as_4d, _Workspace
 from selfattn.functional._dropout_masks import _keep_factors, _keep_mask
-from selfattn.masks import Visibility
+from selfattn.masks import Causal, Visibility
 
 
 @dataclass
@@ -142,10 +142,15 @@ class _Plan:
     def visible(self, start: int, end: int, keys: slice, device: torch.device) -> torch.Tensor | None:
         """Bool, True = attend, broadcastable to ``(b, h, block, keys)``; None when all are visible.
 
-        With a band the causal part is already in the band's ``-inf`` and is left out here.
+        With a band and causality alone the causal part is already in the band's ``-inf`` and is
+        left out here. With any other rule it stays in: a query may then see no key only because
+        of causality (the first queries of a left-padded row), and the empty rows are found from
+        this mask (the blocks zero them; a softmax over a row of ``-inf`` would be NaN).
         """
         # A softcap would turn the band's -inf into -softcap: then the mask hides the future itself.
-        skip_causal = self.band_base is not None and self.softcap is None
+        band_hides_future = self.band_base is not None and self.softcap is None
+        every_query_sees_a_key = self.visibility.only(Causal) and self.visibility.q_first >= self.visibility.k_first
+        skip_causal = band_hides_future and every_query_sees_a_key
         return self.visibility.block(start, end, keys, device=device, skip_causal=skip_causal)
 
     def keep(self, index: int, shape: Sequence[int], device: torch.device) -> torch.Tensor:
