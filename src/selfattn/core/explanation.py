@@ -7,6 +7,7 @@ that every route of :data:`~selfattn.core.dispatch.ROUTES` has a note and a sect
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 __all__ = ["ROUTE_NOTES", "ROUTES_PAGE", "Explanation", "route_anchor"]
@@ -92,9 +93,13 @@ ROUTE_NOTES: dict[str, tuple[str, str]] = {
 
 
 def route_anchor(route: str) -> str:
-    """The heading anchor of ``route`` on the routes page (as mkdocs' toc makes it: lower case, dashes)."""
-    kept = "".join(c if c.isalnum() else " " for c in route.lower())
-    return "-".join(kept.split())
+    """The heading anchor of ``route`` on the routes page, as Python-Markdown's toc makes it.
+
+    Characters other than letters, digits, ``_``, ``-`` and spaces are dropped, then runs of
+    spaces and dashes become one dash: ``"explicit softcap/sinks"`` -> ``"explicit-softcapsinks"``.
+    """
+    kept = re.sub(r"[^\w\s-]", "", route).strip().lower()
+    return re.sub(r"[-\s]+", "-", kept)
 
 
 @dataclass(frozen=True)
