@@ -134,7 +134,7 @@ class Explanation:
             lines.append("declined before it:" if self.declined else "declined before it: none (it is tried first)")
             lines += [f"  {name}: {reason}" for name, reason in self.declined]
         elif self.declined:
-            lines.append(f"({len(self.declined)} routes before it declined; verbose=True says why)")
+            lines.append(f"({len(self.declined)} routes before it declined: .describe(verbose=True) says why)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
