@@ -1,6 +1,9 @@
 import os
+import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -9,3 +12,24 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py
 torch.set_num_threads(1)  # pytest -n 2 runs two workers on two cores
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The documentation site of this checkout, built once with ``mkdocs build --strict`` (as ``make docs``).
+
+    Shared by tests/test_docs.py and tests/test_docs_coverage.py: one build (minutes under load) for both.
+    """
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' (make test installs it)")
+    pytest.importorskip(
+        "mkdocstrings_handlers.python", reason="mkdocstrings[python] is not installed: pip install -e '.[docs]'"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("docs") / "site"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(root / "mkdocs.yml")]
+    build = subprocess.run(
+        [*command, "--site-dir", str(out)], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert build.returncode == 0, f"mkdocs build --strict failed:\n{build.stdout}\n{build.stderr}"
+    return out

@@ -138,12 +138,12 @@ def test_the_sample_config_is_llama_3_1s_rotary_setup():
 
 
 def test_the_readme_example_runs_and_measures_what_the_readme_says(tmp_path, capsys, monkeypatch):
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "guides" / "positional.md").read_text(encoding="utf-8")  # moved from README.md
     (line,) = [line for line in readme.splitlines() if line.startswith("selfattn rotary --config")]
     argv = shlex.split(line, comments=True)[1:]
     plot = argv.index("--plot") + 1
     argv[plot] = str(tmp_path / argv[plot])
-    monkeypatch.chdir(ROOT)  # the README's path is relative to the repository
+    monkeypatch.chdir(ROOT)  # the page's path is relative to the repository
     status, out, err = run_cli(argv, capsys)
     assert status == 0, err
     assert (tmp_path / "wavelengths.png").stat().st_size > 1000

@@ -53,7 +53,7 @@ _HOMES = {
     "attention": "selfattn.functional",
     "sinusoidal_table": "selfattn.functional",
 }
-_SUBPACKAGES = ("attention", "cache", "functional", "models", "positional")
+_SUBPACKAGES = ("attention", "cache", "functional", "integrations", "masks", "models", "nn", "positional")
 
 
 def __getattr__(name: str) -> Any:

@@ -6,19 +6,18 @@ import argparse
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
 from selfattn._atomic import check_folder
+from selfattn.cli._names import ENCODINGS, ROTATED_AXES, ROTATING_ENCODINGS
 
 __all__ = [
     "add_progress_flag",
     "ExamplesFormatter",
-    "LazyChoices",
     "OneLineErrorParser",
-    "kind_names",
     "add_kind_argument",
+    "check_heads",
     "non_negative_int",
     "positive_float",
     "positive_int",
@@ -74,50 +73,35 @@ def positive_float(text: str) -> float:
     return value
 
 
-class LazyChoices:
-    """An argparse ``choices`` read from a module only when argparse checks or shows them.
-
-    The names of encodings and tasks live in modules that import torch; building every
-    subcommand's parser (``selfattn --help``) must not. Give the argument a ``metavar`` (argparse
-    lists ``choices`` in its usage line otherwise) and name them in the help with ``%(choices)s``.
-    """
-
-    def __init__(self, load: Callable[[], Iterable[str]]) -> None:
-        self._load = load
-        self._names: tuple[str, ...] | None = None
-
-    def _loaded(self) -> tuple[str, ...]:
-        if self._names is None:
-            self._names = tuple(self._load())
-        return self._names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._loaded())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._loaded()
-
-
-def _registry_names() -> Iterable[str]:
-    from selfattn.positional import NAMES
-
-    return NAMES
-
-
-def kind_names() -> LazyChoices:
-    """Encodings :func:`selfattn.positional.build` knows, loaded when first needed."""
-    return LazyChoices(_registry_names)
-
-
-def add_kind_argument(parser: argparse.ArgumentParser) -> None:
-    """``--kind``: the encoding, one of the registry's names (listed lazily: torch loads only when asked)."""
+def add_kind_argument(parser: argparse.ArgumentParser, names: tuple[str, ...] = ENCODINGS) -> None:
+    """``--kind``: the encoding, one of ``names`` (plain data: listing them does not import torch)."""
     parser.add_argument(
         "--kind",
-        choices=kind_names(),
+        choices=names,
         default="sinusoidal",
         metavar="KIND",
         help="the encoding: %(choices)s (default: %(default)s)",
     )
+
+
+def check_heads(kind: str, num_hiddens: int, num_heads: int) -> None:
+    """Refuse ``-d`` / ``--heads`` that the encoding ``kind`` cannot split, naming the flags (not the library's names)."""
+    if num_hiddens % num_heads:
+        raise ValueError(
+            f"-d {num_hiddens} is not divisible by --heads {num_heads} (each head takes -d / --heads features)"
+        )
+    head = num_hiddens // num_heads
+    if kind in ROTATING_ENCODINGS and head % 2:
+        raise ValueError(
+            f"-d {num_hiddens} with --heads {num_heads} gives heads of {head} features; {kind} rotates features in "
+            "pairs, so -d / --heads must be even"
+        )
+    axes = ROTATED_AXES.get(kind, 1)
+    if kind in ROTATING_ENCODINGS and head < 2 * axes:
+        raise ValueError(
+            f"-d {num_hiddens} with --heads {num_heads} gives heads of {head} features; {kind} rotates {axes} axes "
+            f"of at least 2 features each, so -d / --heads must be at least {2 * axes}"
+        )
 
 
 def stderr_line(message: str) -> None:

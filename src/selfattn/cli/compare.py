@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from selfattn._atomic import atomic_write_path
 from selfattn.cli._args import (
@@ -83,6 +84,23 @@ def _check_size(args: argparse.Namespace) -> None:
     require_memory(f"the layers at n={n}, d={d}, k={k}", need)
 
 
+def wall_clock_lines(results: dict[str, Any]) -> list[str]:
+    """The forward pass's wall-clock time per layer over the n sweep, and the exponent fitted to it."""
+    from selfattn.tour import comparison
+
+    ns = results["sweep"]["n"]
+    lines = [f"forward wall-clock on this machine, median ms at n = {' '.join(str(n) for n in ns)}:"]
+    for kind in comparison.KINDS:
+        entry, label = results[kind], comparison.CHAPTER[kind]["label"]
+        times = "".join(f"{seconds * 1e3:<9.3g}" for seconds in entry["seconds_by_n"])
+        low, high = entry["time_exponent_spread"]
+        lines.append(
+            f"{label:<16}{times}~ n^{entry['time_exponent_n']:.2f} (rounds {low:.2f}..{high:.2f}, "
+            f"fitted from n={entry['time_fit_from_n']})"
+        )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     from selfattn.tour import comparison
     from selfattn.tour.runner import comparison_lines, progress_bar
@@ -114,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             progress=advance,
         )
-    print("\n".join(comparison_lines(results)))
+    print("\n".join([*comparison_lines(results), "", *wall_clock_lines(results)]))
     if args.json is not None:
         with atomic_write_path(args.json) as tmp:
             tmp.write_text(json.dumps(results, indent=1))

@@ -11,6 +11,7 @@ from selfattn.cli._args import (
     ExamplesFormatter,
     OneLineErrorParser,
     add_kind_argument,
+    check_heads,
     non_negative_int,
     positive_float,
     positive_int,
@@ -75,7 +76,9 @@ def check_size(kind: str, num_steps: int, num_hiddens: int, num_heads: int) -> N
     from selfattn.positional.registry import acts_on
 
     shape = table_shape(kind, num_steps, num_hiddens, num_heads)
-    require_memory(f"a {kind} table of shape {shape}", math.prod(shape) * _PEAK_BYTES_PER_ELEMENT[acts_on(kind)])
+    require_memory(
+        f"the table of --kind {kind}, of shape {shape},", math.prod(shape) * _PEAK_BYTES_PER_ELEMENT[acts_on(kind)]
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
     suffix = require_output("--output", args.output, _FORMATS).suffix.lower()
     require_position("--offset", args.offset, args.num_steps)
-    if args.num_hiddens % args.heads == 0:  # otherwise the encoding's own check names the problem
-        check_size(args.kind, args.num_steps, args.num_hiddens, args.heads)
+    check_heads(args.kind, args.num_hiddens, args.heads)
+    check_size(args.kind, args.num_steps, args.num_hiddens, args.heads)
     options = {} if args.base is None else {"base": args.base}
     table = encoding_table(
         args.kind,

@@ -8,6 +8,7 @@ and exit status 2, never a traceback; Ctrl-C ends with one line and exit status 
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 from collections.abc import Sequence
@@ -37,6 +38,9 @@ def build_parser() -> OneLineErrorParser:
 
 # What the `cli` extra installs (pyproject.toml); torch is the library's own dependency.
 _CLI_EXTRA = ("numpy", "matplotlib", "rich", "jinja2")
+# The commands that need numpy, imported before torch: torch warns "Failed to initialize NumPy" on its
+# own import when numpy is missing, and that warning would come before the one-line install hint.
+_NEED_NUMPY = ("tour", "encode", "plot", "compare", "study")
 # What torch says when a tensor cannot be allocated or a size does not fit in 64 bits.
 _RESOURCE_ERROR = re.compile(r"allocat|out of memory|overflow", re.IGNORECASE)
 
@@ -48,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         parser.error(f"choose a COMMAND: {', '.join(module.__name__.rsplit('.', 1)[-1] for module in SUBCOMMANDS)}")
     try:
+        if args.command in _NEED_NUMPY:
+            importlib.import_module("numpy")
         with interrupts_end_the_command() as interrupts:
             status = int(args.handler(args))
         if interrupts.dropped:  # a Ctrl-C the command finished before it could be raised again

@@ -11,10 +11,12 @@ from selfattn.cli._args import (
     ExamplesFormatter,
     OneLineErrorParser,
     add_kind_argument,
+    check_heads,
     positive_int,
     require_memory,
     require_output,
 )
+from selfattn.cli._names import PLOT_ENCODINGS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -32,7 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
             "positions alone contribute); similarity (that score against the offset between key and query); "
             "attention (a self-attention layer's weights on one random input); table (what the encoding adds: "
             "the rows of P, rotated heads or each head's bias); columns (chosen columns of P against the position, "
-            "the chapter's plot; encodings added to the input only). The format follows the extension: .png or .svg."
+            "the chapter's plot; encodings added to the input only). The format follows the extension: .png or .svg. "
+            "M-RoPE is not offered: on the one line of text positions drawn here (time = height = width = the index) it is "
+            "half-split rotary, with rotary's scores."
         ),
         epilog="examples:\n  selfattn plot --kind sinusoidal --figure columns -n 60 -d 32 --columns 6 7 8 9 -o cols.png\n"
         "  selfattn plot --kind sinusoidal --figure table -n 60 -d 32 -o P.svg\n"
@@ -40,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         "  selfattn plot --kind alibi --figure panel --causal -o alibi-causal.png",
         formatter_class=ExamplesFormatter,
     )
-    add_kind_argument(parser)
+    add_kind_argument(parser, PLOT_ENCODINGS)
     parser.add_argument("--figure", choices=FIGURES, default="panel", help="which figure (default: panel)")
     parser.add_argument("-n", "--num-steps", type=positive_int, default=32, metavar="N", help="positions (default 32)")
     parser.add_argument(
@@ -136,8 +140,7 @@ def _check_size(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     output = require_output("--output", args.output or Path(f"{args.kind}-{args.figure}.png"), (".png", ".svg"))
-    if args.num_hiddens % args.heads:
-        raise ValueError(f"-d {args.num_hiddens} is not divisible by --heads {args.heads}")
+    check_heads(args.kind, args.num_hiddens, args.heads)
     _check_size(args)
     figure = _draw(args)
     with atomic_write_path(output) as tmp:  # the figure is the old one or the complete new one

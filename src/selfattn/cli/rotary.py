@@ -268,9 +268,20 @@ def _plot(path: Path, rows: list[dict[str, Any]], context: int, trained: int | N
     plt.close(figure)
 
 
+def _check_sizes(args: argparse.Namespace) -> None:
+    """``--head-dim`` and ``--rotary-dim``, checked here so that the message names the flags."""
+    for flag, value in (("--head-dim", args.head_dim), ("--rotary-dim", args.rotary_dim)):
+        if value is not None and value % 2:
+            raise ValueError(f"{flag} must be even (rotary turns features in pairs), got {value}")
+    head_dim = 128 if args.head_dim is None else args.head_dim
+    if args.config is None and args.rotary_dim is not None and args.rotary_dim > head_dim:
+        raise ValueError(f"--rotary-dim {args.rotary_dim} must be at most --head-dim {head_dim}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         require_output("--plot", args.plot, (".png", ".svg"))
+    _check_sizes(args)
     encoding, max_positions = _encoding(args)
     context = _context(args, encoding, max_positions)
     rows = frequency_rows(encoding, context)

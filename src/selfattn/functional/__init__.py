@@ -1,6 +1,6 @@
 """Pure functions: attention and the tables that positional encodings are built from."""
 
-from selfattn.functional._attention import attention, attention_weights, causal_mask, valid_lens_mask
+from selfattn.functional._attention import attention, attention_weights, causal_mask, explain, valid_lens_mask
 from selfattn.functional._blockwise import blockwise_attention, choose_block_size, dropout_keep_probability
 from selfattn.functional._flex import flex_score_attention
 from selfattn.functional._relative import alibi_slopes, relative_distances, relative_shift, t5_relative_bucket
@@ -23,6 +23,7 @@ __all__ = [
     "causal_mask",
     "choose_block_size",
     "dropout_keep_probability",
+    "explain",
     "flex_score_attention",
     "relative_distances",
     "relative_shift",

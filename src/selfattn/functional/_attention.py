@@ -13,6 +13,7 @@ import torch
 import selfattn.core.dispatch as dispatch
 from selfattn._validation import require_bool, require_probability
 from selfattn.core.call import AttentionCall
+from selfattn.core.explanation import Explanation
 from selfattn.functional._kernels import (
     _check_groups,
     _check_shapes,
@@ -26,7 +27,7 @@ from selfattn.functional._kernels import (
 from selfattn.masks import Visibility, dense
 from selfattn.masks import causal as causal_rule
 
-__all__ = ["attention", "attention_weights", "causal_mask", "describe_attention", "valid_lens_mask"]
+__all__ = ["attention", "attention_weights", "causal_mask", "describe_attention", "explain", "valid_lens_mask"]
 
 
 def attention(
@@ -96,6 +97,22 @@ def attention(
     )  # fmt: skip
     result = dispatch.run(call)
     return (result.out, result.weights) if return_weights else result.out  # type: ignore[return-value]
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, verbose: bool = False, **options: Any) -> Explanation:
+    """How :func:`attention` would compute ``attention(q, k, v, **options)``, without computing it.
+
+    Takes :func:`attention`'s keyword arguments. ``str()`` of the result names the route in words,
+    why it was chosen and what it costs; with ``verbose=True`` it also lists each route tried
+    before it and why it declined (``.route`` is the route's name; the routes: docs/routes.md).
+
+    Example::
+
+        q = torch.randn(1, 8, 4096, 64)
+        print(selfattn.functional.explain(q, q, q, causal=True))
+        # route: fused: PyTorch's fused kernel, scaled_dot_product_attention ...
+    """
+    return dispatch.explain(describe_attention(q, k, v, **options), verbose=verbose)
 
 
 def describe_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> AttentionCall:

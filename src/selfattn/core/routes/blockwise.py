@@ -31,7 +31,8 @@ def _nothing_for_blocks(call: AttentionCall) -> str | None:
         return "no score term, no dropout, no softcap, no sinks, and no key range to skip"
     if call.num_queries * call.num_keys < SKIPPING_MIN_PAIRS:
         return (
-            f"no score term, no dropout, no softcap, no sinks, and fewer than {SKIPPING_MIN_PAIRS} pairs to skip among"
+            f"no score term, no dropout, no softcap, no sinks, and only {call.num_queries * call.num_keys:,} (query, key) "
+            f"pairs: below {SKIPPING_MIN_PAIRS:,}, one fused call with a mask is cheaper than blocks that skip some"
         )
     share = reached_share(call, block_for(call))
     if share > SKIPPED_BLOCKS_WORTH:
@@ -63,7 +64,7 @@ def _band_base(call: AttentionCall, block: int) -> int:
 def _declines_band(call: AttentionCall) -> str | None:
     reason = _nothing_for_blocks(call)
     if reason is None and (call.term is None or not call.term.is_relative):
-        reason = "the term does not declare itself relative (is_relative)"
+        reason = "no score term" if call.term is None else "the score term is not relative (its is_relative is False)"
     elif reason is None and call.term_reads_queries:
         reason = "the term reads the queries"
     elif reason is None and call.consecutive is None:

@@ -11,6 +11,7 @@ import selfattn.functional._block_key_rows as _block_key_rows
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import cpu_term_declines, heads
+from selfattn.core.routes._reasons import not_simple_term
 from selfattn.functional._block_common import _compute_dtype
 
 __all__ = ["CAUSAL_KEY_ROWS"]
@@ -23,7 +24,7 @@ def _declines(call: AttentionCall) -> str | None:
     elif reason is None and call.block_size is not None:
         reason = "a block size was set"
     elif reason is None and not call.simple_term:
-        reason = "the term needs gradients, reads the queries, adds to the values, or there is dropout"
+        reason = not_simple_term(call)
     elif reason is None and not call.key_only:
         reason = "the term has no key-only form"
     return reason

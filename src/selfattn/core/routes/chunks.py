@@ -14,6 +14,7 @@ import torch
 
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
+from selfattn.core.routes._reasons import not_fused_alone
 from selfattn.functional._kernels import fused_attention
 from selfattn.masks import Causal, Chunks
 
@@ -38,7 +39,7 @@ def _declines(call: AttentionCall) -> str | None:
     if call.visibility.q_first % size:
         return "the first query does not start a chunk"
     if call.term is not None or call.bias is not None or call.return_weights or not call.four_d:
-        return "a score term, a float bias, the weights or heads not (b, h, l, d)"
+        return not_fused_alone(call)
     if call.num_queries <= size:
         return "one chunk: the fused route takes it as it is"
     return None

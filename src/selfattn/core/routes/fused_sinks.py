@@ -18,6 +18,7 @@ import torch
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import blocks_decline, heads
+from selfattn.core.routes._reasons import holding
 from selfattn.functional._block_common import _compute_dtype, _flash_backward, _flash_forward
 from selfattn.functional._kernels import attention_weights
 
@@ -66,7 +67,7 @@ def _declines(call: AttentionCall) -> str | None:
     if reason is None and call.softcap is not None:
         reason = "a softcap (the scores must be computed)"
     elif reason is None and (call.term is not None or call.dropout_p > 0):
-        reason = "a score term or dropout"
+        reason = holding(("a score term", call.term is not None), ("dropout", call.dropout_p > 0))
     elif reason is None and not call.on_cpu:
         reason = "not on CPU (the kernel with a log-sum-exp is the CPU one)"
     elif reason is None and call.visibility.rules and not call.visibility.kernel_causal:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import cpu_term_declines, plan_for, run_plan
+from selfattn.core.routes._reasons import not_simple_term
 from selfattn.functional._block_common import _compute_dtype
 from selfattn.functional._block_key_rows import _key_only_bias
 
@@ -19,7 +20,7 @@ def _declines(call: AttentionCall) -> str | None:
     if reason is None and call.visibility.causal:
         reason = "causal: each query sees other keys"
     elif reason is None and not call.simple_term:
-        reason = "the term needs gradients, reads the queries, adds to the values, or there is dropout"
+        reason = not_simple_term(call)
     elif reason is None and not call.visibility.same_for_every_query:
         reason = "queries see different keys"
     elif reason is None and (call.num_keys == 0 or not call.key_only):

@@ -17,6 +17,7 @@ import torch
 
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
+from selfattn.core.routes._reasons import not_fused_alone
 from selfattn.functional._kernels import fused_attention
 from selfattn.masks import Any, Causal, Prefix
 
@@ -42,7 +43,7 @@ def _declines(call: AttentionCall) -> str | None:
     if call.compiling:
         return "compiling: the prefix is cut by its length"
     if call.term is not None or call.bias is not None or call.return_weights or not call.four_d:
-        return "a score term, a float bias, the weights or heads not (b, h, l, d)"
+        return not_fused_alone(call)
     lengths = prefix.lengths
     if isinstance(lengths, torch.Tensor) and lengths.shape[0] not in (1, call.batch):
         return f"{lengths.shape[0]} prefix lengths for a batch of {call.batch}"
