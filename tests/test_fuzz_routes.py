@@ -739,7 +739,7 @@ def test_every_route_is_fuzzed():
 
 
 @pytest.mark.parametrize("route", list(STRATEGIES))
-@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_route_matches_float64(route, data):
     if route == "flex" and not torch.cuda.is_available():
