@@ -16,6 +16,9 @@ CI runs the derandomized ``ci`` profile (tests/conftest.py); for thousands of ca
 
     pytest tests/test_fuzz_routes.py --hypothesis-profile=deep
 
+``FUZZ_EXCLUDE_KNOWN=1`` skips the cases of the open items of issue 30 (:func:`known_defect`), to
+see past them while they are being fixed; by default every case runs.
+
 Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, dk key size, dv value size.
 """
 
