@@ -494,8 +494,8 @@ def _tiny_model(family: str) -> Any:
     return getattr(transformers, class_name)(config).eval()
 
 
-def _outputs(model: Any, implementation: str) -> tuple[torch.Tensor, ...]:
-    """Logits (or last hidden states) of real tokens of a right-padded batch and of an unpadded one.
+def _outputs(model: Any, implementation: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Logits (or last hidden states) of real tokens of a right-padded batch and of an unpadded one, and the weights.
 
     Right padding: a padded query still sees keys, so every row has an answer; a left-padded
     row seeing no key is zeros here and a uniform average in eager, which MiniMax-M3's indexer
@@ -509,7 +509,8 @@ def _outputs(model: Any, implementation: str) -> tuple[torch.Tensor, ...]:
         padded = model(input_ids=ids, attention_mask=attention_mask, output_attentions=True)
         unpadded = model(input_ids=ids[:1])
     field = "logits" if hasattr(padded, "logits") else "last_hidden_state"
-    weights = torch.stack([w[attention_mask.bool()[:, None, :, None].expand_as(w)] for w in padded.attentions])
+    real_queries = attention_mask.bool()[:, None, :, None]
+    weights = [layer[real_queries.expand_as(layer)] for layer in padded.attentions]
     return getattr(padded, field)[attention_mask.bool()], getattr(unpadded, field), weights
 
 
@@ -518,8 +519,11 @@ def test_model_matches_eager(family: str) -> None:
     model = _tiny_model(family)
     expected = _outputs(model, "eager")
     got = _outputs(model, "selfattn")
-    for got_part, expected_part in zip(got, expected, strict=True):
-        torch.testing.assert_close(got_part, expected_part, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[0], expected[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1], expected[1], atol=ATOL, rtol=0)
+    assert len(got[2]) == len(expected[2]) == _LAYERS  # output_attentions=True: every layer's weights
+    for got_weights, expected_weights in zip(got[2], expected[2], strict=True):
+        torch.testing.assert_close(got_weights, expected_weights, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "minimax_m3_vl_text", "inkling2_text"])
