@@ -1,7 +1,12 @@
 """selfattn as an attention implementation of Hugging Face transformers: ``attn_implementation="selfattn"``.
 
+Every keyword transformers' models pass to an attention function is honoured as their eager
+function would honour it, or known not to change the answer, or refused with a ``ValueError``
+naming it (:mod:`selfattn.integrations._hf_keywords` keeps the tables; a test re-scans the
+installed transformers for keywords in none of them).
+
 Shape legend:
-    b: batch, h: query heads, hk: key/value heads, lq: queries, lk: keys, d: head size.
+    b: batch, h: query heads, hk: key/value heads, lq: queries, lk: keys, d: head size, dv: value size.
 """
 
 from __future__ import annotations
@@ -11,6 +16,14 @@ from typing import Any
 import torch
 
 from selfattn.functional import attention
+from selfattn.integrations._hf_keywords import (
+    check_keywords,
+    head_scale,
+    packed_documents,
+    prepend_sink_key,
+    selected_keys,
+    sequence_documents,
+)
 
 __all__ = ["NAME", "attention_forward", "register"]
 
@@ -30,21 +43,32 @@ def attention_forward(
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
     position_bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    topk_indices: torch.Tensor | None = None,
+    block_indices: torch.Tensor | None = None,
+    head_mask: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    output_attentions: bool | None = False,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention function signature over :func:`selfattn.functional.attention`.
 
     ``attention_mask`` is the mask transformers builds for ``sdpa`` (bool ``(b, 1, lq, lk)``,
-    True = attend; it already holds causality, padding and sliding windows), a float mask
-    added to the scores, or None. None means no padding: the module's ``is_causal`` (or the
+    True = attend; it already holds causality, padding, packing and sliding windows), a float
+    mask added to the scores, or None. None means no padding: the module's ``is_causal`` (or the
     ``is_causal`` passed) then decides, as for ``sdpa``: with more than one query, query ``i``
     sees keys ``0 .. i`` (and the last ``sliding_window`` of them); a single query sees every key.
+    Every other restriction below is "and"-ed with it.
 
     Args:
-        module: the model's attention layer (read: ``is_causal``).
+        module: the model's attention layer (read: ``is_causal``; ``indexer.block_size`` with
+            ``block_indices``).
         query: ``(b, h, lq, d)``.
         key: ``(b, hk, lk, d)``; ``hk`` may divide ``h`` (grouped-query attention).
-        value: ``(b, hk, lk, d)``.
+        value: ``(b, hk, lk, dv)``.
         attention_mask: see above.
         dropout: dropout on the weights (the model passes 0 in evaluation).
         scaling: score scale (default ``1 / sqrt(d)``).
@@ -55,22 +79,123 @@ def attention_forward(
         s_aux: attention sinks (gpt-oss passes its ``sinks`` parameter, ``(h,)``): one logit per
             query head that joins the softmax's denominator and adds no value.
         position_bias: float ``(b or 1, h, lq, lk)`` added to the scores (T5-style models).
-        **kwargs: what else the model passes (ignored).
+        sinks: sinks per query (Inkling 2: ``(b, h, lq, 1)``), or ``(h,)`` as ``s_aux``. Per-query
+            sinks run as one more key (zero key and value, the sink as its bias) on a route that
+            takes a dense bias; ``(h,)`` sinks keep the fused routes.
+        indices: sparse attention's selected keys (DeepSeek-V3.2, GLM-MoE-DSA, Mistral Large 4,
+            ...): ``(b, lq, t)`` key indices, ``-1`` for an unused slot; a query sees only the
+            keys it selected.
+        topk_indices: the same, under that name.
+        block_indices: selected blocks of keys (MiniMax-M3): ``(b, hs, lq, t)`` block indices per
+            key/value head (``-1`` unused) of ``module.indexer.block_size`` keys each.
+        head_mask: factor of the weights per head, ``(h,)`` or broadcastable to ``(b, h, lq, 1)``.
+        cu_seq_lens_q: packed sequences (flash attention's varlen form; batch 1): cumulative
+            query lengths ``(n + 1,)``; a query sees its own sequence only (causal in it when
+            the layer is).
+        cu_seq_lens_k: cumulative key lengths; may be omitted when ``lk == lq``.
+        seq_idx: ``(b, l)`` sequence ids of the tokens of packed rows; a query sees keys of its id.
+        output_attentions: also return the ``(b, h, lq, lk)`` weights, as eager does (a query
+            that sees no key has zero weights here, a uniform row in eager).
+        **kwargs: what else the model passes: keywords known not to change the answer
+            (``position_ids``, ``use_cache``, ``max_length_q`` ...) are not read, any other
+            that is not None is refused.
 
     Returns:
-        ``((b, lq, h, d) output, None)``.
+        ``((b, lq, h, dv) output, (b, h, lq, lk) weights or None)``.
 
     Raises:
-        ValueError: ``softcap`` with a float ``attention_mask`` or a ``position_bias``: transformers
-            adds those after the capping, selfattn caps them with the scores.
+        ValueError: an unknown keyword, or a bad value of a known one; ``softcap`` with a float
+            ``attention_mask``, a ``position_bias`` or per-query ``sinks`` (transformers adds
+            those after the capping, selfattn would cap them too); ``s_aux`` with ``sinks``;
+            ``indices`` with ``topk_indices``; ``output_attentions`` with dropout (eager returns
+            the weights after dropout, selfattn before).
     """
-    if softcap is not None and (
-        position_bias is not None or (attention_mask is not None and attention_mask.is_floating_point())
-    ):
+    check_keywords(kwargs)
+    sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
+    _check_combinations(query, attention_mask, dropout, softcap, position_bias, per_query_sinks, output_attentions)
+    selections = _selections(module, query, key.shape[-2], indices, topk_indices, block_indices, seq_idx)
+    key, value, mask, bias, causal = _visibility(
+        module, query, key, value, attention_mask, is_causal, sliding_window, cu_seq_lens_q, cu_seq_lens_k
+    )
+    for selection in selections:  # made over the keys passed; a static-cache prefill keeps the first lk
+        selection = selection[..., : key.shape[-2]]
+        mask = selection if mask is None else mask & selection
+    if position_bias is not None:
+        bias = position_bias if bias is None else bias + position_bias
+    if per_query_sinks is not None:
+        key, value, mask, bias = prepend_sink_key(per_query_sinks, query, key, value, mask, bias)
+    result = attention(
+        query, key, value, mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling, softcap=softcap,
+        sinks=sinks, return_weights=bool(output_attentions),
+    )  # fmt: skip
+    out, weights = result if isinstance(result, tuple) else (result, None)
+    if weights is not None and per_query_sinks is not None:
+        weights = weights[..., 1:]  # the sink's own column is no key's
+    if head_mask is not None:
+        factor = head_scale(head_mask, query).to(out.dtype)
+        out = out * factor
+        weights = None if weights is None else weights * factor
+    return out.transpose(1, 2).contiguous(), weights  # (b, lq, h, dv)
+
+
+def _split_sinks(
+    s_aux: torch.Tensor | None, sinks: torch.Tensor | None, query: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(per-head sinks (h,) or None, per-query sinks (b or 1, h, lq or 1, 1) or None)``."""
+    if sinks is None:
+        return s_aux, None
+    if s_aux is not None:
+        raise ValueError("s_aux and sinks both given: a layer has one set of attention sinks")
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a float tensor, got {getattr(sinks, 'dtype', type(sinks).__name__)}")
+    if sinks.dim() == 1:
+        return sinks, None  # (h,): checked by attention()
+    b, h, lq = query.shape[0], query.shape[1], query.shape[2]
+    if sinks.dim() != 4 or not all(size in (1, full) for size, full in zip(sinks.shape, (b, h, lq, 1), strict=True)):
+        raise ValueError(
+            f"sinks must be (h,) or broadcastable to (b, h, lq, 1) = ({b}, {h}, {lq}, 1), got {tuple(sinks.shape)}"
+        )
+    return None, sinks
+
+
+def _check_combinations(
+    query: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    softcap: float | None,
+    position_bias: torch.Tensor | None,
+    per_query_sinks: torch.Tensor | None,
+    output_attentions: bool | None,
+) -> None:
+    float_mask = attention_mask is not None and attention_mask.is_floating_point()
+    if softcap is not None and (position_bias is not None or float_mask):
         raise ValueError(
             f"softcap={softcap} with a float attention_mask or a position_bias: transformers adds them after the "
             "capping and selfattn would cap them too; register() builds bool masks, use them"
         )
+    if softcap is not None and per_query_sinks is not None:
+        raise ValueError(
+            f"softcap={softcap} with per-query sinks: selfattn adds those as a bias, which it would cap too"
+        )
+    if output_attentions and dropout:
+        raise ValueError(
+            f"output_attentions=True with dropout={dropout}: eager returns the weights after dropout, selfattn "
+            "returns them before; ask for the weights in evaluation (dropout=0)"
+        )
+
+
+def _visibility(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    is_causal: bool | None,
+    sliding_window: int | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+    """``(key, value, mask, bias, causal)`` from the mask, the layer's causality, its window and packed lengths."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     mask = bias = None
     if attention_mask is not None:
@@ -80,6 +205,10 @@ def attention_forward(
             bias = attention_mask
     num_queries = query.shape[-2]
     causal = bool(causal) and attention_mask is None and num_queries > 1
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        # Packed documents, each causal on its own: a dense rule that holds the causality too.
+        packed = packed_documents(cu_seq_lens_q, cu_seq_lens_k, query, key.shape[-2], causal)
+        return key, value, packed if mask is None else mask & packed, bias, False
     if causal and key.shape[-2] > num_queries:
         # No mask and more keys than queries: a prefill into a preallocated (static) cache, whose
         # first lq slots hold these tokens (transformers aligns causal masks top-left).
@@ -88,22 +217,35 @@ def attention_forward(
         index = torch.arange(num_queries, device=query.device)
         distance = index[:, None] - index[None, :]  # (lq, lk): i - j
         mask, causal = (distance >= 0) & (distance < sliding_window), False
-    if position_bias is not None:
-        bias = position_bias if bias is None else bias + position_bias
-    out = attention(
-        query,
-        key,
-        value,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        dropout_p=dropout,
-        scale=scaling,
-        softcap=softcap,
-        sinks=s_aux,
-    )
-    assert isinstance(out, torch.Tensor)
-    return out.transpose(1, 2).contiguous(), None  # (b, lq, h, d)
+    return key, value, mask, bias, causal
+
+
+def _selections(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    num_keys: int,
+    indices: torch.Tensor | None,
+    topk_indices: torch.Tensor | None,
+    block_indices: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """Bool masks ``(b or 1, 1 or h, lq, lk)`` of the sparse selections and packed ids, to "and" together."""
+    if indices is not None and topk_indices is not None:
+        raise ValueError("indices and topk_indices both given: they name the same selection of keys")
+    chosen: list[torch.Tensor] = []
+    for name, selection in (("indices", indices), ("topk_indices", topk_indices)):
+        if selection is not None:
+            chosen.append(selected_keys(name, selection, query, num_keys))
+    if block_indices is not None:
+        block_size = getattr(getattr(module, "indexer", None), "block_size", None)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(
+                f"block_indices needs the size of a key block: selfattn reads module.indexer.block_size, got {block_size!r}"
+            )
+        chosen.append(selected_keys("block_indices", block_indices, query, num_keys, block_size))
+    if seq_idx is not None:
+        chosen.append(sequence_documents(seq_idx, query, num_keys))
+    return chosen
 
 
 def register(name: str = NAME) -> str:
