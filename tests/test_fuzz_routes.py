@@ -16,22 +16,18 @@ CI runs the derandomized ``ci`` profile (tests/conftest.py); for thousands of ca
 
     pytest tests/test_fuzz_routes.py --hypothesis-profile=deep
 
-``FUZZ_EXCLUDE_KNOWN=1`` skips the cases of the open items of issue 30 (:func:`known_defect`), to
-see past them while they are being fixed; by default every case runs.
-
 Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, dk key size, dv value size.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 from fuzz_reference import Layer, Term, all_of, attend, document_positions, layer_forward, visible
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import selfattn.masks as masks
@@ -155,7 +151,9 @@ def ragged_cases(draw, route: str) -> Case:
     heads, kv = draw(HEADS)
     opts = draw(layer_options())
     opts |= {"skip": route == "ragged valid rows", "causal": draw(st.booleans())}
-    opts["valid_lens"] = draw(lengths_for(batch, length))
+    lengths = lengths_for(batch, length)
+    # Every row padded: skip_padded_queries leaves it to the masked routes (nothing for groups to run).
+    opts["valid_lens"] = draw(lengths.filter(any) if opts["skip"] else lengths)
     opts["positions"] = draw(st.sampled_from(["default", "offset", "per row"]))
     return Case(route, "module", draw(DTYPE), batch, length, length, heads, kv, draw(SEED), opts)
 
@@ -717,26 +715,6 @@ def check(case: Case) -> None:
         assert_close(name, actual.get(name), value, case.dtype)
 
 
-def known_defect(case: Case) -> str | None:
-    """The open item of issue 30 a case runs into, if any (for FUZZ_EXCLUDE_KNOWN=1 while developing)."""
-    o = case.opts
-    strided = "strided" in o.get("layouts", ()) or (o.get("rotary") == "half" and o.get("head_dim") == 2)
-    if o.get("sinks") and strided and case.route in ("fused sinks", "blockwise", "blockwise band", "sliced"):
-        return "item 1: non-contiguous heads with sinks"
-    if case.route == "blockwise band" and o.get("causal"):
-        return "item 2: blockwise band with causal rows that see nothing"
-    lens = o.get("valid_lens")
-    if o.get("skip") and lens is not None and (case.route != "ragged valid rows" or not any(lens)):
-        return "item 3: skip_padded_queries"
-    if o.get("sinks") and o.get("dv", o.get("dk")) != o.get("dk"):
-        return "item 6: sinks with dv != dk"
-    if o.get("three_d") and (o.get("mask") or (o.get("causal") and case.lq != case.lk)):
-        return "new: 3-D heads with a mask"
-    if case.route == "fused sinks" and case.dtype == "bfloat16":
-        return "new: bfloat16 sinks on the fused sinks route cannot backpropagate"
-    return None
-
-
 def test_every_route_is_fuzzed():
     assert set(STRATEGIES) == {route.name for route in dispatch.ROUTES}
 
@@ -749,6 +727,4 @@ def test_route_matches_float64(route, data):
         pytest.skip("FlexAttention's route is CUDA only")
     for _ in range(CASES_PER_EXAMPLE.get(route, 1)):
         case = data.draw(STRATEGIES[route](route), label="case")
-        if os.environ.get("FUZZ_EXCLUDE_KNOWN"):
-            assume(known_defect(case) is None)
         check(case)

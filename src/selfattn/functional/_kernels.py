@@ -131,6 +131,11 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
     Returns it with at least two dimensions (the fused kernel wants a query axis).
     """
     scores_shape = (*q.shape[:-1], k.shape[-2])  # (b, h, lq, lk)
+    extra = term.dim() - len(scores_shape)
+    if extra > 0 and all(size == 1 for size in term.shape[:extra]):
+        # Leading ones beyond the heads' rank (a mask made 4-D for (b, h, l, d) heads, given 3-D ones):
+        # dropped, so the output keeps the rank of q instead of growing ones in front.
+        term = term.reshape(term.shape[extra:])
     fits = term.dim() <= len(scores_shape) and all(
         size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape), strict=False)
     )
@@ -375,7 +380,8 @@ def attention_weights(
     if sinks is None:
         weights = torch.softmax(scores, dim=-1)
     else:
-        sink_column = sinks.to(compute_dtype)[:, None, None].expand(*scores.shape[:-1], 1)  # (b, h, lq, 1)
+        per_head = (-1, 1, 1) if scores.dim() >= 3 else (1, 1)  # 2-D heads: the one head's sink
+        sink_column = sinks.to(compute_dtype).reshape(per_head).expand(*scores.shape[:-1], 1)  # (b, h, lq, 1)
         weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
     weights = weights.to(q.dtype)
     return weights if empty_rows is None else weights.masked_fill(empty_rows, 0.0)

@@ -38,6 +38,7 @@ class _FlashWithSinks(torch.autograd.Function):
         out = out + q.sum(dim=-1, keepdim=True).mul(0).to(out.dtype)  # a NaN query gives NaN, as the formula
         ctx.save_for_backward(q, k, v, sinks, out, with_sink)
         ctx.causal, ctx.scale = causal, scale
+        ctx.lse_dtype = lse.dtype  # the kernel's: float32 for bf16 and fp16 heads, and its backward wants it back
         return out
 
     @staticmethod
@@ -51,7 +52,7 @@ class _FlashWithSinks(torch.autograd.Function):
             grads = iter(torch.autograd.grad(recomputed, wanted, grad_out, create_graph=True))
             return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
         dq, dk, dv = _flash_backward(
-            grad_out.contiguous(), q, k, v, out, with_sink.to(q.dtype), 0.0, ctx.causal, scale=ctx.scale
+            grad_out.contiguous(), q, k, v, out, with_sink.to(ctx.lse_dtype), 0.0, ctx.causal, scale=ctx.scale
         )
         compute = with_sink.dtype
         sink_weight = torch.exp(sinks.detach().to(compute)[:, None] - with_sink)  # (b, h, lq)
