@@ -25,6 +25,8 @@ from typing import ClassVar
 
 import torch
 
+from selfattn._mask_checks import CallSizes, require_fits, require_index_tensor, require_non_negative
+
 __all__ = [
     "Rule",
     "Visibility",
@@ -80,6 +82,13 @@ class Rule:
         """Global keys ``[low, high)`` that queries ``[q_low, q_high)`` may reach (None: no bound known)."""
         return None, None
 
+    def check(self, call: CallSizes) -> None:
+        """Raise ``ValueError`` unless the rule's tensors fit the call (sequences, queries, keys, heads)."""
+
+    def first_keys(self, count: int) -> Rule:
+        """The rule on the call's first ``count`` keys (its tensors indexed by the call's keys cut to them)."""
+        return self
+
     def __and__(self, other: Rule) -> Rule:
         return All((*_parts(self, All), *_parts(other, All)))
 
@@ -108,6 +117,13 @@ class _Joined(Rule):
 
     def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return functools.reduce(type(self).join, (rule.scalar(at, b, h) for rule in self.rules))
+
+    def check(self, call: CallSizes) -> None:
+        for rule in self.rules:
+            rule.check(call)
+
+    def first_keys(self, count: int) -> Rule:
+        return type(self)(tuple(rule.first_keys(count) for rule in self.rules))
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,7 +206,7 @@ class PositionChunks(Rule):
     key_positions: torch.Tensor
 
     def _chunk(self, positions: torch.Tensor, local: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
-        index = local.clamp(0, positions.shape[-1] - 1)
+        index = local.clamp(0, positions.shape[-1] - 1)  # sizes fit the call (check); a route's padding reads any
         if positions.dim() == 1:
             picked = positions[index]
         else:
@@ -205,6 +221,18 @@ class PositionChunks(Rule):
     def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self._chunk(self.query_positions, at.q_local, b) == self._chunk(self.key_positions, at.k_local, b)
 
+    def check(self, call: CallSizes) -> None:
+        for name, positions, count, what in (
+            ("query_positions", self.query_positions, call.num_queries, "queries"),
+            ("key_positions", self.key_positions, call.num_keys, "keys"),
+        ):
+            require_fits("chunks", name, positions, -1, count, what)
+            if positions.dim() == 2:
+                require_fits("chunks", name, positions, 0, call.batch, "sequences")
+
+    def first_keys(self, count: int) -> Rule:
+        return replace(self, key_positions=self.key_positions[..., :count])
+
 
 @dataclass(frozen=True, eq=False)
 class ValidLengths(Rule):
@@ -216,11 +244,17 @@ class ValidLengths(Rule):
         if self.lengths.dim() == 1:
             lengths = self.lengths.view(-1, *([1] * at.k.dim()))  # (b, 1, ..)
             return _batched(at.k < lengths)
+        # Sizes fit the call (check); the clamp serves indices of a route's padding, whose result it drops.
         per_query = self.lengths[:, at.q_local.clamp(0, self.lengths.shape[1] - 1)]  # (b, *q shape)
         return _batched(at.k < per_query)
 
     def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return at.k < (self.lengths[b] if self.lengths.dim() == 1 else self.lengths[b, at.q_local])
+
+    def check(self, call: CallSizes) -> None:
+        require_fits("valid_lengths", "lengths", self.lengths, 0, call.batch, "sequences")
+        if self.lengths.dim() == 2:
+            require_fits("valid_lengths", "lengths", self.lengths, 1, call.num_queries, "queries")
 
     @property
     def per_query(self) -> bool:
@@ -234,10 +268,18 @@ class KeyPadding(Rule):
     padding: torch.Tensor
 
     def allows(self, at: Indices) -> torch.Tensor:
+        # Sizes fit the call (check); the clamp serves indices of a route's padding, whose result it drops.
         return _batched(~self.padding[:, at.k_local.clamp(0, self.padding.shape[1] - 1)])
 
     def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return ~self.padding[b, at.k_local]
+
+    def check(self, call: CallSizes) -> None:
+        require_fits("key_padding", "padding", self.padding, 0, call.batch, "sequences")
+        require_fits("key_padding", "padding", self.padding, 1, call.num_keys, "keys")
+
+    def first_keys(self, count: int) -> Rule:
+        return KeyPadding(self.padding[:, :count])
 
 
 @dataclass(frozen=True, eq=False)
@@ -248,12 +290,24 @@ class Documents(Rule):
     key_ids: torch.Tensor
 
     def allows(self, at: Indices) -> torch.Tensor:
+        # Sizes fit the call (check); the clamps serve indices of a route's padding, whose result it drops.
         q_ids = self.query_ids[:, at.q_local.clamp(0, self.query_ids.shape[1] - 1)]
         k_ids = self.key_ids[:, at.k_local.clamp(0, self.key_ids.shape[1] - 1)]
         return _batched(q_ids == k_ids)
 
     def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.query_ids[b, at.q_local] == self.key_ids[b, at.k_local]
+
+    def check(self, call: CallSizes) -> None:
+        for name, ids, count, what in (
+            ("query_ids", self.query_ids, call.num_queries, "queries"),
+            ("key_ids", self.key_ids, call.num_keys, "keys"),
+        ):
+            require_fits("documents", name, ids, 0, call.batch, "sequences")
+            require_fits("documents", name, ids, 1, count, what)
+
+    def first_keys(self, count: int) -> Rule:
+        return Documents(self.query_ids, self.key_ids[:, :count])
 
 
 @dataclass(frozen=True, eq=False)
@@ -263,6 +317,7 @@ class Dense(Rule):
     mask: torch.Tensor
 
     def allows(self, at: Indices) -> torch.Tensor:
+        # Sizes fit the call (check); the clamps serve indices of a route's padding, whose result it drops.
         q_local = at.q_local.clamp(0, self.mask.shape[-2] - 1)
         k_local = at.k_local.clamp(0, self.mask.shape[-1] - 1)
         return self.mask[:, :, q_local, k_local]
@@ -277,6 +332,19 @@ class Dense(Rule):
         rows = slice(None) if self.mask.shape[-2] == 1 else slice(start, end)
         columns = slice(None) if self.mask.shape[-1] == 1 else keys
         return self.mask[..., rows, columns]  # a view: no gather
+
+    def check(self, call: CallSizes) -> None:
+        sizes: tuple[tuple[int, int | None, str], ...] = (
+            (-1, call.num_keys, "keys"),
+            (-2, call.num_queries, "queries"),
+        )
+        if self.mask.dim() == 4:  # leading dimensions of other calls are checked by the functional API
+            sizes += ((0, call.batch, "sequences"), (1, call.heads, "heads"))
+        for dim, size, what in sizes:
+            require_fits("dense", "mask", self.mask, dim, size, what, broadcast=True)
+
+    def first_keys(self, count: int) -> Rule:
+        return self if self.mask.shape[-1] == 1 else Dense(self.mask[..., :count])
 
 
 @dataclass(frozen=True, eq=False)
@@ -296,10 +364,16 @@ class Prefix(Rule):
         return _batched(at.k < lengths)
 
     def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return at.k < (self.lengths if isinstance(self.lengths, int) else self.lengths[b])
+        if isinstance(self.lengths, int):
+            return at.k < self.lengths
+        return at.k < self.lengths[b if self.lengths.shape[0] > 1 else 0]
 
     def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
         return 0, self.longest
+
+    def check(self, call: CallSizes) -> None:
+        if isinstance(self.lengths, torch.Tensor):
+            require_fits("prefix", "lengths", self.lengths, 0, call.batch, "sequences", broadcast=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -311,7 +385,10 @@ class Spans(Rule):
     def _ids(self, index: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
         inside = index < self.ids.shape[-1]
         clamped = index.clamp(0, self.ids.shape[-1] - 1)
-        ids = self.ids[:, clamped] if batch is None else self.ids[batch, clamped]
+        if batch is None:
+            ids = self.ids[:, clamped]
+        else:
+            ids = self.ids[batch if self.ids.shape[0] > 1 else 0, clamped]
         return torch.where(inside, ids, 0)  # past the ids: in no span
 
     def allows(self, at: Indices) -> torch.Tensor:
@@ -322,6 +399,9 @@ class Spans(Rule):
         q_ids, k_ids = self._ids(at.q, b), self._ids(at.k, b)
         return (q_ids == k_ids) & (q_ids != 0)
 
+    def check(self, call: CallSizes) -> None:
+        require_fits("spans", "ids", self.ids, 0, call.batch, "sequences", broadcast=True)
+
 
 def causal() -> Rule:
     """Query ``i`` sees keys ``j <= i`` (indices in the whole sequence: lower-right aligned)."""
@@ -331,7 +411,7 @@ def causal() -> Rule:
 def window(size: int) -> Rule:
     """Keys with ``|i - j| < size`` (``causal() & window(w)``: keys ``i - w < j <= i``)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"window size must be a positive integer, got {size!r}")
+        raise ValueError(f"masks.window: window size must be a positive integer, got {size!r}")
     return Window(size)
 
 
@@ -345,11 +425,15 @@ def chunks(
     row's chunks start at its first real token.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"chunk size must be a positive integer, got {size!r}")
+        raise ValueError(f"masks.chunks: chunk size must be a positive integer, got {size!r}")
     if query_positions is None:
         if key_positions is not None:
-            raise ValueError("key_positions need query_positions")
+            raise ValueError("masks.chunks: key_positions need query_positions")
         return Chunks(size)
+    shapes = {1: "(l,)", 2: "(b, l)"}
+    query_positions = require_index_tensor("chunks", "query_positions", query_positions, shapes, kind="integer")
+    if key_positions is not None:
+        require_index_tensor("chunks", "key_positions", key_positions, shapes, kind="integer")
     return PositionChunks(size, query_positions, query_positions if key_positions is None else key_positions)
 
 
@@ -362,12 +446,16 @@ def prefix(lengths: int | torch.Tensor) -> Rule:
     if isinstance(lengths, torch.Tensor):
         if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
             raise ValueError(
-                f"prefix lengths must be an int or an integer (b,) tensor, got {lengths.dtype} {tuple(lengths.shape)}"
+                "masks.prefix: prefix lengths must be an int or an integer (b,) tensor, "
+                f"got {lengths.dtype} {tuple(lengths.shape)}"
             )
+        require_non_negative("prefix", "lengths", lengths)
         longest = None if torch.compiler.is_compiling() else int(lengths.max()) if lengths.numel() else 0
         return Prefix(lengths, longest)
     if isinstance(lengths, bool) or not isinstance(lengths, int) or lengths < 0:
-        raise ValueError(f"prefix lengths must be a non-negative int or an integer (b,) tensor, got {lengths!r}")
+        raise ValueError(
+            f"masks.prefix: prefix lengths must be a non-negative int or an integer (b,) tensor, got {lengths!r}"
+        )
     return Prefix(lengths, lengths)
 
 
@@ -380,30 +468,64 @@ def spans(ids: torch.Tensor) -> Rule:
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"span ids must be an integer (b, l) tensor, got {shown}")
+        raise ValueError(f"masks.spans: span ids must be an integer (b, l) tensor, got {shown}")
     return Spans(ids)
 
 
 def valid_lengths(lengths: torch.Tensor) -> Rule:
-    """The chapter's ``valid_lens``: ``(b,)`` or ``(b, lq)`` integer lengths."""
+    """The chapter's ``valid_lens``: ``(b,)`` or ``(b, lq)`` non-negative integer lengths.
+
+    Raises:
+        ValueError: lengths that are not an integer tensor of one of those shapes, or negative;
+            placed on a call, a batch or number of queries other than the call's.
+    """
+    shapes = {1: "(b,)", 2: "(b, lq)"}
+    require_non_negative("valid_lengths", "lengths", require_index_tensor(
+        "valid_lengths", "lengths", lengths, shapes, kind="integer"
+    ))  # fmt: skip
     return ValidLengths(lengths)
 
 
 def key_padding(padding: torch.Tensor) -> Rule:
-    """Bool ``(b, lk)``, True = padding (torch's ``key_padding_mask``)."""
-    return KeyPadding(padding)
+    """Bool ``(b, lk)``, True = padding (torch's ``key_padding_mask``).
+
+    Raises:
+        ValueError: anything but a bool ``(b, lk)`` tensor; placed on a call, another batch or number of keys.
+    """
+    return KeyPadding(require_index_tensor("key_padding", "padding", padding, {2: "(b, lk)"}, kind="bool"))
 
 
 def documents(query_ids: torch.Tensor, key_ids: torch.Tensor | None = None) -> Rule:
-    """Packed documents: ``(b, lq)`` ids of the queries and ``(b, lk)`` of the keys (default the same)."""
+    """Packed documents: ``(b, lq)`` ids of the queries and ``(b, lk)`` of the keys (default the same).
+
+    Raises:
+        ValueError: ids that are not integer ``(b, l)`` tensors; placed on a call, ids of another
+            batch, or query ids (key ids) for another number of queries (keys).
+    """
+    query_ids = require_index_tensor("documents", "query_ids", query_ids, {2: "(b, lq)"}, kind="integer")
+    if key_ids is not None:
+        require_index_tensor("documents", "key_ids", key_ids, {2: "(b, lk)"}, kind="integer")
     return Documents(query_ids, query_ids if key_ids is None else key_ids)
 
 
 def dense(mask: torch.Tensor) -> Rule:
-    """A bool mask, True = attend, broadcastable to ``(b, h, lq, lk)``."""
+    """A bool mask, True = attend, broadcastable to ``(b, h, lq, lk)`` (each dimension the call's size or 1).
+
+    Raises:
+        ValueError: anything but a bool tensor; placed on a call, a dimension that is neither 1
+            nor the call's.
+    """
+    shapes = dict.fromkeys(range(9), "(.., lq, lk)")
+    mask = require_index_tensor("dense", "mask", mask, shapes, kind="bool")
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
     return Dense(mask)
+
+
+def on_first_keys(rule: Rule, batch: int, num_queries: int, num_keys: int, count: int) -> Rule:
+    """``rule`` checked against a ``(batch, lq, lk)`` call, then cut to its first ``count`` keys (seen by no query past them)."""
+    rule.check(CallSizes(batch, None, num_queries, num_keys))
+    return rule.first_keys(count)
 
 
 @dataclass(frozen=True, eq=False)
@@ -439,6 +561,17 @@ class Visibility:
     def __or__(self, other: Rule) -> Visibility:
         joined = All(self.rules) | other if self.rules else None
         return replace(self, rules=()) if joined is None else replace(self, rules=(joined,))
+
+    def check(self, batch: int | None, heads: int | None) -> Visibility:
+        """Raise ``ValueError`` unless every rule's tensors fit this call (``batch``/``heads`` None: not known).
+
+        The one place a rule meets the call's sizes: each rule's :meth:`Rule.check` names itself,
+        the argument and the size it got, so no rendering ever clamps an index to make it fit.
+        """
+        sizes = CallSizes(batch, heads, self.num_queries, self.num_keys)
+        for rule in self.rules:
+            rule.check(sizes)
+        return self
 
     # ------------------------------------------------------------------ what the routes read
 
