@@ -124,6 +124,10 @@ def _ids(*shape):
             r"masks.chunks: key_positions of shape \(6,\) has 6 keys .* has 5 keys",
         ),
         (
+            masks.chunks(2, query_positions=torch.arange(L), key_positions=torch.arange(L).expand(3, L)),
+            r"masks.chunks: key_positions of shape \(3, 5\) has 3 sequences .* has 2 sequences",
+        ),
+        (
             masks.chunks(2, query_positions=torch.arange(L).expand(3, L)),
             r"masks.chunks: query_positions of shape \(3, 5\) has 3 sequences",
         ),
@@ -152,6 +156,18 @@ def test_the_functional_calls_check_their_rules_too():
         blockwise_attention(q, q, q, valid_lens=torch.tensor([1.5, 2.0]))
     with pytest.raises(ValueError, match=r"masks.dense: .* has 7 keys"):  # a rule placed on a call by hand
         Visibility.lower_right(L, L, masks.dense(torch.ones(L, 7, dtype=torch.bool))).check(B, H)
+
+
+def test_chunk_positions_for_fewer_queries_than_keys_need_key_positions():
+    mha, x = _mha(), _x()
+    rule = masks.chunks(2, query_positions=torch.arange(3, 5))  # 2 queries, 5 keys: the keys' positions are missing
+    with pytest.raises(ValueError, match=r"masks.chunks: key_positions \(by default query_positions\) of shape \(2,\)"):
+        mha(x[:, 3:], x, x, mask=rule)
+    keys = torch.arange(L)
+    out = mha(x[:, 3:], x, x, mask=masks.chunks(2, query_positions=torch.arange(3, 5), key_positions=keys))
+    visible = np.array([[[i // 2 == j // 2 for j in range(L)] for i in (3, 4)]] * B)
+    expected, _ = naive_mha(mha, x[:, 3:], x, x, visible, torch.arange(3, 5).expand(B, 2), keys.expand(B, L))
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_valid_lens_dropping_unseen_keys_cuts_the_callers_rule_after_checking_it_whole():

@@ -219,10 +219,12 @@ class PositionChunks(Rule):
         return self._chunk(self.query_positions, at.q_local, b) == self._chunk(self.key_positions, at.k_local, b)
 
     def check(self, call: CallSizes) -> None:
+        shared = self.key_positions is self.query_positions
         for name, positions, count, what in (
             ("query_positions", self.query_positions, call.num_queries, "queries"),
-            ("key_positions", self.key_positions, call.num_keys, "keys"),
-        ):
+            ("key_positions (by default query_positions)" if shared else "key_positions", self.key_positions,
+             call.num_keys, "keys"),
+        ):  # fmt: skip
             require_fits("chunks", name, positions, -1, count, what)
             if positions.dim() == 2:
                 require_fits("chunks", name, positions, 0, call.batch, "sequences")
