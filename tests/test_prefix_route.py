@@ -55,8 +55,8 @@ def test_prefix_order_and_other_rules():
     mha = MultiHeadAttention(D, H, dtype=torch.float64).eval()
     x = torch.randn(2, 12, D, dtype=torch.float64)
     assert mha.explain(x, x, x, mask=masks.prefix(4) | masks.causal()).route == "prefix"
-    explained = mha.explain(x, x, x, mask=masks.causal() | masks.prefix(torch.tensor([4, 5, 6])))
-    assert ("prefix", "3 prefix lengths for a batch of 2") in explained.declined
+    with pytest.raises(ValueError, match=r"masks.prefix: lengths of shape \(3,\) has 3 sequences .* has 2 sequences"):
+        mha.explain(x, x, x, mask=masks.causal() | masks.prefix(torch.tensor([4, 5, 6])))
     explained = mha.explain(x, x, x, mask=masks.window(3) | masks.prefix(4))
     assert ("prefix", "not causal() | prefix(lengths)") in explained.declined
     explained = mha.explain(x, x, x, mask=masks.causal() | masks.prefix(4), return_weights=True)

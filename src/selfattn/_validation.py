@@ -19,6 +19,8 @@ __all__ = [
     "require_positive_int",
     "require_probability",
     "require_tensor",
+    "require_temperature_tuning",
+    "require_tuned_positions",
 ]
 
 # float64 represents every integer up to 2**53 exactly; past it, positions (and the angles
@@ -71,6 +73,31 @@ def require_positive_finite(name: str, value: object) -> float:
     if not (math.isfinite(float(value)) and float(value) > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
+
+
+def require_temperature_tuning(value: object) -> tuple[float, float]:
+    """Llama 4's ``(attn_scale, floor_scale)``, both positive and finite (the layer's and the recipe's one check)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"temperature_tuning must be (attn_scale, floor_scale), got {value!r}")
+    return (
+        require_positive_finite("temperature_tuning[0] (attn_scale)", value[0]),
+        require_positive_finite("temperature_tuning[1] (floor_scale)", value[1]),
+    )
+
+
+def require_tuned_positions(positions: torch.Tensor) -> None:
+    """Positions a temperature-tuned query may have: ``log(1 + floor((p + 1) / floor_scale))`` needs ``p >= 0``.
+
+    A negative position (Llama 4 has none) would give ``log(0)`` or the log of a negative number: NaN.
+    """
+    if is_compiling() or not positions.numel():
+        return  # the check reads the tensor back: eager mode only
+    lowest = int(positions.min())
+    if lowest < 0:
+        raise ValueError(
+            f"positions must be non-negative with temperature_tuning (its factor log(1 + floor((p + 1) / "
+            f"floor_scale)) is defined for p >= 0), got a position of {lowest}"
+        )
 
 
 def require_dtype(name: str, value: object, *, floating: bool = True) -> torch.dtype:

@@ -22,7 +22,13 @@ from torch import nn
 import selfattn._validation as _validation
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
-from selfattn._validation import require_positive_finite, require_positive_int, require_probability
+from selfattn._validation import (
+    require_positive_finite,
+    require_positive_int,
+    require_probability,
+    require_temperature_tuning,
+    require_tuned_positions,
+)
 from selfattn.cache import KVCache
 from selfattn.core.call import AttentionCall, ModuleInputs
 from selfattn.core.dispatch import Explanation
@@ -197,14 +203,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
         self.window = None if window is None else require_positive_int("window", window)
         self.chunk_size = None if chunk_size is None else require_positive_int("chunk_size", chunk_size)
-        self.temperature_tuning = None
-        if temperature_tuning is not None:
-            if not isinstance(temperature_tuning, (tuple, list)) or len(temperature_tuning) != 2:
-                raise ValueError(f"temperature_tuning must be (attn_scale, floor_scale), got {temperature_tuning!r}")
-            self.temperature_tuning = (
-                require_positive_finite("temperature_tuning[0] (attn_scale)", temperature_tuning[0]),
-                require_positive_finite("temperature_tuning[1] (floor_scale)", temperature_tuning[1]),
-            )
+        self.temperature_tuning = None if temperature_tuning is None else require_temperature_tuning(temperature_tuning)
         self.head_dim = num_hiddens // num_heads
         self.dropout = require_probability("dropout", dropout)
         sizes = {}
@@ -480,6 +479,7 @@ class MultiHeadAttention(nn.Module):
         if self.temperature_tuning is not None:
             attn_scale, floor_scale = self.temperature_tuning
             time = positions[0] if positions.dim() == 3 else positions  # M-RoPE's first axis counts tokens
+            require_tuned_positions(time)
             steps = torch.floor((_per_head(time).to(torch.float64) + 1) / floor_scale)  # (lq,) or (b, 1, lq)
             q = q * (1 + attn_scale * torch.log1p(steps)).to(q.dtype)[..., None]  # (b, h, lq, dh)
         return self.query_key_encoding.encode_queries(q, _for_heads(positions)) if self.rotates else q

@@ -21,9 +21,25 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
 
 import torch
+
+from selfattn._mask_checks import CallSizes, require_index_tensor, require_non_negative
+from selfattn._mask_rules import All as All
+from selfattn._mask_rules import Any as Any
+from selfattn._mask_rules import Causal as Causal
+from selfattn._mask_rules import Chunks as Chunks
+from selfattn._mask_rules import Dense as Dense
+from selfattn._mask_rules import Documents as Documents
+from selfattn._mask_rules import Indices as Indices
+from selfattn._mask_rules import KeyPadding as KeyPadding
+from selfattn._mask_rules import PositionChunks as PositionChunks
+from selfattn._mask_rules import Prefix as Prefix
+from selfattn._mask_rules import Rule as Rule
+from selfattn._mask_rules import Spans as Spans
+from selfattn._mask_rules import ValidLengths as ValidLengths
+from selfattn._mask_rules import Window as Window
+from selfattn._mask_rules import parts as _parts
 
 __all__ = [
     "Rule",
@@ -40,289 +56,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Indices:
-    """Where a rule is evaluated: global and local indices of queries and keys, broadcastable to one shape ``S``.
-
-    All four have the same number of dimensions, so a tensor indexed by them (``t[:, q_local]``,
-    ``(b, *shape)``) broadcasts against another.
-    """
-
-    q: torch.Tensor  # global query index
-    k: torch.Tensor  # global key index
-    q_local: torch.Tensor
-    k_local: torch.Tensor
-
-    @classmethod
-    def at(cls, q_local: torch.Tensor, k_local: torch.Tensor, q_first: int, k_first: int) -> Indices:
-        dims = max(q_local.dim(), k_local.dim())
-        q_local = q_local.reshape((1,) * (dims - q_local.dim()) + tuple(q_local.shape))
-        k_local = k_local.reshape((1,) * (dims - k_local.dim()) + tuple(k_local.shape))
-        return cls(q_local + q_first, k_local + k_first, q_local, k_local)
-
-
-class Rule:
-    """A predicate on (query, key) pairs. Subclasses implement :meth:`allows`."""
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        """Bool, True = visible, broadcastable to ``(b, h, *S)`` (``S``: the broadcast shape of the indices)."""
-        raise NotImplementedError
-
-    def block(self, at: Indices, start: int, end: int, keys: slice) -> torch.Tensor:
-        """The rule on queries ``[start, end)`` and the call's keys ``keys`` (``at`` holds those aranges)."""
-        return self.allows(at)
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """The rule for one (batch, head, query, key) given as scalar tensors (FlexAttention's ``mask_mod``)."""
-        return self.allows(at)
-
-    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
-        """Global keys ``[low, high)`` that queries ``[q_low, q_high)`` may reach (None: no bound known)."""
-        return None, None
-
-    def __and__(self, other: Rule) -> Rule:
-        return All((*_parts(self, All), *_parts(other, All)))
-
-    def __or__(self, other: Rule) -> Rule:
-        return Any((*_parts(self, Any), *_parts(other, Any)))
-
-
-def _parts(rule: Rule, kind: type[All] | type[Any]) -> tuple[Rule, ...]:
-    return rule.rules if isinstance(rule, kind) else (rule,)
-
-
-def _batched(t: torch.Tensor) -> torch.Tensor:
-    """``(b, *S)`` -> ``(b, 1, *S)``: a per-sequence result broadcast over the heads."""
-    return t.unsqueeze(1)
-
-
-@dataclass(frozen=True, eq=False)
-class _Joined(Rule):
-    """Rules joined by a logical operation (:attr:`join`)."""
-
-    rules: tuple[Rule, ...]
-    join: ClassVar[Callable[..., torch.Tensor]]
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        return functools.reduce(type(self).join, (rule.allows(at) for rule in self.rules))
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return functools.reduce(type(self).join, (rule.scalar(at, b, h) for rule in self.rules))
-
-
-@dataclass(frozen=True, eq=False)
-class All(_Joined):
-    """Every rule must allow the pair."""
-
-    join = staticmethod(torch.logical_and)
-
-    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
-        low: int | None = None
-        high: int | None = None
-        for rule in self.rules:
-            a, b = rule.key_bounds(q_low, q_high)
-            low = a if low is None else (low if a is None else max(low, a))
-            high = b if high is None else (high if b is None else min(high, b))
-        return low, high
-
-
-@dataclass(frozen=True, eq=False)
-class Any(_Joined):
-    """One rule allowing the pair is enough."""
-
-    join = staticmethod(torch.logical_or)
-
-    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
-        bounds = [rule.key_bounds(q_low, q_high) for rule in self.rules]
-        lows, highs = [b[0] for b in bounds], [b[1] for b in bounds]
-        low = None if None in lows else min(x for x in lows if x is not None)
-        high = None if None in highs else max(x for x in highs if x is not None)
-        return low, high
-
-
-@dataclass(frozen=True)
-class Causal(Rule):
-    """Key ``j`` is visible to query ``i`` iff ``j <= i``."""
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        return at.k <= at.q
-
-    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
-        return None, q_high
-
-
-@dataclass(frozen=True)
-class Window(Rule):
-    """``|i - j| < size``; with :class:`Causal` this is the sliding window ``i - size < j <= i``."""
-
-    size: int
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        return (at.q - at.k).abs() < self.size
-
-    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
-        return q_low - self.size + 1, q_high + self.size - 1
-
-
-@dataclass(frozen=True)
-class Chunks(Rule):
-    """Query ``i`` sees only keys of its own chunk: ``i // size == j // size``."""
-
-    size: int
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        return torch.div(at.q, self.size, rounding_mode="floor") == torch.div(at.k, self.size, rounding_mode="floor")
-
-    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
-        return q_low // self.size * self.size, ((q_high - 1) // self.size + 1) * self.size
-
-
-@dataclass(frozen=True, eq=False)
-class PositionChunks(Rule):
-    """Chunks counted by position: ``q_pos // size == k_pos // size`` (Llama 4 under left padding).
-
-    Positions ``(lq,)``/``(b, lq)`` and ``(lk,)``/``(b, lk)`` belong to the call's own queries
-    and the keys it sees.
-    """
-
-    size: int
-    query_positions: torch.Tensor
-    key_positions: torch.Tensor
-
-    def _chunk(self, positions: torch.Tensor, local: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
-        index = local.clamp(0, positions.shape[-1] - 1)
-        if positions.dim() == 1:
-            picked = positions[index]
-        else:
-            picked = positions[:, index] if batch is None else positions[batch, index]
-        return torch.div(picked, self.size, rounding_mode="floor")
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        same = self._chunk(self.query_positions, at.q_local) == self._chunk(self.key_positions, at.k_local)
-        per_sequence = self.query_positions.dim() == 2 or self.key_positions.dim() == 2
-        return _batched(same) if per_sequence else same
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self._chunk(self.query_positions, at.q_local, b) == self._chunk(self.key_positions, at.k_local, b)
-
-
-@dataclass(frozen=True, eq=False)
-class ValidLengths(Rule):
-    """The chapter's ``valid_lens``: ``j < lengths[s]`` (``(b,)``) or ``j < lengths[s, i]`` (``(b, lq)``)."""
-
-    lengths: torch.Tensor
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        if self.lengths.dim() == 1:
-            lengths = self.lengths.view(-1, *([1] * at.k.dim()))  # (b, 1, ..)
-            return _batched(at.k < lengths)
-        per_query = self.lengths[:, at.q_local.clamp(0, self.lengths.shape[1] - 1)]  # (b, *q shape)
-        return _batched(at.k < per_query)
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return at.k < (self.lengths[b] if self.lengths.dim() == 1 else self.lengths[b, at.q_local])
-
-    @property
-    def per_query(self) -> bool:
-        return self.lengths.dim() == 2
-
-
-@dataclass(frozen=True, eq=False)
-class KeyPadding(Rule):
-    """``padding`` ``(b, lk)``, True = the key is padding and seen by nobody."""
-
-    padding: torch.Tensor
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        return _batched(~self.padding[:, at.k_local.clamp(0, self.padding.shape[1] - 1)])
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return ~self.padding[b, at.k_local]
-
-
-@dataclass(frozen=True, eq=False)
-class Documents(Rule):
-    """Packed documents: a token sees only tokens with its own id (``(b, lq)`` and ``(b, lk)`` ids)."""
-
-    query_ids: torch.Tensor
-    key_ids: torch.Tensor
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        q_ids = self.query_ids[:, at.q_local.clamp(0, self.query_ids.shape[1] - 1)]
-        k_ids = self.key_ids[:, at.k_local.clamp(0, self.key_ids.shape[1] - 1)]
-        return _batched(q_ids == k_ids)
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.query_ids[b, at.q_local] == self.key_ids[b, at.k_local]
-
-
-@dataclass(frozen=True, eq=False)
-class Dense(Rule):
-    """A given bool mask ``(1 or b, 1 or h, lq, lk)``, True = attend, indexed by the call's own queries and keys."""
-
-    mask: torch.Tensor
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        q_local = at.q_local.clamp(0, self.mask.shape[-2] - 1)
-        k_local = at.k_local.clamp(0, self.mask.shape[-1] - 1)
-        return self.mask[:, :, q_local, k_local]
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        mask = self.mask
-        q_local = at.q_local if mask.shape[-2] > 1 else 0
-        k_local = at.k_local if mask.shape[-1] > 1 else 0
-        return mask[b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, q_local, k_local]
-
-    def block(self, at: Indices, start: int, end: int, keys: slice) -> torch.Tensor:
-        rows = slice(None) if self.mask.shape[-2] == 1 else slice(start, end)
-        columns = slice(None) if self.mask.shape[-1] == 1 else keys
-        return self.mask[..., rows, columns]  # a view: no gather
-
-
-@dataclass(frozen=True, eq=False)
-class Prefix(Rule):
-    """Key ``j`` is in the bidirectional prefix: ``j < lengths`` (an int, or ``(b,)`` per sequence).
-
-    Alone it lets every query see the prefix; ``causal() | prefix(n)`` is the prefix-LM mask.
-    """
-
-    lengths: torch.Tensor | int
-    longest: int | None  # the largest length, when known without reading a tensor under compile
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        if isinstance(self.lengths, int):
-            return at.k < self.lengths
-        lengths = self.lengths.to(at.k.device).view(-1, *([1] * at.k.dim()))  # (b, 1, ..)
-        return _batched(at.k < lengths)
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return at.k < (self.lengths if isinstance(self.lengths, int) else self.lengths[b])
-
-    def key_bounds(self, q_low: int, q_high: int) -> tuple[int | None, int | None]:
-        return 0, self.longest
-
-
-@dataclass(frozen=True, eq=False)
-class Spans(Rule):
-    """Tokens of one span see each other: ``ids[i] == ids[j] != 0`` (``(b, l)`` ids by index in the whole sequence)."""
-
-    ids: torch.Tensor
-
-    def _ids(self, index: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
-        inside = index < self.ids.shape[-1]
-        clamped = index.clamp(0, self.ids.shape[-1] - 1)
-        ids = self.ids[:, clamped] if batch is None else self.ids[batch, clamped]
-        return torch.where(inside, ids, 0)  # past the ids: in no span
-
-    def allows(self, at: Indices) -> torch.Tensor:
-        q_ids, k_ids = self._ids(at.q), self._ids(at.k)
-        return _batched((q_ids == k_ids) & (q_ids != 0))
-
-    def scalar(self, at: Indices, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        q_ids, k_ids = self._ids(at.q, b), self._ids(at.k, b)
-        return (q_ids == k_ids) & (q_ids != 0)
-
-
 def causal() -> Rule:
     """Query ``i`` sees keys ``j <= i`` (indices in the whole sequence: lower-right aligned)."""
     return Causal()
@@ -331,7 +64,7 @@ def causal() -> Rule:
 def window(size: int) -> Rule:
     """Keys with ``|i - j| < size`` (``causal() & window(w)``: keys ``i - w < j <= i``)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"window size must be a positive integer, got {size!r}")
+        raise ValueError(f"masks.window: window size must be a positive integer, got {size!r}")
     return Window(size)
 
 
@@ -345,11 +78,15 @@ def chunks(
     row's chunks start at its first real token.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"chunk size must be a positive integer, got {size!r}")
+        raise ValueError(f"masks.chunks: chunk size must be a positive integer, got {size!r}")
     if query_positions is None:
         if key_positions is not None:
-            raise ValueError("key_positions need query_positions")
+            raise ValueError("masks.chunks: key_positions need query_positions")
         return Chunks(size)
+    shapes = {1: "(l,)", 2: "(b, l)"}
+    query_positions = require_index_tensor("chunks", "query_positions", query_positions, shapes, kind="integer")
+    if key_positions is not None:
+        require_index_tensor("chunks", "key_positions", key_positions, shapes, kind="integer")
     return PositionChunks(size, query_positions, query_positions if key_positions is None else key_positions)
 
 
@@ -362,12 +99,16 @@ def prefix(lengths: int | torch.Tensor) -> Rule:
     if isinstance(lengths, torch.Tensor):
         if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
             raise ValueError(
-                f"prefix lengths must be an int or an integer (b,) tensor, got {lengths.dtype} {tuple(lengths.shape)}"
+                "masks.prefix: prefix lengths must be an int or an integer (b,) tensor, "
+                f"got {lengths.dtype} {tuple(lengths.shape)}"
             )
+        require_non_negative("prefix", "lengths", lengths)
         longest = None if torch.compiler.is_compiling() else int(lengths.max()) if lengths.numel() else 0
         return Prefix(lengths, longest)
     if isinstance(lengths, bool) or not isinstance(lengths, int) or lengths < 0:
-        raise ValueError(f"prefix lengths must be a non-negative int or an integer (b,) tensor, got {lengths!r}")
+        raise ValueError(
+            f"masks.prefix: prefix lengths must be a non-negative int or an integer (b,) tensor, got {lengths!r}"
+        )
     return Prefix(lengths, lengths)
 
 
@@ -380,30 +121,64 @@ def spans(ids: torch.Tensor) -> Rule:
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         shown = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"span ids must be an integer (b, l) tensor, got {shown}")
+        raise ValueError(f"masks.spans: span ids must be an integer (b, l) tensor, got {shown}")
     return Spans(ids)
 
 
 def valid_lengths(lengths: torch.Tensor) -> Rule:
-    """The chapter's ``valid_lens``: ``(b,)`` or ``(b, lq)`` integer lengths."""
+    """The chapter's ``valid_lens``: ``(b,)`` or ``(b, lq)`` non-negative integer lengths.
+
+    Raises:
+        ValueError: lengths that are not an integer tensor of one of those shapes, or negative;
+            placed on a call, a batch or number of queries other than the call's.
+    """
+    shapes = {1: "(b,)", 2: "(b, lq)"}
+    require_non_negative("valid_lengths", "lengths", require_index_tensor(
+        "valid_lengths", "lengths", lengths, shapes, kind="integer"
+    ))  # fmt: skip
     return ValidLengths(lengths)
 
 
 def key_padding(padding: torch.Tensor) -> Rule:
-    """Bool ``(b, lk)``, True = padding (torch's ``key_padding_mask``)."""
-    return KeyPadding(padding)
+    """Bool ``(b, lk)``, True = padding (torch's ``key_padding_mask``).
+
+    Raises:
+        ValueError: anything but a bool ``(b, lk)`` tensor; placed on a call, another batch or number of keys.
+    """
+    return KeyPadding(require_index_tensor("key_padding", "padding", padding, {2: "(b, lk)"}, kind="bool"))
 
 
 def documents(query_ids: torch.Tensor, key_ids: torch.Tensor | None = None) -> Rule:
-    """Packed documents: ``(b, lq)`` ids of the queries and ``(b, lk)`` of the keys (default the same)."""
+    """Packed documents: ``(b, lq)`` ids of the queries and ``(b, lk)`` of the keys (default the same).
+
+    Raises:
+        ValueError: ids that are not integer ``(b, l)`` tensors; placed on a call, ids of another
+            batch, or query ids (key ids) for another number of queries (keys).
+    """
+    query_ids = require_index_tensor("documents", "query_ids", query_ids, {2: "(b, lq)"}, kind="integer")
+    if key_ids is not None:
+        require_index_tensor("documents", "key_ids", key_ids, {2: "(b, lk)"}, kind="integer")
     return Documents(query_ids, query_ids if key_ids is None else key_ids)
 
 
 def dense(mask: torch.Tensor) -> Rule:
-    """A bool mask, True = attend, broadcastable to ``(b, h, lq, lk)``."""
+    """A bool mask, True = attend, broadcastable to ``(b, h, lq, lk)`` (each dimension the call's size or 1).
+
+    Raises:
+        ValueError: anything but a bool tensor; placed on a call, a dimension that is neither 1
+            nor the call's.
+    """
+    shapes = dict.fromkeys(range(9), "(.., lq, lk)")
+    mask = require_index_tensor("dense", "mask", mask, shapes, kind="bool")
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
     return Dense(mask)
+
+
+def on_first_keys(rule: Rule, batch: int, num_queries: int, num_keys: int, count: int) -> Rule:
+    """``rule`` checked against a ``(batch, lq, lk)`` call, then cut to its first ``count`` keys (seen by no query past them)."""
+    rule.check(CallSizes(batch, None, num_queries, num_keys))
+    return rule.first_keys(count)
 
 
 @dataclass(frozen=True, eq=False)
@@ -439,6 +214,17 @@ class Visibility:
     def __or__(self, other: Rule) -> Visibility:
         joined = All(self.rules) | other if self.rules else None
         return replace(self, rules=()) if joined is None else replace(self, rules=(joined,))
+
+    def check(self, batch: int | None, heads: int | None) -> Visibility:
+        """Raise ``ValueError`` unless every rule's tensors fit this call (``batch``/``heads`` None: not known).
+
+        The one place a rule meets the call's sizes: each rule's :meth:`Rule.check` names itself,
+        the argument and the size it got, so no rendering ever clamps an index to make it fit.
+        """
+        sizes = CallSizes(batch, heads, self.num_queries, self.num_keys)
+        for rule in self.rules:
+            rule.check(sizes)
+        return self
 
     # ------------------------------------------------------------------ what the routes read
 

@@ -136,6 +136,8 @@ class AttentionCall:
         self.transformed = _validation.in_func_transform()
         self._facts: dict[str, Any] = {}
         self.four_d = all(t is None or t.dim() == 4 for t in (q, k, v))
+        # Where the rules meet the call: their tensors must fit its sizes (heads of other ranks: only lq, lk).
+        visibility.check(self.batch if self.four_d else None, self.heads if self.four_d else None)
 
     @classmethod
     def of_heads(

@@ -389,4 +389,7 @@ def _check_lengths(module: Any, request: Request) -> Request:
         key_padding_mask=None if request.key_padding_mask is None else request.key_padding_mask[:, :kept],
         attn_mask=None if request.attn_mask is None else request.attn_mask[..., :kept],
         key_documents=None if request.key_documents is None else request.key_documents[:, :kept],
+        mask=None
+        if request.mask is None
+        else masks.on_first_keys(request.mask, batch, num_queries, num_new_keys, kept),
     )

@@ -74,6 +74,7 @@ from selfattn._validation import require_bool, require_positive_int, require_pro
 from selfattn.core.call import AttentionCall
 from selfattn.functional._block_common import ScoreTerm, choose_block_size
 from selfattn.functional._dropout_masks import dropout_keep_probability
+from selfattn.functional._kernels import _check_valid_lens
 from selfattn.masks import Visibility, dense, valid_lengths
 from selfattn.masks import causal as causal_rule
 
@@ -128,6 +129,9 @@ def blockwise_attention(
     q_positions, k_positions = _check_inputs(q, k, v, term, q_positions, k_positions, mask)
     if block_size is not None:
         block_size = require_positive_int("block_size", block_size)
+    if valid_lens is not None:
+        _check_valid_lens(valid_lens)  # whole numbers, not negative; the call checks the batch and queries
+        valid_lens = valid_lens.long()
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     rules = [
         causal_rule() if causal else None,

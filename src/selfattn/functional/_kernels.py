@@ -69,7 +69,7 @@ def valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
         ValueError: lengths that are negative, fractional, not integers or not 1-D/2-D.
     """
     _check_valid_lens(valid_lens)
-    return _valid_lens_mask(valid_lens, require_non_negative_int("num_keys", num_keys))
+    return _valid_lens_mask(valid_lens.long(), require_non_negative_int("num_keys", num_keys))  # whole floats too
 
 
 def _check_valid_lens(valid_lens: torch.Tensor) -> None:

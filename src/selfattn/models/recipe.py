@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from selfattn._validation import require_positive_finite, require_positive_int
+from selfattn._validation import require_positive_finite, require_positive_int, require_temperature_tuning
 
 __all__ = ["LayerRecipe", "repeat_pattern"]
 
@@ -58,6 +58,8 @@ class LayerRecipe:
         for name in ("rotary_base", "softcap", "scale"):
             if getattr(self, name) is not None:
                 require_positive_finite(name, getattr(self, name))
+        if self.temperature_tuning is not None:  # a tuple, so the frozen recipe stays hashable
+            object.__setattr__(self, "temperature_tuning", require_temperature_tuning(self.temperature_tuning))
         if self.rotary_base is not None and not self.position:
             raise ValueError(f"rotary_base={self.rotary_base} is given for a layer without position (position=False)")
 
