@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfattn._scripting import NotScriptable
 from selfattn._validation import require_positive_int, require_probability
 from selfattn.attention import MultiHeadAttention as _CoreAttention
 from selfattn.cache import KVCache
@@ -40,7 +41,7 @@ def _always_run_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
     return None
 
 
-class MultiheadAttention(nn.Module):
+class MultiheadAttention(NotScriptable, nn.Module):
     """A drop-in for ``torch.nn.MultiheadAttention``: same constructor, ``forward``, parameters and ``state_dict``.
 
     Replacing ``torch.nn.MultiheadAttention`` by this class is the whole migration: a torch
