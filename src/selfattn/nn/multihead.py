@@ -58,20 +58,22 @@ class MultiheadAttention(NotScriptable, nn.Module):
     * a query whose keys are all masked gets a zero output row before ``out_proj`` (and zero
       weights) instead of NaN;
     * the weights returned in training with ``dropout > 0`` are those before dropout;
-    * the output is always contiguous (torch returns a transposed view with ``batch_first``).
+    * the output is always contiguous (torch's is a transposed view with ``batch_first`` in
+      training).
 
     Inside torch's ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder`` this module
     always runs, in training and in eval: it carries a no-op forward pre-hook, and torch's
     layer then declines its fused fast path (which would read ``in_proj_weight``, never call
-    this module, skip selfattn's options and give NaN rows). With selfattn's options
-    ``_qkv_same_embed_dim`` also reads False, so an encoder built around such a layer does not
-    convert its input to nested tensors. An encoder that does (eval, ``src_key_padding_mask``,
-    built with torch's attention before it was replaced) passes one nested tensor of
-    sequences ``(l_i, e)`` as query, key and value: this module attends within each sequence
-    and returns a nested tensor, and the encoder pads its output with zeros, as torch's
-    attention does there. So the encoder's output matches torch's with the same weights at
-    every position, in eval and training, except that fully masked rows are finite, and with
-    selfattn's options it is the same in eval as in training (without dropout).
+    this module, skip selfattn's options and give NaN rows). In eval with
+    ``src_key_padding_mask`` and ``batch_first``, torch's encoder may turn its input into
+    nested tensors; it decides when it is built (yes with torch's attention or with this
+    module without selfattn's options; with them ``_qkv_same_embed_dim`` reads False, and no).
+    This module then gets one nested tensor of sequences ``(l_i, e)`` as query, key and value,
+    attends within each sequence and returns a nested tensor, and the encoder pads its output
+    with zeros, as with torch's attention. So the encoder's output at every token that is not
+    padding is the same in eval as in training (without dropout) and, without selfattn's
+    options, equals torch's with the same weights; padded tokens are zeros where the encoder
+    went nested and computed otherwise; a sequence whose keys are all masked stays finite.
 
     Args:
         embed_dim: model size ``e``.
