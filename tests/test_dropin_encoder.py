@@ -207,13 +207,15 @@ def test_output_is_contiguous_with_torch_shape(option: str, batch_first: bool) -
     assert out.view(-1, EMBED).shape == (15, EMBED)  # torch's (l, b, e) output allows this
 
 
-def test_nested_input_is_self_attention_within_each_sequence() -> None:
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_input_is_self_attention_within_each_sequence(layout: torch.layout) -> None:
     torch.manual_seed(2)
     ours = snn.MultiheadAttention(EMBED, HEADS, batch_first=True, dtype=F64, position="rotary")
-    sequences = [torch.randn(length, EMBED, dtype=F64) for length in (3, 0, 5)]
-    nested = torch.nested.as_nested_tensor(sequences)
+    lengths = (3, 0, 5) if layout == torch.strided else (3, 1, 5)  # torch's encoder makes strided ones, empty too
+    sequences = [torch.randn(length, EMBED, dtype=F64) for length in lengths]
+    nested = torch.nested.as_nested_tensor(sequences, layout=layout)
     out, weights = ours(nested, nested, nested, need_weights=False)
-    assert out.is_nested and weights is None
+    assert out.is_nested and out.layout == layout and weights is None
     for got, sequence in zip(out.unbind(), sequences, strict=True):
         alone = ours(sequence[None], sequence[None], sequence[None], need_weights=False)[0][0]
         assert got.shape == sequence.shape

@@ -354,7 +354,8 @@ class MultiheadAttention(NotScriptable, nn.Module):
         layout = padded if self.batch_first else padded.transpose(0, 1)
         out = self.forward(layout, layout, layout, key_padding_mask=padding, need_weights=False)[0]
         out = out if self.batch_first else out.transpose(0, 1)
-        return torch.nested.as_nested_tensor([row[:length] for row, length in zip(out, lengths, strict=True)]), None
+        rows = [row[:length] for row, length in zip(out, lengths, strict=True)]
+        return torch.nested.as_nested_tensor(rows, layout=query.layout), None
 
     def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether the inputs are batched; raise for ranks or sizes that do not fit."""
