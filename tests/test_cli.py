@@ -34,7 +34,9 @@ def test_every_subcommand_has_help_with_examples(command, capsys):
 def test_no_command_is_a_usage_error_on_stderr(capsys):
     status, out, err = run_cli([], capsys)
     assert status == 2 and out == ""
-    assert err.startswith("usage: selfattn") and "error: choose a COMMAND: tour, encode" in err
+    # one line, like every other usage error of the command line (it printed the usage line too)
+    assert err.count("\n") == 1 and err.startswith("selfattn: error: choose a COMMAND: tour, encode")
+    assert "selfattn --help" in err
 
 
 @pytest.mark.parametrize("suffix", [".npy", ".csv", ".pt"])

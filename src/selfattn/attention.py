@@ -22,6 +22,7 @@ from torch import nn
 import selfattn._validation as _validation
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
+from selfattn._scripting import NotScriptable
 from selfattn._validation import (
     require_positive_finite,
     require_positive_int,
@@ -85,7 +86,7 @@ def _check_position_sizes(position: PositionalEncoding | None, num_heads: int, h
         )
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(NotScriptable, nn.Module):
     """Multi-head scaled dot-product attention, named as in the chapter.
 
     The projections ``W_q, W_k, W_v, W_o`` are ``nn.Linear`` layers, so a ``state_dict``

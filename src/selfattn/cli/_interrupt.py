@@ -60,7 +60,14 @@ def interrupts_end_the_command() -> Iterator[Interrupts]:
     try:
         yield seen
     finally:
-        if can_retry:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL if previous_alarm is None else previous_alarm)
-        sys.unraisablehook = previous_hook
+        # A timer that went off just before it is stopped raises here: each step is restored even
+        # then, so the process never keeps this hook or handler (they would act in later code).
+        try:
+            if can_retry:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            try:
+                if can_retry:
+                    signal.signal(signal.SIGALRM, signal.SIG_DFL if previous_alarm is None else previous_alarm)
+            finally:
+                sys.unraisablehook = previous_hook

@@ -48,9 +48,9 @@ _RESOURCE_ERROR = re.compile(r"allocat|out of memory|overflow", re.IGNORECASE)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_usage(sys.stderr)
-        parser.error(f"choose a COMMAND: {', '.join(module.__name__.rsplit('.', 1)[-1] for module in SUBCOMMANDS)}")
+    if args.command is None:  # one line, as every usage error here; --help has the usage
+        commands = ", ".join(module.__name__.rsplit(".", 1)[-1] for module in SUBCOMMANDS)
+        parser.error(f"choose a COMMAND: {commands} (selfattn --help shows them all)")
     try:
         if args.command in _NEED_NUMPY:
             importlib.import_module("numpy")

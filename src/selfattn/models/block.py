@@ -10,6 +10,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from selfattn._scripting import NotScriptable
 from selfattn._validation import require_positive_int, require_probability
 from selfattn.attention import MultiHeadAttention
 from selfattn.cache import KVCache
@@ -19,7 +20,7 @@ from selfattn.positional.base import PositionalEncoding
 __all__ = ["TransformerBlock"]
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(NotScriptable, nn.Module):
     """Self-attention followed by a two-layer GELU MLP.
 
     With ``norm_first=True`` (pre-LN, GPT-2 and later)::

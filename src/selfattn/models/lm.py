@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfattn._scripting import NotScriptable
 from selfattn._validation import require_non_negative_int, require_positive_int, require_probability
 from selfattn.cache import KVCache
 from selfattn.models.block import TransformerBlock
@@ -25,7 +26,7 @@ __all__ = ["TransformerLM"]
 _ONE_DIMENSIONAL = tuple(name for name in NAMES if not name.startswith("sinusoidal") or name == "sinusoidal")
 
 
-class TransformerLM(nn.Module):
+class TransformerLM(NotScriptable, nn.Module):
     """Token embedding, a positional encoding, ``num_layers`` causal blocks, a tied output head.
 
     ``position`` names an encoding of :func:`selfattn.positional.build` (``"none"`` is NoPE,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfattn._scripting import NotScriptable
 from selfattn._validation import require_positive_int, require_probability
 from selfattn.attention import MultiHeadAttention as _CoreAttention
 from selfattn.cache import KVCache
@@ -26,7 +27,21 @@ def _dims(t: torch.Tensor) -> str:
     return f"{t.dtype} {tuple(t.shape)}"
 
 
-class MultiheadAttention(nn.Module):
+def _none_or_dims(t: torch.Tensor | None) -> str:
+    return "None" if t is None else _dims(t)
+
+
+def _always_run_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A forward pre-hook that changes nothing: its presence is what matters.
+
+    ``nn.TransformerEncoderLayer`` in eval hands the whole layer to torch's fused kernel, which
+    reads ``in_proj_weight`` and never calls ``self_attn``, unless some submodule carries a hook.
+    This one makes that check decline, so the drop-in always runs with its own semantics.
+    """
+    return None
+
+
+class MultiheadAttention(NotScriptable, nn.Module):
     """A drop-in for ``torch.nn.MultiheadAttention``: same constructor, ``forward``, parameters and ``state_dict``.
 
     Replacing ``torch.nn.MultiheadAttention`` by this class is the whole migration: a torch
@@ -43,8 +58,22 @@ class MultiheadAttention(nn.Module):
     * a query whose keys are all masked gets a zero output row before ``out_proj`` (and zero
       weights) instead of NaN;
     * the weights returned in training with ``dropout > 0`` are those before dropout;
-    * with selfattn's options the fast path of ``nn.TransformerEncoderLayer`` is turned off
-      (``_qkv_same_embed_dim`` reads False), as it would skip them.
+    * the output is always contiguous (torch's is a transposed view with ``batch_first`` in
+      training).
+
+    Inside torch's ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder`` this module
+    always runs, in training and in eval: it carries a no-op forward pre-hook, and torch's
+    layer then declines its fused fast path (which would read ``in_proj_weight``, never call
+    this module, skip selfattn's options and give NaN rows). In eval with
+    ``src_key_padding_mask`` and ``batch_first``, torch's encoder may turn its input into
+    nested tensors; it decides when it is built (yes with torch's attention or with this
+    module without selfattn's options; with them ``_qkv_same_embed_dim`` reads False, and no).
+    This module then gets one nested tensor of sequences ``(l_i, e)`` as query, key and value,
+    attends within each sequence and returns a nested tensor, and the encoder pads its output
+    with zeros, as with torch's attention. So the encoder's output at every token that is not
+    padding is the same in eval as in training (without dropout) and, without selfattn's
+    options, equals torch's with the same weights; padded tokens are zeros where the encoder
+    went nested and computed otherwise; a sequence whose keys are all masked stays finite.
 
     Args:
         embed_dim: model size ``e``.
@@ -163,6 +192,7 @@ class MultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
         self._reset_parameters()
+        self.register_forward_pre_hook(_always_run_forward)
 
     def _reset_parameters(self) -> None:
         """Torch's initialization, in torch's order (same seed, same weights)."""
@@ -240,6 +270,8 @@ class MultiheadAttention(nn.Module):
             ValueError: inputs or masks of the wrong rank, shape or dtype, ``is_causal`` without
                 ``attn_mask``, selfattn options with ``add_bias_kv``/``add_zero_attn``.
         """
+        if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+            return self._nested_self_attention(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         batched = self._check_inputs(query, key, value)
         if not batched:
             query, key, value = query[None], key[None], value[None]
@@ -285,7 +317,45 @@ class MultiheadAttention(nn.Module):
             weights = weights.mean(dim=1)  # (b, l, s)
         if not batched:
             return out[0], None if weights is None else weights[0]
-        return (out if self.batch_first else out.transpose(0, 1)), weights
+        # torch's (l, b, e) output is contiguous: callers .view() it
+        return (out if self.batch_first else out.transpose(0, 1).contiguous()), weights
+
+    def _nested_self_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        need_weights: bool,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, None]:
+        """Self-attention within each sequence of a nested tensor, as ``nn.TransformerEncoder`` passes it.
+
+        Shape:
+            query ``(b, l_i, e)`` nested (``key`` and ``value`` the same tensor) -> ``(b, l_i, e)``
+            nested: the sequences are padded to ``(b, l, e)``, attend with their padding masked,
+            and are cut back to their lengths.
+        """
+        if key is not query or value is not query:
+            raise ValueError("a nested tensor is taken for self-attention only: pass it as query, key and value")
+        if key_padding_mask is not None or attn_mask is not None or is_causal or need_weights:
+            raise ValueError(
+                "with a nested tensor (each sequence at its own length) key_padding_mask, attn_mask and "
+                f"is_causal must be unset and need_weights False, got key_padding_mask={_none_or_dims(key_padding_mask)}, "
+                f"attn_mask={_none_or_dims(attn_mask)}, is_causal={is_causal}, need_weights={need_weights}"
+            )
+        if query.dim() != 3 or query.size(-1) != self.embed_dim:
+            raise ValueError(f"a nested query must hold sequences (l_i, {self.embed_dim}), got {query.dim()}-D ones")
+        lengths = [sequence.shape[0] for sequence in query.unbind()]
+        padded = query.to_padded_tensor(0.0)  # (b, l, e)
+        positions = torch.arange(padded.shape[1], device=padded.device)
+        padding = positions >= torch.tensor(lengths, device=padded.device)[:, None]  # (b, l), True = padding
+        layout = padded if self.batch_first else padded.transpose(0, 1)
+        out = self.forward(layout, layout, layout, key_padding_mask=padding, need_weights=False)[0]
+        out = out if self.batch_first else out.transpose(0, 1)
+        rows = [row[:length] for row, length in zip(out, lengths, strict=True)]
+        return torch.nested.as_nested_tensor(rows, layout=query.layout), None
 
     def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether the inputs are batched; raise for ranks or sizes that do not fit."""

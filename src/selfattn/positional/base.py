@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from torch import nn
 
+from selfattn._scripting import NotScriptable
+
 if TYPE_CHECKING:
     from selfattn.cache import KVCache
 
 __all__ = ["InputEncoding", "PositionalEncoding", "QueryKeyEncoding", "ScoreEncoding"]
 
 
-class PositionalEncoding(nn.Module):
+class PositionalEncoding(NotScriptable, nn.Module):
     """Base class of every encoding.
 
     Attributes:

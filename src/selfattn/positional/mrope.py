@@ -25,6 +25,19 @@ from selfattn.positional.base import QueryKeyEncoding
 
 __all__ = ["MultimodalRotaryPositionalEncoding", "default_sections"]
 
+# transformers' model types whose M-RoPE interleaves the sections (frequency j follows time,
+# height, width in turn, ``j % 3``; Qwen3-VL's layout) whatever their config says; a model type
+# matches itself and its ``_text`` / ``_moe_text`` sub-configs.
+_INTERLEAVED_MROPE_MODELS = (
+    "qwen3_vl",
+    "qwen3_5",
+    "qwen3_omni_moe",
+    "qwen4_exp",
+    "cohere_compass",
+    "cosmos3_edge",
+    "hy_v4_vl",
+)
+
 
 def default_sections(head_dim: int) -> tuple[int, int, int]:
     """Qwen2-VL's split of the ``dh / 2`` frequencies, scaled: a quarter to time, the rest to height and width.
@@ -151,24 +164,24 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
 
         Reads ``head_dim`` (or ``hidden_size / num_attention_heads``), ``rope_theta`` and
         ``mrope_section``, at the top level or inside ``rope_parameters`` / ``rope_scaling``.
+        Configs whose rotary this class would compute differently are refused: interleaved
+        sections (Qwen3-VL and its successors, ``mrope_interleaved``), a ``rope_type`` other than
+        ``"default"`` (scaling), a ``partial_rotary_factor`` below 1.
 
         Raises:
-            ValueError: a missing size or no ``mrope_section``, named.
+            ValueError: a missing size or no ``mrope_section``, or a setting above, named.
         """
-
-        def read(source: Mapping[str, Any] | Any, key: str) -> Any:
-            return source.get(key) if isinstance(source, Mapping) else getattr(source, key, None)
-
-        parameters = read(config, "rope_parameters") or read(config, "rope_scaling") or {}
+        parameters = _read(config, "rope_parameters") or _read(config, "rope_scaling") or {}
         if not isinstance(parameters, Mapping):
             raise ValueError(f"config rope_parameters must be a dict, got {type(parameters).__name__}")
-        sections = parameters.get("mrope_section", read(config, "mrope_section"))
+        _refuse_what_it_cannot_express(config, parameters)
+        sections = parameters.get("mrope_section", _read(config, "mrope_section"))
         if sections is None:
             raise ValueError("config has no mrope_section (in rope_parameters or rope_scaling)")
-        base = parameters.get("rope_theta", read(config, "rope_theta"))
-        head_dim = read(config, "head_dim")
+        base = parameters.get("rope_theta", _read(config, "rope_theta"))
+        head_dim = _read(config, "head_dim")
         if head_dim is None:
-            hidden, heads = read(config, "hidden_size"), read(config, "num_attention_heads")
+            hidden, heads = _read(config, "hidden_size"), _read(config, "num_attention_heads")
             if hidden is None or heads is None:
                 raise ValueError("config needs head_dim, or hidden_size and num_attention_heads")
             head_dim = require_positive_int("hidden_size", hidden) // require_positive_int("num_attention_heads", heads)
@@ -176,3 +189,41 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base:g}, sections={self.sections}"
+
+
+def _read(source: Mapping[str, Any] | Any, key: str) -> Any:
+    """``source[key]`` of a dict, ``source.key`` of a config object; None when absent."""
+    return source.get(key) if isinstance(source, Mapping) else getattr(source, key, None)
+
+
+def _refuse_what_it_cannot_express(config: Mapping[str, Any] | Any, parameters: Mapping[str, Any]) -> None:
+    """Raise for a config whose rotary is not contiguous-section M-RoPE at full width without scaling."""
+    for key in ("mrope_interleaved", "interleaved"):
+        value = parameters.get(key, _read(config, key))
+        if value:
+            raise ValueError(
+                f"config sets {key}={value!r}: its M-RoPE interleaves the time, height and width frequencies "
+                "(Qwen3-VL's layout), and MultimodalRotaryPositionalEncoding has contiguous sections only "
+                "(Qwen2-VL, Qwen2.5-VL); interleaved M-RoPE is not implemented"
+            )
+    model_type = _read(config, "model_type")
+    if isinstance(model_type, str) and any(
+        model_type == family or model_type.startswith(f"{family}_") for family in _INTERLEAVED_MROPE_MODELS
+    ):
+        raise ValueError(
+            f"config model_type={model_type!r} interleaves its M-RoPE sections (transformers' Qwen3-VL layout, "
+            "set or not by mrope_interleaved), and MultimodalRotaryPositionalEncoding has contiguous sections "
+            "only (Qwen2-VL, Qwen2.5-VL); interleaved M-RoPE is not implemented"
+        )
+    rope_type = parameters.get("rope_type", parameters.get("type"))
+    if rope_type not in (None, "default", "mrope"):
+        raise ValueError(
+            f"config rope_type={rope_type!r} rescales the rotary frequencies; MultimodalRotaryPositionalEncoding "
+            "implements rope_type 'default' only"
+        )
+    fraction = parameters.get("partial_rotary_factor", _read(config, "partial_rotary_factor"))
+    if fraction is not None and fraction != 1:
+        raise ValueError(
+            f"config partial_rotary_factor={fraction!r} rotates part of each head; "
+            "MultimodalRotaryPositionalEncoding rotates all of it"
+        )
