@@ -525,7 +525,9 @@ def make_encoding(case: Case):
     if term.kind == "kerple":
         return KerplePositionalBias(heads)
     if term.kind == "fire":
-        return FIREPositionalBias(heads, hidden_size=6, threshold=3.0)
+        # Off the integers: at L = i, max(i, L) has a kink, and which side rounding lands on (float32 or 64)
+        # decides whether the threshold gets that query's gradient.
+        return FIREPositionalBias(heads, hidden_size=6, threshold=3.5)
     return ShawRelativePositionEncoding(o["head_dim"], term.max_distance, values=term.values)
 
 
