@@ -418,8 +418,8 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v32": ("DeepseekV32ForCausalLM", dict(_MLA, first_k_dense_replace=1)),
     "glm_moe_dsa": ("GlmMoeDsaForCausalLM", dict(_MLA, first_k_dense_replace=1)),
     "axk2": ("AXK2ForCausalLM", dict(_MLA, gated_norm_rank=4, qk_head_dim=16)),
-    # also s_aux; v_head_dim = qk_head_dim keeps it off issue 30's item 6 (sinks with dv != dk)
-    "hy_v4": ("HYV4ForCausalLM", dict(_MLA, qk_head_dim=16, v_head_dim=16, hc_mult=2)),
+    # also s_aux, with a value head size other than the query/key one (issue 30's item 6)
+    "hy_v4": ("HYV4ForCausalLM", dict(_MLA, qk_head_dim=16, v_head_dim=8, hc_mult=2)),
     "mistral_large4_text": ("MistralLarge4TextModel", dict(_MLA, qk_head_dim=16, first_k_dense_replace=1)),
     "dots3_note_text": ("Dots3NoteForCausalLM", dict(_MLA, sliding_window=4, shared_experts_intermediate_size=16)),
     # block_indices= over blocks of 2 keys
