@@ -1,0 +1,46 @@
+"""Module-level exactness found by a differential audit (issue 30): each test failed before its fix.
+
+Properties of :class:`~selfattn.MultiHeadAttention` as a whole: cached decoding against a full
+pass over the sequence so far, in float64.
+"""
+
+import pytest
+import torch
+
+import selfattn.masks as masks
+from selfattn import KVCache, MultiHeadAttention
+from selfattn.positional import RotaryPositionalEncoding
+
+DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 2}
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.5],
+    "long_factor": [3.0, 5.0],
+    "factor": 4.0,
+    "original_max_position_embeddings": 3,
+}
+
+
+@pytest.mark.parametrize("scaling", [DYNAMIC, LONGROPE], ids=["dynamic", "longrope"])
+@pytest.mark.parametrize("sink_tokens", [0, 1])
+def test_windowed_cache_rerotates_length_dependent_rotary(scaling, sink_tokens):
+    """A windowed cache's keys are re-rotated as the frequencies change, as a full cache's are.
+
+    Before the fix the stored keys of a windowed cache kept the frequencies of the step that
+    added them (attention.py skipped re-rotation for ``cache.window``), so a step differed from
+    the full pass over the sequence so far once the length passed ``original_max_position_embeddings``.
+    """
+    torch.manual_seed(0)
+    window = 3
+    position = RotaryPositionalEncoding(4, scaling=scaling)
+    layer_window = None if sink_tokens else window  # StreamingLLM: the layer has no window, the cache has
+    mha = MultiHeadAttention(8, 2, window=layer_window, position=position, dtype=torch.float64).eval()
+    rule = masks.causal() & (masks.prefix(sink_tokens) | masks.window(window)) if sink_tokens else None
+    x = torch.randn(2, 7, 8, dtype=torch.float64)
+    cache = KVCache(window=window, sink_tokens=sink_tokens)
+    with torch.no_grad():
+        for t in range(x.shape[1]):
+            token, so_far = x[:, t : t + 1], x[:, : t + 1]
+            step = mha(token, token, token, causal=True, cache=cache)
+            full = mha(so_far, so_far, so_far, causal=True, mask=rule)[:, -1:]
+            torch.testing.assert_close(step, full, rtol=0, atol=1e-12, msg=lambda m, t=t: f"step {t}: {m}")
