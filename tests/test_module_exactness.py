@@ -44,3 +44,19 @@ def test_windowed_cache_rerotates_length_dependent_rotary(scaling, sink_tokens):
             step = mha(token, token, token, causal=True, cache=cache)
             full = mha(so_far, so_far, so_far, causal=True, mask=rule)[:, -1:]
             torch.testing.assert_close(step, full, rtol=0, atol=1e-12, msg=lambda m, t=t: f"step {t}: {m}")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["+inf", "nan"])
+def test_float_attn_mask_with_inf_or_nan_is_refused(value):
+    """A float ``attn_mask`` adds finite values and masks with -inf; +inf or NaN is refused, not a NaN row.
+
+    Before the fix ``mha(x, x, x, attn_mask=m)`` with one +inf in ``m`` returned NaN in that query's row.
+    """
+    mha = MultiHeadAttention(8, 2, dtype=torch.float64)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    attn_mask = torch.zeros(5, 5, dtype=torch.float64)
+    attn_mask[0, 1] = value
+    with pytest.raises(ValueError, match=r"attn_mask must hold finite values or -inf .* 1 NaN or \+inf"):
+        mha(x, x, x, attn_mask=attn_mask)
+    attn_mask[0, 1] = float("-inf")  # -inf masks, as documented
+    assert torch.isfinite(mha(x, x, x, attn_mask=attn_mask)).all()

@@ -118,6 +118,13 @@ def check_masks(
             raise ValueError(f"attn_mask must have shape {' or '.join(map(str, shapes))}, got {got_mask}")
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise ValueError(f"attn_mask must be bool (True = attend) or floating point, got {attn_mask.dtype}")
+        if attn_mask.is_floating_point() and not _validation.is_compiling():
+            # -inf masks and a finite value adds; +inf or NaN would turn the query's whole row into NaN.
+            unusable = torch.isnan(attn_mask) | torch.isposinf(attn_mask)
+            if bool(unusable.any()):
+                raise ValueError(
+                    f"attn_mask must hold finite values or -inf (masked), got {int(unusable.sum())} NaN or +inf"
+                )
         attn_mask = attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask
         attn_mask = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask
     if key_padding_mask is not None and (
