@@ -60,3 +60,21 @@ def test_float_attn_mask_with_inf_or_nan_is_refused(value):
         mha(x, x, x, attn_mask=attn_mask)
     attn_mask[0, 1] = float("-inf")  # -inf masks, as documented
     assert torch.isfinite(mha(x, x, x, attn_mask=attn_mask)).all()
+
+
+@pytest.mark.parametrize("argument", ["valid_lens", "attn_mask"])
+def test_sink_token_cache_refuses_arguments_that_read_key_indices(argument):
+    """A ``KVCache(window, sink_tokens)`` keeps keys that are not consecutive; lengths and dense masks are refused.
+
+    Before the fix both were read as if the kept keys were the last ones before the new token:
+    decoding with ``valid_lens=[3]`` differed from the full pass with the same lengths by 0.85.
+    """
+    mha = MultiHeadAttention(8, 2, dtype=torch.float64)
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    cache = KVCache(window=2, sink_tokens=1)
+    for t in range(3):
+        mha(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache)
+    given = {"valid_lens": torch.tensor([2]), "attn_mask": torch.ones(1, 4, dtype=torch.bool)}[argument]
+    with pytest.raises(ValueError, match=f"sink_tokens=1 drops the keys .* so {argument} "):
+        mha(x[:, 3:], x[:, 3:], x[:, 3:], causal=True, cache=cache, **{argument: given})
+    assert cache.length == 3  # the refused call left the cache as it was

@@ -334,10 +334,16 @@ def check_request(
         raise ArgumentTypeError(f"cache must be a KVCache, got {type(cache).__name__} {cache!r}")
     batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
     if cache is not None and cache.sink_tokens:
-        if module.window is not None or module.chunk_size is not None or mask is not None:
+        # Its kept keys are not consecutive in the sequence, and these read each key's index there.
+        by_index = {
+            "window": module.window, "chunk_size": module.chunk_size, "mask": mask,
+            "valid_lens": valid_lens, "attn_mask": attn_mask,
+        }  # fmt: skip
+        given = [name for name, value in by_index.items() if value is not None]
+        if given:
             raise ValueError(
                 f"a KVCache with sink_tokens={cache.sink_tokens} drops the keys between its sinks and its window, "
-                "so a layer with window, chunk_size or a mask rule (which read where keys sit) cannot use it"
+                f"so {' and '.join(given)} (which read where keys sit in the sequence) cannot be used with it"
             )
     elif cache is not None and cache.window is not None and (module.window is None or cache.window < module.window):
         raise ValueError(f"cache keeps only a window of {cache.window} keys, and this layer has window={module.window}")
