@@ -593,9 +593,13 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         )  # fmt: skip
 
     def _update_cached_keys(self, request: Request) -> None:
-        """Give the encoding every key's position before new keys join the cache (dynamic rotary re-rotates it)."""
+        """Give the encoding the positions of the stored keys and the new ones (dynamic rotary re-rotates the cache).
+
+        A windowed cache holds only some keys (``cache.stored`` of ``cache.length``), with their own
+        positions: those are the keys to re-rotate, and a window that slid past others changes nothing.
+        """
         cache = request.cache
-        cached = None if cache is None or cache.window is not None else cache.positions
+        cached = None if cache is None else cache.positions
         if cache is None or cached is None:
             return
         new_positions = request.k_positions

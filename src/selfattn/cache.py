@@ -55,8 +55,8 @@ class KVCache:
     O(k + w) memory: decoding one token at a time, token ``t`` sees keys ``j < k`` and
     ``t - w < j <= t``. The kept
     keys keep their own positions (rotary keys stay rotated at them); the keys dropped in
-    between are gone, so a layer with a window, chunks or a ``mask`` rule (which read where
-    keys sit in the sequence) refuses such a cache.
+    between are gone, so a layer with a window, chunks, or a call with a ``mask`` rule,
+    ``valid_lens`` or ``attn_mask`` (which read where keys sit in the sequence) refuses such a cache.
 
     A call that fails leaves the cache as it was: :meth:`update` checks everything before it
     writes, and :class:`~selfattn.MultiHeadAttention` updates with ``commit=False`` and commits

@@ -118,6 +118,13 @@ def check_masks(
             raise ValueError(f"attn_mask must have shape {' or '.join(map(str, shapes))}, got {got_mask}")
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise ValueError(f"attn_mask must be bool (True = attend) or floating point, got {attn_mask.dtype}")
+        if attn_mask.is_floating_point() and not _validation.is_compiling():
+            # -inf masks and a finite value adds; +inf or NaN would turn the query's whole row into NaN.
+            unusable = torch.isnan(attn_mask) | torch.isposinf(attn_mask)
+            if bool(unusable.any()):
+                raise ValueError(
+                    f"attn_mask must hold finite values or -inf (masked), got {int(unusable.sum())} NaN or +inf"
+                )
         attn_mask = attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask
         attn_mask = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask
     if key_padding_mask is not None and (
@@ -327,10 +334,16 @@ def check_request(
         raise ArgumentTypeError(f"cache must be a KVCache, got {type(cache).__name__} {cache!r}")
     batch, num_queries, num_new_keys = queries.shape[0], queries.shape[1], keys.shape[1]
     if cache is not None and cache.sink_tokens:
-        if module.window is not None or module.chunk_size is not None or mask is not None:
+        # Its kept keys are not consecutive in the sequence, and these read each key's index there.
+        by_index = {
+            "window": module.window, "chunk_size": module.chunk_size, "mask": mask,
+            "valid_lens": valid_lens, "attn_mask": attn_mask,
+        }  # fmt: skip
+        given = [name for name, value in by_index.items() if value is not None]
+        if given:
             raise ValueError(
                 f"a KVCache with sink_tokens={cache.sink_tokens} drops the keys between its sinks and its window, "
-                "so a layer with window, chunk_size or a mask rule (which read where keys sit) cannot use it"
+                f"so {' and '.join(given)} (which read where keys sit in the sequence) cannot be used with it"
             )
     elif cache is not None and cache.window is not None and (module.window is None or cache.window < module.window):
         raise ValueError(f"cache keeps only a window of {cache.window} keys, and this layer has window={module.window}")

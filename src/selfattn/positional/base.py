@@ -105,7 +105,7 @@ class QueryKeyEncoding(PositionalEncoding):
         return encoded
 
     def update_cached_keys(self, cache: KVCache, positions: torch.Tensor) -> None:
-        """Called before new keys join ``cache``, with the positions of all keys; nothing by default."""
+        """Called before new keys join ``cache``, with the positions of its stored keys and the new ones; no-op here."""
 
 
 class ScoreEncoding(PositionalEncoding):

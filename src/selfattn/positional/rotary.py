@@ -183,13 +183,14 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
     def update_cached_keys(self, cache: KVCache, positions: torch.Tensor) -> None:
         """Re-rotate the keys in ``cache`` to the frequencies of the coming call (``cached_keys="rerotate"``).
 
-        ``positions`` are those of every key, cached and new (``(cache.length + l_new,)``). The
+        ``positions`` are those of the stored keys and the new ones (``(cache.stored + l_new,)``; a
+        windowed cache stores fewer keys than it has seen, at their own positions). The
         cached keys were rotated at the length noted in ``cache.encoding_state`` by the last
         re-rotation, else at ``max(cached positions) + 1`` (the length of the call that added
         the last of them); the coming call runs at ``max(positions) + 1``.
         """
         config = self.scaling_config
-        past = cache.length
+        past = cache.stored  # a windowed cache keeps only some of the cache.length keys it has seen
         if self.cached_keys == "keep" or config is None or not config.depends_on_length or past == 0:
             return
         cached_positions = positions[..., :past]  # (past,) or per sequence (b, past)
