@@ -78,3 +78,26 @@ def test_sink_token_cache_refuses_arguments_that_read_key_indices(argument):
     with pytest.raises(ValueError, match=f"sink_tokens=1 drops the keys .* so {argument} "):
         mha(x[:, 3:], x[:, 3:], x[:, 3:], causal=True, cache=cache, **{argument: given})
     assert cache.length == 3  # the refused call left the cache as it was
+
+
+def test_spans_put_queries_before_the_first_key_in_no_span():
+    """Cross-attention with more queries than keys puts the first queries before key 0 (index -1, -2, ..).
+
+    Before the fix ``Spans`` clamped index -1 to token 0, so query -1 joined token 0's span and saw
+    key 0 (weights ``[1, 0]`` where ``[0, 0]`` is due: causally it sees no key either).
+    """
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(4, 1).double()
+    queries, keys = torch.randn(1, 3, 4, dtype=torch.float64), torch.randn(1, 2, 4, dtype=torch.float64)
+    rule = masks.causal() | masks.spans(torch.tensor([[1, 0]]))
+    out, weights = layer(queries, keys, keys, mask=rule, return_weights=True)
+    scores = (layer.W_q(queries) @ layer.W_k(keys).transpose(1, 2))[0] / 2  # (3, 2), head size 4
+    visible = torch.tensor([[False, False], [True, False], [True, True]])  # query i at index i - 1 sees keys <= it
+    expected = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    torch.testing.assert_close(weights[0, 0], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[0, 0], layer.W_o.bias if layer.W_o.bias is not None else torch.zeros(4).double())
+
+
+def test_a_non_bool_bias_flag_is_refused():
+    with pytest.raises(ValueError, match="bias must be True or False, got 'yes'"):
+        MultiHeadAttention(8, 2, bias="yes")

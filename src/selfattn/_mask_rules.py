@@ -382,13 +382,15 @@ class Spans(Rule):
     ids: torch.Tensor
 
     def _ids(self, index: torch.Tensor, batch: torch.Tensor | None = None) -> torch.Tensor:
-        inside = index < self.ids.shape[-1]
+        # Indices before the sequence (queries of a cross-attention with more queries than keys) and past
+        # the ids are in no span; the clamp only keeps the lookup in range, its value is then replaced.
+        inside = (index >= 0) & (index < self.ids.shape[-1])
         clamped = index.clamp(0, self.ids.shape[-1] - 1)
         if batch is None:
             ids = self.ids[:, clamped]
         else:
             ids = self.ids[batch if self.ids.shape[0] > 1 else 0, clamped]
-        return torch.where(inside, ids, 0)  # past the ids: in no span
+        return torch.where(inside, ids, 0)
 
     def allows(self, at: Indices) -> torch.Tensor:
         q_ids, k_ids = self._ids(at.q), self._ids(at.k)

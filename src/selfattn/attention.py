@@ -231,7 +231,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         self.skip_padded_queries = skip_padded_queries
         self.scale = None if scale is None else require_positive_finite("scale", scale)
         self.softcap = None if softcap is None else require_positive_finite("softcap", softcap)
-        for name, flag in (("sinks", sinks), ("qk_norm", qk_norm), ("gated_output", gated_output)):
+        for name, flag in (("bias", bias), ("sinks", sinks), ("qk_norm", qk_norm), ("gated_output", gated_output)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
