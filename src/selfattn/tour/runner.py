@@ -221,6 +221,7 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         "curves": qualities.offset_distance_curves(_PLOT_HIDDENS, num_positions=4 * _PLOT_STEPS),
         "across_lengths": qualities.distance_across_lengths(_PLOT_HIDDENS),
         "small_width": qualities.absolute_position_qualities(8, num_seen=_PLOT_STEPS, num_positions=2000),
+        "monotone": checks.monotone_counterexamples(_PLOT_HIDDENS, num_positions=sizes.absolute_positions),
     }
     tick("5. absolute position")
     results["rotation_max_error"] = checks.rotation_max_error(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_STEPS)
