@@ -287,7 +287,19 @@ def test_claims_cover_the_five_pages_with_every_field(tour):
     found = tour["results"]["claims"]
     assert len(found) >= 40
     assert len({c["id"] for c in found}) == len(found)
-    keys = {"id", "page", "also_on", "quote", "statement", "evidence", "basis", "number", "expected", "holds", "verdict"}
+    keys = {
+        "id",
+        "page",
+        "also_on",
+        "quote",
+        "statement",
+        "evidence",
+        "basis",
+        "number",
+        "expected",
+        "holds",
+        "verdict",
+    }
     for claim in found:
         assert set(claim) == keys
         assert claim["page"] in PAGES and set(claim["also_on"]) <= set(PAGES) - {claim["page"]}

@@ -385,7 +385,7 @@ def _rows_min_distance(table: torch.Tensor) -> float:
     return float(distances.min())
 
 
-def monotone_counterexamples(num_hiddens: int = 32, num_positions: int = 1000) -> dict[str, float]:
+def monotone_counterexamples(num_hiddens: int = 32, num_positions: int = 1000) -> dict[str, object]:
     """Does the fall of the frequencies along the columns make the rows of P distinct? Two tests of the "because".
 
     ``min_row_distance``: the smallest distance between two of the first ``num_positions`` rows

@@ -764,6 +764,125 @@ def _position_claims(results: dict[str, Any]) -> list[dict[str, object]]:
     ]
 
 
+_LONGER_QUOTE = "模型能泛化到更长的句子"
+_LONGER_STATEMENT = "A model with the sinusoidal P, trained on lengths up to L, answers correctly on longer inputs."
+
+
+def _longer_sentences(cells: dict[str, Any], trained: dict[str, Any] | None) -> dict[str, object]:
+    """The note's generalization claim: from the study's grid when it learned a task, else from the tour's own model."""
+    if cells:
+        beyond = [cell["beyond"] for cell in cells.values()]
+        return _claim(
+            "longer-sentences", "note", _LONGER_QUOTE, _LONGER_STATEMENT, "measured",
+            {task: {"in training lengths": round(c["in"], 3), "beyond": c["beyond"]} for task, c in cells.items()},
+            "exact match beyond the training lengths >= 50% on average over the tasks learned (>= 90% within them)",
+            sum(beyond) / len(beyond) >= 0.5,
+        )  # fmt: skip
+    by_length = (trained or {}).get("by_length")
+    if by_length is not None:
+        config = by_length["config"]
+        train_len, longest = config["train_len"], max(config["eval_lens"])
+        run = by_length["encodings"]["sinusoidal"]["by_length"]
+        inside, past = run[str(train_len)]["all"], run[str(longest)]["past_train_len"]
+        number = {
+            f"accuracy at the training length {train_len}": round(inside, 3),
+            f"accuracy at positions {train_len}..{longest - 1} of {longest}-token inputs": round(past, 3),
+            "chance": round(by_length["chance"], 3),
+            "steps trained (tour)": config["train_steps"],
+        }
+        expected = f"copy {config['delta']} back: >= 90% at the training length, >= 50% past it"
+        if inside >= 0.9:
+            return _claim("longer-sentences", "note", _LONGER_QUOTE, _LONGER_STATEMENT, "measured", number, expected,
+                          past >= 0.5)  # fmt: skip
+    return _claim(
+        "longer-sentences", "note", _LONGER_QUOTE, _LONGER_STATEMENT, "not shown", None,
+        "accuracy beyond the training lengths of a model that learned the task within them", None,
+        basis="needs a trained model that learned its task within the training lengths (>= 90%): the tour's own "
+        "one did not in this run; `selfattn study` trains longer (its folder is read from ./selfattn-study or "
+        "$SELFATTN_STUDY)",
+    )  # fmt: skip
+
+
+def _source(found: dict[str, Any]) -> str:
+    return str(found.get("source", "selfattn study --exercises"))
+
+
+def _deep_stack_exercise(by_depth: dict[str, Any] | None) -> dict[str, object]:
+    quote = (
+        "Suppose that we design a deep architecture to represent a sequence by stacking self-attention layers with "
+        "positional encoding. What could the possible issues be?"
+    )
+    statement = (
+        "An issue of depth, trained: at the deepest depth trained, the sinusoidal stack without residual connections "
+        "does not train (within 0.05 of chance) while the one with residual connections does."
+    )
+    stacks = (by_depth or {}).get("stacks", {}).get("sinusoidal", {})
+    if not {"residual", "no_residual"} <= set(stacks):
+        return _claim("exercise-deep-stack", "chapter", quote, statement, "not shown", None, "trained stacks", None,
+                      basis="needs sinusoidal stacks trained with and without residual connections")  # fmt: skip
+    deepest = max(entry["depth"] for entry in stacks["residual"])
+    kept = next(e for e in stacks["residual"] if e["depth"] == deepest)
+    bare = next((e for e in stacks["no_residual"] if e["depth"] == deepest), None)
+    number = {
+        "source": _source(by_depth or {}),
+        "chance": round(by_depth["chance"], 3) if by_depth else None,
+        **{
+            f"depth {e['depth']}, {variant}": {"task accuracy": round(e["task_accuracy"], 3), "steps": e["steps"]}
+            for variant in ("residual", "no_residual")
+            for e in stacks[variant]
+        },
+    }
+    holds = bare is not None and kept["trains"] and not bare["trains"]
+    return _claim("exercise-deep-stack", "chapter", quote, statement, "measured", number,
+                  f"at depth {deepest}: residual trains, no residual stays within 0.05 of chance", holds)  # fmt: skip
+
+
+def _encoding_exercises(by_length: dict[str, Any] | None) -> list[dict[str, object]]:
+    learnable = "Can you design a learnable positional encoding method?"
+    offsets = (
+        "Can we assign different learned embeddings according to different offsets between queries and keys that "
+        "are compared in self-attention?"
+    )
+    learned_statement = (
+        "A learned table of positions (one row per position, LearnedPositionalEncoding) learns a task that needs "
+        "position at its training length, and answers at chance past it, where no row was trained."
+    )
+    offset_statement = (
+        "Learned embeddings by offset (Shaw's, T5's) learn the same task and keep answering past the training length."
+    )
+    if by_length is None:
+        return [
+            _claim(id_, "chapter", quote, statement, "not shown", None, "trained models", None,
+                   basis="needs the tour's trained models (selfattn.tour.exercises.encodings_by_length)")
+            for id_, quote, statement in (("exercise-learnable", learnable, learned_statement),
+                                          ("exercise-offsets", offsets, offset_statement))
+        ]  # fmt: skip
+    config, chance, runs = by_length["config"], by_length["chance"], by_length["encodings"]
+    train_len, longest = config["train_len"], max(config["eval_lens"])
+
+    def cells(name: str) -> tuple[float, float]:
+        run = runs[name]["by_length"]
+        return run[str(train_len)]["all"], run[str(longest)]["past_train_len"]
+
+    def shown(names: tuple[str, ...]) -> dict[str, object]:
+        return {
+            "copy back": config["delta"], "trained steps": config["train_steps"], "chance": round(chance, 3),
+            **{f"{name}: at {train_len} / past {train_len} (of {longest})": [round(v, 3) for v in cells(name)]
+               for name in names},
+        }  # fmt: skip
+
+    learned_in, learned_past = cells("learned")
+    offset_cells = [cells(name) for name in ("shaw", "t5")]
+    return [
+        _claim("exercise-learnable", "chapter", learnable, learned_statement, "measured", shown(("learned",)),
+               f">= 90% at length {train_len}; past it within 0.1 of chance",
+               learned_in >= 0.9 and learned_past <= chance + 0.1),
+        _claim("exercise-offsets", "chapter", offsets, offset_statement, "measured", shown(("shaw", "t5")),
+               f">= 90% at length {train_len} and >= 80% past it, for both",
+               all(inside >= 0.9 and past >= 0.8 for inside, past in offset_cells)),
+    ]  # fmt: skip
+
+
 def _note_claims(results: dict[str, Any]) -> list[dict[str, object]]:
     terms = results["note"]["taylor"]
     survival = results["note"]["embedding"]
@@ -779,32 +898,7 @@ def _note_claims(results: dict[str, Any]) -> list[dict[str, object]]:
     cells = {
         task: c for task, c in (study or {}).get("cells", {}).items() if c["in"] >= 0.9 and c["beyond"] is not None
     }
-    if cells:
-        beyond = [cell["beyond"] for cell in cells.values()]
-        longer = _claim(
-            "longer-sentences",
-            "note",
-            "模型能泛化到更长的句子",
-            "A model with the sinusoidal P, trained on lengths up to L, answers correctly on longer inputs.",
-            "measured",
-            {task: {"in training lengths": round(c["in"], 3), "beyond": c["beyond"]} for task, c in cells.items()},
-            "exact match beyond the training lengths >= 50% on average over the tasks learned (>= 90% within them)",
-            sum(beyond) / len(beyond) >= 0.5,
-        )
-    else:
-        longer = _claim(
-            "longer-sentences",
-            "note",
-            "模型能泛化到更长的句子",
-            "A model with the sinusoidal P, trained on lengths up to L, answers correctly on longer inputs.",
-            "not shown",
-            None,
-            "the study's accuracy beyond the training lengths",
-            None,
-            basis="needs trained models: run `selfattn study` (its folder is read from ./selfattn-study or "
-            "$SELFATTN_STUDY) and rerun the tour; a study whose sinusoidal models learned no task (>= 90% within "
-            "the training lengths) does not decide it either",
-        )
+    longer = _longer_sentences(cells, results.get("exercises"))
     return [
         longer,
         _claim(
@@ -935,6 +1029,10 @@ def _code_claims(results: dict[str, Any]) -> list[dict[str, object]]:
 def claims(results: dict[str, Any]) -> list[dict[str, object]]:
     """The claims of the source pages against ``results`` (as :func:`selfattn.tour.runner.compute` returns)."""
     out = _code_claims(results) + _comparison_claims(results) + _position_claims(results) + _note_claims(results)
+    out += [
+        _deep_stack_exercise(results.get("depth_by_depth")),
+        *_encoding_exercises((results.get("exercises") or {}).get("by_length")),
+    ]
     order = list(PAGES)
     out.sort(key=lambda claim: order.index(str(claim["page"])))  # stable: page by page, in reading order
     for entry in out:

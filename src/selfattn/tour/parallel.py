@@ -151,7 +151,10 @@ def _summarize(
         for kind in KINDS
     }
     spread = {kind: [min(by_round[kind][-1]), max(by_round[kind][-1])] for kind in KINDS}
-    decided = {kind: UNDECIDED if len(counts) == 1 else decide_above(*spread[kind], PARALLEL_CUT) for kind in KINDS}
+    decided = {
+        kind: UNDECIDED if len(counts) == 1 else decide_above(spread[kind][0], spread[kind][1], PARALLEL_CUT)
+        for kind in KINDS
+    }
     return {
         "threads": counts,
         "rounds": len(best[KINDS[0]][1]),
