@@ -376,8 +376,8 @@ def _long_range_claim(long_range: dict[str, Any] | None) -> dict[str, object]:
             "long-range", "chapter", quote, statement, "not shown", None,
             "a CNN, an RNN and self-attention trained on an answer at several distances", None,
             basis="needs trained models: run `selfattn study --exercises` (its folder is read from ./selfattn-study "
-            "or $SELFATTN_STUDY) and rerun the tour; the tour itself counts the paths (above) but trains no such "
-            "comparison"
+            "or $SELFATTN_STUDY) and rerun the tour; the tour's own small comparison (selfattn.tour.exercises.long_range) "
+            "was not run"
             + ("; the folder found holds a --quick smoke test, too short to decide it" if long_range else ""),
             also_on=("note", "frameworks"),
         )  # fmt: skip
@@ -971,7 +971,44 @@ def _code_claims(results: dict[str, Any]) -> list[dict[str, object]]:
     tabs = results["frameworks"]["tabs"]
     shape = results["self_attention"]["shape"]
     others = [name for name in odd if name != "summary page (mxnet)"]
+    masked = results["self_attention"]["masked"]
     return [
+        _claim(
+            "weighted-average",
+            "summary",
+            "The output for each token is a weighted average of all tokens, with weights determined by query-key "
+            "compatibility.",
+            "Each output row is the attention weights (non-negative, summing to 1) times the value rows.",
+            "derived",
+            {"largest |row sum - 1| of the weights (section 1)": masked["row_sum_error"]},
+            "rows sum to 1 (to rounding)",
+            masked["row_sum_error"] < 1e-5,
+            basis="the softmax over the scores makes each row of weights non-negative and sum to 1, by construction",
+        ),
+        _claim(
+            "elementary-block",
+            "summary",
+            "This is the elementary block of every Transformer encoder and decoder layer.",
+            "Every Transformer encoder and decoder layer is built around self-attention.",
+            "not shown",
+            None,
+            "a statement about an architecture",
+            None,
+            basis="a statement about the Transformer's design (Vaswani et al. 2017), which no run can measure; the "
+            "tour's own stacks (section 8) are selfattn.models.TransformerBlock, one self-attention each",
+        ),
+        _claim(
+            "n-grams",
+            "chapter",
+            "one-dimensional CNNs can process local features such as $n$-grams in text.",
+            "One convolution of width k reads the k tokens up to each position: a k-gram.",
+            "derived",
+            {"layers of width 3 before input 1 reaches output 5": results["comparison"]["x1_to_x5"]["layers"]},
+            "a window of k tokens per layer",
+            results["comparison"]["x1_to_x5"]["layers"] == 2,
+            basis="the receptive field of a width-k convolution is k tokens by construction (nn.Conv1d); the count "
+            "of layers restates it",
+        ),
         _claim(
             "self-attention-shape",
             "chapter",

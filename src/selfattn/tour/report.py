@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from selfattn.tour import depth
 from selfattn.tour.claims import count_evidence, count_verdicts
 from selfattn.tour.comparison import CHAPTER, KINDS
 
-__all__ = ["format_number", "format_ratio", "render_report"]
+__all__ = ["format_number", "format_ratio", "page_text", "render_report"]
 
 _TEMPLATES = Path(__file__).parent / "templates"
 
@@ -70,6 +71,8 @@ def _show(value: object) -> str:
         return "[" + ", ".join(shown) + (", ..." if len(value) > 12 else "") + "]"
     if isinstance(value, dict):
         return "; ".join(f"{key}: {_show(item)}" for key, item in value.items())
+    if value is None:
+        return "n/a"
     return format_number(value)
 
 
@@ -93,6 +96,7 @@ def _environment() -> Any:
         pct=lambda value: f"{100 * value:.1f}\u2009%" if value >= 0.001 else f"{100 * value:.2g}\u2009%",
         tuple=lambda value: str(tuple(value)),
         join_nums=lambda values, digits=None: ", ".join(format_number(v, digits) for v in values),
+        page_text=page_text,
     )
     return env
 
@@ -113,6 +117,35 @@ def _fmt(value: object) -> str:
 
 def _e(text: object) -> str:
     return html.escape(str(text))
+
+
+_LATEX_SYMBOLS = {
+    r"\times": "\u00d7", r"\in": "\u2208", r"\ne": "\u2260", r"\cdot": "\u00b7", r"\delta": "\u03b4",
+    r"\omega": "\u03c9", r"\ldots": "\u2026", r"\,": "\u2009",
+}  # fmt: skip
+
+
+def page_text(text: object) -> str:
+    """A page's words as HTML: its inline LaTeX as plain text with sub- and superscripts, its markdown as markup.
+
+    The quotes keep the pages' own characters in ``results.json``; only the report renders them, so a
+    reader sees O(knd<sup>2</sup>) and <i>a priori</i>, not ``$\\mathcal{O}(knd^2)$`` and ``*a priori*``.
+    """
+    parts = re.split(r"\$([^$]*)\$", html.escape(str(text), quote=False))
+    # Odd parts were inside $...$: LaTeX. Even parts are prose: markdown.
+    out = "".join(_latex_as_text(part) if index % 2 else part for index, part in enumerate(parts))
+    out = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", out)
+    out = re.sub(r"(?<![\w*])\*([^*\s][^*]*)\*(?![\w*])", r"<i>\1</i>", out)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+
+
+def _latex_as_text(math_text: str) -> str:
+    """Inline LaTeX as plain text: commands unwrapped or turned into symbols, sub- and superscripts as markup."""
+    out = re.sub(r"\\(?:mathcal|mathbf|mathbb|textrm|mathrm|text)\{([^{}]*)\}", r"\1", math_text)
+    for command, symbol in _LATEX_SYMBOLS.items():
+        out = re.sub(re.escape(command) + r"(?![A-Za-z])", symbol, out)
+    out = re.sub(r"\^\{([^{}]*)\}|\^(\w)", lambda m: f"<sup>{m.group(1) or m.group(2)}</sup>", out)
+    return re.sub(r"_\{([^{}]*)\}|_(\w)", lambda m: f"<sub>{m.group(1) or m.group(2)}</sub>", out)
 
 
 def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:

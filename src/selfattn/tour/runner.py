@@ -827,10 +827,24 @@ def summary_lines(results: dict[str, Any], out_dir: Path | str | None = None) ->
     if long_range:
         budget = long_range["settings"]["budget"]
         lines.append(
-            f"  trained (study --exercises): answer at distance n, accuracy after {budget} steps: "
+            f"  trained ({long_range.get('source', 'selfattn study --exercises')}): answer at distance n, accuracy "
+            f"after {budget} steps: "
             + "; ".join(
                 f"{kind} " + ", ".join(f"n={n} {cell['accuracy_at_budget']:.0%}" for n, cell in cells.items())
                 for kind, cells in long_range["by_distance"].items()
+            )
+        )
+    by_length = (results.get("exercises") or {}).get("by_length")
+    if by_length:
+        config = by_length["config"]
+        train_len, longest = config["train_len"], max(config["eval_lens"])
+        lines.append(
+            f"  8. trained by the tour ({config['train_steps']} steps): copy {config['delta']} back, at length "
+            f"{train_len} / past it (of {longest}): "
+            + ", ".join(
+                f"{name} {run['by_length'][str(train_len)]['all']:.0%}/"
+                f"{run['by_length'][str(longest)]['past_train_len']:.0%}"
+                for name, run in by_length["encodings"].items()
             )
         )
     par = results["learning"]["parallel"]
