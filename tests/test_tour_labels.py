@@ -245,3 +245,9 @@ def test_the_pages_latex_and_markdown_render_as_text():
     code = "np.cos(X[:, :num_hiddens // 2])"
     assert page_text(code) == code  # no math outside $...$
     assert page_text("<b>") == "&lt;b&gt;"
+
+
+def test_symmetry_is_broken_by_different_rows_only():
+    assert checks.permutation_check()["with_pe_change"] > 1e-3  # the chapter's P: every row different
+    same = torch.ones(10, 32, dtype=torch.float64)  # one vector added at every position
+    assert checks.permutation_check(position_rows=same)["with_pe_change"] < 1e-12
