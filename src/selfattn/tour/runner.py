@@ -724,8 +724,11 @@ def run_tour(
 
     ``study`` is a ``selfattn study`` output folder whose trained deep stacks section 8 shows
     (``results["depth_study"]``); by default ``$SELFATTN_STUDY`` or ``./selfattn-study`` when it
-    holds a ``results.json``. Returns the results as written to ``results.json``, with
-    ``"checks"`` (the verdicts) added.
+    holds a ``results.json``. The tour trains its own small answers to the exercises and to the
+    long-range claim (``results["exercises"]``, :mod:`selfattn.tour.exercises`); a study's longer
+    runs replace the long-range and deep-stack ones when its folder has them (not a ``--quick``
+    one), each answer with its ``source``. Returns the results as written to ``results.json``,
+    with ``"checks"`` (the verdicts) added.
     """
     from selfattn.tour import figures  # noqa: F401  (fail now, not after the measurements, without matplotlib)
     from selfattn.tour.report import render_report
