@@ -148,6 +148,12 @@ def test_decide_above_needs_every_round_on_one_side():
 def test_quadratic_slow_is_undecided_when_the_rounds_disagree(tiny):
     results = copy.deepcopy(tiny["results"])
     comp = results["comparison"]
+    for kind in ("self_attention", "rnn"):
+        comp[kind]["fixed_costs_dominate"] = True
+    dominated = _by_id(claims.claims(results))["quadratic-slow"]
+    assert dominated["evidence"] == "not shown" and "fixed per-call costs" in dominated["basis"]
+    for kind in ("self_attention", "rnn"):
+        comp[kind]["fixed_costs_dominate"] = False
     comp["self_attention"]["time_exponent_spread"] = [0.8, 2.0]
     comp["rnn"]["time_exponent_spread"] = [1.0, 1.1]
     assert _by_id(claims.claims(results))["quadratic-slow"]["verdict"] == "undecided (noise)"
@@ -251,3 +257,19 @@ def test_symmetry_is_broken_by_different_rows_only():
     assert checks.permutation_check()["with_pe_change"] > 1e-3  # the chapter's P: every row different
     same = torch.ones(10, 32, dtype=torch.float64)  # one vector added at every position
     assert checks.permutation_check(position_rows=same)["with_pe_change"] < 1e-12
+
+
+def test_a_studys_longer_runs_replace_the_tours_with_their_provenance(tiny, tmp_path):
+    results = copy.deepcopy(tiny["results"])
+    trained = results["exercises"]
+    study = {"long_range": trained["long_range"], "deep_stack_by_depth": trained["deep_stacks"], "quick": False}
+    (tmp_path / "exercises.json").write_text(json.dumps(study))
+    runner._trained_answers(results, tmp_path)
+    for answer in (results["long_range"], results["depth_by_depth"]):
+        assert (
+            answer["source"].startswith("selfattn study --exercises, read from") and str(tmp_path) in answer["source"]
+        )
+        assert "records no commit" in answer["source"]
+    (tmp_path / "exercises.json").write_text(json.dumps({**study, "quick": True}))  # a smoke test decides nothing
+    runner._trained_answers(results, tmp_path)
+    assert results["long_range"]["source"] == results["depth_by_depth"]["source"] == runner.TOUR_TRAINED

@@ -270,6 +270,15 @@ def _quadratic_slow(comp: dict[str, Any]) -> dict[str, object]:
     )
     expected = "every round: self-attention's exponent above the RNN's, and its time above the RNN's at the largest n"
     common = {"also_on": ("note", "slides", "summary", "frameworks")}
+    dominated = [kind for kind in ("self_attention", "rnn") if comp[kind]["fixed_costs_dominate"]]
+    if dominated:
+        return _claim(
+            "quadratic-slow", "chapter", quote, statement, "not shown", number, expected, None,
+            basis=f"fixed per-call costs dominate the fitted range for {', '.join(dominated)} (the time at the "
+            "smallest n is over half the time at the first fitted n): the exponents say little about how the work "
+            "grows at these sizes; the full-size tour times longer sequences",
+            **common,
+        )  # fmt: skip
     if higher is True and slower is False:
         return _claim(
             "quadratic-slow", "chapter", quote, statement, "not shown", number, expected, None,

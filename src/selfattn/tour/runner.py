@@ -830,8 +830,8 @@ def summary_lines(results: dict[str, Any], out_dir: Path | str | None = None) ->
     if long_range:
         budget = long_range["settings"]["budget"]
         lines.append(
-            f"  trained ({long_range.get('source', 'selfattn study --exercises')}): answer at distance n, accuracy "
-            f"after {budget} steps: "
+            f"  trained: answer at distance n ({long_range.get('source', 'from selfattn study --exercises')}), "
+            f"accuracy after {budget} steps: "
             + "; ".join(
                 f"{kind} " + ", ".join(f"n={n} {cell['accuracy_at_budget']:.0%}" for n, cell in cells.items())
                 for kind, cells in long_range["by_distance"].items()
