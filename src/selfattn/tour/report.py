@@ -543,8 +543,8 @@ def _by_length_html(by_length: dict[str, Any] | None) -> str:
         f"{config['delta']} back, out of {config['vocab_size']} (chance {100 * by_length['chance']:.1f}\u2009%), "
         f"trained on sequences of {train_len} tokens, then evaluated on {config['eval_samples']:,} fresh sequences "
         f"of {train_len} and of {longest} tokens. The learned table has rows up to {longest}, but no training "
-        f"step reaches rows {train_len} to {longest - 1}; the encodings by offset read the same rows at every "
-        "length.</p>"
+        f"step reaches rows {train_len} to {longest - 1}; the encodings by offset read the row of the offset "
+        f"the task needs ({config['delta']} back) at every length, a row training did reach.</p>"
         f'<div class="table-scroll"><table><thead><tr><th>encoding</th><th>accuracy at length {train_len}</th>'
         f"<th>accuracy at positions {train_len}..{longest - 1} of length {longest}</th></tr></thead>"
         f"<tbody>{rows}</tbody></table></div>"
