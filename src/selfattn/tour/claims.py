@@ -276,7 +276,7 @@ def _quadratic_slow(comp: dict[str, Any]) -> dict[str, object]:
             "quadratic-slow", "chapter", quote, statement, "not shown", number, expected, None,
             basis=f"fixed per-call costs dominate the fitted range for {', '.join(dominated)} (the time at the "
             "smallest n is over half the time at the first fitted n): the exponents say little about how the work "
-            "grows at these sizes; the full-size tour times longer sequences",
+            "grows at these sizes; longer sequences than this run times would decide it",
             **common,
         )  # fmt: skip
     if higher is True and slower is False:
