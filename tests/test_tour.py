@@ -287,35 +287,51 @@ def test_claims_cover_the_five_pages_with_every_field(tour):
     found = tour["results"]["claims"]
     assert len(found) >= 40
     assert len({c["id"] for c in found}) == len(found)
-    keys = {"id", "page", "also_on", "quote", "statement", "evidence", "basis", "number", "expected", "holds"}
+    keys = {
+        "id",
+        "page",
+        "also_on",
+        "quote",
+        "statement",
+        "evidence",
+        "basis",
+        "number",
+        "expected",
+        "holds",
+        "verdict",
+    }
     for claim in found:
         assert set(claim) == keys
         assert claim["page"] in PAGES and set(claim["also_on"]) <= set(PAGES) - {claim["page"]}
         assert claim["evidence"] in EVIDENCE and claim["quote"] and claim["statement"]
-        assert (claim["holds"] is None) == (claim["evidence"] == "not shown")
+        if claim["evidence"] == "not shown":
+            assert claim["holds"] is None and claim["verdict"] == "not shown"
+        elif claim["holds"] is None:  # a timing whose rounds straddle its cut
+            assert claim["evidence"] == "measured" and claim["verdict"] == "undecided (noise)", claim["id"]
         if claim["evidence"] != "measured":
             assert claim["basis"], claim["id"]  # derived: from what; not shown: what would show it
     assert {c["page"] for c in found} == set(PAGES)
-    assert {c["evidence"] for c in found} == set(EVIDENCE)
+    assert {c["evidence"] for c in found} >= set(EVIDENCE) - {"not shown"}
 
 
 def test_the_named_claims_carry_the_corrected_verdict_kind_and_page(tour):
     by_id = {c["id"]: c for c in tour["results"]["claims"]}
-    # The note writes an equality; swapping two tokens swaps the outputs instead.
-    assert by_id["symmetry"]["holds"] is False and by_id["symmetry"]["evidence"] == "measured"
-    # The cross term contains relative position: purely so for A = I.
-    assert by_id["taylor-relative-term"]["holds"] is True
+    # The note's equality, read as its Taylor term reads f (one value per sentence), holds.
+    assert by_id["symmetry"]["holds"] is True and by_id["symmetry"]["evidence"] == "identity"
+    # With the layer's own A the cross term is mostly absolute; purely relative only for A = I.
+    assert by_id["taylor-relative-term"]["holds"] is False
     # The X[:, :num_hiddens // 2] slice is the summary page's; the tour's own findings are no page's claims.
     assert by_id["odd-width-summary"]["page"] == "summary" and by_id["odd-width-summary"]["holds"] is True
     assert "odd-width-mxnet" not in by_id and "float32-angles" not in by_id and "same-distance-anywhere" not in by_id
     for name in ("cnn-compute", "rnn-compute", "self-attention-compute", "parallelism", "same-distance-across-lengths",
                  "space-efficient"):  # fmt: skip
         assert by_id[name]["evidence"] == "derived", name
-    for name in ("attend-by-relative", "shift-by-five", "remember-position", "not-harmful", "bits-alternate",
-                 "frequency-falls", "columns-offset"):  # fmt: skip
+    for name in ("attend-by-relative", "shift-by-five", "remember-position", "not-harmful"):
         assert by_id[name]["evidence"] == "measured", name
-    assert by_id["long-range"]["evidence"] == "not shown"
-    assert by_id["longer-sentences"]["evidence"] == "not shown"  # no study in this run
+    # No study in this run: the tour trains its own answers and says so.
+    assert by_id["long-range"]["evidence"] == "measured"
+    assert tour["results"]["long_range"]["source"] == runner.TOUR_TRAINED
+    assert by_id["longer-sentences"]["evidence"] in ("measured", "not shown")  # measured once its model learned
     # Timed on a busy machine, the parallel claims say so instead of reporting the load as a slowdown.
     quiet = tour["results"]["learning"]["parallel"]["quiet"]
     assert (by_id["sequential-prevents-parallel"]["evidence"] == "measured") == quiet
@@ -392,9 +408,9 @@ def test_every_quote_is_the_pages_own_words(tour):
 
 
 def test_claims_do_not_set_the_exit_status_checks_do(tour):
-    assert any(c["holds"] is False for c in tour["results"]["claims"])  # the note's symmetry equation
+    assert any(c["holds"] is False for c in tour["results"]["claims"])  # the note's "because" of distinct rows
     assert tour["status"] == 0 and all(c["ok"] for c in tour["results"]["checks"])
-    assert "symmetry" in tour["stdout"]  # the summary names the claims that do not hold
+    assert "monotone-makes-distinct" in tour["stdout"]  # the summary names the claims that do not hold
 
 
 def test_quick_report_says_it_is_a_smoke_test(tour):

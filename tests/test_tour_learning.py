@@ -64,7 +64,7 @@ def test_adding_p_costs_nothing_on_a_task_without_position_unless_p_drowns_the_t
 
 def test_thread_timing_reports_every_layer_and_checks_its_counts():
     # No timing is asserted (speed is measured by benchmarks/, never by tests): only the bookkeeping.
-    data = parallel.thread_speedup(num_steps=32, num_hiddens=8, repeats=1, rounds=1, threads=(1,))
+    data = parallel.thread_speedup(num_steps=32, num_hiddens=8, repeats=1, rounds=1, threads=(1,), wait=lambda s: None)
     assert data["threads"] == [1]
     assert set(data["speedup"]) == {"cnn", "rnn", "self_attention"}
     assert all(values == [1.0] for values in data["speedup"].values())

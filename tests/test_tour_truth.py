@@ -247,10 +247,12 @@ def test_claims_need_a_known_page_evidence_and_basis():
         claims._claim("x", "note", "q", "s", "guessed", 1, "e", True)
     with pytest.raises(ValueError, match="needs a basis"):
         claims._claim("x", "note", "q", "s", "derived", 1, "e", True)
-    with pytest.raises(ValueError, match="holds must be None exactly when"):
+    with pytest.raises(ValueError, match="holds must be None when evidence is 'not shown'"):
         claims._claim("x", "note", "q", "s", "not shown", None, "e", False, basis="b")
-    with pytest.raises(ValueError, match="holds must be None exactly when"):
+    with pytest.raises(ValueError, match="undecided measured claim needs a basis"):
         claims._claim("x", "note", "q", "s", "measured", 1, "e", None)
+    with pytest.raises(ValueError, match="a identity claim is decided"):
+        claims._claim("x", "note", "q", "s", "identity", 1, "e", None, basis="b")
 
 
 # The binary analogy, the phase of the columns, the note's equation ---------------------------------------

@@ -25,6 +25,7 @@ __all__ = [
     "fitted_rotation",
     "masked_attention_weights",
     "measured_periods",
+    "monotone_counterexamples",
     "period_ratios",
     "phase_lead",
     "offset_similarity",
@@ -77,7 +78,11 @@ def masked_attention_weights(
 
 
 def permutation_check(
-    num_hiddens: int = 32, num_heads: int = 4, num_steps: int = 10, seed: int = 0
+    num_hiddens: int = 32,
+    num_heads: int = 4,
+    num_steps: int = 10,
+    seed: int = 0,
+    position_rows: torch.Tensor | None = None,
 ) -> dict[str, object]:
     """Self-attention commutes with permuting the tokens, until P is added to the input.
 
@@ -87,13 +92,17 @@ def permutation_check(
     equation as written, ``f(.., x_m, .., x_n, ..) = f(.., x_n, .., x_m, ..)`` with tokens 1 and
     n - 2 swapped: ``max |f(X) - f(X swapped)|``, output rows compared in place (0 only if f
     ignored which token sits where); ``swap_equivariance_error`` is the same with the output
-    rows swapped back (rounding: they swap with the tokens).
+    rows swapped back (rounding: they swap with the tokens). ``swap_pooled_error`` is the note's
+    reading, where f is one value for the whole sentence (its Taylor term ``p_m' d2f/dx_m dx_n p_n``
+    treats f as a scalar): the outputs averaged over the positions, ``max |mean f(X) - mean f(X
+    swapped)|`` (rounding: a pooled equivariant map is invariant).
     """
     with seeded(seed):
         mha = MultiHeadAttention(num_hiddens, num_heads).double().eval()
         X = torch.randn(1, num_steps, num_hiddens, dtype=torch.float64)
         perm = torch.randperm(num_steps)
-    P = sinusoidal_table(num_steps, num_hiddens, dtype=torch.float64)  # (n, d)
+    # The chapter's P unless the caller gives other rows (a test gives identical ones: then nothing is broken).
+    P = sinusoidal_table(num_steps, num_hiddens, dtype=torch.float64) if position_rows is None else position_rows
 
     def attend(Z: torch.Tensor) -> torch.Tensor:
         attended: torch.Tensor = mha(Z, Z, Z)
@@ -106,6 +115,7 @@ def permutation_check(
         swapped = attend(X[:, swap])
         equality = (attend(X) - swapped).abs().max()
         equivariance = (attend(X)[:, swap] - swapped).abs().max()
+        pooled = (attend(X).mean(1) - swapped.mean(1)).abs().max()
         with_pe = attend(X + P)
         with_change = (with_pe[:, perm] - attend(X[:, perm] + P)).abs().max()
     return {
@@ -116,6 +126,7 @@ def permutation_check(
         "swapped": [1, num_steps - 2],
         "swap_equality_error": float(equality),
         "swap_equivariance_error": float(equivariance),
+        "swap_pooled_error": float(pooled),
         "output_scale": float(with_pe.abs().max()),
     }
 
@@ -370,3 +381,32 @@ def offset_similarity(
     if num_hiddens % 2 == 0:
         result["closed_form_error"] = float((curves - closed_form).abs().max())
     return result
+
+
+def _rows_min_distance(table: torch.Tensor) -> float:
+    """The smallest distance between two rows of ``table`` (n, d)."""
+    distances = torch.cdist(table, table)  # (n, n)
+    distances.fill_diagonal_(math.inf)
+    return float(distances.min())
+
+
+def monotone_counterexamples(num_hiddens: int = 32, num_positions: int = 1000) -> dict[str, object]:
+    """Does the fall of the frequencies along the columns make the rows of P distinct? Two tests of the "because".
+
+    ``min_row_distance``: the smallest distance between two of the first ``num_positions`` rows
+    of P; ``min_row_distance_permuted``: the same with the column pairs in a shuffled order,
+    so that the frequencies no longer fall (the rows' distinctness cannot depend on it);
+    ``falling_collision``: ``|p_0 - p_2|`` for two falling angular frequencies ``(2 pi, pi)``,
+    whose rows repeat every 2 positions.
+    """
+    table = sinusoidal_table(num_positions, num_hiddens, dtype=torch.float64)  # (n, d)
+    pairs = torch.randperm(num_hiddens // 2, generator=torch.Generator().manual_seed(0))
+    columns = torch.stack([2 * pairs, 2 * pairs + 1], dim=1).reshape(-1)
+    angles = torch.arange(3, dtype=torch.float64)[:, None] * torch.tensor([2 * math.pi, math.pi], dtype=torch.float64)
+    falling = torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(3, 4)  # rows p_0, p_1, p_2
+    return {
+        "min_row_distance": _rows_min_distance(table),
+        "min_row_distance_permuted": _rows_min_distance(table[:, columns]),
+        "falling_frequencies": [2 * math.pi, math.pi],
+        "falling_collision": float((falling[0] - falling[2]).abs().max()),
+    }

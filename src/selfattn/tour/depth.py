@@ -121,7 +121,8 @@ def by_depth_html(by_depth: dict[str, Any]) -> str:
         "<th>position R&sup2;, last layer</th><th>order accuracy, last layer</th></tr>"
     )
     return (
-        f"<p><b>Trained until the accuracy levels off</b> (from <code>selfattn study --exercises</code>): for each depth "
+        f"<p><b>Trained until the accuracy levels off</b> ({_e(by_depth.get('source', 'from selfattn study --exercises'))}"
+        f"; d = {config['num_hiddens']}): for each depth "
         f"{', '.join(map(str, config['depths']))}, a stack trained on the previous-token task, its held-out accuracy "
         f"checked every {config['check_every']} steps, stopped at 0.99 or once it rose less than 0.01 in "
         f"{config['patience']} checks (at most {config['max_steps']:,} steps), then probed. Chance is {_num(chance)}. "
@@ -476,9 +477,10 @@ def section_html(
     else:
         parts.append(
             '<p class="note">These are untrained stacks: they show what stacking does to position before any '
-            "learning, not what a trained model keeps. <code>selfattn study</code> also trains these stacks on a "
-            "task that needs positions and probes them again; <code>selfattn tour --study DIR</code> shows those "
-            "results here.</p>"
+            "learning, not what a trained model keeps"
+            + ("; stacks trained by depth follow below" if by_depth else "")
+            + ". <code>selfattn study</code> trains the full-size stacks on a task that needs positions and probes "
+            "them again; <code>selfattn tour --study DIR</code> shows those results here.</p>"
         )
     if by_depth:
         parts.append(by_depth_html(by_depth))

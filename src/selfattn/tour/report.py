@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,10 @@ from typing import Any
 from selfattn import __version__
 from selfattn.study.summary import study_section_html
 from selfattn.tour import depth
-from selfattn.tour.claims import count_evidence
+from selfattn.tour.claims import count_evidence, count_verdicts
 from selfattn.tour.comparison import CHAPTER, KINDS
 
-__all__ = ["format_number", "format_ratio", "render_report"]
+__all__ = ["format_number", "format_ratio", "page_text", "render_report"]
 
 _TEMPLATES = Path(__file__).parent / "templates"
 
@@ -70,6 +71,8 @@ def _show(value: object) -> str:
         return "[" + ", ".join(shown) + (", ..." if len(value) > 12 else "") + "]"
     if isinstance(value, dict):
         return "; ".join(f"{key}: {_show(item)}" for key, item in value.items())
+    if value is None:
+        return "n/a"
     return format_number(value)
 
 
@@ -93,6 +96,7 @@ def _environment() -> Any:
         pct=lambda value: f"{100 * value:.1f}\u2009%" if value >= 0.001 else f"{100 * value:.2g}\u2009%",
         tuple=lambda value: str(tuple(value)),
         join_nums=lambda values, digits=None: ", ".join(format_number(v, digits) for v in values),
+        page_text=page_text,
     )
     return env
 
@@ -113,6 +117,35 @@ def _fmt(value: object) -> str:
 
 def _e(text: object) -> str:
     return html.escape(str(text))
+
+
+_LATEX_SYMBOLS = {
+    r"\times": "\u00d7", r"\in": "\u2208", r"\ne": "\u2260", r"\cdot": "\u00b7", r"\delta": "\u03b4",
+    r"\omega": "\u03c9", r"\ldots": "\u2026", r"\,": "\u2009",
+}  # fmt: skip
+
+
+def page_text(text: object) -> str:
+    """A page's words as HTML: its inline LaTeX as plain text with sub- and superscripts, its markdown as markup.
+
+    The quotes keep the pages' own characters in ``results.json``; only the report renders them, so a
+    reader sees O(knd<sup>2</sup>) and <i>a priori</i>, not ``$\\mathcal{O}(knd^2)$`` and ``*a priori*``.
+    """
+    parts = re.split(r"\$([^$]*)\$", html.escape(str(text), quote=False))
+    # Odd parts were inside $...$: LaTeX. Even parts are prose: markdown.
+    out = "".join(_latex_as_text(part) if index % 2 else part for index, part in enumerate(parts))
+    out = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", out)
+    out = re.sub(r"(?<![\w*])\*([^*\s][^*]*)\*(?![\w*])", r"<i>\1</i>", out)
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+
+
+def _latex_as_text(math_text: str) -> str:
+    """Inline LaTeX as plain text: commands unwrapped or turned into symbols, sub- and superscripts as markup."""
+    out = re.sub(r"\\(?:mathcal|mathbf|mathbb|textrm|mathrm|text)\{([^{}]*)\}", r"\1", math_text)
+    for command, symbol in _LATEX_SYMBOLS.items():
+        out = re.sub(re.escape(command) + r"(?![A-Za-z])", symbol, out)
+    out = re.sub(r"\^\{([^{}]*)\}|\^(\w)", lambda m: f"<sup>{m.group(1) or m.group(2)}</sup>", out)
+    return re.sub(r"_\{([^{}]*)\}|_(\w)", lambda m: f"<sub>{m.group(1) or m.group(2)}</sub>", out)
 
 
 def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:
@@ -174,9 +207,11 @@ def _comparison_context(comp: dict[str, Any]) -> dict[str, Any]:
     cross = comp["crossings"]
     places = []
     if cross["core_equals_rnn_at_n"] is not None:
-        places.append(f"at n = {format_number(cross['core_equals_rnn_at_n'], 1)} tokens (d = {sweep['fixed_d']:,})")
+        places.append(
+            f"at n = d = {round(cross['core_equals_rnn_at_n']):,} tokens (the formulas n^2 d and n d^2 meet at n = d)"
+        )
     if cross["core_equals_rnn_at_d"] is not None:
-        places.append(f"at d = {format_number(cross['core_equals_rnn_at_d'], 1)} features (n = {sweep['fixed_n']:,})")
+        places.append(f"at d = n = {round(cross['core_equals_rnn_at_d']):,} features")
     core_meets = " and ".join(places) if places else "nowhere in these sweeps"
     return {
         "comparison_rows": rows,
@@ -320,13 +355,17 @@ def _learning_context(results: dict[str, Any]) -> dict[str, Any]:
         [label, *(f"{100 * acc:.1f}\u2009%" for _, acc in hm[key]["curve"])]
         for key, label in (("without_p", "without P"), ("with_p", "with P"))
     ]
-    gap = hm["with_p"]["accuracy"] - hm["without_p"]["accuracy"]
+    lag, lag_step = max(
+        (b - a, step) for (step, a), (_, b) in zip(hm["with_p"]["curve"], hm["without_p"]["curve"], strict=True)
+    )
     harmless_sentence = (
         f"After {hm['config']['train_steps']} steps: {100 * hm['with_p']['accuracy']:.1f}\u2009% with P, "
-        f"{100 * hm['without_p']['accuracy']:.1f}\u2009% without: "
-        + (f"with P {100 * gap:+.1f} points" if gap else "no difference")
-        + " (the claim counts as holding within 2 points), for this task, model and budget."
-    )
+        f"{100 * hm['without_p']['accuracy']:.1f}\u2009% without. Along the way, the model with P trails the one "
+        f"without by at most {100 * lag:.1f} points (step {lag_step}): "
+        + ("within 2 points at every check, so the claim counts as holding" if lag <= 0.02 else "more than 2 points, "
+           "so the claim does not hold here, even where both end at the ceiling")
+        + ", for this task, model and budget."
+    )  # fmt: skip
     thread_headers = [f"{t} thread{'s' if t > 1 else ''} (ms)" for t in par["threads"]] + [
         f"speed-up at {t} threads" for t in par["threads"][1:]
     ]
@@ -347,10 +386,15 @@ def _learning_context(results: dict[str, Any]) -> dict[str, Any]:
             "claims that rest on them are marked not shown. Rerun the tour on an idle machine to decide them."
         )
     else:
-        gains = {CHAPTER[kind]["label"]: par["speedup"][kind][-1] for kind in KINDS}
+        words = {"above": "parallel", "below": "not parallel", "undecided (noise)": "undecided (noise)"}
         thread_sentence = (
-            f"At {par['threads'][-1]} threads: "
-            + "; ".join(f"{label} {format_ratio(value)}" for label, value in gains.items())
+            f"At {par['threads'][-1]} threads, median over {par['rounds']} rounds [lowest, highest]: "
+            + "; ".join(
+                f"{CHAPTER[kind]['label']} {format_ratio(par['speedup'][kind][-1])} "
+                f"[{par['speedup_spread'][kind][0]:.2f}, {par['speedup_spread'][kind][1]:.2f}]: "
+                f"{words[par['parallel'][kind]]}"
+                for kind in KINDS
+            )
             + "."
         )
     return {
@@ -459,12 +503,51 @@ def _unseen_sentence(unseen: dict[str, Any] | None) -> str:
             f"{entry['rows_trained']})"
         )
     return (
-        f" Why, measured on the study's own models ({_e(unseen['task'])}: a training sequence has at most "
+        f" Why, read off untrained models of the study's shape (which rows a sequence reaches depends on its length, "
+        f"not on the weights; {_e(unseen['task'])}: a training sequence has at most "
         f"{unseen['train_tokens']} tokens, one of the longest evaluated length {unseen['eval_tokens']}): which rows of "
         "each table get a nonzero gradient from a sequence of the longest training length, against those a sequence "
         f"of the longest evaluated length reads. {'; '.join(parts)}. A row no training sequence reaches keeps its "
         "random initial value (weight decay aside); fewer rows than positions means offsets past Shaw's clip, or "
         "inside one of T5's buckets, share a row and look the same to the model."
+    )
+
+
+_BY_LENGTH_LABELS = {
+    "sinusoidal": "sinusoidal P (the chapter's)",
+    "learned": "learned table of positions (exercise 2)",
+    "shaw": "Shaw's embeddings by offset (exercise 3)",
+    "t5": "T5's bias by offset (exercise 3)",
+}
+
+
+def _by_length_html(by_length: dict[str, Any] | None) -> str:
+    """Exercises 2 and 3, trained by the tour: each encoding's accuracy at and past its training length."""
+    if not by_length:
+        return (
+            "<p><b>Exercises 2 and 3</b> are not shown in this run: <code>selfattn.tour.exercises."
+            "encodings_by_length</code> trains them.</p>"
+        )
+    config, runs = by_length["config"], by_length["encodings"]
+    train_len, longest = config["train_len"], max(config["eval_lens"])
+    rows = "".join(
+        f"<tr><td>{_e(_BY_LENGTH_LABELS.get(name, name))}</td>"
+        f'<td class="num">{100 * run["by_length"][str(train_len)]["all"]:.1f}\u2009%</td>'
+        f'<td class="num">{100 * run["by_length"][str(longest)]["past_train_len"]:.1f}\u2009%</td></tr>'
+        for name, run in runs.items()
+    )
+    return (
+        f"<p><b>Exercises 2 and 3, trained by this tour</b> (one seed, {config['train_steps']:,} steps of Adam, "
+        f"learning rate {config['lr']}, batches of {config['batch_size']}): one attention layer (d = "
+        f"{config['num_hiddens']}, one head) must output at every position i &ge; {config['delta']} the token "
+        f"{config['delta']} back, out of {config['vocab_size']} (chance {100 * by_length['chance']:.1f}\u2009%), "
+        f"trained on sequences of {train_len} tokens, then evaluated on {config['eval_samples']:,} fresh sequences "
+        f"of {train_len} and of {longest} tokens. The learned table has rows up to {longest}, but no training "
+        f"step reaches rows {train_len} to {longest - 1}; the encodings by offset read the row of the offset "
+        f"the task needs ({config['delta']} back) at every length, a row training did reach.</p>"
+        f'<div class="table-scroll"><table><thead><tr><th>encoding</th><th>accuracy at length {train_len}</th>'
+        f"<th>accuracy at positions {train_len}..{longest - 1} of length {longest}</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table></div>"
     )
 
 
@@ -505,11 +588,24 @@ def _section_depth(results: dict[str, Any], figures: dict[str, str]) -> str:
     return f"""
 <h2 id="s8">8. The exercises</h2>
 {depth.section_html(results["depth"], figures, results.get("depth_study"), results.get("depth_by_depth"))}
+{_by_length_html((results.get("exercises") or {}).get("by_length"))}
 <p><b>A learnable encoding</b>: {learned} (<code>selfattn.positional.LearnedPositionalEncoding</code>) learns one row
 per position; it has no row past its <code>max_len</code>, which is why it refuses positions far out in
 section 7. <b>Embeddings by offset</b> (Shaw et al. 2018; Huang et al. 2018) and their successors act inside
 attention: {", ".join(f"<code>{_e(n)}</code>" for n in inside) or "none here"}; {relative}.{beyond}</p>
 """
+
+
+def _no_study_html() -> str:
+    """The study's slot when no study folder was found: what the tour trained itself, and how to train longer."""
+    return (
+        '<h2 id="study">Longer trained runs: the study</h2><p>No <code>selfattn study</code> folder was found '
+        "(<code>./selfattn-study</code> or <code>$SELFATTN_STUDY</code>): the trained answers above are the tour's "
+        "own small models, trained in this run for the steps each paragraph states. <code>selfattn study</code> "
+        "trains full-size models on several tasks and <code>selfattn study --exercises</code> the exercises with "
+        "more seeds and steps (an hour and more on 2 CPU cores); rerun the tour afterwards, or pass "
+        "<code>--study DIR</code>, and the report reads them instead, with their folder and date.</p>"
+    )
 
 
 def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
@@ -527,9 +623,12 @@ def render_report(results: dict[str, Any], figures: dict[str, str]) -> str:
         "claims_held": sum(c["holds"] is True for c in claims),
         "claims_failed": sum(c["holds"] is False for c in claims),
         "evidence_counts": count_evidence(list(claims)),
+        "verdict_counts": count_verdicts(list(claims)),
         "depth_section": _section_depth(results, figures),
         # The study's own loader fills the slot, from the folder the tour read (its default without one).
-        "study_section": study_section_html(Path(results["study_folder"]) if results.get("study_folder") else None),
+        "study_section": study_section_html(Path(results["study_folder"]))
+        if results.get("study_folder")
+        else _no_study_html(),
     }
     context.update(_comparison_context(results["comparison"]))
     context.update(_positional_context(results))

@@ -14,7 +14,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from selfattn.tour import (
     comparison,
     depth,
     embedding,
+    exercises,
     family,
     frameworks,
     harmless,
@@ -49,6 +50,7 @@ __all__ = [
     "comparison_lines",
     "long_range_results",
     "progress_bar",
+    "progress_steps",
     "run_tour",
     "summary_lines",
     "verdicts",
@@ -69,6 +71,8 @@ class TourSizes:
             (:func:`selfattn.tour.harmless.with_and_without_p`) and ``parallel``
             (:func:`selfattn.tour.parallel.thread_speedup`).
         embedding_sizes: model sizes at which token recovery after adding P is measured.
+        exercises: keyword arguments of the models the tour trains to answer the exercises, by
+            name: ``deep_stacks``, ``by_length`` and ``long_range`` (:mod:`selfattn.tour.exercises`).
     """
 
     comparison: dict[str, Any]
@@ -77,6 +81,9 @@ class TourSizes:
     family_steps: int
     learning: dict[str, dict[str, Any]]
     embedding_sizes: tuple[int, ...] = (8, 16, 32, 64)
+    exercises: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {"deep_stacks": {}, "by_length": {}, "long_range": {}}
+    )
 
 
 FULL = TourSizes(
@@ -111,7 +118,12 @@ QUICK = TourSizes(
     learning={
         "offset": {"max_train_steps": 200, "eval_samples": 256},
         "harmless": {"train_steps": 60, "eval_samples": 256},
-        "parallel": {"repeats": 3, "rounds": 1},
+        "parallel": {"repeats": 2, "rounds": 3},
+    },
+    exercises={
+        "deep_stacks": {"depths": (1, 2), "max_steps": 100},
+        "by_length": {"train_steps": 150, "eval_samples": 128},
+        "long_range": {"distances": (2, 8), "budget": 50, "max_steps": 100},
     },
 )
 
@@ -162,13 +174,16 @@ def _family(sizes: TourSizes, advance: Callable[[str], None]) -> dict[str, objec
     return {"encodings": encodings}
 
 
-def _learning(sizes: TourSizes, pe: dict[str, Any]) -> dict[str, Any]:
-    """The trained and timed experiments behind the claims about learning and parallel speed."""
+def _learning(sizes: TourSizes, pe: dict[str, Any], advance: Callable[[str], None]) -> dict[str, Any]:
+    """The trained and timed experiments behind the claims about learning and parallel speed, one step each."""
     periods = pe["all_column_periods"]
-    return {
-        "offset": offset.attend_by_offset(**sizes.learning["offset"]),
-        "harmless": harmless.with_and_without_p(**sizes.learning["harmless"]),
-        "parallel": parallel.thread_speedup(**sizes.learning["parallel"]),
+    found = {"offset": offset.attend_by_offset(**sizes.learning["offset"])}
+    advance("trained: copy at an offset")
+    found["harmless"] = harmless.with_and_without_p(**sizes.learning["harmless"])
+    advance("trained: with and without P")
+    found["parallel"] = parallel.thread_speedup(**sizes.learning["parallel"])
+    advance("timed: threads")
+    return found | {
         "binary": {
             "bit_alternation": checks.bit_alternation(3),
             "period_ratios": checks.period_ratios(periods),
@@ -176,6 +191,17 @@ def _learning(sizes: TourSizes, pe: dict[str, Any]) -> dict[str, Any]:
         },
         "order": checks.order_sensitivity(),
     }
+
+
+def _exercises(sizes: TourSizes, advance: Callable[[str], None]) -> dict[str, Any]:
+    """The models the tour trains itself to answer the chapter's exercises and its long-range claim."""
+    found = {"deep_stacks": exercises.deep_stacks(**sizes.exercises["deep_stacks"])}
+    advance("8. trained: deep stacks by depth")
+    found["by_length"] = exercises.encodings_by_length(**sizes.exercises["by_length"])
+    advance("8. trained: encodings past the training length")
+    found["long_range"] = exercises.long_range(**sizes.exercises["long_range"])
+    advance("trained: answer at distance n")
+    return found
 
 
 def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -221,6 +247,7 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         "curves": qualities.offset_distance_curves(_PLOT_HIDDENS, num_positions=4 * _PLOT_STEPS),
         "across_lengths": qualities.distance_across_lengths(_PLOT_HIDDENS),
         "small_width": qualities.absolute_position_qualities(8, num_seen=_PLOT_STEPS, num_positions=2000),
+        "monotone": checks.monotone_counterexamples(_PLOT_HIDDENS, num_positions=sizes.absolute_positions),
     }
     tick("5. absolute position")
     results["rotation_max_error"] = checks.rotation_max_error(_PLOT_STEPS, _PLOT_HIDDENS, _PLOT_STEPS)
@@ -241,8 +268,8 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
         "precision_wide": frameworks.framework_precision(128, lengths=(10000,)),
     }
     tick("6. the note and the other pages")
-    results["learning"] = _learning(sizes, results["positional_encoding"])
-    tick("trained: offset, not harmful; timed: threads")
+    results["learning"] = _learning(sizes, results["positional_encoding"], tick)
+    results["exercises"] = _exercises(sizes, tick)
     results["family"] = _family(sizes, tick)
     with single_threaded():  # 120 stacks of tiny float64 matrices: a second thread costs more than it gives
         results["depth"] = depth.measure(**sizes.depth)
@@ -607,10 +634,66 @@ def long_range_results(study: Path | str | None) -> dict[str, Any] | None:
     """
     from selfattn.study.exercises import load_exercises
 
-    exercises = load_exercises(study)
-    if exercises is None:
+    found = load_exercises(study)
+    if found is None:
         return None
-    return {**exercises["long_range"], "folder": str(study), "quick": bool(exercises.get("quick"))}
+    return {
+        **found["long_range"],
+        "folder": str(study),
+        "quick": bool(found.get("quick")),
+        "source": _study_source(study, "exercises.json"),
+    }
+
+
+TOUR_TRAINED = "trained by this tour (selfattn tour), one seed"
+"""The provenance of the answers the tour trains itself (see :mod:`selfattn.tour.exercises`)."""
+
+
+def _study_source(study: Path | str | None, name: str) -> str:
+    """Where a study's trained answers come from: the command, the folder, the file's date (no commit is recorded)."""
+    import datetime
+
+    path = Path(str(study)) / name
+    when = datetime.datetime.fromtimestamp(path.stat().st_mtime, tz=datetime.timezone.utc)
+    return (
+        f"selfattn study --exercises, read from {path} (written {when:%Y-%m-%d %H:%M} UTC; the study records no commit)"
+    )
+
+
+def _trained_answers(results: dict[str, Any], study: Path | str | None) -> None:
+    """The long-range and deep-stack answers: the study's longer runs when its folder has them, else the tour's own."""
+    from selfattn.study.exercises import load_exercises
+
+    trained = results["exercises"]
+    from_study = long_range_results(study)
+    if from_study is not None and not from_study["quick"]:
+        results["long_range"] = from_study
+    else:
+        results["long_range"] = {**trained["long_range"], "folder": None, "quick": False, "source": TOUR_TRAINED}
+    by_depth = depth.study_by_depth(study)
+    study_exercises = load_exercises(study) or {}
+    if by_depth is not None and not study_exercises.get("quick"):
+        name = "exercises.json" if study_exercises else "results.json"
+        results["depth_by_depth"] = {**by_depth, "source": _study_source(study, name)}
+    else:
+        results["depth_by_depth"] = {**trained["deep_stacks"], "source": TOUR_TRAINED}
+
+
+COMPUTE_STEPS = 13
+"""Steps :func:`compute` reports beside the comparison's and the family's: six sections, three trained or timed
+experiments of the claims about learning (each its own step, so the bar moves), three trained answers to the
+exercises, the deep stacks."""
+
+
+def progress_steps(sizes: TourSizes, *, with_trained_figure: bool = False) -> int:
+    """Steps of :func:`run_tour`'s progress bar: :func:`compute`'s, ten figures (eleven with a study's trained
+    stacks) plus one per encoding, and the report."""
+    sweep = sizes.comparison
+    comparison_count = comparison.comparison_steps(
+        sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
+    )
+    family_count = len(family.family_names())
+    return COMPUTE_STEPS + comparison_count + 2 * family_count + 10 + with_trained_figure + 1
 
 
 def _prepare_output(out_dir: Path, shown: Path) -> Path:
@@ -641,8 +724,11 @@ def run_tour(
 
     ``study`` is a ``selfattn study`` output folder whose trained deep stacks section 8 shows
     (``results["depth_study"]``); by default ``$SELFATTN_STUDY`` or ``./selfattn-study`` when it
-    holds a ``results.json``. Returns the results as written to ``results.json``, with
-    ``"checks"`` (the verdicts) added.
+    holds a ``results.json``. The tour trains its own small answers to the exercises and to the
+    long-range claim (``results["exercises"]``, :mod:`selfattn.tour.exercises`); a study's longer
+    runs replace the long-range and deep-stack ones when its folder has them (not a ``--quick``
+    one), each answer with its ``source``. Returns the results as written to ``results.json``,
+    with ``"checks"`` (the verdicts) added.
     """
     from selfattn.tour import figures  # noqa: F401  (fail now, not after the measurements, without matplotlib)
     from selfattn.tour.report import render_report
@@ -654,23 +740,14 @@ def run_tour(
         study = default if found else None
     depth_study = depth.study_deep_stack(study)  # fail now, not after the measurements
     sizes = QUICK if quick else FULL
-    family_count = len(family.family_names())
-    sweep = sizes.comparison
-    comparison_count = comparison.comparison_steps(
-        sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
-    )
-    # Eight section steps (the trained experiments are one), the comparison's, two per encoding (measure, draw), ten
-    # figures (eleven with a study),
-    # the report.
-    total = 8 + comparison_count + 2 * family_count + 10 + bool((depth_study or {}).get("trained")) + 1
+    total = progress_steps(sizes, with_trained_figure=bool((depth_study or {}).get("trained")))
     with progress_bar(total, progress) as advance:
         results = compute(sizes, advance)
         results["quick"] = quick
         results["study_folder"] = None if study is None else str(study)
         results["depth_study"] = depth_study
-        results["depth_by_depth"] = depth.study_by_depth(study)
+        _trained_answers(results, study)
         results["study_generalization"] = study_generalization(study)
-        results["long_range"] = long_range_results(study)
         results["unseen_rows"] = _unseen_rows(results["study_generalization"])
         results["checks"] = verdicts(results)
         results["claims"] = claims.claims(results)
@@ -716,7 +793,7 @@ def summary_lines(results: dict[str, Any], out_dir: Path | str | None = None) ->
     lines.append(
         f"  2. permutation: without P error {perm['without_pe_error']:.1e}, with P change {perm['with_pe_change']:.1e}"
     )
-    lines.append("  3. CNN vs RNN vs self-attention, measured on real layers:")
+    lines.append("  3. CNN vs RNN vs self-attention, counted and timed on real layers:")
     lines.extend(f"     {line}" for line in comparison_lines(comp))
     q = results["absolute"]["qualities"]
     lines.append(
@@ -753,16 +830,34 @@ def summary_lines(results: dict[str, Any], out_dir: Path | str | None = None) ->
     if long_range:
         budget = long_range["settings"]["budget"]
         lines.append(
-            f"  trained (study --exercises): answer at distance n, accuracy after {budget} steps: "
+            f"  trained: answer at distance n ({long_range.get('source', 'from selfattn study --exercises')}), "
+            f"accuracy after {budget} steps: "
             + "; ".join(
                 f"{kind} " + ", ".join(f"n={n} {cell['accuracy_at_budget']:.0%}" for n, cell in cells.items())
                 for kind, cells in long_range["by_distance"].items()
             )
         )
+    by_length = (results.get("exercises") or {}).get("by_length")
+    if by_length:
+        config = by_length["config"]
+        train_len, longest = config["train_len"], max(config["eval_lens"])
+        lines.append(
+            f"  8. trained by the tour ({config['train_steps']} steps): copy {config['delta']} back, at length "
+            f"{train_len} / past it (of {longest}): "
+            + ", ".join(
+                f"{name} {run['by_length'][str(train_len)]['all']:.0%}/"
+                f"{run['by_length'][str(longest)]['past_train_len']:.0%}"
+                for name, run in by_length["encodings"].items()
+            )
+        )
     par = results["learning"]["parallel"]
     lines.append(
-        f"  timed: speed-up at {par['threads'][-1]} threads "
-        + ", ".join(f"{kind} {values[-1]:.2f}x" for kind, values in par["speedup"].items())
+        f"  timed: speed-up at {par['threads'][-1]} threads, median of {par['rounds']} rounds [lowest, highest] "
+        + ", ".join(
+            f"{kind} {values[-1]:.2f}x [{par['speedup_spread'][kind][0]:.2f}, {par['speedup_spread'][kind][1]:.2f}] "
+            f"({par['parallel'][kind]})"
+            for kind, values in par["speedup"].items()
+        )
         + ("" if par["quiet"] else f" (machine busy, load {max(par['load']):.1f}: not a measure of parallelism)")
     )
     if "claims" in results:
@@ -770,7 +865,9 @@ def summary_lines(results: dict[str, Any], out_dir: Path | str | None = None) ->
         counts = claims.count_evidence(found)
         lines.append(
             f"  claims: {len(found)} ({counts['measured']} measured, {counts['derived']} derived, "
-            f"{counts['not shown']} not shown); {sum(c['holds'] is True for c in found)} hold"
+            f"{counts['identity']} identities checked numerically, {counts['not shown']} not shown); "
+            f"{sum(c['holds'] is True for c in found)} hold, {sum(c['holds'] is False for c in found)} do not, "
+            f"{sum(c['verdict'] == 'undecided (noise)' for c in found)} undecided (noise)"
         )
         lines.extend(
             f"  does not hold: {c['id']} ({c['page']}): {c['statement']}" for c in found if c["holds"] is False

@@ -20,7 +20,7 @@ def _comparison_table(comp: dict[str, Any]) -> Any:
     from rich.table import Table
 
     n = comp["sweep"]["n"][-1]
-    title = f"CNN vs RNN vs self-attention: chapter -> measured (n = {n:,}, k = {comp['cnn']['k']})"
+    title = f"CNN vs RNN vs self-attention: chapter -> counted and timed (n = {n:,}, k = {comp['cnn']['k']})"
     table = Table(title=title, title_justify="left")
     for header in ("layer", "compute (FLOPs)", "sequential ops", "path (products)", "time ~ n^ [min, max]"):
         table.add_column(header)
@@ -59,27 +59,28 @@ def print_summary(results: dict[str, Any], report: Path | str | None = None, con
     failed = [c for c in results["checks"] if not c["ok"]]
     console.print(escape(lines[0]), style="bold red" if failed else "bold green")
     console.print(_comparison_table(results["comparison"]))
-    sections = Table(show_header=True, title="Each section, measured", title_justify="left")
+    sections = Table(show_header=True, title="Each section", title_justify="left")
     sections.add_column("section", no_wrap=True)
-    sections.add_column("measured")
+    sections.add_column("found")
     for line in lines[1:]:
         found = re.match(r"^  (\S+?)\.? (.*)$", line)
         if found is None or line.startswith(("     ", "  3.", "  FAILED", "  claims:", "  does not hold")):
             continue
         sections.add_row(escape(found.group(1).rstrip(":")), escape(found.group(2)))
     if "claims" in results:
-        from selfattn.tour.claims import count_evidence
+        from selfattn.tour.claims import count_evidence, count_verdicts
 
         claims = results["claims"]
         held = sum(c["holds"] is True for c in claims)
         failing = [c["id"] for c in claims if c["holds"] is False]
-        counts = count_evidence(claims)
+        counts, verdicts = count_evidence(claims), count_verdicts(claims)
         sections.add_row(
             "claims",
             f"{held} of {len(claims)} claims of the source pages hold, {len(failing)} {'does' if len(failing) == 1 else 'do'} not"
             + (f" ({', '.join(failing)})" if failing else "")
-            + f", {counts['not shown']} not shown; {counts['measured']} measured, {counts['derived']} derived "
-            "(report: closing table; claims do not set the exit status)",
+            + f", {verdicts['undecided (noise)']} undecided (noise), {counts['not shown']} not shown; "
+            f"{counts['measured']} measured, {counts['derived']} derived, {counts['identity']} identities checked "
+            "numerically (report: closing table; claims do not set the exit status)",
         )
     console.print(sections)
     if failed:

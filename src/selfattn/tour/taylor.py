@@ -110,4 +110,21 @@ def score_terms(
     result["position_position_spread"] = _diagonal_spread(pp)
     result["position_position_range"] = float(pp.max() - pp.min())
     result["identity_spread"] = _diagonal_spread(P @ P.T)
+    result["position_position_relative_share"] = _offset_share(pp)
     return result
+
+
+def _offset_share(scores: torch.Tensor) -> float:
+    """The share (squared Frobenius norm) of an ``(n, n)`` matrix that depends on the offset j - i only.
+
+    The offset-only part is each diagonal's mean; the rest depends on where the pair sits. The
+    matrix is centred first, so a constant (which depends on nothing) counts for neither.
+    """
+    centred = scores - scores.mean()
+    n = centred.shape[-1]
+    offset_only = torch.zeros_like(centred)
+    for k in range(-(n - 1), n):
+        mask = torch.diagonal(torch.ones_like(centred), offset=k)
+        torch.diagonal(offset_only, offset=k).copy_(torch.diagonal(centred, offset=k).mean() * mask)
+    whole = float(centred.pow(2).sum())
+    return float(offset_only.pow(2).sum()) / whole if whole > 0 else 0.0
