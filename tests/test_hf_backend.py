@@ -143,7 +143,7 @@ def test_softcap_and_sinks_match_eager() -> None:
 def test_softcap_with_an_additive_mask_raises() -> None:
     q, k, v = _qkv(3, 3, kv_heads=4)
     with pytest.raises(ValueError, match=r"softcap=50.0 with a float attention_mask or a position_bias"):
-        attention_forward(_module(True), q, k, v, torch.zeros(2, 1, 3, 3), softcap=50.0)
+        attention_forward(_module(True), q, k, v, torch.randn(2, 1, 3, 3), softcap=50.0)  # a bias, not 0/-inf
     with pytest.raises(ValueError, match=r"softcap=50.0 with a float attention_mask or a position_bias"):
         attention_forward(_module(True), q, k, v, None, softcap=50.0, position_bias=torch.zeros(1, 4, 3, 3))
 

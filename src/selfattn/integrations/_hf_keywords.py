@@ -46,6 +46,7 @@ NOT_READ = {
     "output_hidden_states": "a model-level output switch",
     "output_router_logits": "a model-level output switch",
     "num_items_in_batch": "a loss normaliser",
+    "logits_to_keep": "how many positions' logits the model computes (GOT-OCR2 passes it down to its layers)",
     "deterministic": "a flash-attention kernel's choice of algorithm; the answer is the same",
 }
 """Keywords that reach an attention function and do not change its answer, with the reason."""

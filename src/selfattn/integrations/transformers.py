@@ -11,6 +11,7 @@ Shape legend:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from selfattn.integrations._hf_keywords import (
     sequence_documents,
 )
 
-__all__ = ["NAME", "attention_forward", "register"]
+__all__ = ["NAME", "attention_forward", "model_masks", "register"]
 
 NAME = "selfattn"
 
@@ -57,8 +58,9 @@ def attention_forward(
     """transformers' attention function signature over :func:`selfattn.functional.attention`.
 
     ``attention_mask`` is the mask transformers builds for ``sdpa`` (bool ``(b, 1, lq, lk)``,
-    True = attend; it already holds causality, padding, packing and sliding windows), a float
-    mask added to the scores, or None. None means no padding: the module's ``is_causal`` (or the
+    True = attend; it already holds causality, padding, packing and sliding windows), eager's
+    float form of one (only 0 and ``-inf`` or the dtype's lowest: read as the bool mask
+    ``entry == 0``), another float mask added to the scores, or None. None means no padding: the module's ``is_causal`` (or the
     ``is_causal`` passed) then decides, as for ``sdpa``: with more than one query, query ``i``
     sees keys ``0 .. i`` (and the last ``sliding_window`` of them); a single query sees every key.
     Every other restriction below is "and"-ed with it.
@@ -95,7 +97,8 @@ def attention_forward(
         cu_seq_lens_k: cumulative key lengths; may be omitted when ``lk == lq``.
         seq_idx: ``(b, l)`` sequence ids of the tokens of packed rows; a query sees keys of its id.
         output_attentions: also return the ``(b, h, lq, lk)`` weights, as eager does (a query
-            that sees no key has zero weights here, a uniform row in eager).
+            that sees no key has zero weights here, a uniform row in eager). They are returned
+            too when transformers records them without passing this (GPT-2, OPT ...).
         **kwargs: what else the model passes: keywords known not to change the answer
             (``position_ids``, ``use_cache``, ``max_length_q`` ...) are not read, any other
             that is not None is refused.
@@ -111,6 +114,9 @@ def attention_forward(
             the weights after dropout, selfattn before).
     """
     check_keywords(kwargs)
+    output_attentions = bool(output_attentions) or _recording_attentions()
+    if attention_mask is not None and attention_mask.is_floating_point() and _only_visibility(attention_mask):
+        attention_mask = attention_mask == 0  # eager's form of a bool mask: the fast routes, and softcap allowed
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
     _check_combinations(query, attention_mask, dropout, softcap, position_bias, per_query_sinks, output_attentions)
     selections = _selections(module, query, key.shape[-2], indices, topk_indices, block_indices, seq_idx)
@@ -171,7 +177,7 @@ def _check_combinations(
     if softcap is not None and (position_bias is not None or float_mask):
         raise ValueError(
             f"softcap={softcap} with a float attention_mask or a position_bias: transformers adds them after the "
-            "capping and selfattn would cap them too; register() builds bool masks, use them"
+            "capping and selfattn would cap them too (a mask of only 0 and -inf or the dtype's lowest is read as a bool mask)"
         )
     if softcap is not None and per_query_sinks is not None:
         raise ValueError(
@@ -220,6 +226,32 @@ def _visibility(
     return key, value, mask, bias, causal
 
 
+def _only_visibility(attention_mask: torch.Tensor) -> bool:
+    """Whether a float mask only says which keys are seen: every entry 0 or at most the dtype's lowest (or -inf).
+
+    transformers' eager masks put ``finfo.min`` where a key is hidden, and models add ``-inf``
+    blocks to them (DeepSeek-V4's compressed keys); such a score gets no weight in the softmax, so
+    the mask is exactly the bool mask ``entry == 0`` (up to rows that see no key, uniform in eager).
+    """
+    lowest = torch.finfo(attention_mask.dtype).min
+    return bool(((attention_mask == 0) | (attention_mask <= lowest)).all())
+
+
+def _recording_attentions() -> bool:
+    """Whether transformers is collecting attention weights in this forward (``output_attentions=True``).
+
+    Some models (GPT-2, OPT, StableLM, Nemotron ...) record the weights their attention layers
+    return without passing ``output_attentions`` down; eager always returns them, so selfattn
+    must see the request where transformers keeps it, its output collector.
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # an older transformers passes output_attentions itself
+        return False
+    collected = _active_collector.get()  # type: ignore[no-untyped-call]
+    return isinstance(collected, dict) and "attentions" in collected
+
+
 def _selections(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -251,15 +283,41 @@ def _selections(
 def register(name: str = NAME) -> str:
     """Register :func:`attention_forward` with transformers as ``name`` (default ``"selfattn"``).
 
-    It takes the masks transformers builds for ``sdpa``. Then load or build a model with
-    ``attn_implementation=name``, or switch one with ``model.set_attn_implementation(name)``.
+    Models that support ``sdpa`` get the masks transformers builds for ``sdpa`` (bool, or None
+    where causality alone decides); the others get eager's float masks, because their own code
+    may treat the mask as one (GIT adds it to its scores itself, DeepSeek-V4 appends ``-inf``
+    blocks to it). Then load or build a model with ``attn_implementation=name``, or switch one
+    with ``model.set_attn_implementation(name)``.
 
     Returns:
         ``name``.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, model_masks)
     return name
+
+
+def model_masks(*args: Any, **kwargs: Any) -> Any:
+    """transformers' mask function for selfattn: ``sdpa``'s masks for a model that supports ``sdpa``, eager's otherwise.
+
+    ``kwargs["config"]`` names the model (transformers passes it); a model it cannot look up gets
+    eager's masks, the form every model's own code was written for.
+    """
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    config = kwargs.get("config")
+    build = sdpa_mask if _supports_sdpa(getattr(config, "model_type", None)) else eager_mask
+    return build(*args, **kwargs)
+
+
+@functools.cache
+def _supports_sdpa(model_type: str | None) -> bool:
+    """Whether transformers' model of ``model_type`` declares ``sdpa`` support (False when it cannot be found)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    class_name = MODEL_MAPPING_NAMES.get(model_type or "")
+    model_class = getattr(transformers, class_name, None) if isinstance(class_name, str) else None
+    return bool(getattr(model_class, "_supports_sdpa", False))
