@@ -65,11 +65,9 @@ def test_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     )
 
 
-def _start(out: Path, *extra: str, steps: int = 600) -> subprocess.Popen[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "selfattn",
+def _study_argv(out: Path, *extra: str, steps: int) -> list[str]:
+    """``selfattn study`` arguments for one small rotary copy run that checkpoints every 0.2 s of work."""
+    return [
         "study",
         "--quick",
         "--tasks",
@@ -86,6 +84,10 @@ def _start(out: Path, *extra: str, steps: int = 600) -> subprocess.Popen[str]:
         str(out),
         *extra,
     ]
+
+
+def _start(out: Path, *extra: str, steps: int) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "selfattn", *_study_argv(out, *extra, steps=steps)]
     # Restore SIGINT in the child: a pytest-xdist worker ignores it, and ignored signals survive exec.
     return subprocess.Popen(
         command,
@@ -106,18 +108,20 @@ def _wait_for_checkpoint(out: Path, process: subprocess.Popen[str]) -> None:
         time.sleep(0.05)
 
 
+# Enough steps that the run is far from done when its first checkpoint (0.2 s of work) appears and is killed.
+KILLED_STEPS = 240
+
+
 def test_killed_study_resumes_to_the_same_numbers(tmp_path: Path) -> None:
     out = tmp_path / "killed"
-    process = _start(out)
+    process = _start(out, steps=KILLED_STEPS)
     _wait_for_checkpoint(out, process)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not (out / "results.json").exists()
-    resumed = subprocess.run(
-        _start(out, "--resume").args, env=_env(), capture_output=True, text=True, timeout=300, check=False
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    grid, config = study_settings(quick=True, tasks=["copy"], encodings=["rotary"], steps=600)
+    # The resumed run needs no process of its own (a second interpreter and torch import cost more than the run).
+    assert main(_study_argv(out, "--resume", steps=KILLED_STEPS)) == 0
+    grid, config = study_settings(quick=True, tasks=["copy"], encodings=["rotary"], steps=KILLED_STEPS)
     whole = run_study(tmp_path / "whole", grid, config, deep_stack=False, report=False)
     assert whole is not None
     got = json.loads((out / "results.json").read_text())
@@ -125,7 +129,7 @@ def test_killed_study_resumes_to_the_same_numbers(tmp_path: Path) -> None:
         assert got["runs"][0]["accuracy_by_length"][n] == pytest.approx(accuracy, abs=1e-6)
     losses = json.loads((out / "runs" / "copy-rotary-s0.json").read_text())["loss_curve"]
     expected = json.loads((tmp_path / "whole" / "runs" / "copy-rotary-s0.json").read_text())["loss_curve"]
-    assert losses == pytest.approx(expected, rel=1e-6)
+    assert len(losses) == KILLED_STEPS and losses == pytest.approx(expected, rel=1e-6)
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
