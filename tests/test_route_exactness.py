@@ -407,3 +407,51 @@ def test_left_padded_causal_band_with_dropout(encoding: str) -> None:
     torch.testing.assert_close(out[0, :2], zero_row.expand(2, 8).detach(), atol=0, rtol=0)
     assert torch.isfinite(out).all()
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("options", ["mask", "causal lq < lk", "mask and sinks", "mask and weights"])
+def test_heads_of_rank_two_and_three_take_masks_and_sinks(rank: int, options: str) -> None:
+    """Heads ``(h, l, d)`` or ``(l, d)`` with a mask, a lower-right causal mask or sinks, against the formula.
+
+    Before the fix the rules' 4-D mask was refused against 3-D scores (``mask of shape (1, 1, 3, 3)
+    does not broadcast``), and the sink column of 2-D heads could not expand.
+    """
+    gen = torch.Generator().manual_seed(rank)
+    lead = (2,) if rank == 3 else ()
+    q = torch.randn(*lead, 3, 4, generator=gen, dtype=torch.float64)
+    k, v = (
+        torch.randn(*lead, 5, 4, generator=gen, dtype=torch.float64),
+        torch.randn(*lead, 5, 3, generator=gen, dtype=torch.float64),
+    )
+    visible = torch.rand(3, 5, generator=gen) > 0.4
+    visible[:, 0] = True
+    sinks = torch.randn(lead[0] if lead else 1, generator=gen, dtype=torch.float64)
+    kwargs: dict = {"causal": True} if options.startswith("causal") else {"mask": visible}
+    if "sinks" in options:
+        kwargs["sinks"] = sinks
+    if "weights" in options:
+        kwargs["return_weights"] = True
+    result = attention(q, k, v, **kwargs)
+    out = result[0] if isinstance(result, tuple) else result
+    if options.startswith("causal"):
+        visible = torch.ones(3, 5, dtype=torch.bool).tril(2)  # query i sees keys j <= i + lk - lq
+    scores = (q @ k.transpose(-1, -2) / 2).masked_fill(~visible, float("-inf"))  # scale 1/sqrt(4)
+    if "sinks" in options:
+        column = sinks.reshape(-1, 1, 1) if rank == 3 else sinks.reshape(1, 1)
+        weights = torch.softmax(torch.cat((scores, column.expand(*scores.shape[:-1], 1)), dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    torch.testing.assert_close(out, weights @ v, rtol=1e-12, atol=1e-12)
+    if isinstance(result, tuple):
+        torch.testing.assert_close(result[1], weights, rtol=1e-12, atol=1e-12)
+
+
+def test_bfloat16_sinks_on_the_fused_sinks_route_backpropagate() -> None:
+    """The kernel's log-sum-exp of bf16 heads is float32, and its backward wants it back so (it raised before)."""
+    q = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).requires_grad_()
+    sinks = torch.zeros(3, requires_grad=True)
+    assert dispatch.explain(describe_attention(q, q, q, causal=True, sinks=sinks)).route == "fused sinks"
+    attention(q, q, q, causal=True, sinks=sinks).float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.bfloat16 and bool(q.grad.isfinite().all())
+    assert sinks.grad is not None and bool(sinks.grad.isfinite().all())

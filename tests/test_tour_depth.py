@@ -100,7 +100,7 @@ def test_tour_with_a_missing_study_fails_at_once_with_one_line(tmp_path, capsys)
     )
     assert status == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("selfattn tour: error: study_dir=") and "\n" not in err
+    assert err.startswith("selfattn tour: error: --study ") and "no such folder" in err and "\n" not in err
     assert not (tmp_path / "report" / "results.json").exists()
 
 

@@ -240,6 +240,18 @@ class AttentionCall:
         listed = [int(length) for length in lengths.tolist()]
         return listed if len(set(listed)) <= MAX_LENGTH_GROUPS else None
 
+    def dense_mask(self) -> torch.Tensor | None:
+        """The visibility as a bool mask of at most the heads' rank, ``(.., lq, lk)``, or None when every key is visible.
+
+        Rules render ``(b, h, lq, lk)``; heads given as ``(h, l, d)`` or ``(l, d)`` are one batch
+        (and one head), so the leading ones go: a mask of higher rank than the scores would grow the output's.
+        """
+        mask = self.visibility.dense(self.device)
+        rank = max(self.q.dim(), 2)
+        while mask is not None and mask.dim() > rank and mask.shape[0] == 1:
+            mask = mask[0]
+        return mask
+
     def full_bias(self) -> torch.Tensor | None:
         """The score term's whole ``(.., lq, lk)`` bias plus the call's own float bias (dense routes)."""
         bias = self.bias

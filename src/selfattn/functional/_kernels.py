@@ -131,11 +131,6 @@ def _check_scores_term(name: str, term: torch.Tensor, q: torch.Tensor, k: torch.
     Returns it with at least two dimensions (the fused kernel wants a query axis).
     """
     scores_shape = (*q.shape[:-1], k.shape[-2])  # (b, h, lq, lk)
-    extra = term.dim() - len(scores_shape)
-    if extra > 0 and all(size == 1 for size in term.shape[:extra]):
-        # Leading ones beyond the heads' rank (a mask made 4-D for (b, h, l, d) heads, given 3-D ones):
-        # dropped, so the output keeps the rank of q instead of growing ones in front.
-        term = term.reshape(term.shape[extra:])
     fits = term.dim() <= len(scores_shape) and all(
         size in (1, target) for size, target in zip(reversed(term.shape), reversed(scores_shape), strict=False)
     )

@@ -29,7 +29,7 @@ def _declines_modifiers(call: AttentionCall) -> str | None:
 
 def _run(call: AttentionCall) -> Output:
     """``weights @ v`` (plus the term's value term), and the weights before dropout."""
-    mask = call.visibility.dense(call.device)
+    mask = call.dense_mask()
     weights = attention_weights(
         call.q, call.k, mask=mask, bias=call.full_bias(), scale=call.scale, softcap=call.softcap, sinks=call.sinks
     )

@@ -19,7 +19,7 @@ def _declines(call: AttentionCall) -> str | None:
 def _run(call: AttentionCall) -> Output:
     bias = call.full_bias()
     kernel_causal = call.visibility.kernel_causal and bias is None
-    mask = None if kernel_causal else call.visibility.dense(call.device)
+    mask = None if kernel_causal else call.dense_mask()
     out = fused_attention(
         call.q, call.k, call.v, mask=mask, bias=bias, causal=kernel_causal, dropout_p=call.dropout_p,
         scale=call.scale,
