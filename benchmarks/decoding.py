@@ -26,6 +26,7 @@ a ratio to a baseline timed in the same rounds:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -147,6 +148,7 @@ def layer_rows(timing: dict, spread: dict, threads: int) -> tuple[list[list[str]
         tokens = torch.randn(1, STEPS, D_MODEL, generator=gen)
         cases: dict[str, Callable[[], object]] = {}
         outputs: dict[str, torch.Tensor] = {}
+        decoders: dict[str, _CachedDecoder] = {}
         variants = {
             "plain": ({}, {}),
             "sinks": ({"sinks": True}, {}),
@@ -156,39 +158,25 @@ def layer_rows(timing: dict, spread: dict, threads: int) -> tuple[list[list[str]
         }
         for name, (options, cache_options) in variants.items():
             mha = _layer(**{k: v for k, v in options.items() if v is not None})
-            cache = KVCache(cached + STEPS, **cache_options) if not cache_options else KVCache(**cache_options)
+            cache = KVCache(cached + STEPS + 1, **cache_options) if not cache_options else KVCache(**cache_options)
             with torch.no_grad():
                 mha(prompt, prompt, prompt, cache=cache, causal=True)
                 outputs[name] = mha(tokens[:, :1], tokens[:, :1], tokens[:, :1], cache=cache, causal=True)
-            snapshot = cache.copy()
-
-            def step(x: torch.Tensor, mha: selfattn.MultiHeadAttention = mha, box: list = [cache]) -> object:  # noqa: B006
-                return mha(x, x, x, cache=box[0], causal=True)
-
-            def rewind(box: list = [cache], snapshot: KVCache = snapshot) -> None:  # noqa: B006
-                box[0] = snapshot.copy()
-
+            decoder = decoders[name] = _CachedDecoder(mha, cache)
+            cases[name] = _decoder(decoder.step, decoder.rewind, tokens)
             if name == "plain":
                 hand = HandLayer(mha, cached + STEPS + 1)
                 with torch.no_grad():
                     hand(prompt)
                     torch.testing.assert_close(hand(tokens[:, :1]), outputs[name], rtol=1e-4, atol=1e-5)
-                hand_length = hand.length
-
-                def hand_rewind(hand: HandLayer = hand, length: int = hand_length) -> None:
-                    hand.length = length
-
-                cases["by hand (SDPA)"] = _decoder(hand, hand_rewind, tokens)
-                torch_mha = nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).eval()
-                history = torch.cat([prompt, tokens], dim=1)
-                cases["nn.MultiheadAttention"] = _decoder(
-                    lambda x, i=[0]: _torch_step(torch_mha, history, cached, x, i),  # noqa: B006
-                    lambda: None,
-                    tokens,
+                cases["by hand (SDPA)"] = _decoder(
+                    hand, functools.partial(setattr, hand, "length", hand.length), tokens
                 )
-            cases[name] = _decoder(step, rewind, tokens)
+                torch_mha = nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).eval()
+                uncached = _UncachedDecoder(torch_mha, torch.cat([prompt, tokens], dim=1), cached)
+                cases["nn.MultiheadAttention"] = _decoder(uncached.step, uncached.rewind, tokens)
         # The rewinds copy the snapshot once per round: time one copy alone to subtract it.
-        copies = {name: _copy_case(variants, name, cached, prompt) for name in variants}
+        copies = {f"copy {name}": decoders[name].snapshot.copy for name in variants}
         with torch.no_grad():
             r = measure({**cases, **copies}, device=CPU, spread=spread, **timing)
         per_token = {name: (r[name] - r.get(f"copy {name}", 0.0)) / STEPS for name in cases}
@@ -207,20 +195,32 @@ def layer_rows(timing: dict, spread: dict, threads: int) -> tuple[list[list[str]
     return rows, targets
 
 
-def _copy_case(variants: dict, name: str, cached: int, prompt: torch.Tensor) -> Callable[[], object]:
-    options, cache_options = variants[name]
-    mha = _layer(**{k: v for k, v in options.items() if v is not None})
-    cache = KVCache(cached + STEPS, **cache_options) if not cache_options else KVCache(**cache_options)
-    with torch.no_grad():
-        mha(prompt, prompt, prompt, cache=cache, causal=True)
-    return {f"copy {name}": cache.copy}[f"copy {name}"]
+class _CachedDecoder:
+    """Steps of a layer with its cache; ``rewind`` puts back the cache as it was after the prompt."""
+
+    def __init__(self, mha: selfattn.MultiHeadAttention, cache: KVCache):
+        self.mha, self.cache, self.snapshot = mha, cache, cache.copy()
+
+    def step(self, x: torch.Tensor) -> object:
+        return self.mha(x, x, x, cache=self.cache, causal=True)
+
+    def rewind(self) -> None:
+        self.cache = self.snapshot.copy()
 
 
-def _torch_step(mha: nn.MultiheadAttention, history: torch.Tensor, cached: int, x: torch.Tensor, i: list) -> object:
-    """torch's layer has no cache: it is given the inputs so far as plain tensors and projects them all."""
-    seen = history[:, : cached + i[0] + 1]
-    i[0] = (i[0] + 1) % STEPS
-    return mha(x, seen, seen, need_weights=False)
+class _UncachedDecoder:
+    """torch's layer has no cache: each step is given the inputs so far as plain tensors and projects them all."""
+
+    def __init__(self, mha: nn.MultiheadAttention, history: torch.Tensor, cached: int):
+        self.mha, self.history, self.cached, self.done = mha, history, cached, 0
+
+    def step(self, x: torch.Tensor) -> object:
+        self.done += 1
+        seen = self.history[:, : self.cached + self.done]
+        return self.mha(x, seen, seen, need_weights=False)
+
+    def rewind(self) -> None:
+        self.done = 0
 
 
 # ---------------------------------------------------------------------------- transformers generate()
