@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from python_subprocess import run_python
 
 from selfattn.cli import _names
 from selfattn.cli.main import main
@@ -33,23 +33,6 @@ def one_error_line(status: object, out: str, err: str, command: str) -> str:
     assert len(lines) == 1, err
     assert lines[0].startswith(f"selfattn {command}: error: "), lines[0]
     return lines[0]
-
-
-# A finder that makes an import fail as it does where the package is not installed.
-_BLOCK = """
-import importlib.abc, sys
-class Absent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-sys.meta_path.insert(0, Absent())
-"""
-
-
-def run_python(code: str, blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    source = _BLOCK.format(blocked=set(blocked)) + code
-    return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_the_choices_written_for_the_cli_are_the_registries() -> None:

@@ -4,28 +4,11 @@ and no import cycle among its modules."""
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from python_subprocess import run_python
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "selfattn"
-
-# A finder that makes `import numpy` fail as it does where numpy is not installed.
-_BLOCK = """
-import importlib.abc, sys
-class Absent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-sys.meta_path.insert(0, Absent())
-"""
-
-
-def run_python(code: str, blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    source = _BLOCK.format(blocked=set(blocked)) + code
-    return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_the_library_works_without_numpy_matplotlib_rich_or_jinja2() -> None:
