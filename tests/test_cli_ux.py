@@ -11,19 +11,10 @@ from typing import Any
 
 import pytest
 from python_subprocess import run_python
+from test_cli_edges import run_cli
 
 from selfattn.cli import _names
-from selfattn.cli.main import main
 from selfattn.cli.study import _say_if_nothing_to_resume
-
-
-def run_cli(argv: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[object, str, str]:
-    try:
-        status: object = main([str(a) for a in argv])
-    except SystemExit as exit_:
-        status = exit_.code
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def one_error_line(status: object, out: str, err: str, command: str) -> str:
