@@ -356,6 +356,15 @@ def _module_grads(mha: torch.nn.Module, x: torch.Tensor, **kwargs: object) -> tu
     return out, _grads(out, leaves, torch.randn(out.shape, generator=generator, dtype=out.dtype))
 
 
+def _assert_equals_the_explicit_route(mha: MultiHeadAttention, x: torch.Tensor, **kwargs: object) -> None:
+    """The module's output and every gradient equal those of the same call with weights (the dense explicit route)."""
+    out, grads = _module_grads(mha, x, **kwargs)
+    expected, expected_grads = _module_grads(mha, x, return_weights=True, **kwargs)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+
+
 def test_head_size_two_half_split_rotary_with_sinks() -> None:
     """Half-split rotary of head size 2 joins two width-1 halves: a stride-2 layout the fused sinks route read wrong."""
     torch.manual_seed(2)
@@ -365,11 +374,7 @@ def test_head_size_two_half_split_rotary_with_sinks() -> None:
     x = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
     assert mha.explain(x, x, x, causal=True).route == "fused sinks"
     assert mha.explain(x, x, x, causal=True, return_weights=True).route == "explicit"  # weights: dense, in plain ops
-    out, grads = _module_grads(mha, x, causal=True)
-    expected, expected_grads = _module_grads(mha, x, causal=True, return_weights=True)
-    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
-    for got, want in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+    _assert_equals_the_explicit_route(mha, x, causal=True)
 
 
 @pytest.mark.parametrize("encoding", ["t5", "kerple"])
@@ -386,11 +391,7 @@ def test_left_padded_causal_band_gradients(encoding: str) -> None:
     assert mha.explain(x, x, x, causal=True, key_padding_mask=padding).route == "blockwise band"
     dense = mha.explain(x, x, x, causal=True, key_padding_mask=padding, return_weights=True)
     assert dense.route == "explicit"  # the reference: the whole score matrix in plain ops
-    out, grads = _module_grads(mha, x, causal=True, key_padding_mask=padding)
-    expected, expected_grads = _module_grads(mha, x, causal=True, key_padding_mask=padding, return_weights=True)
-    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
-    for got, want in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+    _assert_equals_the_explicit_route(mha, x, causal=True, key_padding_mask=padding)
 
 
 @pytest.mark.parametrize("encoding", ["t5", "kerple"])

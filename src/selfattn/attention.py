@@ -623,7 +623,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
             masks.causal() if request.causal else None,
             None if self.window is None else masks.window(self.window),
             self._chunks(request, seen),
-            None if request.valid_lens is None else masks.valid_lengths(request.valid_lens),
+            None if request.valid_lens is None else masks.ValidLengths(request.valid_lens),  # checked: check_valid_lens
             None if seen.padding is None else masks.key_padding(seen.padding),
             masks.documents(request.document_ids, seen.documents) if both else None,  # type: ignore[arg-type]
             None if mask is None else masks.dense(mask),

@@ -75,7 +75,7 @@ from selfattn.core.call import AttentionCall
 from selfattn.functional._block_common import ScoreTerm, choose_block_size
 from selfattn.functional._dropout_masks import dropout_keep_probability
 from selfattn.functional._kernels import _check_valid_lens
-from selfattn.masks import Visibility, dense, valid_lengths
+from selfattn.masks import ValidLengths, Visibility, dense
 from selfattn.masks import causal as causal_rule
 
 __all__ = ["ScoreTerm", "blockwise_attention", "choose_block_size", "dropout_keep_probability"]
@@ -135,7 +135,7 @@ def blockwise_attention(
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     rules = [
         causal_rule() if causal else None,
-        None if valid_lens is None else valid_lengths(valid_lens.to(q.device)),
+        None if valid_lens is None else ValidLengths(valid_lens.to(q.device)),
         None if mask is None else dense(mask.reshape(1, -1) if mask.dim() < 2 else mask),
     ]
     call = AttentionCall.of_heads(

@@ -22,7 +22,7 @@ from selfattn._validation import (
     require_positive_finite,
     require_tensor,
 )
-from selfattn.masks import Visibility, valid_lengths
+from selfattn.masks import ValidLengths, Visibility
 from selfattn.masks import causal as causal_rule
 
 __all__ = ["attention_weights", "causal_mask", "fused_attention", "valid_lens_mask"]
@@ -86,7 +86,7 @@ def _check_valid_lens(valid_lens: torch.Tensor) -> None:
 
 def _valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     num_queries = 1 if valid_lens.dim() == 1 else valid_lens.shape[1]
-    mask = Visibility(num_queries, num_keys, 0).with_rules(valid_lengths(valid_lens)).dense(valid_lens.device)
+    mask = Visibility(num_queries, num_keys, 0).with_rules(ValidLengths(valid_lens)).dense(valid_lens.device)
     assert mask is not None
     return mask  # (b, 1, 1, lk) for (b,) lengths, (b, 1, lq, lk) for (b, lq)
 
