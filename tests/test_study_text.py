@@ -110,7 +110,11 @@ def test_every_encoding_evaluates_past_the_training_length(encoding: str) -> Non
         assert score["perplexity"] is not None and 1.0 < score["perplexity"] < 10 * VOCAB_SIZE
     if encoding == "rotary":
         scaled = evaluate_scalings(model, held_out, TINY)
-        assert set(scaled) == set(SCALINGS) and all(set(by) == {"8", "16"} for by in scaled.values())
+        assert set(scaled) == {*SCALINGS, "dynamic-cached"} and all(set(by) == {"8", "16"} for by in scaled.values())
+        # Token by token, the bytes before the last have the factor of their own length, not the window's.
+        assert scaled["dynamic-cached"]["8"]["perplexity"] != pytest.approx(scaled["dynamic"]["8"]["perplexity"])
+        bands = scaled["dynamic-cached"]["16"]["by_position"]
+        assert [(band["start"], band["stop"]) for band in bands] == [(0, 4), (4, 16)]
         # A scaling changes the frequencies, so the numbers: linear at 2L differs from none.
         assert scaled["linear"]["8"]["perplexity"] != pytest.approx(scores["8"]["perplexity"], rel=1e-9)
 
@@ -131,6 +135,8 @@ def test_a_killed_run_resumes_to_the_same_numbers(tmp_path: Path) -> None:
     resumed = train_text_run(spec, TINY, corpus, checkpoint=checkpoint)
     assert resumed["loss_curve"] == whole["loss_curve"]
     assert resumed["perplexity_by_length"] == whole["perplexity_by_length"]
+    assert resumed["context_gain"] == whole["context_gain"]
+    assert [(row["start"], row["stop"]) for row in whole["context_gain"]] == [(4, 16)]
     assert whole["loss_curve"][-1] < whole["loss_curve"][0]  # it trained: equal curves are not two flat ones
 
 
@@ -149,7 +155,12 @@ def test_quick_cli_writes_perplexity_by_length_and_the_scalings(
     assert "cannot be evaluated past 16" in summary["learned"]["32"]["skipped"]
     printed = capsys.readouterr().out
     assert "| rotary+ntk |" in printed and "learned absolute positions cannot be evaluated past 16" in printed
-    assert (out / "text.md").read_text().startswith("| encoding | L=16 |")
+    table = (out / "text.md").read_text()
+    assert table.startswith("| encoding | L=16 |")
+    # The context-gain table: rotary past L, from its last 16 bytes only; learned has no row.
+    assert "| encoding | 16-32 | 32-64 | 64-128 | 128-256 |" in table
+    assert "| row | window | 0-16 | 16-32 | 32-64 | 64-128 | 128-256 |" in table and "| rotary | 256 |" in table
+    assert "| rotary |" in table.split("Context gain")[1] and "| learned |" not in table.split("Context gain")[1]
 
 
 def test_bad_settings_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

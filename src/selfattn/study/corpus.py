@@ -60,7 +60,7 @@ def load_corpus(module: str = CORPUS_MODULE) -> torch.Tensor:
 
 
 def split_corpus(data: torch.Tensor, held_out_fraction: float = 0.05) -> Corpus:
-    """The first ``1 - held_out_fraction`` of the bytes for training, the rest held out (the end of Revelation).
+    """The first ``1 - held_out_fraction`` of the bytes for training, the rest held out (with the default 5%: from Colossians 1:5 to the end of Revelation, 209,300 bytes).
 
     A contiguous tail, not random windows: no held-out text appears in training.
     """

@@ -39,6 +39,13 @@ from torch import nn
 from selfattn._atomic import check_folder, write_json, write_text
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
+from selfattn.study.context_use import (
+    context_gain,
+    nll_by_position,
+    nll_token_by_token,
+    position_bands,
+    truncated_context_nll,
+)
 from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
 from selfattn.study.training import (
@@ -238,25 +245,7 @@ def perplexity(
     Returns:
         ``{"perplexity": exp(mean NLL), "beyond": ...}``.
     """
-    if tokens % length:
-        raise ValueError(f"tokens={tokens} must be a multiple of length={length}")
-    if len(data) < tokens + 1:
-        raise ValueError(f"data holds {len(data)} bytes; {tokens + 1} are needed")
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    inputs = data[:tokens].long().view(-1, length)
-    targets = data[1 : tokens + 1].long().view(-1, length)
-    per_chunk = max(1, chunk_tokens // length)
-    losses = []
-    for start in range(0, inputs.shape[0], per_chunk):
-        logits = model(inputs[start : start + per_chunk].to(device))
-        nll = F.cross_entropy(
-            logits.transpose(1, 2).double(), targets[start : start + per_chunk].to(device), reduction="none"
-        )  # (b, l)
-        losses.append(nll.cpu())
-    model.train(was_training)
-    nll = torch.cat(losses)
+    nll = nll_by_position(model, data, length, tokens, chunk_tokens=chunk_tokens)  # (w, l)
     past = None if beyond is None or beyond >= length else math.exp(float(nll[:, beyond:].mean()))
     return {"perplexity": math.exp(float(nll.mean())), "beyond": past}
 
@@ -269,27 +258,60 @@ def learned_limit_message(config: TextConfig) -> str:
     )
 
 
+def _perplexities(nll: torch.Tensor, beyond: int, bands: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """A length's cell: perplexity of every byte, of the bytes at positions ``>= beyond``, and by band of positions."""
+    length = nll.shape[1]
+    return {
+        "perplexity": math.exp(float(nll.mean())),
+        "beyond": math.exp(float(nll[:, beyond:].mean())) if beyond < length else None,
+        "by_position": [
+            {"start": a, "stop": b, "perplexity": math.exp(float(nll[:, a:b].mean()))} for a, b in bands if b <= length
+        ],
+    }
+
+
 def evaluate_text(
     model: TransformerLM, encoding: str, held_out: torch.Tensor, config: TextConfig
-) -> tuple[dict[str, dict[str, float | None]], dict[str, str]]:
-    """Perplexity at every evaluated length (``{"64": {"perplexity", "beyond"}}``) and the lengths skipped, with why."""
-    scores: dict[str, dict[str, float | None]] = {}
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Perplexity at every evaluated length (``{"64": {"perplexity", "beyond", "by_position"}}``) and the lengths skipped, with why."""
+    scores: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for length in config.eval_lengths:
         if encoding == "learned" and length > model.max_len:
             skipped[str(length)] = learned_limit_message(config)
             continue
-        scores[str(length)] = perplexity(model, held_out, length, config.eval_tokens, beyond=config.train_len)
+        nll = nll_by_position(model, held_out, length, config.eval_tokens)
+        scores[str(length)] = _perplexities(nll, config.train_len, position_bands(length, config.train_len))
     return scores, skipped
+
+
+def evaluate_context_gain(model: TransformerLM, held_out: torch.Tensor, config: TextConfig) -> list[dict[str, Any]]:
+    """Does the model gain from the bytes past ``L``? At the longest evaluated length, each byte at
+    position ``>= L`` scored with its whole window and again from its last ``L`` bytes only
+    (:func:`~selfattn.study.context_use.context_gain`, by band of positions). Empty when the
+    longest length is ``L``."""
+    length = max(config.eval_lengths)
+    if length <= config.train_len:
+        return []
+    full = nll_by_position(model, held_out, length, config.eval_tokens)
+    short = truncated_context_nll(
+        model, held_out, length, config.eval_tokens, context=config.train_len, scored_from=config.train_len
+    )
+    return context_gain(full, short, position_bands(length, config.train_len))
 
 
 def evaluate_scalings(
     model: TransformerLM, held_out: torch.Tensor, config: TextConfig
-) -> dict[str, dict[str, dict[str, float | None]]]:
-    """Rotary with each scaling at every evaluated length past ``L``: ``{"yarn": {"128": {...}}}``."""
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Rotary with each scaling at every evaluated length past ``L``: ``{"yarn": {"128": {...}}}``.
+
+    Dynamic scaling is read twice: ``dynamic`` in one pass per window (every byte gets the
+    window's factor) and ``dynamic-cached`` one byte at a time through the caches (the byte at
+    position ``t`` gets the factor of length ``t + 1``, as in generation).
+    """
     device = next(model.parameters()).device
     weights = model.state_dict()
-    results: dict[str, dict[str, dict[str, float | None]]] = {}
+    results: dict[str, dict[str, dict[str, Any]]] = {}
     for kind in SCALINGS:
         for length in config.eval_lengths:
             if length <= config.train_len:
@@ -297,9 +319,12 @@ def evaluate_scalings(
             scaled = build_text_model("rotary", config, scaling=_scaling(kind, length, config))
             scaled.load_state_dict(weights)  # the frequencies are not in the state dict: they are the scaling's
             scaled.to(device)
-            results.setdefault(kind, {})[str(length)] = perplexity(
-                scaled, held_out, length, config.eval_tokens, beyond=config.train_len
-            )
+            bands = position_bands(length, config.train_len)
+            nll = nll_by_position(scaled, held_out, length, config.eval_tokens)
+            results.setdefault(kind, {})[str(length)] = _perplexities(nll, config.train_len, bands)
+            if kind == "dynamic":
+                nll = nll_token_by_token(scaled, held_out, length, config.eval_tokens)
+                results.setdefault("dynamic-cached", {})[str(length)] = _perplexities(nll, config.train_len, bands)
     return results
 
 
@@ -376,6 +401,7 @@ def train_text_run(
     eval_started = time.process_time()
     scores, skipped = evaluate_text(model, spec.encoding, held_out, config)
     scalings = evaluate_scalings(model, held_out, config) if spec.encoding == "rotary" else {}
+    gain = [] if spec.encoding == "learned" else evaluate_context_gain(model, held_out, config)
     return {
         **spec.as_dict(),
         "steps": state.step,
@@ -383,6 +409,7 @@ def train_text_run(
         "perplexity_by_length": scores,
         "skipped": skipped,
         "scalings": scalings,
+        "context_gain": gain,
         "train_seconds": state.train_seconds,
         "train_cpu_seconds": state.cpu_seconds,
         "eval_cpu_seconds": time.process_time() - eval_started,
@@ -394,6 +421,39 @@ def train_text_run(
 
 def _mean_sd(values: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+def _bands_over_seeds(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Perplexity by band of positions, mean and sd over the seeds' cells (empty for runs without it)."""
+    if any("by_position" not in cell for cell in cells):
+        return []
+    return [
+        {"start": band[0]["start"], "stop": band[0]["stop"], "perplexity": _mean_sd([b["perplexity"] for b in band])}
+        for band in zip(*(cell["by_position"] for cell in cells), strict=True)
+    ]
+
+
+def by_position_table(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Markdown lines: perplexity by band of positions at each row's longest evaluated length."""
+    rows = []
+    for row, by_length in summary.items():
+        longest = max((n for n, cell in by_length.items() if cell.get("by_position")), key=int, default=None)
+        if longest is not None:
+            rows.append((row, longest, by_length[longest]["by_position"]))
+    if not rows:
+        return []
+    bands = [(band["start"], band["stop"]) for band in max((r[2] for r in rows), key=len)]
+    lines = [
+        "Perplexity by position (windows of the longest evaluated length):",
+        "",
+        f"| row | window | {' | '.join(f'{a}-{b}' for a, b in bands)} |",
+        f"|---|---|{'---|' * len(bands)}",
+    ]
+    for row, longest, cells in rows:
+        texts = [f"{c['perplexity']['mean']:.2f}" + (f" ± {c['perplexity']['sd']:.2f}" if c["perplexity"]["sd"] else "")
+                 for c in cells]  # fmt: skip
+        lines.append(f"| {row} | {longest} | {' | '.join(texts + [''] * (len(bands) - len(texts)))} |")
+    return lines
 
 
 def summarize_text(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -423,8 +483,46 @@ def summarize_text(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[s
                 "perplexity": _mean_sd([cell["perplexity"] for cell in cells]),
                 "beyond": None if None in beyond else _mean_sd(beyond),
                 "seeds": len(cells),
+                "by_position": _bands_over_seeds(cells),
             }
     return summary
+
+
+def summarize_context_gain(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``{encoding: [{"start", "stop", "gain": {"mean", "sd"}, "seeds"}]}``: the gain from context past ``L`` over seeds."""
+    by_encoding: dict[str, list[list[dict[str, Any]]]] = {}
+    for run in runs:
+        if run.get("context_gain"):  # absent in runs from before this reading, and for learned
+            by_encoding.setdefault(run["encoding"], []).append(run["context_gain"])
+    return {
+        encoding: [
+            {"start": band[0]["start"], "stop": band[0]["stop"], "gain": _mean_sd([row["gain"] for row in band]),
+             "seeds": len(band)}
+            for band in zip(*members, strict=True)
+        ]
+        for encoding, members in by_encoding.items()
+    }  # fmt: skip
+
+
+def context_gain_table(gains: dict[str, list[dict[str, Any]]], train_len: int) -> list[str]:
+    """Markdown lines: per encoding and band of positions past ``L``, the loss from the last ``L`` bytes only
+    minus the loss with the whole window (nats per byte; > 0 where the bytes past ``L`` helped)."""
+    if not gains:
+        return []
+    bands = [(row["start"], row["stop"]) for row in next(iter(gains.values()))]
+    lines = [
+        f"Context gain (nats per byte, the last {train_len} bytes only minus the whole window; > 0: the model used "
+        f"the bytes past L):",
+        "",
+        f"| encoding | {' | '.join(f'{a}-{b}' for a, b in bands)} |",
+        f"|---|{'---|' * len(bands)}",
+    ]
+    for encoding, rows in gains.items():
+        cells = [
+            f"{row['gain']['mean']:+.4f}" + (f" ± {row['gain']['sd']:.4f}" if row["seeds"] > 1 else "") for row in rows
+        ]
+        lines.append(f"| {encoding} | {' | '.join(cells)} |")
+    return lines
 
 
 def text_table(results: dict[str, Any]) -> list[str]:
@@ -453,6 +551,8 @@ def text_table(results: dict[str, Any]) -> list[str]:
         lines.append(f"| {row} | {' | '.join(cells)} |")
     notes = {cell["skipped"] for by_length in summary.values() for cell in by_length.values() if "skipped" in cell}
     lines += [""] + [f"n/a: {note}." for note in sorted(notes)]
+    for extra in (by_position_table(summary), context_gain_table(results.get("context_gain", {}), config["train_len"])):
+        lines += ["", *extra] if extra else []
     return lines
 
 
@@ -519,7 +619,12 @@ def run_text_study(
                 "held_out_bytes": len(corpus.held_out),
             },
         }
-        results = {"config": full_config, "runs": runs, "summary": summarize_text(runs)}
+        results = {
+            "config": full_config,
+            "runs": runs,
+            "summary": summarize_text(runs),
+            "context_gain": summarize_context_gain(runs),
+        }
         write_json(out / "results.json", results)
         write_text(out / "text.md", "\n".join(text_table(results)) + "\n")
         return results
