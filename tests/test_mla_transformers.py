@@ -14,7 +14,6 @@ rotation, Mistral 4's query scaling) in the input's dtype: the same formulas wit
 from __future__ import annotations
 
 import importlib
-import math
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from reference_mla import yarn_frequencies  # noqa: E402
 from transformers import masking_utils  # noqa: E402
 
 from selfattn import KVCache, MultiHeadAttention  # noqa: E402
@@ -99,31 +99,6 @@ def _inputs(dtype: torch.dtype, pads: tuple[int, ...] = (0, 3, 1), length: int =
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """As generate makes them: count the real tokens; padding gets position 1."""
     return (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-
-
-def yarn_frequencies(rope: int, parameters: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    """YaRN's inverse frequencies ``(dr / 2,)`` and attention factor in float64, from the paper's formulas."""
-    base = parameters.get("rope_theta", 10000.0)
-    pairs = torch.arange(0, rope, 2, dtype=torch.float64) / rope
-    if parameters.get("rope_type", "default") != "yarn":
-        return base**-pairs, 1.0
-    factor, original = parameters["factor"], parameters["original_max_position_embeddings"]
-
-    def correction(turns: float) -> float:  # the pair index that turns `turns` times within the trained length
-        return rope * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction(parameters["beta_fast"])), 0)
-    high = min(math.ceil(correction(parameters["beta_slow"])), rope - 1)
-    ramp = ((torch.arange(rope // 2, dtype=torch.float64) - low) / (high - low + (0.001 if low == high else 0))).clamp(
-        0, 1
-    )
-    extrapolate = 1 - ramp
-    frequencies = base**-pairs / factor * (1 - extrapolate) + base**-pairs * extrapolate
-
-    def mscale(m: float) -> float:
-        return 0.1 * m * math.log(factor) + 1.0
-
-    return frequencies, mscale(parameters["mscale"]) / mscale(parameters["mscale_all_dim"])
 
 
 def _exact_embeddings(config: Any, family: str, position_ids: torch.Tensor) -> Any:

@@ -248,8 +248,9 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
                 give each row's own (transformers' ``position_ids``).
             causal: query ``i`` sees keys ``j <= i`` (indices in the whole sequence, cache included).
             key_padding_mask: bool ``(b, l)``, True = padding, for the new tokens; a cache remembers it.
-            mask: a :mod:`selfattn.masks` rule, or a bool tensor ``(.., l, n)`` (True = attend) over
-                every key seen (cache included), joined to the rest by "and": e.g. a top-k selection.
+            mask: a :mod:`selfattn.masks` rule, or a bool tensor (True = attend) ``(l, n)``,
+                ``(b, l, n)`` or ``(b, h, l, n)`` over every key seen (cache included), joined to the
+                rest by "and": e.g. a top-k selection.
             cache: a :class:`~selfattn.latent.LatentCache` (decoding).
             computation: override the layer's ``computation`` for this call.
 
@@ -354,6 +355,8 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
         if mask is not None and not isinstance(mask, (masks.Rule, torch.Tensor)):
             raise ValueError(f"mask must be a selfattn.masks rule or a bool tensor, got {type(mask).__name__}")
         if isinstance(mask, torch.Tensor):
+            if mask.dim() == 3:
+                mask = mask[:, None]  # (b, l, n) -> (b, 1, l, n): one selection per sequence, every head
             mask = masks.dense(mask[..., seen.first_index : seen.first_index + seen.latent_key.shape[-2]])
         visibility = Visibility(length, seen.latent_key.shape[-2], total - length, seen.first_index).with_rules(
             masks.causal() if causal else None,
