@@ -275,3 +275,24 @@ def test_functional_errors() -> None:
         latent_attention(q_nope, q_rope, torch.randn(1, 1, 2, 20), weight, scale=-1.0)
     with pytest.raises(ValueError, match="computation must be one of"):
         latent_attention(q_nope, q_rope, torch.randn(1, 1, 2, 20), weight, scale=0.1, computation="sparse")
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_absorbed_with_and_without_folded_heads(fold: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few queries stack the heads over one copy of the latent; more (or a mask per head) keep them apart: same numbers."""
+    import selfattn.latent.functional as functional
+
+    if not fold:
+        monkeypatch.setattr(functional, "FOLD_MAX_QUERIES", 0)
+    layer = _layer("deepseek")
+    x, positions, padding = _inputs()
+    per_head = torch.rand(3, 4, 7, 7, generator=torch.Generator().manual_seed(6)) < 0.7
+    per_head |= torch.eye(7, dtype=torch.bool)
+    with torch.no_grad():
+        for mask in (None, per_head):
+            options = dict(positions=positions, key_padding_mask=padding, mask=mask)
+            expanded = layer(x, computation="expanded", **options)
+            absorbed = layer(x, computation="absorbed", **options)
+            torch.testing.assert_close(absorbed[~padding], expanded[~padding], atol=1e-12, rtol=0)
+            stacked = "stacked as one head" in layer.explain(x, computation="absorbed", **options).reason
+            assert stacked == (fold and mask is None)
