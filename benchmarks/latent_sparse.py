@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short caches and prefill, few repeats; prints only")
     parser.add_argument("--output", help=f"markdown file to update (default {BENCHMARKS_MD.name}; none with --quick)")
-    parser.add_argument("--threads", default="2", help="torch thread counts to run at (default 2)")
+    parser.add_argument("--threads", default="1,2", help="torch thread counts to run at (default 1,2)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decoding,prefill,dsa")
     args = parser.parse_args(argv)
     args.threads = [int(t) for t in args.threads.split(",")]

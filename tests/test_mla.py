@@ -296,3 +296,21 @@ def test_absorbed_with_and_without_folded_heads(fold: bool, monkeypatch: pytest.
             torch.testing.assert_close(absorbed[~padding], expanded[~padding], atol=1e-12, rtol=0)
             stacked = "stacked as one head" in layer.explain(x, computation="absorbed", **options).reason
             assert stacked == (fold and mask is None)
+
+
+def test_sink_tokens_keep_the_first_keys_beside_the_window() -> None:
+    """StreamingLLM: token t sees keys j < 2 and t - 3 < j <= t, as a full pass with that mask."""
+    layer = _layer("deepseek")
+    x, _, _ = _inputs(pads=(0, 0, 0))
+    index = torch.arange(7)
+    kept = (index[None, :] < 2) | (index[None, :] > index[:, None] - 3)
+    with torch.no_grad():
+        full = layer(x, mask=kept)
+        cache = LatentCache(window=3, sink_tokens=2)
+        steps = [layer(x[:, t : t + 1], cache=cache) for t in range(7)]
+        with pytest.raises(ValueError, match="sink_tokens=2: the cache dropped keys"):
+            layer(x[:, :1], cache=cache, mask=masks.causal())
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-12, rtol=0)
+    assert cache.stored == 4 and cache.length == 7
+    with pytest.raises(ValueError, match="sink_tokens=2 drops the keys"):
+        _layer("deepseek", window=3)(x[:, :1], cache=LatentCache(window=3, sink_tokens=2))

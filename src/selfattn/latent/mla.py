@@ -308,12 +308,14 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
             raise ValueError("cache is a KVCache: a MultiHeadLatentAttention layer caches latents, pass a LatentCache")
         if cache is not None and not isinstance(cache, LatentCache):
             raise ValueError(f"cache must be a LatentCache, got {type(cache).__name__}")
-        if cache is not None and cache.sink_tokens and self.window is None:
-            pass  # StreamingLLM: sinks and a window of keys, attended by a windowless layer
-        elif cache is not None and cache.window is not None and (self.window is None or cache.window < self.window):
+        if cache is not None and cache.sink_tokens and self.window is not None:
             raise ValueError(
-                f"cache keeps only a window of {cache.window} keys, and this layer has window={self.window}"
+                f"a LatentCache with sink_tokens={cache.sink_tokens} drops the keys between its sinks and its window, "
+                f"and this layer's window={self.window} reads where keys sit: use a cache without sink tokens"
             )
+        kept = None if cache is None or cache.sink_tokens else cache.window
+        if kept is not None and (self.window is None or kept < self.window):
+            raise ValueError(f"cache keeps only a window of {kept} keys, and this layer has window={self.window}")
         batch, length = x.shape[:2]
         start = 0 if cache is None else cache.length
         if positions is None:
@@ -354,6 +356,10 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
             total = cache.length + length
         if mask is not None and not isinstance(mask, (masks.Rule, torch.Tensor)):
             raise ValueError(f"mask must be a selfattn.masks rule or a bool tensor, got {type(mask).__name__}")
+        if mask is not None and cache is not None and cache.sink_tokens:
+            raise ValueError(
+                f"mask with a LatentCache of sink_tokens={cache.sink_tokens}: the cache dropped keys the mask would index"
+            )
         if isinstance(mask, torch.Tensor):
             if mask.dim() == 3:
                 mask = mask[:, None]  # (b, l, n) -> (b, 1, l, n): one selection per sequence, every head
