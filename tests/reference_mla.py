@@ -35,7 +35,11 @@ def yarn_frequencies(rope: int, parameters: dict[str, Any]) -> tuple[torch.Tenso
     def mscale(m: float) -> float:
         return 0.1 * m * math.log(factor) + 1.0
 
-    return frequencies, mscale(parameters["mscale"]) / mscale(parameters["mscale_all_dim"])
+    if parameters.get("attention_factor") is not None:
+        return frequencies, float(parameters["attention_factor"])
+    if parameters.get("mscale") and parameters.get("mscale_all_dim"):
+        return frequencies, mscale(parameters["mscale"]) / mscale(parameters["mscale_all_dim"])
+    return frequencies, mscale(1.0)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

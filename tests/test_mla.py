@@ -314,3 +314,16 @@ def test_sink_tokens_keep_the_first_keys_beside_the_window() -> None:
     assert cache.stored == 4 and cache.length == 7
     with pytest.raises(ValueError, match="sink_tokens=2 drops the keys"):
         _layer("deepseek", window=3)(x[:, :1], cache=LatentCache(window=3, sink_tokens=2))
+
+
+def test_scaled_frequency_rotary_checks_its_factors() -> None:
+    from selfattn.latent.rotary import ScaledFrequencyRotary
+
+    with pytest.raises(ValueError, match=r"multipliers must be \(2,\) finite positive factors"):
+        ScaledFrequencyRotary(4, 10000.0, True, multipliers=torch.ones(3))
+    with pytest.raises(ValueError, match="multipliers must be"):
+        ScaledFrequencyRotary(4, 10000.0, True, multipliers=torch.tensor([1.0, 0.0]))
+    doubled = ScaledFrequencyRotary(4, 10000.0, True, multipliers=torch.full((2,), 2.0))
+    plain = RotaryPositionalEncoding(4, 10000.0, True)
+    x = torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    torch.testing.assert_close(doubled(x, torch.arange(3)), plain(x, 2 * torch.arange(3)), atol=1e-12, rtol=0)

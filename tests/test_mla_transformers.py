@@ -39,6 +39,13 @@ YARN = dict(
     beta_slow=1.0, mscale=0.707, mscale_all_dim=1.0,
 )  # fmt: skip
 
+# Mistral Large 4: two layers (no_rope_layers per layer), an indexer whose top-k covers every key unless set lower.
+ML4 = dict(
+    num_hidden_layers=2, index_topk=64, index_n_heads=2, index_head_dim=8,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                         beta_fast=32.0, beta_slow=1.0, attention_factor=1.0),
+)  # fmt: skip
+
 # family -> (config class, its keyword arguments, attention class, rotary class, module)
 FAMILIES: dict[str, tuple[str, dict[str, Any], str, str, str]] = {
     "deepseek_v2": (
@@ -62,6 +69,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, str, str]] = {
         "Glm4MoeLiteConfig", dict(q_lora_rank=12, rope_interleave=False), "Glm4MoeLiteAttention",
         "Glm4MoeLiteRotaryEmbedding", "glm4_moe_lite",
     ),
+    "mistral_large4": (
+        "MistralLarge4TextConfig", dict(ML4, no_rope_layers=[1, 0]), "MistralLarge4TextAttention",
+        "MistralLarge4TextRotaryEmbedding", "mistral_large4",
+    ),
+    "mistral_large4_nope": (
+        "MistralLarge4TextConfig", dict(ML4, no_rope_layers=[0, 0]), "MistralLarge4TextAttention",
+        "MistralLarge4TextRotaryEmbedding", "mistral_large4",
+    ),
     "longcat_flash": (
         "LongcatFlashConfig", dict(q_lora_rank=12, head_dim=4, rope_parameters=YARN), "LongcatFlashMLA",
         "LongcatFlashRotaryEmbedding", "longcat_flash",
@@ -69,10 +84,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, str, str]] = {
 }  # fmt: skip
 
 
-def _layer(family: str, dtype: torch.dtype, implementation: str = "eager") -> tuple[Any, Any, Any, Any]:
+def _layer(
+    family: str, dtype: torch.dtype, implementation: str = "eager", **overrides: Any
+) -> tuple[Any, Any, Any, Any]:
     """A transformers MLA layer with random weights, its config, its rotary module and its modeling module."""
     config_name, kwargs, attention_name, rotary_name, module_name = FAMILIES[family]
-    config = getattr(transformers, config_name)(**SIZES, **kwargs)
+    config = getattr(transformers, config_name)(**{**SIZES, **kwargs, **overrides})
     config._attn_implementation = implementation
     modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     torch.manual_seed(3)
@@ -84,7 +101,11 @@ def _layer(family: str, dtype: torch.dtype, implementation: str = "eager") -> tu
                 param.mul_(param.shape[-1] ** -0.5 * 1.5)
             if "norm" in name:
                 param.add_(1.0)
-    return layer.to(dtype), config, getattr(modeling, rotary_name)(config), modeling
+    rotary = getattr(modeling, rotary_name)(config)
+    if hasattr(rotary, "alpha"):  # Mistral Large 4's learned frequencies
+        with torch.no_grad():
+            rotary.alpha.copy_(0.3 * torch.randn(rotary.alpha.shape))
+    return layer.to(dtype), config, rotary, modeling
 
 
 def _inputs(dtype: torch.dtype, pads: tuple[int, ...] = (0, 3, 1), length: int = 7) -> tuple[torch.Tensor, ...]:
@@ -101,9 +122,11 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
 
 
-def _exact_embeddings(config: Any, family: str, position_ids: torch.Tensor) -> Any:
+def _exact_embeddings(config: Any, family: str, position_ids: torch.Tensor, rotary: Any = None) -> Any:
     """The layer's position embeddings computed in float64 (cos/sin, or DeepSeek-V2's complex ``freqs_cis``)."""
     frequencies, factor = yarn_frequencies(config.qk_rope_head_dim, dict(config.rope_parameters))
+    if hasattr(rotary, "alpha"):
+        frequencies = frequencies * rotary.alpha.detach().double().exp()
     angles = position_ids.double()[..., None] * frequencies  # (b, l, dr / 2)
     if family == "deepseek_v2":
         return torch.polar(torch.full_like(angles, factor), angles)
@@ -136,6 +159,12 @@ def _llama_4_scale_float64(position_ids: torch.Tensor, beta: float, original: in
     return (1 + beta * torch.log1p(torch.floor(position_ids.double() / original)))[:, None, :, None]
 
 
+def _head_scaling_float64(self: Any, q: torch.Tensor, position_ids: torch.Tensor, head_dim_first: bool) -> torch.Tensor:
+    """Mistral Large 4's per-head ``scale_i log(p + 1) + bias_i`` in float64 (heads first: the attention's use)."""
+    multiplier = self.scale[None, :, None] * torch.log1p(position_ids.double())[:, None, :] + self.bias[None, :, None]
+    return q * (multiplier if head_dim_first else multiplier.transpose(1, 2))[..., None]
+
+
 @pytest.fixture
 def exact_float64(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Patch a family's RMSNorm, eager softmax (and V2's rotation) to run in the input's dtype."""
@@ -143,6 +172,8 @@ def exact_float64(monkeypatch: pytest.MonkeyPatch) -> Any:
     def patch(layer: Any, modeling: Any) -> None:
         monkeypatch.setattr(type(layer.kv_a_layernorm), "forward", _rms_norm_float64)
         monkeypatch.setattr(modeling.nn.functional, "softmax", _softmax_in_input_dtype)
+        if hasattr(modeling, "MistralLarge4TextSoftmaxScaling"):
+            monkeypatch.setattr(modeling.MistralLarge4TextSoftmaxScaling, "forward", _head_scaling_float64)
         if hasattr(modeling, "get_llama_4_attn_scale"):
             monkeypatch.setattr(modeling, "get_llama_4_attn_scale", _llama_4_scale_float64)
         if hasattr(modeling, "apply_rotary_emb"):
@@ -152,14 +183,21 @@ def exact_float64(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _call(layer: Any, family: str, x: torch.Tensor, embeddings: Any, mask: Any, position_ids: torch.Tensor, **kw: Any):
-    extra = {"position_ids": position_ids} if family == "mistral4" else {}
-    out, _ = layer(x, position_embeddings=embeddings, attention_mask=mask, **extra, **kw)
-    return out
+    extra: dict[str, Any] = {"position_ids": position_ids} if family.startswith("mistral") else {}
+    if family.startswith("mistral_large4"):
+        extra["shared_kv_states"] = transformers.cache_utils.KVSharingDict()
+    return layer(x, position_embeddings=embeddings, attention_mask=mask, **extra, **kw)[0]
+
+
+def _load(layer: Any, rotary: Any) -> MultiHeadLatentAttention:
+    """The selfattn layer of ``layer`` (with Mistral Large 4's learned frequencies from its rotary module)."""
+    learned = rotary if hasattr(rotary, "alpha") else None
+    return MultiHeadLatentAttention.from_transformers(layer, rotary_embedding=learned)
 
 
 def _embeddings(rotary: Any, config: Any, family: str, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
     if x.dtype == torch.float64:
-        return _exact_embeddings(config, family, position_ids)
+        return _exact_embeddings(config, family, position_ids, rotary)
     return rotary(x, position_ids)
 
 
@@ -167,7 +205,7 @@ def _grads(module: torch.nn.Module, x: torch.Tensor, out: torch.Tensor, real: to
     """d(sum of weighted real rows)/d(input and every parameter), by parameter name."""
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(out.dtype)
     (out * weights * real[..., None]).sum().backward()
-    grads = {name: p.grad.clone() for name, p in module.named_parameters()}  # type: ignore[union-attr]
+    grads = {name: p.grad.clone() for name, p in module.named_parameters() if not name.startswith("indexer.")}  # type: ignore[union-attr]  # the DSA indexer is not part of the latent layer (its top-k has no gradient)
     grads["input"] = x.grad.clone()  # type: ignore[union-attr]
     return grads
 
@@ -185,7 +223,7 @@ def test_equals_the_layer(family: str, implementation: str, dtype: torch.dtype, 
     x_theirs = x.clone().requires_grad_(True)
     theirs = _call(layer, family, x_theirs, _embeddings(rotary, config, family, x, position_ids), mask, position_ids)
     expected = _grads(layer, x_theirs, theirs, real)
-    mla = MultiHeadLatentAttention.from_transformers(layer)
+    mla = _load(layer, rotary)
     x_ours = x.clone().requires_grad_(True)
     ours = mla(x_ours, positions=position_ids, key_padding_mask=attention_mask == 0)
     got = _grads(mla, x_ours, ours, real)
@@ -206,11 +244,11 @@ def test_equals_the_layer(family: str, implementation: str, dtype: torch.dtype, 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_decoding_equals_transformers_cache(family: str, exact_float64: Any) -> None:
     """Prefill 3 tokens, then one at a time: LatentCache vs transformers' DynamicCache, float64, to 1e-10."""
-    layer, config, _, modeling = _layer(family, torch.float64)
+    layer, config, rotary, modeling = _layer(family, torch.float64)
     exact_float64(layer, modeling)
     x, attention_mask = _inputs(torch.float64)
     position_ids, real = _position_ids(attention_mask), attention_mask.bool()
-    mla = MultiHeadLatentAttention.from_transformers(layer)
+    mla = _load(layer, rotary)
     theirs_cache, ours_cache = transformers.DynamicCache(config=config), LatentCache(max_len=x.shape[1])
     theirs, ours = [], []
     with torch.no_grad():
@@ -219,7 +257,7 @@ def test_decoding_equals_transformers_cache(family: str, exact_float64: Any) -> 
             mask = masking_utils.create_causal_mask(
                 config, chunk, attention_mask[:, :stop], theirs_cache, position_ids=positions
             )
-            embeddings = _exact_embeddings(config, family, positions)
+            embeddings = _exact_embeddings(config, family, positions, rotary)
             theirs.append(_call(layer, family, chunk, embeddings, mask, positions, cache=theirs_cache))
             ours.append(
                 mla(chunk, positions=positions, key_padding_mask=attention_mask[:, start:stop] == 0, cache=ours_cache)
@@ -298,3 +336,35 @@ def test_mismatched_ranks_are_named() -> None:
 def test_unknown_layers_are_refused() -> None:
     with pytest.raises(ValueError, match="transformers MLA layer"):
         MultiHeadLatentAttention.from_transformers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_mistral_large4_with_its_indexer_selection_as_mask(implementation: str) -> None:
+    """With top-k 3 of 7 keys, transformers' indexer selects; that selection passed as ``mask=`` gives its output."""
+    layer, config, rotary, _ = _layer("mistral_large4", torch.float32, implementation, index_topk=3)
+    x, attention_mask = _inputs(torch.float32)
+    position_ids, real = _position_ids(attention_mask), attention_mask.bool()
+    mask = masking_utils.create_causal_mask(config, x, attention_mask, None, position_ids=position_ids)
+    with torch.no_grad():
+        theirs, _, indices = layer(
+            x, position_embeddings=rotary(x, position_ids), attention_mask=mask, position_ids=position_ids,
+            shared_kv_states=transformers.cache_utils.KVSharingDict(),
+        )  # fmt: skip
+        selection = torch.zeros(3, 7, 7, dtype=torch.bool).scatter(-1, indices.long(), True)  # (b, l, n)
+        mla = _load(layer, rotary)
+        ours = mla(x, positions=position_ids, key_padding_mask=attention_mask == 0, mask=selection)
+        dense = mla(x, positions=position_ids, key_padding_mask=attention_mask == 0)
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+    assert float((dense[real] - theirs[real]).abs().max()) > 1e-3  # the selection mattered
+
+
+def test_mistral_large4_latent_sharing_is_refused() -> None:
+    layer, _, _, _ = _layer("mistral_large4", torch.float32)
+    layer.config.kv_source_layers = [0, 0]  # layer 1 would read layer 0's latent
+    modeling = importlib.import_module("transformers.models.mistral_large4.modeling_mistral_large4")
+    sharing = modeling.MistralLarge4TextAttention(layer.config, 1)
+    with pytest.raises(ValueError, match=r"kv_sharing_modes\[1\]='reuse.*cross-layer latent sharing"):
+        MultiHeadLatentAttention.from_transformers(sharing)
+    with pytest.raises(ValueError, match="rotary_embedding is read for Mistral Large 4"):
+        deepseek, _, deepseek_rotary, _ = _layer("deepseek_v3", torch.float32)
+        MultiHeadLatentAttention.from_transformers(deepseek, rotary_embedding=deepseek_rotary)

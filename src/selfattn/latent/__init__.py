@@ -3,12 +3,16 @@
 from selfattn.latent.cache import CachedLatents, LatentCache
 from selfattn.latent.functional import LatentExplanation, choose_computation, explain_latent, latent_attention
 from selfattn.latent.mla import MultiHeadLatentAttention
+from selfattn.latent.rotary import ScaledFrequencyRotary
+from selfattn.latent.scaling import HeadLogScaling
 
 __all__ = [
     "CachedLatents",
+    "HeadLogScaling",
     "LatentCache",
     "LatentExplanation",
     "MultiHeadLatentAttention",
+    "ScaledFrequencyRotary",
     "choose_computation",
     "explain_latent",
     "latent_attention",

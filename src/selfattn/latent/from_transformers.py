@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 from typing import Any, TypeVar, cast
 
+import torch
 from torch import nn
 
+from selfattn.latent.rotary import ScaledFrequencyRotary
 from selfattn.positional.rotary import RotaryPositionalEncoding
 
 Module = TypeVar("Module", bound=nn.Module)
@@ -44,16 +46,12 @@ def _family(layer: nn.Module) -> str:
 def _refuse_gaps(hf: Any, family: str) -> None:
     """What selfattn's layer does not express, named."""
     if family == "mistral_large4":
-        config = hf.config
-        mode = config.kv_sharing_modes[hf.layer_idx]
-        if mode in ("reuse", "reuse_but_indexer", "store"):
+        mode = hf.config.kv_sharing_modes[hf.layer_idx]
+        if mode in ("reuse", "reuse_but_indexer"):
             raise ValueError(
-                f"kv_sharing_modes[{hf.layer_idx}]={mode!r}: Mistral Large 4's cross-layer latent sharing is not expressed"
+                f"kv_sharing_modes[{hf.layer_idx}]={mode!r}: Mistral Large 4's cross-layer latent sharing (a layer "
+                "reading another layer's latent) is not expressed"
             )
-        raise ValueError(
-            "MistralLarge4TextAttention: its learned rotary frequencies (alpha), per-head softmax scaling and "
-            "DSA indexer are not expressed by MultiHeadLatentAttention (a documented gap)"
-        )
 
 
 def _sizes(hf: Any) -> dict[str, int | None]:
@@ -96,8 +94,10 @@ def _sizes(hf: Any) -> dict[str, int | None]:
     return sizes
 
 
-def _rotary(config: Any, rope: int, *, interleaved: bool) -> RotaryPositionalEncoding | None:
-    """The rotary of the ``dr`` rope features, from the config's ``rope_parameters``."""
+def _rotary(
+    config: Any, rope: int, *, interleaved: bool, multipliers: torch.Tensor | None = None
+) -> RotaryPositionalEncoding | None:
+    """The rotary of the ``dr`` rope features, from the config's ``rope_parameters`` (frequencies times ``multipliers``)."""
     if rope == 0:
         return None
     parameters = dict(getattr(config, "rope_parameters", None) or {})
@@ -109,11 +109,31 @@ def _rotary(config: Any, rope: int, *, interleaved: bool) -> RotaryPositionalEnc
         "max_position_embeddings": getattr(config, "max_position_embeddings", None),
     }
     half_split = RotaryPositionalEncoding.from_config(fields)
+    if multipliers is not None:
+        return ScaledFrequencyRotary(
+            rope, half_split.base, interleaved, multipliers=multipliers, scaling=half_split.scaling,
+            scaling_factor=half_split.scaling_factor,
+        )  # fmt: skip
     if not interleaved:
         return half_split
     return RotaryPositionalEncoding(
         rope, half_split.base, True, scaling=half_split.scaling, scaling_factor=half_split.scaling_factor
     )
+
+
+def _learned_multipliers(rotary_embedding: nn.Module | None, rope: int) -> torch.Tensor | None:
+    """``exp(alpha)`` of Mistral Large 4's rotary module, or None without one (or with ``alpha`` all 0)."""
+    if rotary_embedding is None:
+        return None
+    alpha = getattr(rotary_embedding, "alpha", None)
+    if not isinstance(alpha, torch.Tensor) or alpha.shape != (rope // 2,):
+        raise ValueError(
+            f"rotary_embedding {type(rotary_embedding).__name__} has no alpha of shape ({rope // 2},): "
+            "pass the model's MistralLarge4TextRotaryEmbedding"
+        )
+    if not bool(alpha.any()):
+        return None
+    return alpha.detach().to(torch.float64).exp()
 
 
 def _norm_eps(hf: Any) -> float:
@@ -125,12 +145,16 @@ def _norm_eps(hf: Any) -> float:
     return found.pop()
 
 
-def _recipe(hf: Any, family: str, rope: int) -> dict[str, Any]:
+def _recipe(hf: Any, family: str, rope: int, rotary_embedding: nn.Module | None) -> dict[str, Any]:
     """Rotary layout, scale, query scaling and LoRA scales of the family."""
     config = hf.config
-    interleaved = family in ("deepseek_v2", "longcat_flash") or bool(getattr(config, "rope_interleave", False))
+    always_interleaved = ("deepseek_v2", "longcat_flash", "mistral_large4")
+    interleaved = family in always_interleaved or bool(getattr(config, "rope_interleave", False))
+    if rotary_embedding is not None and family != "mistral_large4":
+        raise ValueError(f"rotary_embedding is read for Mistral Large 4's learned frequencies only, not {family}")
+    multipliers = _learned_multipliers(rotary_embedding, rope) if rope else None
     options: dict[str, Any] = {
-        "position": _rotary(config, rope, interleaved=interleaved),
+        "position": _rotary(config, rope, interleaved=interleaved, multipliers=multipliers),
         "split_rotated_pairs": interleaved and family != "deepseek_v2",  # V2 rotates complex pairs in place
         "scale": float(hf.scaling),
     }
@@ -141,23 +165,32 @@ def _recipe(hf: Any, family: str, rope: int) -> dict[str, Any]:
             options["query_scaling"] = (float(beta), float(parameters["original_max_position_embeddings"]))
     if family == "longcat_flash":
         options["lora_scales"] = (float(hf.mla_scale_q_lora), float(hf.mla_scale_kv_lora))
+    if family == "mistral_large4":
+        options["head_log_scaling"] = True
     return options
 
 
-def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
+def from_transformers(layer: nn.Module, cls: type[Module], *, rotary_embedding: nn.Module | None = None) -> Module:
     """The selfattn layer equal to a transformers MLA layer: same weights (same names), same recipe.
 
-    Reads DeepseekV2Attention, DeepseekV3Attention, Mistral4Attention, Glm4MoeLiteAttention and
-    LongcatFlashMLA: sizes, ``attention_bias``, the RMSNorms' epsilon, the rotary of the rope
+    Reads DeepseekV2Attention, DeepseekV3Attention, Mistral4Attention, Glm4MoeLiteAttention,
+    LongcatFlashMLA and the MLA part of MistralLarge4TextAttention: sizes, ``attention_bias``, the RMSNorms' epsilon, the rotary of the rope
     features (``rope_parameters``, YaRN with ``mscale`` included; DeepSeek-V2 and LongCat rotate
     interleaved pairs, the others as ``rope_interleave`` says), the softmax scale (``layer.scaling``:
     ``(dn + dr) ** -0.5`` times YaRN's ``mscale ** 2``), Mistral 4's ``llama_4_scaling_beta`` and
     LongCat's LoRA scales. ``layer(x, position_embeddings=rotary(x, position_ids), attention_mask=causal
     mask)`` then equals ``mla(x, positions=position_ids, key_padding_mask=padding)``.
 
+    Mistral Large 4: its NoPE layers (``no_rope_layers``), its per-head softmax scaling
+    (``head_log_scaling``) and, given ``rotary_embedding`` (the model's
+    ``MistralLarge4TextRotaryEmbedding``), its learned frequencies ``inv_freq * exp(alpha)`` (read
+    once; without it ``alpha`` is taken as 0). Its DSA indexer is not part of this layer (its
+    weights are left out): pass the indexer's top-k selection as ``mask=`` (a bool ``(b, l, n)``);
+    without one the layer attends densely, as transformers' does when ``index_topk`` covers every key.
+
     Raises:
-        ValueError: an unknown layer class; Mistral Large 4 (its learned rotary, per-head softmax
-            scaling, indexer and cross-layer latent sharing are not expressed); a ``qk_head_dim`` other
+        ValueError: an unknown layer class; a Mistral Large 4 layer that reads another layer's
+            latent (``kv_sharing_modes`` "reuse"); a ``qk_head_dim`` other
             than ``dn + dr``; weights whose shapes disagree with the config's ranks; named.
     """
     family = _family(layer)
@@ -167,7 +200,7 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
     rope = sizes["qk_rope_head_dim"]
     assert rope is not None
     weight = hf.o_proj.weight
-    options = _recipe(hf, family, rope)
+    options = _recipe(hf, family, rope, rotary_embedding)
     mla: Any = cls(
         **sizes,
         bias=hf.o_proj.bias is not None,
@@ -179,7 +212,8 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
     )
     if mla.position is not None:
         mla.position.to(weight.device)
-    mla.load_state_dict(hf.state_dict(), strict=True)
+    weights = {name: w for name, w in hf.state_dict().items() if not name.startswith("indexer.")}  # DSA: not ours
+    mla.load_state_dict(weights, strict=True)
     return cast(Module, mla.train(hf.training))
 
 
@@ -194,7 +228,9 @@ def to_transformers_config(module: nn.Module) -> dict[str, Any]:
             a rotary other than interleaved-read half-split-write, a scale other than its own), named.
     """
     mla: Any = module
-    used = [name for name in ("query_scaling", "lora_scales", "window") if getattr(mla, name) is not None]
+    used = [
+        name for name in ("query_scaling", "lora_scales", "window", "softmax_scaling") if getattr(mla, name) is not None
+    ]
     if used:
         raise ValueError(f"DeepseekV3Attention has no {', '.join(used)}")
     rotary = mla.position

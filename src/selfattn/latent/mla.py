@@ -36,6 +36,7 @@ from selfattn.latent.functional import (
     explain_latent,
     latent_attention,
 )
+from selfattn.latent.scaling import HeadLogScaling
 from selfattn.masks import Visibility
 from selfattn.positional.rotary import RotaryPositionalEncoding
 
@@ -101,6 +102,9 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
             ``1 + beta * log(1 + floor(p / L0))`` (Mistral 4's ``llama_4_scaling_beta``).
         lora_scales: ``(q_scale, kv_scale)`` multiplying the query and the normalized latent
             (LongCat-Flash's ``mla_scale_q_lora``, ``mla_scale_kv_lora``).
+        head_log_scaling: a learned multiplier of each head's query at position ``p``,
+            ``scale_i * log(p + 1) + bias_i`` (Mistral Large 4): the module ``softmax_scaling``
+            (:class:`~selfattn.latent.scaling.HeadLogScaling`).
         window: sliding-window attention (query ``i`` sees keys ``i - window + 1 .. i`` with causal).
         dropout: dropout on the attention weights (training only).
         computation: ``"auto"``, ``"expanded"`` or ``"absorbed"``.
@@ -125,6 +129,7 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
         scale: float | None = None,
         query_scaling: tuple[float, float] | None = None,
         lora_scales: tuple[float, float] | None = None,
+        head_log_scaling: bool = False,
         window: int | None = None,
         dropout: float = 0.0,
         computation: str = "auto",
@@ -177,16 +182,22 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False, **factory
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, self.hidden_size, bias=bias, **factory)
+        self.softmax_scaling = (
+            HeadLogScaling(self.num_heads, **factory) if require_bool("head_log_scaling", head_log_scaling) else None
+        )
 
     @classmethod
-    def from_transformers(cls, layer: nn.Module) -> MultiHeadLatentAttention:
+    def from_transformers(
+        cls, layer: nn.Module, *, rotary_embedding: nn.Module | None = None
+    ) -> MultiHeadLatentAttention:
         """The layer equal to a transformers MLA layer (DeepSeek-V2/V3, Mistral 4, GLM-4-lite, LongCat-Flash, ...).
 
+        ``rotary_embedding``: the model's rotary module, for Mistral Large 4's learned frequencies.
         See :func:`selfattn.latent.from_transformers.from_transformers`.
         """
         from selfattn.latent.from_transformers import from_transformers
 
-        return from_transformers(layer, cls)
+        return from_transformers(layer, cls, rotary_embedding=rotary_embedding)
 
     # ------------------------------------------------------------------ the steps of forward
 
@@ -214,6 +225,8 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
             steps = torch.floor(positions.to(torch.float64) / original)  # (l,) or (b, l)
             tuned = (1 + beta * torch.log1p(steps)).to(q.dtype)
             q = q * (tuned[:, None, :, None] if tuned.dim() == 2 else tuned[:, None])
+        if self.softmax_scaling is not None:
+            q = self.softmax_scaling(q, positions)
         if multiplier != 1.0:
             q = q * multiplier
         q_nope, q_rope = q.split((self.qk_nope_head_dim, self.qk_rope_head_dim), dim=-1)
@@ -377,6 +390,7 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
         extra += "" if self.query_scaling is None else f", query_scaling={self.query_scaling}"
         extra += "" if self.lora_scales is None else f", lora_scales={self.lora_scales}"
         extra += "" if self.window is None else f", window={self.window}"
+        extra += "" if self.softmax_scaling is None else ", head_log_scaling=True"
         return (
             f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, "
             f"qk_nope_head_dim={self.qk_nope_head_dim}, qk_rope_head_dim={self.qk_rope_head_dim}, "
