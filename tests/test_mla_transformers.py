@@ -46,6 +46,8 @@ ML4 = dict(
                          beta_fast=32.0, beta_slow=1.0, attention_factor=1.0),
 )  # fmt: skip
 
+DSA = dict(index_topk=64, index_n_heads=2, index_head_dim=8)  # top-k covering every key: dense attention
+
 # family -> (config class, its keyword arguments, attention class, rotary class, module)
 FAMILIES: dict[str, tuple[str, dict[str, Any], str, str, str]] = {
     "deepseek_v2": (
@@ -76,6 +78,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, str, str]] = {
     "mistral_large4_nope": (
         "MistralLarge4TextConfig", dict(ML4, no_rope_layers=[0, 0]), "MistralLarge4TextAttention",
         "MistralLarge4TextRotaryEmbedding", "mistral_large4",
+    ),
+    "deepseek_v32": (
+        "DeepseekV32Config", dict(q_lora_rank=12, rope_parameters=YARN, **DSA), "DeepseekV32Attention",
+        "DeepseekV32RotaryEmbedding", "deepseek_v32",
+    ),
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig", dict(q_lora_rank=12, **DSA), "GlmMoeDsaAttention", "GlmMoeDsaRotaryEmbedding", "glm_moe_dsa",
     ),
     "longcat_flash": (
         "LongcatFlashConfig", dict(q_lora_rank=12, head_dim=4, rope_parameters=YARN), "LongcatFlashMLA",
@@ -339,18 +348,18 @@ def test_unknown_layers_are_refused() -> None:
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
-def test_mistral_large4_with_its_indexer_selection_as_mask(implementation: str) -> None:
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "mistral_large4"])
+def test_dsa_layers_with_their_indexer_selection_as_mask(family: str, implementation: str) -> None:
     """With top-k 3 of 7 keys, transformers' indexer selects; that selection passed as ``mask=`` gives its output."""
-    layer, config, rotary, _ = _layer("mistral_large4", torch.float32, implementation, index_topk=3)
+    layer, config, rotary, _ = _layer(family, torch.float32, implementation, index_topk=3)
     x, attention_mask = _inputs(torch.float32)
     position_ids, real = _position_ids(attention_mask), attention_mask.bool()
     mask = masking_utils.create_causal_mask(config, x, attention_mask, None, position_ids=position_ids)
+    selected: list[torch.Tensor] = []
+    layer.indexer.register_forward_hook(lambda module, args, out: selected.append(out))
     with torch.no_grad():
-        theirs, _, indices = layer(
-            x, position_embeddings=rotary(x, position_ids), attention_mask=mask, position_ids=position_ids,
-            shared_kv_states=transformers.cache_utils.KVSharingDict(),
-        )  # fmt: skip
-        selection = torch.zeros(3, 7, 7, dtype=torch.bool).scatter(-1, indices.long(), True)  # (b, l, n)
+        theirs = _call(layer, family, x, rotary(x, position_ids), mask, position_ids)
+        selection = torch.zeros(3, 7, 7, dtype=torch.bool).scatter(-1, selected[0].long(), True)  # (b, l, n)
         mla = _load(layer, rotary)
         ours = mla(x, positions=position_ids, key_padding_mask=attention_mask == 0, mask=selection)
         dense = mla(x, positions=position_ids, key_padding_mask=attention_mask == 0)

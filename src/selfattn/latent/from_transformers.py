@@ -31,6 +31,8 @@ LAYERS: dict[str, str] = {
     "Glm4MoeLiteAttention": "glm4_moe_lite",
     "LongcatFlashMLA": "longcat_flash",
     "MistralLarge4TextAttention": "mistral_large4",
+    "DeepseekV32Attention": "deepseek_v32",  # its MLA part; the DSA indexer is not this layer's
+    "GlmMoeDsaAttention": "glm_moe_dsa",
 }
 # Rope-parameter keys that are not the rotary's own (Mistral 4 keeps its query scaling there).
 _NOT_ROTARY = ("llama_4_scaling_beta", "max_position_embeddings", "partial_rotary_factor")
@@ -148,7 +150,7 @@ def _norm_eps(hf: Any) -> float:
 def _recipe(hf: Any, family: str, rope: int, rotary_embedding: nn.Module | None) -> dict[str, Any]:
     """Rotary layout, scale, query scaling and LoRA scales of the family."""
     config = hf.config
-    always_interleaved = ("deepseek_v2", "longcat_flash", "mistral_large4")
+    always_interleaved = ("deepseek_v2", "longcat_flash", "mistral_large4", "deepseek_v32", "glm_moe_dsa")
     interleaved = family in always_interleaved or bool(getattr(config, "rope_interleave", False))
     if rotary_embedding is not None and family != "mistral_large4":
         raise ValueError(f"rotary_embedding is read for Mistral Large 4's learned frequencies only, not {family}")
@@ -174,19 +176,22 @@ def from_transformers(layer: nn.Module, cls: type[Module], *, rotary_embedding: 
     """The selfattn layer equal to a transformers MLA layer: same weights (same names), same recipe.
 
     Reads DeepseekV2Attention, DeepseekV3Attention, Mistral4Attention, Glm4MoeLiteAttention,
-    LongcatFlashMLA and the MLA part of MistralLarge4TextAttention: sizes, ``attention_bias``, the RMSNorms' epsilon, the rotary of the rope
+    LongcatFlashMLA and the MLA part of MistralLarge4TextAttention, DeepseekV32Attention and
+    GlmMoeDsaAttention (their DSA indexers are not part of this layer: see below): sizes, ``attention_bias``, the RMSNorms' epsilon, the rotary of the rope
     features (``rope_parameters``, YaRN with ``mscale`` included; DeepSeek-V2 and LongCat rotate
     interleaved pairs, the others as ``rope_interleave`` says), the softmax scale (``layer.scaling``:
     ``(dn + dr) ** -0.5`` times YaRN's ``mscale ** 2``), Mistral 4's ``llama_4_scaling_beta`` and
     LongCat's LoRA scales. ``layer(x, position_embeddings=rotary(x, position_ids), attention_mask=causal
     mask)`` then equals ``mla(x, positions=position_ids, key_padding_mask=padding)``.
 
+    DSA layers (DeepSeek-V3.2, GLM-5, Mistral Large 4): the indexer's weights are left out; pass its
+    top-k selection as ``mask=`` (a bool ``(b, l, n)``); without one the layer attends densely, as
+    transformers' does when ``index_topk`` covers every key.
+
     Mistral Large 4: its NoPE layers (``no_rope_layers``), its per-head softmax scaling
     (``head_log_scaling``) and, given ``rotary_embedding`` (the model's
     ``MistralLarge4TextRotaryEmbedding``), its learned frequencies ``inv_freq * exp(alpha)`` (read
-    once; without it ``alpha`` is taken as 0). Its DSA indexer is not part of this layer (its
-    weights are left out): pass the indexer's top-k selection as ``mask=`` (a bool ``(b, l, n)``);
-    without one the layer attends densely, as transformers' does when ``index_topk`` covers every key.
+    once; without it ``alpha`` is taken as 0).
 
     Raises:
         ValueError: an unknown layer class; a Mistral Large 4 layer that reads another layer's
