@@ -150,8 +150,8 @@ def _expanded_call(
 ) -> AttentionCall:
     """Per-head keys ``[c W_uk_h^T, k_rope]`` and values ``c W_uv_h^T`` as one multi-head call (made on first use).
 
-    On CPU the query/key and value heads are padded with zeros to one size (scores and the kept
-    outputs are unchanged): PyTorch's CPU flash kernel takes only equal head sizes, and its math
+    The query/key and value heads are padded with zeros to one size (scores and the kept outputs
+    are unchanged): PyTorch's flash kernels take only equal head sizes, and on CPU its math
     fallback is slower than the padding costs (1.6x forward and backward, causal n=2048, 192/128).
     """
     batch, heads, num_queries, nope = q_nope.shape
@@ -159,8 +159,6 @@ def _expanded_call(
     num_keys, rank, rope = latent_key.shape[-2], kv_b_weight.shape[-1], q_rope.shape[-1]
     latent, k_rope = latent_key[..., :rank], latent_key[..., rank:]  # views: (b, 1, lk, r), (b, 1, lk, dr)
     key_width = value_width = max(nope + rope, value)
-    if q_nope.device.type != "cpu":
-        key_width, value_width = nope + rope, value
 
     def make_kv() -> tuple[torch.Tensor, torch.Tensor]:
         kv = (latent[:, 0] @ kv_b_weight.t()).view(batch, num_keys, heads, nope + value).transpose(1, 2)
