@@ -177,7 +177,9 @@ def prefill_rows(timing: dict, spread: dict, threads: int, length: int) -> Rows:
 def cache_rows() -> Rows:
     decoders = _Decoders(16)
     layer = decoders.hf_cache.layers[0]
-    hf_bytes = (layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()) // 16
+    hf_bytes = (
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    ) // 16
     ours = decoders.cache.bytes_per_token
     row = ["DeepseekV3Attention, float32", str(hf_bytes), str(ours), f"{576 * 4}"]
     name = "cache bytes per token per layer: 576 x element size (transformers' own latent cache holds the same)"
@@ -197,6 +199,10 @@ def dsa_rows(timing: dict, spread: dict, threads: int) -> Rows:
     return [], []
 
 
+DECODING_HEADER = [
+    "threads", "cached tokens", "transformers tok/s", "selfattn tok/s", "ratio", "selfattn computation, route",
+    "max difference",
+]  # fmt: skip
 DSA_HEADER = ["threads", "case", "dense s", "sparse s", "ratio", "indexer s"]
 #: Functions that give DSA rows and targets; the coordinator adds them here.
 DSA_PARTS: list[Callable[[dict, dict, int], Rows]] = [dsa_rows]
@@ -266,15 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         "transformers with its DynamicCache (sdpa), selfattn with a LatentCache; the largest difference of the "
         "first step's outputs:",
         "",
-        table(
-            ["threads", "cached tokens", "transformers tok/s", "selfattn tok/s", "ratio", "selfattn computation, route",
-             "max difference"],
-            decoding,
-        ),  # fmt: skip
+        table(DECODING_HEADER, decoding),
         "",
         "**Prefill + backward** (b=1, causal, sum of the output backpropagated), seconds:",
         "",
-        table(["threads", "n", "transformers sdpa s", "selfattn s", "ratio (time)", "selfattn computation, route"], prefill),
+        table(
+            ["threads", "n", "transformers sdpa s", "selfattn s", "ratio (time)", "selfattn computation, route"],
+            prefill,
+        ),
         "",
         "**Cache bytes per token per layer**:",
         "",
