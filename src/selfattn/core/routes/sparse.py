@@ -29,8 +29,8 @@ __all__ = ["SPARSE", "SPARSE_MAX_SHARE", "sparse_block_size"]
 #: The route takes a call when each query picks at most this share of the keys; past it a dense pass costs less.
 SPARSE_MAX_SHARE = 0.25
 
-#: Gathered keys and values of one block of queries stay under this many elements (64 MiB in float32).
-GATHERED_ELEMENTS = 1 << 24
+#: The keys (or values) one kv head gathers for a block of queries stay under this many elements (8 MiB in float32).
+GATHERED_ELEMENTS = 1 << 21
 
 
 def _declines(call: AttentionCall) -> str | None:
@@ -58,10 +58,10 @@ def _declines(call: AttentionCall) -> str | None:
 
 
 def sparse_block_size(call: AttentionCall, picks: int) -> int:
-    """Queries per block: the call's ``block_size``, or as many as keep the gathered rows under :data:`GATHERED_ELEMENTS`."""
+    """Queries per block: the call's ``block_size``, or as many as keep one head's gathered rows under :data:`GATHERED_ELEMENTS`."""
     if call.block_size is not None:
         return call.block_size
-    per_query = call.batch * max(picks, 1) * (call.kv_heads * (call.head_dim + call.value_dim) + call.heads)
+    per_query = max(picks, 1) * max(call.head_dim, call.value_dim)
     return max(1, min(call.num_queries, GATHERED_ELEMENTS // per_query))
 
 
@@ -92,24 +92,47 @@ def _seen(rest: Visibility, kept: torch.Tensor, start: int, picks: torch.Tensor,
     return seen
 
 
-def _block(
+def _group(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: torch.Tensor, seen: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of one block: ``q (b, h, q, d)`` over its picks ``(b, q, t)`` of ``k``/``v``; ``(b, h, q, dv)``."""
-    b, h, block, d = q.shape
-    hk = k.shape[1]
-    rows = torch.arange(b, device=picks.device).view(-1, 1, 1)
-    keys = k[rows, :, picks]  # (b, q, t, hk, d): the picked keys of each query, every kv head
-    values = v[rows, :, picks]  # (b, q, t, hk, dv)
-    grouped = q.reshape(b, hk, h // hk, block, d)
-    scores = torch.einsum("bkgqd,bqtkd->bkgqt", grouped, keys) * scale
-    seen = seen.reshape(b, -1, 1 if seen.shape[1] == 1 else h // hk, block, seen.shape[-1])  # (b, 1|hk, 1|g, q, t)
+    """One sequence's queries ``q (g, q, d)`` of one kv head over their picks ``(q, t)`` of its ``k (lk, d)``, ``v (lk, dv)``.
+
+    ``seen`` ``(1 or g, q, t)``. Each head's keys are gathered by rows (``index_select``), and
+    the products are batched matrix products over the block's queries: no copy of the gathered rows.
+    """
+    block, width = picks.shape
+    flat = picks.reshape(-1)
+    keys = k.index_select(0, flat).view(block, width, -1)  # (q, t, d)
+    scores = torch.bmm(q.transpose(0, 1), keys.transpose(1, 2)) * scale  # (q, g, t)
+    seen = seen.transpose(0, 1)  # (q, 1 or g, t)
     sees_a_key = seen.any(dim=-1, keepdim=True)
     # Rows with no key get a finite softmax and then zeros, so neither the answer nor a gradient is NaN.
     logits = torch.where(sees_a_key, scores.masked_fill(~seen, float("-inf")), 0.0)
     weights = torch.where(seen, torch.softmax(logits, dim=-1), 0.0)
-    out = torch.einsum("bkgqt,bqtkv->bkgqv", weights, values)
-    return out.reshape(b, h, block, -1)
+    values = v.index_select(0, flat).view(block, width, -1)  # (q, t, dv)
+    return torch.bmm(weights, values).transpose(0, 1)  # (g, q, dv)
+
+
+def _block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: torch.Tensor, seen: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one block: ``q (b, h, q, d)`` over its picks ``(b, q, t)`` of ``k``/``v``; ``(b, h, q, dv)``.
+
+    One kv head at a time, so the rows it gathers come from that head's keys alone (a working
+    set of ``lk x d``, not every head's).
+    """
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    per_head_mask = seen.shape[1] > 1
+    sequences = []
+    for s in range(q.shape[0]):
+        outs = []
+        for j in range(kv_heads):
+            query_heads = slice(j * group, (j + 1) * group)
+            head_seen = seen[s, query_heads] if per_head_mask else seen[s]
+            outs.append(_group(q[s, query_heads], k[s, j], v[s, j], picks[s], head_seen, scale))
+        sequences.append(torch.cat(outs, dim=0))
+    return torch.stack(sequences)
 
 
 def _run(call: AttentionCall) -> Output:
