@@ -177,3 +177,24 @@ def test_bad_selections_are_refused_naming_them() -> None:
         sparse_attention(q, k, k, torch.zeros(3, 4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"sparse_attention: q must be \(b, h, lq, d\), got shape \(2, 4, 3\)"):
         sparse_attention(q[0], k[0], k[0], good)
+
+
+def test_a_module_call_with_the_rule_takes_the_sparse_route_and_equals_the_dense_rule() -> None:
+    """``MultiHeadAttention(..., mask=masks.selected(picks))``: gradients of every weight equal the same picks as a dense rule."""
+    from selfattn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(12, 3, num_kv_heads=1).double()
+    x = torch.randn(2, 17, 12, dtype=torch.float64)
+    picks = _picks(2, 17, 17, 4, seed=2)
+    padding = _padding(2, 17)
+    rule = masks.selected(picks)
+    assert mha.explain(x, x, x, causal=True, key_padding_mask=padding, mask=rule).route == "sparse selection"
+    results = []
+    for mask in (rule, masks.dense(_folded(picks, 17))):
+        mha.zero_grad()
+        out = mha(x, x, x, causal=True, key_padding_mask=padding, mask=mask)
+        out.square().sum().backward()
+        results.append([out.detach(), *(p.grad.clone() for p in mha.parameters())])
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
