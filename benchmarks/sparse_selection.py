@@ -157,6 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, help="tokens (default 16384, 2048 with --quick)")
     parser.add_argument("--top-k", type=int, help="keys picked per query (default n / 8)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument(
+        "--parts", default="prefill,decode", help="comma-separated parts to run (default prefill,decode)"
+    )
     parser.add_argument("--output", help=f"markdown file to update (default {BENCHMARKS_MD.name}; none with --quick)")
     args = parser.parse_args(argv)
     args.n = args.n or (2048 if args.quick else 16384)
@@ -174,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     spread: dict = {}
-    prefill, prefill_goals = prefill_rows(args.n, args.top_k, args.timing, spread)
-    decode, decode_goals = decode_rows(args.n, args.top_k, args.decode_timing, spread)
+    parts = set(args.parts.split(","))
+    prefill, prefill_goals = prefill_rows(args.n, args.top_k, args.timing, spread) if "prefill" in parts else ([], [])
+    decode, decode_goals = (
+        decode_rows(args.n, args.top_k, args.decode_timing, spread) if "decode" in parts else ([], [])
+    )
     header = [
         "attention geometry",
         "dense ms",
