@@ -200,17 +200,23 @@ def main(argv: list[str] | None = None) -> int:
         "",
         table(["target", "measured", "status"], prefill_goals + decode_goals),
         "",
-        f"**Prefill forward**, n={args.n}, b=1, 16 query heads, fp32, causal; the indexer (64 heads of 128 from "
-        f"d={HIDDEN}, q latent {Q_LORA}) timed once:",
-        "",
-        table(header, prefill),
-        "",
-        f"**Decoding one token** after {args.n} cached tokens (the indexer's key cache rewound after each round):",
-        "",
-        table(header, decode),
-        "",
-        spread_note(spread),
     ]
+    if prefill:
+        lines += [
+            f"**Prefill forward**, n={args.n}, b=1, 16 query heads, fp32, causal; the indexer (64 heads of 128 "
+            f"from d={HIDDEN}, q latent {Q_LORA}) timed once:",
+            "",
+            table(header, prefill),
+            "",
+        ]
+    if decode:
+        lines += [
+            f"**Decoding one token** after {args.n} cached tokens (the indexer's key cache rewound after each round):",
+            "",
+            table(header, decode),
+            "",
+        ]
+    lines.append(spread_note(spread))
     emit("\n".join(lines), output=args.output, section=SECTION)
     return 0
 
