@@ -8,9 +8,10 @@ so autograd gives the reference gradients.
 A visibility rule is plain data, a nested tuple:
     ("causal",), ("window", w), ("chunks", C), ("position chunks", C), ("prefix", lengths),
     ("spans", ids), ("documents", ids), ("valid", lengths), ("padding", padding),
-    ("dense", mask), ("and", a, b), ("or", a, b)
+    ("dense", mask), ("selected", picks), ("and", a, b), ("or", a, b)
 where ``lengths`` is an int or a ``(b,)`` / ``(b, lq)`` tensor, ``ids`` ``(b, l)``, ``padding``
-bool ``(b, lk)`` (True = padding) and ``mask`` bool broadcastable to ``(b, h, lq, lk)``.
+bool ``(b, lk)`` (True = padding), ``mask`` bool broadcastable to ``(b, h, lq, lk)`` and ``picks``
+integer ``(b or 1, lq, t)`` key indices each query may see (-1 names none).
 
 Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, dh head size, dv value size.
 """
@@ -74,6 +75,8 @@ def visible(rule: tuple, batch: int, lq: int, lk: int, q_first: int, q_pos=None,
         seen = j < (lengths.view(-1, 1, 1, 1) if lengths.dim() == 1 else lengths[:, None, :, None])
     elif kind == "padding":
         seen = ~rule[1][:, None, None, :]
+    elif kind == "selected":  # key j is one of the query's picks
+        seen = (rule[1][:, :, :, None] == j[0, 0]).any(dim=2)[:, None]  # (b, 1, lq, lk)
     elif kind == "dense":
         seen = rule[1]
         while seen.dim() < 4:

@@ -36,6 +36,7 @@ from selfattn.core import dispatch
 from selfattn.core.routes._window import window_block
 from selfattn.functional import attention
 from selfattn.functional._attention import describe_attention
+from selfattn.functional._sparse import describe_sparse_attention
 from selfattn.positional import (
     ALiBiPositionalBias,
     FIREPositionalBias,
@@ -402,11 +403,27 @@ def flex_cases(draw, route: str) -> Case:
     return Case(route, "module", opts["dtype"], batch, length, length, heads, kv, draw(SEED), opts)
 
 
+@st.composite
+def sparse_cases(draw, route: str) -> Case:
+    """Picked keys (``masks.selected``) with causal and a bool mask, picks repeated or unused, at most a quarter of the keys."""
+    batch, (heads, kv) = draw(st.integers(1, 3)), draw(HEADS)
+    picks = draw(st.integers(1, 4))
+    lq, lk = draw(st.integers(1, 9)), draw(st.integers(4 * picks, 4 * picks + 9))
+    opts = draw(functional_options()) | {"causal": lq <= lk and draw(st.booleans()), "picks": picks}
+    opts |= {
+        "mask": draw(st.sampled_from([None, "full", "rows", "keys"])),
+        "block_size": draw(st.sampled_from([None, 1, 2, 3])),
+    }
+    opts["shared_picks"] = batch > 1 and draw(st.booleans())  # one (1, lq, t) selection for every sequence
+    return Case(route, "functional", draw(DTYPE), batch, lq, lk, heads, kv, draw(SEED), opts)
+
+
 #: Cases per hypothesis example, for the routes that take the most combinations of options.
 CASES_PER_EXAMPLE = {"blockwise": 3, "blockwise band": 3, "blockwise clipped": 2, "explicit": 2, "fused": 2}
 
 #: Each route's strategy: a route added to ROUTES without one fails test_every_route_is_fuzzed.
 STRATEGIES = {
+    "sparse selection": sparse_cases,
     "ragged valid rows": ragged_cases,
     "ragged": ragged_cases,
     "band only": window_cases,
@@ -484,16 +501,27 @@ def run_functional(case: Case) -> tuple[dict, dict]:
         kwargs["bias"] = _leaf(0.5 * _randn(gen, *lead, case.heads, case.lq, case.lk), dtype)
     if o.get("sinks"):
         kwargs["sinks"] = _leaf(_randn(gen, case.heads), dtype)
-    route = dispatch.explain(describe_attention(q, k, v, **kwargs)).route
+    picks = None
+    if o.get("picks"):
+        picks = torch.randint(-1, case.lk, (1 if o["shared_picks"] else case.batch, case.lq, o["picks"]), generator=gen)
+        call = describe_sparse_attention(q, k, v, picks, **kwargs)
+        call.block_size = o["block_size"]
+    else:
+        call = describe_attention(q, k, v, **kwargs)
+    route = dispatch.explain(call).route
     assert route == case.route, f"the case took {route!r}"
-    result = attention(q, k, v, **kwargs)
+    result = attention(q, k, v, **kwargs) if picks is None else dispatch.run(call)
+    if picks is not None:
+        result = result.out
     out, weights = result if kwargs["return_weights"] else (result, None)
     tensors = {"q": q, "k": k, "v": v, "bias": kwargs.get("bias"), "sinks": kwargs.get("sinks")}
     tensors = {name: t for name, t in tensors.items() if t is not None}
     as64 = {name: _as64(t) for name, t in tensors.items()}
     batched = {name: t[None] if o.get("three_d") and name in "qkv" else t for name, t in as64.items()}
     causal = ("causal",) if kwargs["causal"] else None
-    rule = all_of(causal, ("dense", kwargs["mask"]) if "mask" in kwargs else None)
+    rule = all_of(
+        causal, ("dense", kwargs["mask"]) if "mask" in kwargs else None, None if picks is None else ("selected", picks)
+    )
     seen = None if rule is None else visible(rule, case.batch, case.lq, case.lk, case.lk - case.lq)
     scale = o.get("scale") or 1 / math.sqrt(o["dk"])
     ref_out, ref_weights = attend(

@@ -2,7 +2,7 @@
 
 A *rule* answers "may query ``i`` see key ``j``" for index tensors: :func:`causal`, :func:`window`,
 :func:`chunks`, :func:`prefix`, :func:`spans`, :func:`valid_lengths`, :func:`key_padding`,
-:func:`documents`, :func:`dense`.
+:func:`documents`, :func:`dense`, :func:`selected` (sparse attention's picked keys).
 Rules compose with ``&`` (a key must pass both) and ``|`` (either is enough). A
 :class:`Visibility` puts a rule on the queries and keys of one call: where they sit in the
 whole sequence (a cache or lower-right alignment shifts them), and renders it in every form a
@@ -40,6 +40,7 @@ from selfattn._mask_rules import Spans as Spans
 from selfattn._mask_rules import ValidLengths as ValidLengths
 from selfattn._mask_rules import Window as Window
 from selfattn._mask_rules import parts as _parts
+from selfattn._mask_selection import Selected as Selected
 
 __all__ = [
     "Rule",
@@ -50,6 +51,7 @@ __all__ = [
     "documents",
     "key_padding",
     "prefix",
+    "selected",
     "spans",
     "valid_lengths",
     "window",
@@ -173,6 +175,20 @@ def dense(mask: torch.Tensor) -> Rule:
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
     return Dense(mask)
+
+
+def selected(indices: torch.Tensor) -> Rule:
+    """Each query sees only the keys it picked: integer ``(b or 1, lq, t)`` key indices, ``-1`` = an unused slot.
+
+    DeepSeek sparse attention's top-k selection (:class:`~selfattn.sparse.LightningIndexer`);
+    ``causal() & selected(indices)`` also hides picks past the query, so a query with fewer than
+    ``t`` earlier keys sees all of them when its picks name them. Indices count the call's own keys.
+
+    Raises:
+        ValueError: anything but an integer ``(b, lq, t)`` tensor; placed on a call, another batch or
+            number of queries, or an entry below -1 or not below the call's number of keys.
+    """
+    return Selected(require_index_tensor("selected", "indices", indices, {3: "(b, lq, t)"}, kind="integer"))
 
 
 def on_first_keys(rule: Rule, batch: int, num_queries: int, num_keys: int, count: int) -> Rule:

@@ -29,11 +29,13 @@ from selfattn.core.routes.prefix import PREFIX
 from selfattn.core.routes.ragged import RAGGED
 from selfattn.core.routes.ragged_valid_rows import RAGGED_VALID_ROWS
 from selfattn.core.routes.sliced import SLICED
+from selfattn.core.routes.sparse import SPARSE
 
 __all__ = ["BLOCKWISE_ROUTES", "ROUTES", "Explanation", "explain", "run"]
 
 #: Every route, fastest-when-it-applies first.
 ROUTES: tuple[Route, ...] = (
+    SPARSE,
     RAGGED_VALID_ROWS,
     RAGGED,
     BAND_ONLY,

@@ -17,6 +17,10 @@ ROUTES_PAGE = "docs/routes.md"
 
 #: Route name -> (what it computes, in words; when the dispatcher chooses it).
 ROUTE_NOTES: dict[str, tuple[str, str]] = {
+    "sparse selection": (
+        "each query's selected keys gathered and attended alone (DeepSeek sparse attention)",
+        "masks.selected picks at most a quarter of the keys per query, with no score term, bias, dropout or weights",
+    ),
     "ragged valid rows": (
         "a ragged batch run group by group on its valid query rows only",
         "a module call with valid_lens alone and skip_padded_queries: padded queries are never computed",

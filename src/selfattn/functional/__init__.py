@@ -12,6 +12,7 @@ from selfattn.functional._rotary import (
     rotary_parameters,
 )
 from selfattn.functional._sinusoidal import sinusoidal_frequencies, sinusoidal_table
+from selfattn.functional._sparse import sparse_attention
 
 __all__ = [
     "alibi_slopes",
@@ -32,6 +33,7 @@ __all__ = [
     "rotary_parameters",
     "sinusoidal_frequencies",
     "sinusoidal_table",
+    "sparse_attention",
     "t5_relative_bucket",
     "valid_lens_mask",
 ]

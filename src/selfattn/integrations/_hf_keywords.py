@@ -22,6 +22,7 @@ __all__ = [
     "NOT_READ",
     "REFUSED",
     "check_keywords",
+    "checked_selection",
     "head_scale",
     "packed_documents",
     "prepend_sink_key",
@@ -86,19 +87,13 @@ def _integer_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
-def selected_keys(name: str, indices: object, query: torch.Tensor, num_keys: int, block_size: int = 1) -> torch.Tensor:
-    """The keys a sparse selection lets each query see, as bool ``(b, 1 or h, lq, lk)``.
-
-    ``indices`` is ``(b, lq, t)`` (every head shares it: DeepSeek-V3.2's ``indices``) or
-    ``(b, hs, lq, t)`` with ``hs`` dividing ``h`` (MiniMax-M3's ``block_indices``, one selection per
-    key/value head, serving its group of query heads as in grouped-query attention). Each entry
-    names a key, or with ``block_size > 1`` the block of keys ``[e * block_size, (e + 1) * block_size)``;
-    ``-1`` names nothing (an unused slot). The selection says which keys may be seen; causality and
-    padding still apply ("and").
+def checked_selection(
+    name: str, indices: object, query: torch.Tensor, num_keys: int, block_size: int = 1
+) -> torch.Tensor:
+    """``indices`` as ``(b or 1, hs, lq, t)`` after the checks of :func:`selected_keys` (``(b, lq, t)`` gets ``hs = 1``).
 
     Raises:
-        ValueError: not an integer tensor, a shape that does not fit ``query``, or an entry below
-            ``-1`` or past the last key (block).
+        ValueError: as :func:`selected_keys`.
     """
     selection = _integer_tensor(name, indices)
     b, h, lq = query.shape[0], query.shape[1], query.shape[2]
@@ -117,6 +112,26 @@ def selected_keys(name: str, indices: object, query: torch.Tensor, num_keys: int
             f"{name} must lie in [-1, {num_entries}) ({num_entries} {what}; -1 = no entry), got values in "
             f"[{int(selection.min())}, {int(selection.max())}]"
         )
+    return selection
+
+
+def selected_keys(name: str, indices: object, query: torch.Tensor, num_keys: int, block_size: int = 1) -> torch.Tensor:
+    """The keys a sparse selection lets each query see, as bool ``(b, 1 or h, lq, lk)``.
+
+    ``indices`` is ``(b, lq, t)`` (every head shares it: DeepSeek-V3.2's ``indices``) or
+    ``(b, hs, lq, t)`` with ``hs`` dividing ``h`` (MiniMax-M3's ``block_indices``, one selection per
+    key/value head, serving its group of query heads as in grouped-query attention). Each entry
+    names a key, or with ``block_size > 1`` the block of keys ``[e * block_size, (e + 1) * block_size)``;
+    ``-1`` names nothing (an unused slot). The selection says which keys may be seen; causality and
+    padding still apply ("and").
+
+    Raises:
+        ValueError: not an integer tensor, a shape that does not fit ``query``, or an entry below
+            ``-1`` or past the last key (block).
+    """
+    selection = checked_selection(name, indices, query, num_keys, block_size)
+    h = query.shape[1]
+    num_entries = -(-num_keys // block_size)
     slots = selection.long().masked_fill(selection < 0, num_entries)  # -1 -> a throwaway last column
     chosen = torch.zeros((*selection.shape[:-1], num_entries + 1), dtype=torch.bool, device=selection.device)
     chosen = chosen.scatter(-1, slots, True)[..., :num_entries]

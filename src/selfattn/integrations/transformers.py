@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from selfattn.functional import attention
+from selfattn.functional import attention, sparse_attention
 from selfattn.integrations._hf_keywords import (
     check_keywords,
+    checked_selection,
     head_scale,
     packed_documents,
     prepend_sink_key,
@@ -119,10 +120,15 @@ def attention_forward(
         attention_mask = attention_mask == 0  # eager's form of a bool mask: the fast routes, and softcap allowed
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
     _check_combinations(query, attention_mask, dropout, softcap, position_bias, per_query_sinks, output_attentions)
+    picks = _shared_picks(query, key.shape[-2], indices, topk_indices)
+    if picks is not None:  # the sparse route gathers them; not a dense mask
+        indices = topk_indices = None
     selections = _selections(module, query, key.shape[-2], indices, topk_indices, block_indices, seq_idx)
     key, value, mask, bias, causal = _visibility(
         module, query, key, value, attention_mask, is_causal, sliding_window, cu_seq_lens_q, cu_seq_lens_k
     )
+    if picks is not None:  # made over the keys passed; a static-cache prefill keeps the first lk
+        picks = picks.masked_fill(picks >= key.shape[-2], -1)
     for selection in selections:  # made over the keys passed; a static-cache prefill keeps the first lk
         selection = selection[..., : key.shape[-2]]
         mask = selection if mask is None else mask & selection
@@ -130,10 +136,18 @@ def attention_forward(
         bias = position_bias if bias is None else bias + position_bias
     if per_query_sinks is not None:
         key, value, mask, bias = prepend_sink_key(per_query_sinks, query, key, value, mask, bias)
-    result = attention(
-        query, key, value, mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling, softcap=softcap,
-        sinks=sinks, return_weights=bool(output_attentions),
+        if picks is not None:  # the sink went first: every pick moves one on, and every query sees the sink
+            moved = torch.where(picks >= 0, picks + 1, -1)
+            picks = torch.cat([moved.new_zeros(*moved.shape[:-1], 1), moved], dim=-1)
+    options: dict[str, Any] = dict(
+        mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling, softcap=softcap, sinks=sinks,
+        return_weights=bool(output_attentions),
     )  # fmt: skip
+    result = (
+        attention(query, key, value, **options)
+        if picks is None
+        else sparse_attention(query, key, value, picks, **options)
+    )
     out, weights = result if isinstance(result, tuple) else (result, None)
     if weights is not None and per_query_sinks is not None:
         weights = weights[..., 1:]  # the sink's own column is no key's
@@ -250,6 +264,19 @@ def _recording_attentions() -> bool:
         return False
     collected = _active_collector.get()  # type: ignore[no-untyped-call]
     return isinstance(collected, dict) and "attentions" in collected
+
+
+def _shared_picks(
+    query: torch.Tensor, num_keys: int, indices: torch.Tensor | None, topk_indices: torch.Tensor | None
+) -> torch.Tensor | None:
+    """A ``(b, lq, t)`` selection every head shares (DeepSeek-V3.2's ``indices``), checked, for the sparse route; else None."""
+    if indices is not None and topk_indices is not None:
+        raise ValueError("indices and topk_indices both given: they name the same selection of keys")
+    name, given = ("indices", indices) if indices is not None else ("topk_indices", topk_indices)
+    if given is None:
+        return None
+    selection = checked_selection(name, given, query, num_keys)
+    return selection[:, 0] if selection.shape[1] == 1 else None
 
 
 def _selections(

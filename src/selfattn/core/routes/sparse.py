@@ -1,0 +1,155 @@
+"""Sparse attention over each query's selected keys (DeepSeek sparse attention): gather them, softmax over them.
+
+A call whose visibility holds :func:`selfattn.masks.selected` picks ``t`` keys per query. Where
+``t`` is a small share of the keys, this route gathers, for a block of queries at a time, each
+query's picked keys and values and computes scores, softmax and the weighted sum over those
+``t`` alone: O(lq * t) pairs instead of the O(lq * lk) a dense masked pass computes. The other
+rules (causal, padding, documents ...) are evaluated on the picked pairs only, so the answer is
+the dense masked one: a key picked twice counts once, an unused slot (-1) and a pick another rule
+hides get no weight, a query that sees no key gets zeros.
+
+Shape legend: b batch, h heads, hk key/value heads, g = h / hk, lq queries, lk keys,
+t picks per query, q block of queries, d head size, dv value size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfattn._mask_rules import Indices
+from selfattn._mask_selection import Selected
+from selfattn.core.call import AttentionCall
+from selfattn.core.route import Output, Route
+from selfattn.core.routes._reasons import holding
+from selfattn.functional._block_common import _compute_dtype
+from selfattn.masks import Visibility
+
+__all__ = ["SPARSE", "SPARSE_MAX_SHARE", "sparse_block_size"]
+
+#: The route takes a call when each query picks at most this share of the keys; past it a dense pass costs less.
+SPARSE_MAX_SHARE = 0.25
+
+#: The keys (or values) one kv head gathers for a block of queries stay under this many elements (8 MiB in float32).
+GATHERED_ELEMENTS = 1 << 21
+
+
+def _declines(call: AttentionCall) -> str | None:
+    selection = call.visibility.find(Selected)
+    if selection is None:
+        return "no selection of keys (masks.selected)"
+    reason = holding(
+        ("a score term", call.term is not None),
+        ("a float bias (attn_mask)", call.bias is not None),
+        ("the weights were asked for", call.return_weights),
+        ("dropout", call.dropout_p > 0),
+        ("q, k, v are not (b, h, l, d)", not call.four_d),
+        ("compiling: the gathers' block loop is eager Python", call.compiling),
+    )
+    if reason:
+        return reason
+    assert isinstance(selection, Selected)
+    picks = selection.indices.shape[-1]
+    if picks > SPARSE_MAX_SHARE * call.num_keys:
+        return (
+            f"{picks} picks per query of {call.num_keys} keys: more than {SPARSE_MAX_SHARE:.0%} of them, "
+            "a dense masked pass costs less"
+        )
+    return None
+
+
+def sparse_block_size(call: AttentionCall, picks: int) -> int:
+    """Queries per block: the call's ``block_size``, or as many as keep one head's gathered rows under :data:`GATHERED_ELEMENTS`."""
+    if call.block_size is not None:
+        return call.block_size
+    per_query = max(picks, 1) * max(call.head_dim, call.value_dim)
+    return max(1, min(call.num_queries, GATHERED_ELEMENTS // per_query))
+
+
+def _unique_picks(indices: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(picks, kept)`` ``(b, lq, t)``: sorted picks with -1 read as key 0, and which slots name a key first.
+
+    Sorting puts a key picked twice next to itself, so its second slot is dropped; sorted reads
+    also gather keys in order.
+    """
+    ordered = indices.long().sort(dim=-1).values.expand(batch, -1, -1)
+    kept = ordered >= 0
+    kept[..., 1:] &= ordered[..., 1:] != ordered[..., :-1]
+    return ordered.clamp(min=0), kept
+
+
+def _seen(rest: Visibility, kept: torch.Tensor, start: int, picks: torch.Tensor, heads: int) -> torch.Tensor:
+    """Bool ``(b, 1 or h, q, t)``: the kept picks of queries ``[start, start + q)`` that every other rule allows."""
+    seen = kept[:, None]  # (b, 1, q, t)
+    if not rest.rules:
+        return seen
+    b = torch.arange(picks.shape[0], device=picks.device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=picks.device).view(1, -1, 1, 1)
+    q_local = torch.arange(start, start + picks.shape[1], device=picks.device).view(1, 1, -1, 1)
+    k_local = picks[:, None]  # (b, 1, q, t)
+    where = Indices(q_local + rest.q_first, k_local + rest.k_first, q_local, k_local)
+    for rule in rest.rules:  # the scalar form takes index tensors that broadcast, batch and head included
+        seen = seen & rule.scalar(where, b, h)
+    return seen
+
+
+def _group(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: torch.Tensor, seen: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence's queries ``q (g, q, d)`` of one kv head over their picks ``(q, t)`` of its ``k (lk, d)``, ``v (lk, dv)``.
+
+    ``seen`` ``(1 or g, q, t)``. Each head's keys are gathered by rows (``index_select``), and
+    the products are batched matrix products over the block's queries: no copy of the gathered rows.
+    """
+    block, width = picks.shape
+    flat = picks.reshape(-1)
+    keys = k.index_select(0, flat).view(block, width, -1)  # (q, t, d)
+    scores = torch.bmm(q.transpose(0, 1), keys.transpose(1, 2)) * scale  # (q, g, t)
+    seen = seen.transpose(0, 1)  # (q, 1 or g, t)
+    sees_a_key = seen.any(dim=-1, keepdim=True)
+    # Rows with no key get a finite softmax and then zeros, so neither the answer nor a gradient is NaN.
+    logits = torch.where(sees_a_key, scores.masked_fill(~seen, float("-inf")), 0.0)
+    weights = torch.where(seen, torch.softmax(logits, dim=-1), 0.0)
+    values = v.index_select(0, flat).view(block, width, -1)  # (q, t, dv)
+    return torch.bmm(weights, values).transpose(0, 1)  # (g, q, dv)
+
+
+def _block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: torch.Tensor, seen: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one block: ``q (b, h, q, d)`` over its picks ``(b, q, t)`` of ``k``/``v``; ``(b, h, q, dv)``.
+
+    One kv head at a time, so the rows it gathers come from that head's keys alone (a working
+    set of ``lk x d``, not every head's).
+    """
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    per_head_mask = seen.shape[1] > 1
+    sequences = []
+    for s in range(q.shape[0]):
+        outs = []
+        for j in range(kv_heads):
+            query_heads = slice(j * group, (j + 1) * group)
+            head_seen = seen[s, query_heads] if per_head_mask else seen[s]
+            outs.append(_group(q[s, query_heads], k[s, j], v[s, j], picks[s], head_seen, scale))
+        sequences.append(torch.cat(outs, dim=0))
+    return torch.stack(sequences)
+
+
+def _run(call: AttentionCall) -> Output:
+    selection = call.visibility.find(Selected)
+    assert isinstance(selection, Selected)
+    rest = call.visibility.without(Selected)
+    compute = _compute_dtype(call.dtype)
+    q, k, v = (t.to(compute) for t in (call.q, call.k, call.v))
+    picks, kept = _unique_picks(selection.indices, call.batch)
+    block = sparse_block_size(call, picks.shape[-1])
+    outs = []
+    for start in range(0, call.num_queries, block):
+        end = min(start + block, call.num_queries)
+        seen = _seen(rest, kept[:, start:end], start, picks[:, start:end], call.heads)
+        outs.append(_block(q[:, :, start:end], k, v, picks[:, start:end], seen, call.scale))
+    out = torch.cat(outs, dim=2) if outs else q.new_zeros(call.batch, call.heads, 0, call.value_dim)
+    return Output(out.to(call.dtype))
+
+
+SPARSE = Route("sparse selection", _declines, _run)

@@ -1,0 +1,268 @@
+"""DeepSeek sparse attention's lightning indexer: which ``top_k`` earlier keys each query attends to.
+
+DeepSeek-V3.2 (and GLM-MoE-DSA, Mistral Large 4 ...) score every earlier key ``s`` for query
+``t`` with a small multi-head scorer of its own,
+
+    ``I(t, s) = sum_h w_{t,h} * ReLU(q_{t,h} . k_s / sqrt(D))``,  ``w_{t,h} = weights_proj(x_t)_h / sqrt(H)``,
+
+where ``q_{t,h}`` comes from the query latent (``wq_b``), the single-head index key
+``k_s = LayerNorm(wk(x_s))`` is shared by every head, and both are rotated on their first
+``rope_dim`` features at their own positions. Each query then attends to its ``top_k``
+highest-scoring keys (:func:`selfattn.masks.selected`). The parameter names are transformers'
+(``wq_b``, ``wk``, ``k_norm``, ``weights_proj``), so its state dict loads as is.
+
+Shape legend: b batch, n new tokens, T keys (cached ones included), H index heads, D index head
+size, k picks per query, d model size, r query latent size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from selfattn._validation import require_positive_int
+from selfattn.sparse.cache import IndexerKeyCache
+
+__all__ = ["LightningIndexer", "select_top_k"]
+
+#: Scores of one block of queries stay under this many elements (the block's ``(b, q, H, T)`` products).
+SCORE_ELEMENTS = 1 << 24
+
+
+class LightningIndexer(nn.Module):
+    """The DSA indexer: scores every visible key for each query and returns each query's ``top_k`` picks.
+
+    Scores are computed in float32 (float64 for float64 inputs), causal and padded keys get
+    ``-inf``, and ``torch.topk`` picks the ``min(top_k, T)`` best. A pick of a hidden key (a
+    query with fewer than ``top_k`` visible keys) is returned as ``-1``, so such a query's picks
+    are exactly its visible keys. Ties are broken as ``torch.topk`` breaks them, which PyTorch
+    does not specify; transformers makes the same call, so picks equal its picks wherever the
+    ``top_k``-th and ``top_k + 1``-th scores differ.
+
+    Args:
+        hidden_size: ``d``, the model size (``wk`` and ``weights_proj`` read the hidden states).
+        q_lora_rank: ``r``, the size of the query latent ``wq_b`` reads.
+        num_heads: ``H`` index heads (``index_n_heads``, 64 in DeepSeek-V3.2).
+        head_dim: ``D`` (``index_head_dim``, 128).
+        rope_dim: the rotated leading features of each index head and key (``qk_rope_head_dim``, 64).
+        top_k: keys picked per query (``index_topk``, 2048).
+        rope_theta: rotary base, used when ``forward`` gets positions rather than ``rotary``.
+        interleaved: rotary pairs read interleaved (GLM-MoE-DSA) rather than as two halves
+            (DeepSeek-V3.2); either way the rotated features are written as two halves.
+
+    Raises:
+        ValueError: a size that is not a positive integer, an odd ``rope_dim`` or one past ``head_dim``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        q_lora_rank: int,
+        num_heads: int,
+        head_dim: int,
+        rope_dim: int,
+        top_k: int,
+        *,
+        rope_theta: float = 10000.0,
+        interleaved: bool = False,
+    ):
+        super().__init__()
+        for name, value in (
+            ("hidden_size", hidden_size), ("q_lora_rank", q_lora_rank), ("num_heads", num_heads),
+            ("head_dim", head_dim), ("top_k", top_k),
+        ):  # fmt: skip
+            require_positive_int(name, value)
+        if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 0 or rope_dim % 2:
+            raise ValueError(f"rope_dim must be an even non-negative integer, got {rope_dim!r}")
+        if rope_dim > head_dim:
+            raise ValueError(f"rope_dim={rope_dim} is larger than head_dim={head_dim}")
+        self.hidden_size, self.q_lora_rank = hidden_size, q_lora_rank
+        self.num_heads, self.head_dim, self.rope_dim, self.top_k = num_heads, head_dim, rope_dim, top_k
+        self.rope_theta, self.interleaved = float(rope_theta), bool(interleaved)
+        self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    @classmethod
+    def from_transformers(cls, indexer: Any, *, interleaved: bool | None = None) -> LightningIndexer:
+        """This indexer with the weights of transformers' ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``.
+
+        ``interleaved`` defaults to True for a GLM-MoE-DSA indexer (its rotary reads pairs), else False.
+        """
+        config = indexer.config
+        if interleaved is None:
+            interleaved = type(indexer).__name__.startswith("GlmMoeDsa")
+        rope = getattr(config, "rope_parameters", None) or {}
+        made = cls(
+            config.hidden_size, config.q_lora_rank, config.index_n_heads, config.index_head_dim,
+            config.qk_rope_head_dim, config.index_topk, rope_theta=float(rope.get("rope_theta", 10000.0)),
+            interleaved=interleaved,
+        )  # fmt: skip
+        made.load_state_dict(indexer.state_dict())
+        return made.to(indexer.wk.weight.dtype)
+
+    # ------------------------------------------------------------------ the parts
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``(b or 1, n, rope_dim)`` of integer ``positions`` ``(n,)`` or ``(b, n)``, halves repeated (transformers' layout)."""
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        steps = torch.arange(0, self.rope_dim, 2, device=positions.device, dtype=compute) / self.rope_dim
+        frequencies = 1.0 / (self.rope_theta**steps)  # (rope_dim / 2,)
+        angles = (
+            positions.to(compute).reshape(-1, positions.shape[-1])[..., None] * frequencies
+        )  # (b or 1, n, rope / 2)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the first ``rope_dim`` features of ``x (b, n, .., D)``; ``cos``/``sin`` ``(b or 1, n, rope_dim)``."""
+        if not self.rope_dim:
+            return x
+        while cos.dim() < x.dim():
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        rotated, kept = x[..., : self.rope_dim], x[..., self.rope_dim :]
+        half = self.rope_dim // 2
+        if self.interleaved:  # pairs (x0, x1), (x2, x3) ... read interleaved, written as two halves
+            first, second = rotated[..., 0::2], rotated[..., 1::2]
+            c, s = cos[..., :half], sin[..., :half]
+            rotated = torch.cat([first * c - second * s, second * c + first * s], dim=-1)
+        else:
+            first, second = rotated[..., :half], rotated[..., half:]
+            rotated = rotated * cos + torch.cat([-second, first], dim=-1) * sin
+        return torch.cat([rotated, kept], dim=-1)
+
+    def index_keys(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotated single-head index keys ``(b, n, D)`` of ``hidden_states (b, n, d)``."""
+        return self._rotate(self.k_norm(self.wk(hidden_states)), cos, sin)
+
+    def index_queries(
+        self, hidden_states: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(queries (b, n, H, D), head weights (b, n, H))``; the weights carry ``1 / sqrt(H)``, the queries ``1 / sqrt(D)``."""
+        b, n = q_latent.shape[:2]
+        queries = self._rotate(self.wq_b(q_latent).view(b, n, self.num_heads, self.head_dim), cos, sin)
+        weights = self.weights_proj(hidden_states) * self.num_heads**-0.5
+        return queries * self.head_dim**-0.5, weights
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        q_latent: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_padding: torch.Tensor | None = None,
+        cache: IndexerKeyCache | None = None,
+    ) -> torch.Tensor:
+        """Each new query's picks: int64 ``(b, n, min(top_k, T))`` key indices, ``-1`` where fewer keys are visible.
+
+        The ``n`` new tokens are the last of the ``T`` keys (after the cache's, if one is given);
+        query ``i`` sees keys ``j <= i`` that are not padding.
+
+        Args:
+            hidden_states: ``(b, n, d)``, the layer's (normed) input.
+            q_latent: ``(b, n, r)``, the query latent ``q_a_layernorm(q_a_proj(x))`` of the attention.
+            positions: integer ``(n,)`` or ``(b, n)`` positions of the new tokens (default: counting
+                on from the cache's length, or from 0).
+            rotary: ``(cos, sin)`` ``(b or 1, n, rope_dim)`` as transformers' rotary embedding
+                gives them (its scaling included); instead of ``positions``.
+            key_padding: bool ``(b, n)``, True = the new token is padding (seen by no query).
+            cache: this layer's :class:`IndexerKeyCache`; the new keys are appended to it only
+                when the call succeeds.
+
+        Raises:
+            ValueError: inputs of the wrong shape or dtype, ``positions`` with ``rotary``, a cache
+                of another batch or too short for the new tokens.
+        """
+        cos, sin = self._check_and_rotary(hidden_states, q_latent, positions, rotary, key_padding, cache)
+        keys = self.index_keys(hidden_states, cos, sin)
+        queries, weights = self.index_queries(hidden_states, q_latent, cos, sin)
+        first = 0 if cache is None else cache.length
+        if cache is not None:
+            keys, key_padding = cache.extend(keys, key_padding)
+        picks = select_top_k(queries, weights, keys, key_padding, first, self.top_k)
+        if cache is not None:
+            cache.commit()
+        return picks
+
+    def _check_and_rotary(
+        self,
+        hidden_states: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        key_padding: torch.Tensor | None,
+        cache: IndexerKeyCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        for name, t, size in (
+            ("hidden_states", hidden_states, self.hidden_size),
+            ("q_latent", q_latent, self.q_lora_rank),
+        ):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != size or not t.is_floating_point():
+                shown = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a float (b, n, {size}) tensor, got {shown}")
+        b, n = hidden_states.shape[:2]
+        if tuple(q_latent.shape[:2]) != (b, n):
+            raise ValueError(f"q_latent has shape {tuple(q_latent.shape)}; hidden_states has (b, n) = ({b}, {n})")
+        if key_padding is not None and (key_padding.dtype != torch.bool or tuple(key_padding.shape) != (b, n)):
+            raise ValueError(
+                f"key_padding must be a bool (b, n) = ({b}, {n}) tensor, got {key_padding.dtype} {tuple(key_padding.shape)}"
+            )
+        if rotary is not None:
+            if positions is not None:
+                raise ValueError("positions and rotary both given: the rotary (cos, sin) already holds the positions")
+            cos, sin = rotary
+            if cos.shape[-2:] != (n, self.rope_dim) or sin.shape != cos.shape:
+                raise ValueError(
+                    f"rotary must be (cos, sin) of shape (b or 1, {n}, {self.rope_dim}), got {tuple(cos.shape)} and "
+                    f"{tuple(sin.shape)}"
+                )
+            return cos.to(hidden_states.dtype), sin.to(hidden_states.dtype)
+        if positions is None:
+            first = 0 if cache is None else cache.length
+            positions = torch.arange(first, first + n, device=hidden_states.device)
+        elif positions.is_floating_point() or positions.shape[-1] != n or positions.dim() not in (1, 2):
+            raise ValueError(
+                f"positions must be integer (n,) or (b, n) with n={n}, got {positions.dtype} {tuple(positions.shape)}"
+            )
+        return self.rotary(positions, hidden_states.dtype)
+
+
+def select_top_k(
+    queries: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_padding: torch.Tensor | None,
+    first: int,
+    top_k: int,
+) -> torch.Tensor:
+    """Top-``k`` visible keys per query, ``(b, n, min(top_k, T))`` int64, ``-1`` past the visible ones.
+
+    ``queries (b, n, H, D)`` (scaled), ``weights (b, n, H)``, ``keys (b, T, D)``; query ``i`` is
+    key ``first + i``. Queries go in blocks, each scoring only the keys up to its last query.
+    """
+    b, n, heads, _ = queries.shape
+    total = keys.shape[1]
+    width = min(top_k, total)
+    compute = torch.float64 if queries.dtype == torch.float64 else torch.float32
+    queries, weights, keys = queries.to(compute), weights.to(compute), keys.to(compute)
+    block = max(1, min(n, SCORE_ELEMENTS // max(1, b * heads * total)))
+    picks = torch.full((b, n, width), -1, dtype=torch.long, device=queries.device)
+    for start in range(0, n, block):
+        end = min(start + block, n)
+        reach = first + end  # keys past the block's last query are hidden from all of it
+        scores = torch.relu(torch.einsum("bqhd,bkd->bqhk", queries[:, start:end], keys[:, :reach]))
+        index = torch.einsum("bqh,bqhk->bqk", weights[:, start:end], scores)  # (b, q, reach)
+        query_at = torch.arange(first + start, first + end, device=keys.device)[:, None]
+        hidden = torch.arange(reach, device=keys.device)[None, :] > query_at  # (q, reach): causal
+        hidden = hidden if key_padding is None else hidden | key_padding[:, None, :reach]
+        index = index.masked_fill(hidden, float("-inf"))
+        found = index.topk(min(width, reach), dim=-1)
+        chosen = found.indices.masked_fill(found.values == float("-inf"), -1)
+        picks[:, start:end, : chosen.shape[-1]] = chosen
+    return picks
