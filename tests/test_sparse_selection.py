@@ -147,6 +147,22 @@ def test_dense_selection_goes_to_the_dense_routes_with_the_reason() -> None:
     torch.testing.assert_close(sparse_attention(q, k, k, picks, causal=True), expected, atol=1e-6, rtol=0)
 
 
+def test_many_queries_with_few_heads_per_key_go_dense_with_the_reason() -> None:
+    """Gathers pay when a decoded token reads few keys, or when many query heads share each gathered row."""
+    lk, picks = 300, torch.randint(0, 300, (1, 65, 8))
+    k = torch.randn(1, 1, lk, 4)
+    prefill = dispatch.explain(describe_sparse_attention(torch.randn(1, 4, 65, 4), k, k, picks), verbose=True)
+    assert prefill.route != "sparse selection"
+    assert dict(prefill.declined)["sparse selection"] == (
+        "65 queries (more than 64) whose gathered keys serve 4 head(s) each (fewer than 8): "
+        "gathering costs more than a dense masked pass"
+    )
+    grouped = dispatch.explain(describe_sparse_attention(torch.randn(1, 8, 65, 4), k, k, picks))
+    assert grouped.route == "sparse selection"
+    decoded = dispatch.explain(describe_sparse_attention(torch.randn(1, 4, 64, 4), k, k, picks[:, :64]))
+    assert decoded.route == "sparse selection"
+
+
 def test_bad_selections_are_refused_naming_them() -> None:
     q = torch.randn(2, 2, 4, 3)
     k = torch.randn(2, 2, 16, 3)

@@ -19,7 +19,8 @@ ROUTES_PAGE = "docs/routes.md"
 ROUTE_NOTES: dict[str, tuple[str, str]] = {
     "sparse selection": (
         "each query's selected keys gathered and attended alone (DeepSeek sparse attention)",
-        "masks.selected picks at most a quarter of the keys per query, with no score term, bias, dropout or weights",
+        "masks.selected picks at most a quarter of the keys per query, with no score term, bias, dropout or weights, "
+        "and either at most 64 queries or at least 8 query heads per key/value head",
     ),
     "ragged valid rows": (
         "a ragged batch run group by group on its valid query rows only",

@@ -24,10 +24,20 @@ from selfattn.core.routes._reasons import holding
 from selfattn.functional._block_common import _compute_dtype
 from selfattn.masks import Visibility
 
-__all__ = ["SPARSE", "SPARSE_MAX_SHARE", "sparse_block_size"]
+__all__ = ["SPARSE", "SPARSE_MANY_QUERIES", "SPARSE_MAX_SHARE", "SPARSE_MIN_GROUP", "sparse_block_size"]
 
 #: The route takes a call when each query picks at most this share of the keys; past it a dense pass costs less.
 SPARSE_MAX_SHARE = 0.25
+
+#: Past this many queries, a call whose gathered rows serve fewer than :data:`SPARSE_MIN_GROUP` query
+#: heads each goes to a dense masked pass: on CPU the gathers are memory-bound, and with one query head
+#: per key/value head (DeepSeek-V3.2's multi-head shape) prefill on this route measured 0.35x the speed
+#: of dense attention at n=4096, top-k 512, while a decoded token measured 8.1x faster
+#: (``benchmarks/sparse_selection.py``, BENCHMARKS.md section ``latent-sparse-cpu-dsa``).
+SPARSE_MANY_QUERIES = 64
+#: Query heads per key/value head from which the gathered rows pay for themselves at any query count
+#: (the absorbed-latent shape, 16 heads over one latent, measured 2.27x faster in prefill).
+SPARSE_MIN_GROUP = 8
 
 #: The keys (or values) one kv head gathers for a block of queries stay under this many elements (8 MiB in float32).
 GATHERED_ELEMENTS = 1 << 21
@@ -53,6 +63,12 @@ def _declines(call: AttentionCall) -> str | None:
         return (
             f"{picks} picks per query of {call.num_keys} keys: more than {SPARSE_MAX_SHARE:.0%} of them, "
             "a dense masked pass costs less"
+        )
+    group = call.heads // max(call.kv_heads, 1)
+    if call.num_queries > SPARSE_MANY_QUERIES and group < SPARSE_MIN_GROUP:
+        return (
+            f"{call.num_queries} queries (more than {SPARSE_MANY_QUERIES}) whose gathered keys serve {group} head(s) "
+            f"each (fewer than {SPARSE_MIN_GROUP}): gathering costs more than a dense masked pass"
         )
     return None
 
