@@ -22,6 +22,8 @@ PUBLIC_MODULES = (
     "selfattn.functional",
     "selfattn.positional",
     "selfattn.masks",
+    "selfattn.latent",
+    "selfattn.sparse",
     "selfattn.nn",
     "selfattn.cache",
     "selfattn.models",

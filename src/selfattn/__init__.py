@@ -53,7 +53,18 @@ _HOMES = {
     "attention": "selfattn.functional",
     "sinusoidal_table": "selfattn.functional",
 }
-_SUBPACKAGES = ("attention", "cache", "functional", "integrations", "masks", "models", "nn", "positional")
+_SUBPACKAGES = (
+    "attention",
+    "cache",
+    "functional",
+    "integrations",
+    "latent",
+    "masks",
+    "models",
+    "nn",
+    "positional",
+    "sparse",
+)
 
 
 def __getattr__(name: str) -> Any:
