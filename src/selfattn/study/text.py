@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -48,6 +47,7 @@ from selfattn.study.context_use import (
 )
 from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
+from selfattn.study.text_tables import summarize_context_gain, summarize_text, text_table
 from selfattn.study.training import (
     ENCODINGS,
     P_ROPE,
@@ -417,143 +417,6 @@ def train_text_run(
         "loss_by_tenth": _loss_by_tenth(state.losses),
         "loss_curve": state.losses,
     }
-
-
-def _mean_sd(values: Sequence[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
-
-
-def _bands_over_seeds(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Perplexity by band of positions, mean and sd over the seeds' cells (empty for runs without it)."""
-    if any("by_position" not in cell for cell in cells):
-        return []
-    return [
-        {"start": band[0]["start"], "stop": band[0]["stop"], "perplexity": _mean_sd([b["perplexity"] for b in band])}
-        for band in zip(*(cell["by_position"] for cell in cells), strict=True)
-    ]
-
-
-def by_position_table(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
-    """Markdown lines: perplexity by band of positions at each row's longest evaluated length."""
-    rows = []
-    for row, by_length in summary.items():
-        longest = max((n for n, cell in by_length.items() if cell.get("by_position")), key=int, default=None)
-        if longest is not None:
-            rows.append((row, longest, by_length[longest]["by_position"]))
-    if not rows:
-        return []
-    bands = [(band["start"], band["stop"]) for band in max((r[2] for r in rows), key=len)]
-    lines = [
-        "Perplexity by position (windows of the longest evaluated length):",
-        "",
-        f"| row | window | {' | '.join(f'{a}-{b}' for a, b in bands)} |",
-        f"|---|---|{'---|' * len(bands)}",
-    ]
-    for row, longest, cells in rows:
-        texts = [f"{c['perplexity']['mean']:.2f}" + (f" ± {c['perplexity']['sd']:.2f}" if c["perplexity"]["sd"] else "")
-                 for c in cells]  # fmt: skip
-        lines.append(f"| {row} | {longest} | {' | '.join(texts + [''] * (len(bands) - len(texts)))} |")
-    return lines
-
-
-def summarize_text(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{row: {length: {"perplexity": {"mean", "sd"}, "beyond": ... | None}}}`` over seeds.
-
-    Rows are the encodings, and ``rotary+SCALING`` for each scaling; a length that a row
-    skipped holds ``{"skipped": why}``.
-    """
-    rows: dict[str, list[dict[str, dict[str, Any]]]] = {}
-    for run in runs:
-        by_length: dict[str, dict[str, Any]] = {
-            **{n: {"skipped": why} for n, why in run["skipped"].items()},
-            **run["perplexity_by_length"],
-        }
-        rows.setdefault(run["encoding"], []).append(by_length)
-        for kind, scores in run["scalings"].items():
-            rows.setdefault(f"rotary+{kind}", []).append(scores)
-    summary: dict[str, dict[str, dict[str, Any]]] = {}
-    for row, members in rows.items():
-        for length in sorted(members[0], key=int):
-            cells = [member[length] for member in members]
-            if "skipped" in cells[0]:
-                summary.setdefault(row, {})[length] = {"skipped": cells[0]["skipped"]}
-                continue
-            beyond = [cell["beyond"] for cell in cells]
-            summary.setdefault(row, {})[length] = {
-                "perplexity": _mean_sd([cell["perplexity"] for cell in cells]),
-                "beyond": None if None in beyond else _mean_sd(beyond),
-                "seeds": len(cells),
-                "by_position": _bands_over_seeds(cells),
-            }
-    return summary
-
-
-def summarize_context_gain(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """``{encoding: [{"start", "stop", "gain": {"mean", "sd"}, "seeds"}]}``: the gain from context past ``L`` over seeds."""
-    by_encoding: dict[str, list[list[dict[str, Any]]]] = {}
-    for run in runs:
-        if run.get("context_gain"):  # absent in runs from before this reading, and for learned
-            by_encoding.setdefault(run["encoding"], []).append(run["context_gain"])
-    return {
-        encoding: [
-            {"start": band[0]["start"], "stop": band[0]["stop"], "gain": _mean_sd([row["gain"] for row in band]),
-             "seeds": len(band)}
-            for band in zip(*members, strict=True)
-        ]
-        for encoding, members in by_encoding.items()
-    }  # fmt: skip
-
-
-def context_gain_table(gains: dict[str, list[dict[str, Any]]], train_len: int) -> list[str]:
-    """Markdown lines: per encoding and band of positions past ``L``, the loss from the last ``L`` bytes only
-    minus the loss with the whole window (nats per byte; > 0 where the bytes past ``L`` helped)."""
-    if not gains:
-        return []
-    bands = [(row["start"], row["stop"]) for row in next(iter(gains.values()))]
-    lines = [
-        f"Context gain (nats per byte, the last {train_len} bytes only minus the whole window; > 0: the model used "
-        f"the bytes past L):",
-        "",
-        f"| encoding | {' | '.join(f'{a}-{b}' for a, b in bands)} |",
-        f"|---|{'---|' * len(bands)}",
-    ]
-    for encoding, rows in gains.items():
-        cells = [
-            f"{row['gain']['mean']:+.4f}" + (f" ± {row['gain']['sd']:.4f}" if row["seeds"] > 1 else "") for row in rows
-        ]
-        lines.append(f"| {encoding} | {' | '.join(cells)} |")
-    return lines
-
-
-def text_table(results: dict[str, Any]) -> list[str]:
-    """The perplexity table as Markdown lines: mean ± sd over seeds, the mean alone with one seed (beyond-L perplexity in brackets)."""
-    config, summary = results["config"], results["summary"]
-    lengths = [str(f * config["train_len"]) for f in config["eval_factors"]]
-    lines = [
-        f"| encoding | {' | '.join(f'L={n}' if n == lengths[0] else n for n in lengths)} |",
-        f"|---|{'---|' * len(lengths)}",
-    ]
-    for row, by_length in summary.items():
-        cells = []
-        for n in lengths:
-            cell = by_length.get(n)
-            if cell is None:
-                cells.append("")
-            elif "skipped" in cell:
-                cells.append("n/a")
-            else:
-                text = f"{cell['perplexity']['mean']:.3f}"
-                if cell.get("seeds", 1) > 1:  # one seed has no spread to show
-                    text += f" ± {cell['perplexity']['sd']:.3f}"
-                if cell["beyond"] is not None:
-                    text += f" ({cell['beyond']['mean']:.2f})"
-                cells.append(text)
-        lines.append(f"| {row} | {' | '.join(cells)} |")
-    notes = {cell["skipped"] for by_length in summary.values() for cell in by_length.values() if "skipped" in cell}
-    lines += [""] + [f"n/a: {note}." for note in sorted(notes)]
-    for extra in (by_position_table(summary), context_gain_table(results.get("context_gain", {}), config["train_len"])):
-        lines += ["", *extra] if extra else []
-    return lines
 
 
 def run_text_study(
