@@ -28,8 +28,9 @@ SECTION_FIGURES = (
     "absolute",
     "relative",
     "note",
-    "depth",
 )
+DEPTH_PANELS = ("residual", "residual_no_mlp", "no_residual", "no_residual_no_mlp")
+FAMILY_PANELS = ("scores", "profile", "attention")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,12 @@ def test_tour_passes_and_prints_a_summary(tour):
 
 def test_every_figure_is_written_as_png_and_svg(tour):
     folder = tour["out"] / "figures"
-    names = list(SECTION_FIGURES) + [f"family_{name}" for name in family.family_names()]
+    # The family's and the deep stacks' figures are drawn panel by panel (name-part), so they can stack when narrow.
+    names = [
+        *SECTION_FIGURES,
+        *(f"family_{name}-{panel}" for name in family.family_names() for panel in FAMILY_PANELS),
+        *(f"depth-{variant}" for variant in DEPTH_PANELS),
+    ]
     for name in names:
         png, svg = folder / f"{name}.png", folder / f"{name}.svg"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from selfattn.study.deep_stack import measure_deep_stack
+from selfattn.tour._html import figure_html
 
 __all__ = [
     "COLLAPSED",
@@ -225,14 +226,14 @@ def _spread(entry: dict[str, Any] | None, layer: int = -1) -> str:
 
 
 def _figure(figures: dict[str, str], name: str, caption: str) -> str:
-    if name not in figures:
-        return ""
-    png = figures[name]
-    svg = png[: -len(".png")] + ".svg"
-    return (
-        f'<figure id="fig-{_e(name)}"><a href="{_e(svg)}"><img src="{_e(png)}" alt="{_e(caption)}"></a>'
-        f'<figcaption>{_e(caption)} (<a href="{_e(svg)}">SVG</a>)</figcaption></figure>'
-    )
+    return figure_html(figures, name, caption, panel_width=250)
+
+
+def _spread_cell(text: str) -> str:
+    """A table cell for ``mean (low to high)``: the range may go to a second line, so the table fits its box."""
+    mean, _, rest = text.partition(" (")
+    spread = f' <span class="range">({_e(rest)}</span>' if rest else ""
+    return f'<td class="num spread">{_e(mean)}{spread}</td>'
 
 
 def _table(deep: dict[str, Any], which: str) -> str:
@@ -247,10 +248,12 @@ def _table(deep: dict[str, Any], which: str) -> str:
     rows = []
     for encoding, by_variant in deep[which].items():
         for variant in by_variant:
-            cells = [f"<td><code>{_e(encoding)}</code></td><td>{_e(_VARIANT_LABELS.get(variant, variant))}</td>"]
+            cells = [
+                f'<td class="name"><code>{_e(encoding)}</code></td><td>{_e(_VARIANT_LABELS.get(variant, variant))}</td>'
+            ]
             if which == "trained":
                 accuracy = by_variant[variant].get("task_accuracy")
-                cells.append(f'<td class="num">{_e(_spread(_scalar_as_layers(accuracy)))}</td>')
+                cells.append(_spread_cell(_spread(_scalar_as_layers(accuracy))))
             for metric, layer in (
                 ("position_r2", -1),
                 ("order_accuracy", -1),
@@ -258,9 +261,7 @@ def _table(deep: dict[str, Any], which: str) -> str:
                 ("position_share", 1),
                 ("position_share", -1),
             ):
-                cells.append(
-                    f'<td class="num">{_e(_spread(_metric(deep, which, encoding, variant, metric), layer))}</td>'
-                )
+                cells.append(_spread_cell(_spread(_metric(deep, which, encoding, variant, metric), layer)))
             rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<div class="table-scroll"><table><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
 

@@ -27,7 +27,9 @@ __all__ = [
     "attention_weights_figure",
     "comparison_figure",
     "deep_stack_figure",
+    "deep_stack_figures",
     "encoding_panel_figure",
+    "encoding_panel_figures",
     "heatmap_figure",
     "note_figure",
     "pe_columns_figure",
@@ -124,7 +126,7 @@ def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure
 
 
 def comparison_figure(results: dict[str, Any], *, stacked: bool = False) -> Figure:
-    """Section 3: measured FLOPs against n and d, path lengths, parallelism and wall-clock time.
+    """Section 3: counted FLOPs against n and d, path lengths, parallelism and timed wall-clock seconds.
 
     ``stacked``: the six panels in one column, for a narrow window (the report picks it below
     600 px), instead of two.
@@ -329,16 +331,10 @@ def profile_figure(diagnostics: dict[str, Any]) -> Figure:
     return fig
 
 
-def encoding_panel_figure(diagnostics: dict[str, Any]) -> Figure:
-    """Section 7: one encoding's position scores, offset profile and attention pattern."""
-    name = diagnostics["name"]
-    short = name
-    if diagnostics.get("form"):
-        name = f"{name} ({diagnostics['form']})"
-    fig, axes = _figure(13.0, 3.7, columns=3)
+def _draw_position_scores(fig: Figure, ax: Axes, diagnostics: dict[str, Any], name: str) -> None:
     _heatmap(
         fig,
-        axes[0],
+        ax,
         diagnostics["position_scores"],
         xlabel="Key position",
         ylabel="Query position",
@@ -347,18 +343,51 @@ def encoding_panel_figure(diagnostics: dict[str, Any]) -> Figure:
         cmap="RdBu_r",
         symmetric=True,
     )
-    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], short)
+
+
+def _draw_attention(fig: Figure, ax: Axes, diagnostics: dict[str, Any], name: str) -> None:
     _heatmap(
         fig,
-        axes[2],
+        ax,
         diagnostics["attention"],
         xlabel="Key position",
         ylabel="Query position",
-        title=f"{short}: attention on one input (head 0)",
+        title=f"{name}: attention on one input (head 0)",
         colorbar="attention weight",
         vmin=0.0,
     )
+
+
+def _panel_names(diagnostics: dict[str, Any]) -> tuple[str, str]:
+    """The encoding's name with its form (for the first panel's title) and without."""
+    short = str(diagnostics["name"])
+    return (f"{short} ({diagnostics['form']})" if diagnostics.get("form") else short), short
+
+
+def encoding_panel_figure(diagnostics: dict[str, Any]) -> Figure:
+    """One encoding's position scores, offset profile and attention pattern side by side (``selfattn plot``)."""
+    name, short = _panel_names(diagnostics)
+    fig, axes = _figure(13.0, 3.7, columns=3)
+    _draw_position_scores(fig, axes[0], diagnostics, name)
+    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], short)
+    _draw_attention(fig, axes[2], diagnostics, short)
     return fig
+
+
+def encoding_panel_figures(diagnostics: dict[str, Any]) -> dict[str, Figure]:
+    """Section 7: the three panels of :func:`encoding_panel_figure`, each its own figure.
+
+    The report lays them side by side where there is room and one under the other where there is
+    not, so each keeps a readable size in a narrow window.
+    """
+    name, short = _panel_names(diagnostics)
+    scores, (scores_ax,) = _figure(4.4, 3.7)
+    _draw_position_scores(scores, scores_ax, diagnostics, name)
+    profile, (profile_ax,) = _figure(4.4, 3.7)
+    _draw_profile(profile_ax, diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], short)
+    attention, (attention_ax,) = _figure(4.4, 3.7)
+    _draw_attention(attention, attention_ax, diagnostics, short)
+    return {"scores": scores, "profile": profile, "attention": attention}
 
 
 _ENCODING_COLORS = {
@@ -378,6 +407,36 @@ _DEEP_ROWS = (
 )
 
 
+def _draw_deep_panel(ax: Axes, deep: dict[str, Any], which: str, metric: str, scale: str, variant: str) -> None:
+    """One metric against depth for one block kind: a line per encoding (mean over seeds), the range shaded."""
+    layers = np.asarray(deep["layers"])
+    floor = 1e-17
+    for encoding, by_variant in deep[which].items():
+        if variant not in by_variant:
+            continue
+        entry = by_variant[variant][metric]
+        mean, low, high = (np.asarray(entry[k], dtype=float) for k in ("mean", "min", "max"))
+        if scale == "log":
+            mean, low, high = (np.maximum(v, floor) for v in (mean, low, high))
+        else:
+            mean, low, high = (np.maximum(v, -0.2) for v in (mean, low, high))
+        color = _ENCODING_COLORS.get(encoding)
+        ax.plot(layers, mean, marker=".", color=color, label=encoding, linewidth=1.2)
+        ax.fill_between(layers, low, high, color=color, alpha=0.15, linewidth=0)
+    ax.set_yscale(scale)
+    if metric == "position_r2":
+        ax.set_ylim(-0.22, 1.05)
+    elif metric == "order_accuracy":
+        ax.axhline(0.5, color="black", linewidth=0.6, linestyle=":")
+        ax.set_ylim(0.3, 1.02)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _deep_variants(deep: dict[str, Any], which: str) -> list[str]:
+    return list(next(iter(deep[which].values())))
+
+
 def deep_stack_figure(deep: dict[str, Any], which: str = "untrained") -> Figure:
     """Section 8: each metric of the deep-stack measurement against depth, one panel per block kind.
 
@@ -386,34 +445,12 @@ def deep_stack_figure(deep: dict[str, Any], which: str = "untrained") -> Figure:
     the range over seeds shaded. R^2 is drawn from -0.2 (lower values sit on the edge); the
     log panels from 1e-17.
     """
-    data = deep[which]
-    variants = list(next(iter(data.values())))
-    layers = np.asarray(deep["layers"])
+    variants = _deep_variants(deep, which)
     fig, axes = _figure(3.3 * len(variants), 2.3 * len(_DEEP_ROWS), columns=len(variants), rows=len(_DEEP_ROWS))
-    floor = 1e-17
     for row, (metric, label, scale) in enumerate(_DEEP_ROWS):
         for column, variant in enumerate(variants):
             ax = axes[row * len(variants) + column]
-            for encoding, by_variant in data.items():
-                if variant not in by_variant:
-                    continue
-                entry = by_variant[variant][metric]
-                mean, low, high = (np.asarray(entry[k], dtype=float) for k in ("mean", "min", "max"))
-                if scale == "log":
-                    mean, low, high = (np.maximum(v, floor) for v in (mean, low, high))
-                else:
-                    mean, low, high = (np.maximum(v, -0.2) for v in (mean, low, high))
-                color = _ENCODING_COLORS.get(encoding)
-                ax.plot(layers, mean, marker=".", color=color, label=encoding, linewidth=1.2)
-                ax.fill_between(layers, low, high, color=color, alpha=0.15, linewidth=0)
-            ax.set_yscale(scale)
-            if metric == "position_r2":
-                ax.set_ylim(-0.22, 1.05)
-            elif metric == "order_accuracy":
-                ax.axhline(0.5, color="black", linewidth=0.6, linestyle=":")
-                ax.set_ylim(0.3, 1.02)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(True, which="major", alpha=0.3)
+            _draw_deep_panel(ax, deep, which, metric, scale, variant)
             if row == 0:
                 ax.set_title(variant.replace("_", " "), fontsize=10)
             if row == len(_DEEP_ROWS) - 1:
@@ -424,6 +461,27 @@ def deep_stack_figure(deep: dict[str, Any], which: str = "untrained") -> Figure:
     seeds = deep["config"]["train_seeds" if which == "trained" else "seeds"]
     fig.suptitle(f"{which.capitalize()} deep stacks: mean over {seeds} seeds, range shaded", fontsize=11)
     return fig
+
+
+def deep_stack_figures(deep: dict[str, Any], which: str = "untrained") -> dict[str, Figure]:
+    """Section 8: the columns of :func:`deep_stack_figure`, one figure per block kind (the four metrics stacked).
+
+    The report lays them side by side where there is room and one under the other where there is
+    not, so each keeps a readable size in a narrow window. Each panel has its own y label; the
+    first figure carries the legend of the encodings.
+    """
+    figures: dict[str, Figure] = {}
+    for index, variant in enumerate(_deep_variants(deep, which)):
+        fig, axes = _figure(3.5, 2.4 * len(_DEEP_ROWS), rows=len(_DEEP_ROWS))
+        for ax, (metric, label, scale) in zip(axes, _DEEP_ROWS, strict=True):
+            _draw_deep_panel(ax, deep, which, metric, scale, variant)
+            ax.set_ylabel(label)
+        axes[0].set_title(variant.replace("_", " "), fontsize=11)
+        axes[-1].set_xlabel("layer (0 = input)")
+        if index == 0:
+            axes[0].legend(fontsize=7, ncol=2)
+        figures[variant] = fig
+    return figures
 
 
 def note_figure(terms: dict[str, Any], survival: dict[str, Any]) -> Figure:

@@ -22,6 +22,7 @@ from typing import Any
 from selfattn import __version__
 from selfattn.study.summary import study_section_html
 from selfattn.tour import depth
+from selfattn.tour._html import figure_html
 from selfattn.tour.claims import count_evidence, count_verdicts
 from selfattn.tour.comparison import CHAPTER, KINDS
 
@@ -98,6 +99,9 @@ def _environment() -> Any:
         join_nums=lambda values, digits=None: ", ".join(format_number(v, digits) for v in values),
         page_text=page_text,
     )
+    env.globals["figure_html"] = figure_html
+    # A Chinese quote is marked as such, so the browser picks a CJK face from the page's font stack.
+    env.tests["chinese"] = lambda text: bool(re.search(r"[\u4e00-\u9fff]", str(text)))
     return env
 
 

@@ -567,7 +567,7 @@ def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], 
 
     masked = results["self_attention"]["masked"]
     pe = results["positional_encoding"]
-    drawings: dict[str, Callable[[], Figure]] = {
+    drawings: dict[str, Callable[[], Figure | dict[str, Figure]]] = {
         "attention_weights": lambda: figures.attention_weights_figure(masked["weights"], masked["valid_lens"]),
         "permutation": lambda: figures.permutation_figure(
             results["permutation"]["without_pe_error"], results["permutation"]["with_pe_change"]
@@ -581,14 +581,18 @@ def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], 
         "note": lambda: figures.note_figure(results["note"]["taylor"], results["note"]["embedding"]),
     }
     for name, diag in results["family"]["encodings"].items():
-        drawings[f"family_{name}"] = functools.partial(figures.encoding_panel_figure, diag)
-    drawings["depth"] = lambda: figures.deep_stack_figure(results["depth"])
+        drawings[f"family_{name}"] = functools.partial(figures.encoding_panel_figures, diag)
+    drawings["depth"] = lambda: figures.deep_stack_figures(results["depth"])
     if (results.get("depth_study") or {}).get("trained"):
-        drawings["depth_trained"] = lambda: figures.deep_stack_figure(results["depth_study"], "trained")
+        drawings["depth_trained"] = lambda: figures.deep_stack_figures(results["depth_study"], "trained")
     paths = {}
     for name, draw in drawings.items():
-        png, _svg = figures.save_figure(draw(), directory, name)
-        paths[name] = f"{directory.name}/{png.name}"
+        drawn = draw()
+        # A figure drawn as separate panels is saved panel by panel, as name-part (see tour._html).
+        for saved, fig in drawn.items() if isinstance(drawn, dict) else [("", drawn)]:
+            key = f"{name}-{saved}" if saved else name
+            png, _svg = figures.save_figure(fig, directory, key)
+            paths[key] = f"{directory.name}/{png.name}"
         advance(f"figure {name}")
     return paths
 
