@@ -81,6 +81,37 @@ def _layer_claims(results: dict[str, Any]) -> list[dict[str, object]]:
     ]
 
 
+_PRINTED_MODULE = (
+    "MultiHeadAttention( (attention): DotProductAttention( (dropout): Dropout(p=0.5, inplace=False) ) "
+    "(W_q): Linear(in_features=100, out_features=100, bias=False) "
+    "(W_k): Linear(in_features=100, out_features=100, bias=False) "
+    "(W_v): Linear(in_features=100, out_features=100, bias=False) "
+    "(W_o): Linear(in_features=100, out_features=100, bias=False) )"
+)
+
+
+def _printed_module(results: dict[str, Any]) -> dict[str, object]:
+    """The frameworks page prints its PyTorch layer: four bias-free 100 x 100 projections around the attention."""
+    projections = results["self_attention"]["shape"].get("projections")
+    if projections is None:  # a results.json written before the tour recorded the projections
+        return _claim("printed-module", "frameworks", _PRINTED_MODULE, _PRINTED_STATEMENT, "not shown", None,
+                      "[100, 100, no bias] for each", None, basis="this run did not record the layer's projections")  # fmt: skip
+    return _claim(
+        "printed-module", "frameworks", _PRINTED_MODULE, _PRINTED_STATEMENT, "derived",
+        {name: f"{i} -> {o}, {'bias' if bias else 'no bias'}" for name, (i, o, bias) in projections.items()},
+        "W_q, W_k, W_v, W_o: 100 -> 100, no bias",
+        all(entry == [100, 100, False] for entry in projections.values()),
+        basis="how selfattn.attention.MultiHeadAttention(100, 5, 0.5) is written (section 1 builds it); its "
+        "dropout sits in the layer itself rather than in a DotProductAttention submodule",
+    )  # fmt: skip
+
+
+_PRINTED_STATEMENT = (
+    "The tab's PyTorch layer (this quote is its printed module, not a sentence) holds four bias-free 100 x 100 "
+    "projections W_q, W_k, W_v and W_o; selfattn's layer of the same sizes holds the same four."
+)
+
+
 def _recipe_claims(results: dict[str, Any]) -> list[dict[str, object]]:
     """The pages' code (as the tour rewrote it): the odd width, and the tabs against each other."""
     odd = results["frameworks"]["odd_width"]
@@ -119,7 +150,7 @@ def _recipe_claims(results: dict[str, Any]) -> list[dict[str, object]]:
 
 def code_claims(results: dict[str, Any]) -> list[dict[str, object]]:
     """The claims about the layer and the pages' code."""
-    return [*_layer_claims(results), *_recipe_claims(results)]
+    return [*_layer_claims(results), *_recipe_claims(results), _printed_module(results)]
 
 
 def _source(found: dict[str, Any]) -> str:
