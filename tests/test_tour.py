@@ -29,7 +29,6 @@ SECTION_FIGURES = (
     "relative",
     "note",
 )
-DEPTH_PANELS = ("residual", "residual_no_mlp", "no_residual", "no_residual_no_mlp")
 FAMILY_PANELS = ("scores", "profile", "attention")
 
 
@@ -57,7 +56,7 @@ def test_every_figure_is_written_as_png_and_svg(tour):
     names = [
         *SECTION_FIGURES,
         *(f"family_{name}-{panel}" for name in family.family_names() for panel in FAMILY_PANELS),
-        *(f"depth-{variant}" for variant in DEPTH_PANELS),
+        *(f"depth-{variant}" for variant in tour["results"]["depth"]["variants"]),
     ]
     for name in names:
         png, svg = folder / f"{name}.png", folder / f"{name}.svg"
@@ -173,7 +172,10 @@ def test_attention_weights_match_a_naive_masked_softmax():
 
 
 def test_self_attention_keeps_the_chapter_shape():
-    assert checks.self_attention_shape() == {"shape": [2, 4, 100], "expected": [2, 4, 100], "ok": True}
+    projections = {key: [100, 100, False] for key in ("W_q", "W_k", "W_v", "W_o")}  # the page's printed module
+    assert checks.self_attention_shape() == {
+        "shape": [2, 4, 100], "expected": [2, 4, 100], "ok": True, "projections": projections
+    }  # fmt: skip
 
 
 # Section 2 ------------------------------------------------------------------------------------

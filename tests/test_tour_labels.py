@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from selfattn.functional import sinusoidal_table
-from selfattn.tour import checks, claims, parallel, runner, taylor
+from selfattn.tour import checks, claims, parallel, report, runner, taylor
 from selfattn.tour.report import page_text, render_report
 
 TINY = runner.TourSizes(
@@ -270,3 +270,14 @@ def test_every_measured_claim_has_a_test_that_changes_its_experiment(tiny):
                 if c["evidence"] == "measured"}  # fmt: skip
     assert measured - COVERED == set()
     assert {"sequential-prevents-parallel", "attend-by-relative", "long-range"} <= measured
+
+
+def test_counts_and_sentences_read_as_english_when_a_list_is_empty_or_one(tiny):
+    results = copy.deepcopy(tiny["results"])
+    results["claims"] = [claims._base._claim("x", "note", "q", "s", "measured", 1, "e", None, basis="b")]
+    assert "1 is undecided because its timing is noise" in render_report(results, {})  # was "1 are ... their"
+    for cells in results["long_range"]["by_distance"].values():
+        for cell in cells.values():
+            cell.update(reached=cell["seeds"], steps_to_target=25)
+    sentences = report._long_range_context(results)["long_range_sentences"]
+    assert sentences and not any("n = none" in s for s in sentences)  # was "no seed within ... steps at n = none"
