@@ -14,10 +14,11 @@ from __future__ import annotations
 import html
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from selfattn.study.deep_stack import measure_deep_stack
+from selfattn.study.deep_stack import ENCODINGS, VARIANTS, measure_deep_stack
 from selfattn.tour._html import figure_html
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "CONVERGING",
     "by_depth_html",
     "measure",
+    "progress_count",
     "section_html",
     "study_by_depth",
     "study_deep_stack",
@@ -46,14 +48,28 @@ _VARIANT_LABELS = {
 }
 
 
-def measure(*, depth: int, seeds: int, quick: bool = False) -> dict[str, Any]:
-    """The untrained measurement the tour shows: every encoding; all four variants unless ``quick``."""
+_QUICK_VARIANTS = ("residual", "no_residual")
+
+
+def measure(
+    *, depth: int, seeds: int, quick: bool = False, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """The untrained measurement the tour shows: every encoding; all four variants unless ``quick``.
+
+    ``progress`` is called once per encoding and variant (:func:`progress_count` times), so a
+    progress bar moves during the minute this takes.
+    """
     if quick:
         return measure_deep_stack(
-            depth=depth, seeds=seeds, variants=("residual", "no_residual"), num_hiddens=16, num_heads=2,
-            ffn_hiddens=32, num_steps=16, num_sequences=32, test_sequences=8, train_steps=0,
+            depth=depth, seeds=seeds, variants=_QUICK_VARIANTS, num_hiddens=16, num_heads=2,
+            ffn_hiddens=32, num_steps=16, num_sequences=32, test_sequences=8, train_steps=0, progress=progress,
         )  # fmt: skip
-    return measure_deep_stack(depth=depth, seeds=seeds, train_steps=0)
+    return measure_deep_stack(depth=depth, seeds=seeds, train_steps=0, progress=progress)
+
+
+def progress_count(*, depth: int, seeds: int, quick: bool = False) -> int:
+    """How many times :func:`measure` calls ``progress``: once per encoding and variant."""
+    return len(ENCODINGS) * (len(_QUICK_VARIANTS) if quick else len(VARIANTS))
 
 
 def study_deep_stack(study_dir: Path | str | None) -> dict[str, Any] | None:

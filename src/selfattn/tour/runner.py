@@ -272,7 +272,7 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     results["exercises"] = _exercises(sizes, tick)
     results["family"] = _family(sizes, tick)
     with single_threaded():  # 120 stacks of tiny float64 matrices: a second thread costs more than it gives
-        results["depth"] = depth.measure(**sizes.depth)
+        results["depth"] = depth.measure(**sizes.depth, progress=tick)  # a tick per encoding and variant
     tick("8. deep stacks")
     return results
 
@@ -690,14 +690,15 @@ exercises, the deep stacks."""
 
 
 def progress_steps(sizes: TourSizes, *, with_trained_figure: bool = False) -> int:
-    """Steps of :func:`run_tour`'s progress bar: :func:`compute`'s, ten figures (eleven with a study's trained
-    stacks) plus one per encoding, and the report."""
+    """Steps of :func:`run_tour`'s progress bar: :func:`compute`'s (the deep stacks' one per encoding and variant
+    among them), ten figures (eleven with a study's trained stacks) plus one per encoding, and the report."""
     sweep = sizes.comparison
     comparison_count = comparison.comparison_steps(
         sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
     )
     family_count = len(family.family_names())
-    return COMPUTE_STEPS + comparison_count + 2 * family_count + 10 + with_trained_figure + 1
+    stacks = depth.progress_count(**sizes.depth)
+    return COMPUTE_STEPS + comparison_count + 2 * family_count + stacks + 10 + with_trained_figure + 1
 
 
 def _prepare_output(out_dir: Path, shown: Path) -> Path:
