@@ -19,15 +19,19 @@ from selfattn.tour import checks, claims, family, qualities, runner
 from selfattn.tour.report import render_report
 
 SECTION_FIGURES = (
-    "attention_weights",
+    "attention_weights-valid_len_3",
+    "attention_weights-valid_len_5",
     "permutation",
     "comparison",
     "comparison_stacked",
     "pe_columns",
-    "pe_heatmap",
-    "absolute",
+    "pe_heatmap-table",
+    "pe_heatmap-bits",
+    "absolute-distance",
+    "absolute-precision",
     "relative",
-    "note",
+    "note-score_terms",
+    "note-tokens",
 )
 FAMILY_PANELS = ("scores", "profile", "attention")
 
@@ -52,7 +56,7 @@ def test_tour_passes_and_prints_a_summary(tour):
 
 def test_every_figure_is_written_as_png_and_svg(tour):
     folder = tour["out"] / "figures"
-    # The family's and the deep stacks' figures are drawn panel by panel (name-part), so they can stack when narrow.
+    # Figures of several panels are drawn panel by panel (name-part), so the report can stack them when narrow.
     names = [
         *SECTION_FIGURES,
         *(f"family_{name}-{panel}" for name in family.family_names() for panel in FAMILY_PANELS),

@@ -24,7 +24,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "absolute_figure",
+    "absolute_figures",
     "attention_weights_figure",
+    "attention_weights_figures",
     "comparison_figure",
     "deep_stack_figure",
     "deep_stack_figures",
@@ -32,8 +34,10 @@ __all__ = [
     "encoding_panel_figures",
     "heatmap_figure",
     "note_figure",
+    "note_figures",
     "pe_columns_figure",
     "pe_heatmap_figure",
+    "pe_heatmap_figures",
     "permutation_figure",
     "profile_figure",
     "relative_figure",
@@ -52,6 +56,12 @@ def _figure(width: float, height: float, columns: int = 1, rows: int = 1) -> tup
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, columns, squeeze=False)
     return fig, list(axes.ravel())
+
+
+def _apart(width: float, height: float, count: int) -> tuple[list[Figure], list[Axes]]:
+    """``count`` figures of one panel each, ``width`` x ``height`` inches apiece, and their axes."""
+    drawn = [_figure(width, height) for _ in range(count)]
+    return [fig for fig, _ in drawn], [axes[0] for _, axes in drawn]
 
 
 def save_figure(fig: Figure, directory: Path | str, name: str) -> list[Path]:
@@ -91,10 +101,10 @@ def _heatmap(
     fig.colorbar(image, ax=ax, label=colorbar, shrink=0.9)
 
 
-def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> Figure:
-    """Section 1: one heat map per sequence of the batch, masked keys at exactly 0."""
-    fig, axes = _figure(4.2 * len(valid_lens), 3.6, columns=len(valid_lens))
-    for ax, sequence, valid_len in zip(axes, weights, valid_lens, strict=True):
+def _draw_attention_weights(
+    figs: list[Figure], axes: list[Axes], weights: np.ndarray, valid_lens: Sequence[int], head: int
+) -> None:
+    for fig, ax, sequence, valid_len in zip(figs, axes, weights, valid_lens, strict=True):
         _heatmap(
             fig,
             ax,
@@ -108,7 +118,20 @@ def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], hea
         )
         ax.axvline(valid_len - 0.5, color="tab:red", linestyle="--", linewidth=1.2, label="masked keys start")
         ax.legend(loc="lower left", fontsize=8)
+
+
+def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> Figure:
+    """Section 1: one heat map per sequence of the batch, masked keys at exactly 0."""
+    fig, axes = _figure(4.2 * len(valid_lens), 3.6, columns=len(valid_lens))
+    _draw_attention_weights([fig] * len(axes), axes, weights, valid_lens, head)
     return fig
+
+
+def attention_weights_figures(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> dict[str, Figure]:
+    """The panels of :func:`attention_weights_figure`, each its own figure (the report wraps them when narrow)."""
+    figs, axes = _apart(4.2, 3.6, len(valid_lens))
+    _draw_attention_weights(figs, axes, weights, valid_lens, head)
+    return {f"valid_len_{valid_len}": fig for fig, valid_len in zip(figs, valid_lens, strict=True)}
 
 
 def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure:
@@ -217,8 +240,20 @@ def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figu
         fig, axes = _figure(4.6, 4.4)
     else:
         fig, axes = _figure(8.2, 4.4, columns=2)
+    _draw_pe_heatmap([fig] * len(axes), axes, table, bits)
+    return fig
+
+
+def pe_heatmap_figures(table: np.ndarray, bits: np.ndarray) -> dict[str, Figure]:
+    """The two panels of :func:`pe_heatmap_figure`, each its own figure (the report wraps them when narrow)."""
+    figs, axes = _apart(4.6, 4.4, 2)
+    _draw_pe_heatmap(figs, axes, table, bits)
+    return dict(zip(("table", "bits"), figs, strict=True))
+
+
+def _draw_pe_heatmap(figs: list[Figure], axes: list[Axes], table: np.ndarray, bits: np.ndarray | None) -> None:
     _heatmap(
-        fig,
+        figs[0],
         axes[0],
         table,
         xlabel="Column (encoding dimension)",
@@ -231,7 +266,7 @@ def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figu
     if bits is not None:
         width = bits.shape[1]
         _heatmap(
-            fig,
+            figs[1],
             axes[1],
             bits,
             xlabel="Bit",
@@ -252,12 +287,23 @@ def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figu
                     va="center",
                     color="white" if bits[row, col] else "black",
                 )
-    return fig
 
 
 def absolute_figure(curves: dict[str, Any], precision: dict[str, Any]) -> Figure:
     """Section 5: distance between positions i and i + delta along i, and float32 drift far out."""
     fig, axes = _figure(10.5, 3.6, columns=2)
+    _draw_absolute(axes, curves, precision)
+    return fig
+
+
+def absolute_figures(curves: dict[str, Any], precision: dict[str, Any]) -> dict[str, Figure]:
+    """The two panels of :func:`absolute_figure`, each its own figure (the report wraps them when narrow)."""
+    figs, axes = _apart(5.25, 3.6, 2)
+    _draw_absolute(axes, curves, precision)
+    return dict(zip(("distance", "precision"), figs, strict=True))
+
+
+def _draw_absolute(axes: list[Axes], curves: dict[str, Any], precision: dict[str, Any]) -> None:
     for delta, gaps in zip(curves["deltas"], curves["distances"], strict=True):
         axes[0].plot(np.arange(len(gaps)), gaps, label=f"delta = {delta}")
     axes[0].set_xlabel("position i")
@@ -273,7 +319,6 @@ def absolute_figure(curves: dict[str, Any], precision: dict[str, Any]) -> Figure
     axes[1].set_title("Far positions: float32 angles drift")
     axes[1].legend(fontsize=8)
     axes[1].grid(True, which="both", alpha=0.3)
-    return fig
 
 
 def relative_figure(similarity: dict[str, Any]) -> Figure:
@@ -487,6 +532,18 @@ def deep_stack_figures(deep: dict[str, Any], which: str = "untrained") -> dict[s
 def note_figure(terms: dict[str, Any], survival: dict[str, Any]) -> Figure:
     """The study note's two questions: what each term contributes to the scores, what survives of a token."""
     fig, axes = _figure(10.5, 3.6, columns=2)
+    _draw_note(axes, terms, survival)
+    return fig
+
+
+def note_figures(terms: dict[str, Any], survival: dict[str, Any]) -> dict[str, Figure]:
+    """The two panels of :func:`note_figure`, each its own figure (the report wraps them when narrow)."""
+    figs, axes = _apart(5.25, 3.6, 2)
+    _draw_note(axes, terms, survival)
+    return dict(zip(("score_terms", "tokens"), figs, strict=True))
+
+
+def _draw_note(axes: list[Axes], terms: dict[str, Any], survival: dict[str, Any]) -> None:
     labels = ["content-content", "content-position", "position-position"]
     keys = ["content_content", "content_position", "position_position"]
     width = 0.8 / len(terms["scales"])
@@ -509,4 +566,3 @@ def note_figure(terms: dict[str, Any], survival: dict[str, Any]) -> Figure:
     axes[1].set_title(f"Nearest of {survival['vocabulary']:,} tokens to E[t] + P[i]")
     axes[1].legend(fontsize=8)
     axes[1].grid(True, alpha=0.3)
-    return fig

@@ -568,17 +568,17 @@ def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], 
     masked = results["self_attention"]["masked"]
     pe = results["positional_encoding"]
     drawings: dict[str, Callable[[], Figure | dict[str, Figure]]] = {
-        "attention_weights": lambda: figures.attention_weights_figure(masked["weights"], masked["valid_lens"]),
+        "attention_weights": lambda: figures.attention_weights_figures(masked["weights"], masked["valid_lens"]),
         "permutation": lambda: figures.permutation_figure(
             results["permutation"]["without_pe_error"], results["permutation"]["with_pe_change"]
         ),
         "comparison": lambda: figures.comparison_figure(results["comparison"]),
         "comparison_stacked": lambda: figures.comparison_figure(results["comparison"], stacked=True),
         "pe_columns": lambda: figures.pe_columns_figure(pe["column_values"], pe["columns"], pe["column_periods"]),
-        "pe_heatmap": lambda: figures.pe_heatmap_figure(pe["table"], checks.bit_matrix(8)),
-        "absolute": lambda: figures.absolute_figure(results["absolute"]["curves"], results["absolute"]["precision"]),
+        "pe_heatmap": lambda: figures.pe_heatmap_figures(pe["table"], checks.bit_matrix(8)),
+        "absolute": lambda: figures.absolute_figures(results["absolute"]["curves"], results["absolute"]["precision"]),
         "relative": lambda: figures.relative_figure(results["relative"]["similarity"]),
-        "note": lambda: figures.note_figure(results["note"]["taylor"], results["note"]["embedding"]),
+        "note": lambda: figures.note_figures(results["note"]["taylor"], results["note"]["embedding"]),
     }
     for name, diag in results["family"]["encodings"].items():
         drawings[f"family_{name}"] = functools.partial(figures.encoding_panel_figures, diag)
