@@ -60,17 +60,17 @@ def test_summary_and_claim_follow_the_steps_and_can_say_the_claim_fails():
     summary = long_range.summarize_by_distance(runs)
     assert summary["self_attention"]["8"]["steps_to_target"] == 75 and summary["rnn"]["8"]["reached"] == 1
     settings = {"budget": 100, "target": 0.9, "check_every": 50, "max_steps": 500}
-    found = claims._long_range_claim({"settings": settings, "by_distance": summary})
+    found = claims.long_range_claim({"settings": settings, "by_distance": summary})
     assert found["evidence"] == "measured" and found["holds"] is True
     slow = [*runs[2:], _run("self_attention", 8, 0, 500), _run("self_attention", 8, 1, 500)]
-    found = claims._long_range_claim({"settings": settings, "by_distance": long_range.summarize_by_distance(slow)})
+    found = claims.long_range_claim({"settings": settings, "by_distance": long_range.summarize_by_distance(slow)})
     assert (
         found["holds"] is False
         and "n=8: self_attention (path 1) slower than cnn (path 4)" in found["number"]["exceptions"]
     )
-    smoke = claims._long_range_claim({"settings": settings, "by_distance": summary, "quick": True})
+    smoke = claims.long_range_claim({"settings": settings, "by_distance": summary, "quick": True})
     assert smoke["evidence"] == "not shown" and "smoke test" in smoke["basis"]
-    absent = claims._long_range_claim(None)
+    absent = claims.long_range_claim(None)
     assert absent["evidence"] == "not shown" and "selfattn study --exercises" in absent["basis"]
 
 

@@ -99,7 +99,8 @@ document.getElementById("frame").addEventListener("load", function () {{
   }});
   var images = Array.prototype.map.call(doc.images, function (img) {{
     return {{src: img.currentSrc.split("/").pop(), loaded: img.complete && img.naturalWidth > 0,
-      natural: [img.naturalWidth, img.naturalHeight], shown: Math.ceil(img.getBoundingClientRect().right)}};
+      natural: [img.naturalWidth, img.naturalHeight], shown: Math.ceil(img.getBoundingClientRect().right),
+      width: Math.round(img.getBoundingClientRect().width), panel: img.closest(".panel-row") !== null}};
   }});
   var scrollers = Array.prototype.map.call(doc.querySelectorAll(".table-scroll"), function (box) {{
     return {{right: Math.ceil(box.getBoundingClientRect().right), inner: box.scrollWidth, outer: box.clientWidth,
@@ -123,7 +124,8 @@ def framed(page, width, height=2000):
 
 def page_widths(browser, tmp_path, page, width):
     """``{"scroll", "viewport", "widest", "culprit", "images", "scrollers", "tables", "wrapped"}`` of ``page``
-    laid out ``width`` px wide: each image's chosen file, whether it loaded, its natural size and right edge; each
+    laid out ``width`` px wide: each image's chosen file, whether it loaded, its natural size, right edge, shown
+    width and whether it is one panel of a figure drawn panel by panel; each
     table box's right edge, inner and outer width and overflow style; how many tables, how many in a box."""
     dom = run_browser(
         browser,
@@ -173,8 +175,11 @@ def test_every_image_of_the_report_loads(browser, report, tmp_path):
 
 def test_a_missing_image_would_be_caught(browser, report, tmp_path):
     page = report / "control.html"
-    page.write_text('<html><body><img src="figures/depth.png"><img src="figures/not-there.png"></body></html>')
-    assert image_status(browser, tmp_path, page) == [("ok", "figures/depth.png"), ("broken", "figures/not-there.png")]
+    page.write_text('<html><body><img src="figures/depth-residual.png"><img src="figures/not-there.png"></body></html>')
+    assert image_status(browser, tmp_path, page) == [
+        ("ok", "figures/depth-residual.png"),
+        ("broken", "figures/not-there.png"),
+    ]
 
 
 def test_screenshot_of_the_report_is_not_blank(browser, report, tmp_path):
@@ -200,6 +205,16 @@ def test_nothing_overflows_at_420_px(browser, report, tmp_path):
     assert widths["viewport"] == 420
     assert widths["scroll"] <= 420, widths
     assert widths["widest"] <= 420, widths
+
+
+def shrunken_panels(widths, viewport):
+    """The panels of a figure drawn panel by panel that are shown at under 3/4 of the size they were drawn at
+    (or of the page's width, when that is smaller): their labels would be too small to read."""
+    return [
+        image
+        for image in widths["images"]
+        if image["panel"] and image["width"] < 0.75 * min(image["natural"][0], viewport - 40)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +250,23 @@ def test_an_overflowing_table_would_be_caught(browser, report, tmp_path):
     cells = "".join(f"<td>column-{i}-with-a-long-unbreakable-name</td>" for i in range(20))
     page.write_text(f"<html><body><table><tr>{cells}</tr></table></body></html>")
     assert page_widths(browser, tmp_path, page, 420)["scroll"] > 420
+
+
+def test_at_420_px_the_panels_of_the_family_and_depth_figures_stack_at_a_readable_size(narrow):
+    panels = [image for image in narrow["images"] if image["panel"]]
+    assert {image["src"].split("-")[0] for image in panels} >= {"depth", "family_sinusoidal", "family_rotary"}
+    assert shrunken_panels(narrow, 420) == []
+    assert all(image["width"] >= 300 for image in panels)  # one panel a row, not three squeezed into 400 px
+
+
+def test_a_squeezed_panel_would_be_caught(browser, report, tmp_path):
+    page = report / "squeezed.html"
+    images = "".join(f'<img src="figures/depth-{v}.png" style="width:24%">' for v in ("residual", "no_residual"))
+    page.write_text(f'<html><body><div class="panel-row">{images}</div></body></html>')
+    assert len(shrunken_panels(page_widths(browser, tmp_path, page, 420), 420)) == 2
+
+
+def test_at_1280_px_no_table_is_cut_inside_its_box(browser, report, tmp_path):
+    widths = page_widths(browser, tmp_path, report / "report.html", 1280)
+    assert widths["scrollers"]
+    assert [box for box in widths["scrollers"] if box["inner"] > box["outer"]] == []  # the deep-stack table too

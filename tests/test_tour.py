@@ -19,17 +19,21 @@ from selfattn.tour import checks, claims, family, qualities, runner
 from selfattn.tour.report import render_report
 
 SECTION_FIGURES = (
-    "attention_weights",
+    "attention_weights-valid_len_3",
+    "attention_weights-valid_len_5",
     "permutation",
     "comparison",
     "comparison_stacked",
     "pe_columns",
-    "pe_heatmap",
-    "absolute",
+    "pe_heatmap-table",
+    "pe_heatmap-bits",
+    "absolute-distance",
+    "absolute-precision",
     "relative",
-    "note",
-    "depth",
+    "note-score_terms",
+    "note-tokens",
 )
+FAMILY_PANELS = ("scores", "profile", "attention")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,12 @@ def test_tour_passes_and_prints_a_summary(tour):
 
 def test_every_figure_is_written_as_png_and_svg(tour):
     folder = tour["out"] / "figures"
-    names = list(SECTION_FIGURES) + [f"family_{name}" for name in family.family_names()]
+    # Figures of several panels are drawn panel by panel (name-part), so the report can stack them when narrow.
+    names = [
+        *SECTION_FIGURES,
+        *(f"family_{name}-{panel}" for name in family.family_names() for panel in FAMILY_PANELS),
+        *(f"depth-{variant}" for variant in tour["results"]["depth"]["variants"]),
+    ]
     for name in names:
         png, svg = folder / f"{name}.png", folder / f"{name}.svg"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -167,7 +176,10 @@ def test_attention_weights_match_a_naive_masked_softmax():
 
 
 def test_self_attention_keeps_the_chapter_shape():
-    assert checks.self_attention_shape() == {"shape": [2, 4, 100], "expected": [2, 4, 100], "ok": True}
+    projections = {key: [100, 100, False] for key in ("W_q", "W_k", "W_v", "W_o")}  # the page's printed module
+    assert checks.self_attention_shape() == {
+        "shape": [2, 4, 100], "expected": [2, 4, 100], "ok": True, "projections": projections
+    }  # fmt: skip
 
 
 # Section 2 ------------------------------------------------------------------------------------

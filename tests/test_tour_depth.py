@@ -90,6 +90,13 @@ def test_deep_stack_figure_has_a_panel_per_metric_and_variant(tmp_path, measured
     assert [line.get_label() for line in fig.axes[0].lines] == list(measured["untrained"])
     png, svg = figures.save_figure(figures.deep_stack_figure(measured, "trained"), tmp_path, "depth_trained")
     assert png.stat().st_size > 5000 and "<svg" in svg.read_text()[:2000]
+    # The report's version: one figure per block kind, its four metrics stacked, so narrow windows stack them.
+    panels = figures.deep_stack_figures(measured)
+    assert list(panels) == list(next(iter(measured["untrained"].values())))
+    for variant, panel in panels.items():
+        assert len(panel.axes) == 4 and panel.axes[0].get_title() == variant.replace("_", " ")
+        assert [line.get_label() for line in panel.axes[0].lines] == list(measured["untrained"])
+    assert panels[next(iter(panels))].axes[0].get_legend() is not None
 
 
 def test_tour_with_a_missing_study_fails_at_once_with_one_line(tmp_path, capsys):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from selfattn.functional import sinusoidal_table
-from selfattn.tour import checks, claims, exercises, parallel, runner, taylor
+from selfattn.tour import checks, claims, parallel, report, runner, taylor
 from selfattn.tour.report import page_text, render_report
 
 TINY = runner.TourSizes(
@@ -43,7 +43,7 @@ DERIVED = (
     "cnn-sequential", "rnn-sequential", "self-attention-sequential",  # chains fixed by how each layer is written
     "cnn-path", "rnn-path", "self-attention-path", "x1-x5", "shortest-path", "one-hop",  # +1 per product
     "bits-alternate", "higher-bit-lower-frequency",  # integer arithmetic
-    "self-attention-shape", "odd-width-summary",  # how the layer and the recipes are written
+    "self-attention-shape", "odd-width-summary", "printed-module",  # how the layer and the recipes are written
 )  # fmt: skip
 IDENTITY = (
     "columns-frequency", "columns-offset", "frequency-falls", "rotation", "rotation-independent-of-i", "tabs-agree",
@@ -220,21 +220,6 @@ def test_the_tour_trains_an_answer_to_each_exercise(tiny):
     assert "The exercises are answered with trained models by" not in page
 
 
-def test_trained_encodings_beat_chance_and_only_the_offsets_carry_past_the_training_length():
-    found = exercises.encodings_by_length(train_steps=150, eval_samples=64, encodings=("learned", "shaw"))
-    chance = found["chance"]
-    for name in ("learned", "shaw"):
-        assert found["encodings"][name]["by_length"]["16"]["all"] > chance + 0.5, name  # it trained
-    assert found["encodings"]["learned"]["by_length"]["32"]["past_train_len"] < chance + 0.15  # untrained rows
-    assert found["encodings"]["shaw"]["by_length"]["32"]["past_train_len"] > 0.8
-    with pytest.raises(ValueError, match="delta must be in"):
-        exercises.encodings_by_length(delta=16)
-    with pytest.raises(ValueError, match="eval_lens must be at least train_len"):
-        exercises.encodings_by_length(eval_lens=(8,))
-    with pytest.raises(ValueError, match="encodings must be among"):
-        exercises.encodings_by_length(encodings=("alibi",))
-
-
 def test_the_progress_bar_moves_on_each_trained_and_timed_step(tiny):
     ticks = tiny["ticks"]
     for step in ("trained: copy at an offset", "trained: with and without P", "timed: threads"):
@@ -273,3 +258,26 @@ def test_a_studys_longer_runs_replace_the_tours_with_their_provenance(tiny, tmp_
     (tmp_path / "exercises.json").write_text(json.dumps({**study, "quick": True}))  # a smoke test decides nothing
     runner._trained_answers(results, tmp_path)
     assert results["long_range"]["source"] == results["depth_by_depth"]["source"] == runner.TOUR_TRAINED
+
+
+def test_every_measured_claim_has_a_test_that_changes_its_experiment(tiny):
+    from test_tour_measured import COVERED
+
+    # Each measured claim of the run is shown, in test_tour_measured.py or where COVERED_ELSEWHERE says, to change
+    # its verdict when its data, model or setting changes; a new measured claim without such a test fails here.
+    quiet = _quiet(tiny["results"], {"cnn": [1.8, 1.7], "rnn": [1.0, 0.9], "self_attention": [1.9, 1.6]})
+    measured = {c["id"] for found in (tiny["results"]["claims"], claims.claims(quiet)) for c in found
+                if c["evidence"] == "measured"}  # fmt: skip
+    assert measured - COVERED == set()
+    assert {"sequential-prevents-parallel", "attend-by-relative", "long-range"} <= measured
+
+
+def test_counts_and_sentences_read_as_english_when_a_list_is_empty_or_one(tiny):
+    results = copy.deepcopy(tiny["results"])
+    results["claims"] = [claims._base._claim("x", "note", "q", "s", "measured", 1, "e", None, basis="b")]
+    assert "1 is undecided because its timing is noise" in render_report(results, {})  # was "1 are ... their"
+    for cells in results["long_range"]["by_distance"].values():
+        for cell in cells.values():
+            cell.update(reached=cell["seeds"], steps_to_target=25)
+    sentences = report._long_range_context(results)["long_range_sentences"]
+    assert sentences and not any("n = none" in s for s in sentences)  # was "no seed within ... steps at n = none"

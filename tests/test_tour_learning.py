@@ -1,17 +1,21 @@
 """The tour's trained and timed experiments: each finds what it should, and each can fail.
 
 A test that cannot fail is a defect: the offset experiment is run with P's rows shuffled (no
-position to attend by), the "not harmful" experiment with a P thirty times too large.
+position to attend by) and with P a twentieth of its size (the claims that read it then fail), the
+"not harmful" experiment with a P thirty times too large.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
 
-from selfattn.tour import harmless, offset, parallel
+from selfattn.functional import sinusoidal_table
+from selfattn.tour import checks, harmless, offset, parallel
+from selfattn.tour.claims import positions
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,37 @@ def test_without_p_or_with_shuffled_rows_it_cannot(offset_runs):
         # Spread over the keys as if position did not exist: about 1/n on key i - delta.
         assert run["weight_on_offset"] < 2 / offset_runs["config"]["num_steps"], name
         assert run["position_r2"] < 0.1, name  # nothing in the output says where a token sits
+
+
+def _by_id(found):
+    return {c["id"]: c for c in found}
+
+
+def _offset_claims(runs, with_pe_change):
+    results = {
+        "permutation": {"with_pe_change": with_pe_change},
+        "relative": {"fitted_rotation": {"residual_max": 0.0}},  # the identity of P the shift claim also cites
+        "learning": {"offset": runs},
+    }
+    return _by_id(positions._offset_claims(results))
+
+
+def test_the_offset_claims_fail_when_p_is_scaled_down_to_a_twentieth(offset_runs):
+    base = offset_runs
+    # The same layer, task and steps, with P / 20: the tokens keep almost no position to attend by.
+    faint = offset.attend_by_offset(
+        max_train_steps=150, eval_samples=256, position_scale=0.05, variants=("sinusoidal",)
+    )
+    changed = copy.deepcopy(base)
+    changed["variants"]["sinusoidal"] = faint["variants"]["sinusoidal"]
+    with_p = checks.permutation_check()["with_pe_change"]
+    faint_rows = checks.permutation_check(position_rows=0.05 * sinusoidal_table(10, 32, dtype=torch.float64))
+    before = _offset_claims(base, with_p)
+    after = _offset_claims(changed, faint_rows["with_pe_change"])
+    for name in ("attend-by-relative", "shift-by-five", "remember-position", "inject-position"):
+        assert before[name]["evidence"] == after[name]["evidence"] == "measured", name
+        assert before[name]["holds"] is True and after[name]["holds"] is False, (name, after[name]["number"])
+    assert faint["variants"]["sinusoidal"]["position_r2"] < 0.5 <= base["variants"]["sinusoidal"]["position_r2"]
 
 
 def test_offset_experiment_rejects_bad_arguments():

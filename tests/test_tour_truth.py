@@ -240,19 +240,19 @@ def test_numbers_have_thousands_separators_and_ratios_say_so():
 
 def test_claims_need_a_known_page_evidence_and_basis():
     with pytest.raises(ValueError, match="page must be one of"):
-        claims._claim("x", "blog", "q", "s", "measured", 1, "e", True)
+        claims._base._claim("x", "blog", "q", "s", "measured", 1, "e", True)
     with pytest.raises(ValueError, match="page must be one of"):
-        claims._claim("x", "note", "q", "s", "measured", 1, "e", True, also_on=("tour",))
+        claims._base._claim("x", "note", "q", "s", "measured", 1, "e", True, also_on=("tour",))
     with pytest.raises(ValueError, match="evidence must be one of"):
-        claims._claim("x", "note", "q", "s", "guessed", 1, "e", True)
+        claims._base._claim("x", "note", "q", "s", "guessed", 1, "e", True)
     with pytest.raises(ValueError, match="needs a basis"):
-        claims._claim("x", "note", "q", "s", "derived", 1, "e", True)
+        claims._base._claim("x", "note", "q", "s", "derived", 1, "e", True)
     with pytest.raises(ValueError, match="holds must be None when evidence is 'not shown'"):
-        claims._claim("x", "note", "q", "s", "not shown", None, "e", False, basis="b")
+        claims._base._claim("x", "note", "q", "s", "not shown", None, "e", False, basis="b")
     with pytest.raises(ValueError, match="undecided measured claim needs a basis"):
-        claims._claim("x", "note", "q", "s", "measured", 1, "e", None)
+        claims._base._claim("x", "note", "q", "s", "measured", 1, "e", None)
     with pytest.raises(ValueError, match="a identity claim is decided"):
-        claims._claim("x", "note", "q", "s", "identity", 1, "e", None, basis="b")
+        claims._base._claim("x", "note", "q", "s", "identity", 1, "e", None, basis="b")
 
 
 # The binary analogy, the phase of the columns, the note's equation ---------------------------------------

@@ -43,14 +43,22 @@ __all__ = [
 def self_attention_shape(
     num_hiddens: int = 100, num_heads: int = 5, batch_size: int = 2, num_queries: int = 4
 ) -> dict[str, object]:
-    """The chapter's first cell: self-attention keeps the input's shape."""
+    """The chapter's first cell: self-attention keeps the input's shape.
+
+    ``projections``: each of the layer's four projections as ``[in_features, out_features, has_bias]``
+    (the frameworks page prints its PyTorch layer's).
+    """
     mha = MultiHeadAttention(num_hiddens, num_heads, 0.5).eval()
     X = torch.ones(batch_size, num_queries, num_hiddens)
     valid_lens = torch.tensor([3, 2])
     with torch.no_grad():
         shape = tuple(mha(X, X, X, valid_lens).shape)
     expected = (batch_size, num_queries, num_hiddens)
-    return {"shape": list(shape), "expected": list(expected), "ok": shape == expected}
+    projections = {
+        name: [layer.in_features, layer.out_features, layer.bias is not None]
+        for name, layer in (("W_q", mha.W_q), ("W_k", mha.W_k), ("W_v", mha.W_v), ("W_o", mha.W_o))
+    }
+    return {"shape": list(shape), "expected": list(expected), "ok": shape == expected, "projections": projections}
 
 
 def masked_attention_weights(
@@ -131,19 +139,22 @@ def permutation_check(
     }
 
 
-def order_sensitivity(num_hiddens: int = 16, num_steps: int = 10, seed: int = 0) -> dict[str, float]:
+def order_sensitivity(
+    num_hiddens: int = 16, num_steps: int = 10, seed: int = 0, kernel_size: int = 3
+) -> dict[str, float]:
     """For each layer of section 3, ``max |f(X)[perm] - f(X[perm])|``: 0 when the layer ignores order.
 
     The slides: "unlike CNN/RNN, self-attention does not record position". A convolution sees
     its neighbours and a recurrence its past, so permuting the tokens changes their outputs by
-    more than permuting them; self-attention's outputs only permute. Float64, no P.
+    more than permuting them; self-attention's outputs only permute. Float64, no P. ``kernel_size`` is the
+    convolution's width (1 reads no neighbour, and then the convolution ignores order too).
     """
     from selfattn.tour.comparison import KINDS, make_layer
 
     with seeded(seed):
         X = torch.randn(1, num_steps, num_hiddens, dtype=torch.float64)
         perm = torch.randperm(num_steps)
-        layers = {kind: make_layer(kind, num_hiddens, dtype=torch.float64) for kind in KINDS}
+        layers = {kind: make_layer(kind, num_hiddens, kernel_size=kernel_size, dtype=torch.float64) for kind in KINDS}
     with torch.no_grad():
         return {kind: float((layer(X)[:, perm] - layer(X[:, perm])).abs().max()) for kind, layer in layers.items()}
 

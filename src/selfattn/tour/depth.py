@@ -14,16 +14,19 @@ from __future__ import annotations
 import html
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from selfattn.study.deep_stack import measure_deep_stack
+from selfattn.study.deep_stack import ENCODINGS, VARIANTS, measure_deep_stack
+from selfattn.tour._html import figure_html
 
 __all__ = [
     "COLLAPSED",
     "CONVERGING",
     "by_depth_html",
     "measure",
+    "progress_count",
     "section_html",
     "study_by_depth",
     "study_deep_stack",
@@ -45,14 +48,28 @@ _VARIANT_LABELS = {
 }
 
 
-def measure(*, depth: int, seeds: int, quick: bool = False) -> dict[str, Any]:
-    """The untrained measurement the tour shows: every encoding; all four variants unless ``quick``."""
+_QUICK_VARIANTS = ("residual", "no_residual")
+
+
+def measure(
+    *, depth: int, seeds: int, quick: bool = False, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """The untrained measurement the tour shows: every encoding; all four variants unless ``quick``.
+
+    ``progress`` is called once per encoding and variant (:func:`progress_count` times), so a
+    progress bar moves during the minute this takes.
+    """
     if quick:
         return measure_deep_stack(
-            depth=depth, seeds=seeds, variants=("residual", "no_residual"), num_hiddens=16, num_heads=2,
-            ffn_hiddens=32, num_steps=16, num_sequences=32, test_sequences=8, train_steps=0,
+            depth=depth, seeds=seeds, variants=_QUICK_VARIANTS, num_hiddens=16, num_heads=2,
+            ffn_hiddens=32, num_steps=16, num_sequences=32, test_sequences=8, train_steps=0, progress=progress,
         )  # fmt: skip
-    return measure_deep_stack(depth=depth, seeds=seeds, train_steps=0)
+    return measure_deep_stack(depth=depth, seeds=seeds, train_steps=0, progress=progress)
+
+
+def progress_count(*, depth: int, seeds: int, quick: bool = False) -> int:
+    """How many times :func:`measure` calls ``progress``: once per encoding and variant."""
+    return len(ENCODINGS) * (len(_QUICK_VARIANTS) if quick else len(VARIANTS))
 
 
 def study_deep_stack(study_dir: Path | str | None) -> dict[str, Any] | None:
@@ -225,14 +242,14 @@ def _spread(entry: dict[str, Any] | None, layer: int = -1) -> str:
 
 
 def _figure(figures: dict[str, str], name: str, caption: str) -> str:
-    if name not in figures:
-        return ""
-    png = figures[name]
-    svg = png[: -len(".png")] + ".svg"
-    return (
-        f'<figure id="fig-{_e(name)}"><a href="{_e(svg)}"><img src="{_e(png)}" alt="{_e(caption)}"></a>'
-        f'<figcaption>{_e(caption)} (<a href="{_e(svg)}">SVG</a>)</figcaption></figure>'
-    )
+    return figure_html(figures, name, caption, panel_width=250)
+
+
+def _spread_cell(text: str) -> str:
+    """A table cell for ``mean (low to high)``: the range may go to a second line, so the table fits its box."""
+    mean, _, rest = text.partition(" (")
+    spread = f' <span class="range">({_e(rest)}</span>' if rest else ""
+    return f'<td class="num spread">{_e(mean)}{spread}</td>'
 
 
 def _table(deep: dict[str, Any], which: str) -> str:
@@ -247,10 +264,12 @@ def _table(deep: dict[str, Any], which: str) -> str:
     rows = []
     for encoding, by_variant in deep[which].items():
         for variant in by_variant:
-            cells = [f"<td><code>{_e(encoding)}</code></td><td>{_e(_VARIANT_LABELS.get(variant, variant))}</td>"]
+            cells = [
+                f'<td class="name"><code>{_e(encoding)}</code></td><td>{_e(_VARIANT_LABELS.get(variant, variant))}</td>'
+            ]
             if which == "trained":
                 accuracy = by_variant[variant].get("task_accuracy")
-                cells.append(f'<td class="num">{_e(_spread(_scalar_as_layers(accuracy)))}</td>')
+                cells.append(_spread_cell(_spread(_scalar_as_layers(accuracy))))
             for metric, layer in (
                 ("position_r2", -1),
                 ("order_accuracy", -1),
@@ -258,9 +277,7 @@ def _table(deep: dict[str, Any], which: str) -> str:
                 ("position_share", 1),
                 ("position_share", -1),
             ):
-                cells.append(
-                    f'<td class="num">{_e(_spread(_metric(deep, which, encoding, variant, metric), layer))}</td>'
-                )
+                cells.append(_spread_cell(_spread(_metric(deep, which, encoding, variant, metric), layer)))
             rows.append("<tr>" + "".join(cells) + "</tr>")
     return f'<div class="table-scroll"><table><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table></div>'
 

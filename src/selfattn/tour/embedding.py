@@ -31,16 +31,23 @@ def _recovery(embeddings: torch.Tensor, table: torch.Tensor) -> tuple[float, flo
 
 
 def embedding_survival(
-    sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256), vocabulary: int = 512, num_positions: int = 32, seed: int = 0
+    sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256),
+    vocabulary: int = 512,
+    num_positions: int = 32,
+    seed: int = 0,
+    scale: float = 1.0,
 ) -> dict[str, object]:
-    """Nearest-token recovery after adding P, for each model size d in ``sizes``."""
+    """Nearest-token recovery after adding P, for each model size d in ``sizes``.
+
+    ``scale`` is the standard deviation of the drawn embeddings (1: ``nn.Embedding``'s default).
+    """
     vocabulary = require_positive_int("vocabulary", vocabulary)
     num_positions = require_positive_int("num_positions", num_positions)
     rows: dict[str, list[float]] = {"recovered": [], "cosine": [], "recovered_unit": [], "cosine_unit": []}
     with seeded(seed):
         for d in sizes:
             d = require_positive_int("sizes", d)
-            embeddings = torch.randn(vocabulary, d, dtype=torch.float64)  # nn.Embedding's N(0, 1)
+            embeddings = scale * torch.randn(vocabulary, d, dtype=torch.float64)  # nn.Embedding's N(0, 1) at scale 1
             table = sinusoidal_table(num_positions, d, dtype=torch.float64)  # (n, d)
             recovered, cosine = _recovery(embeddings, table)
             unit = embeddings / embeddings.norm(dim=-1, keepdim=True)
@@ -49,4 +56,4 @@ def embedding_survival(
             rows["cosine"].append(cosine)
             rows["recovered_unit"].append(recovered_unit)
             rows["cosine_unit"].append(cosine_unit)
-    return {"sizes": list(sizes), "vocabulary": vocabulary, "num_positions": num_positions, **rows}
+    return {"sizes": list(sizes), "vocabulary": vocabulary, "num_positions": num_positions, "scale": scale, **rows}

@@ -24,14 +24,20 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "absolute_figure",
+    "absolute_figures",
     "attention_weights_figure",
+    "attention_weights_figures",
     "comparison_figure",
     "deep_stack_figure",
+    "deep_stack_figures",
     "encoding_panel_figure",
+    "encoding_panel_figures",
     "heatmap_figure",
     "note_figure",
+    "note_figures",
     "pe_columns_figure",
     "pe_heatmap_figure",
+    "pe_heatmap_figures",
     "permutation_figure",
     "profile_figure",
     "relative_figure",
@@ -50,6 +56,12 @@ def _figure(width: float, height: float, columns: int = 1, rows: int = 1) -> tup
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, columns, squeeze=False)
     return fig, list(axes.ravel())
+
+
+def _apart(width: float, height: float, count: int) -> tuple[list[Figure], list[Axes]]:
+    """``count`` figures of one panel each, ``width`` x ``height`` inches apiece, and their axes."""
+    drawn = [_figure(width, height) for _ in range(count)]
+    return [fig for fig, _ in drawn], [axes[0] for _, axes in drawn]
 
 
 def save_figure(fig: Figure, directory: Path | str, name: str) -> list[Path]:
@@ -89,10 +101,10 @@ def _heatmap(
     fig.colorbar(image, ax=ax, label=colorbar, shrink=0.9)
 
 
-def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> Figure:
-    """Section 1: one heat map per sequence of the batch, masked keys at exactly 0."""
-    fig, axes = _figure(4.2 * len(valid_lens), 3.6, columns=len(valid_lens))
-    for ax, sequence, valid_len in zip(axes, weights, valid_lens, strict=True):
+def _draw_attention_weights(
+    figs: list[Figure], axes: list[Axes], weights: np.ndarray, valid_lens: Sequence[int], head: int
+) -> None:
+    for fig, ax, sequence, valid_len in zip(figs, axes, weights, valid_lens, strict=True):
         _heatmap(
             fig,
             ax,
@@ -106,7 +118,20 @@ def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], hea
         )
         ax.axvline(valid_len - 0.5, color="tab:red", linestyle="--", linewidth=1.2, label="masked keys start")
         ax.legend(loc="lower left", fontsize=8)
+
+
+def attention_weights_figure(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> Figure:
+    """Section 1: one heat map per sequence of the batch, masked keys at exactly 0."""
+    fig, axes = _figure(4.2 * len(valid_lens), 3.6, columns=len(valid_lens))
+    _draw_attention_weights([fig] * len(axes), axes, weights, valid_lens, head)
     return fig
+
+
+def attention_weights_figures(weights: np.ndarray, valid_lens: Sequence[int], head: int = 0) -> dict[str, Figure]:
+    """The panels of :func:`attention_weights_figure`, each its own figure (the report wraps them when narrow)."""
+    figs, axes = _apart(4.2, 3.6, len(valid_lens))
+    _draw_attention_weights(figs, axes, weights, valid_lens, head)
+    return {f"valid_len_{valid_len}": fig for fig, valid_len in zip(figs, valid_lens, strict=True)}
 
 
 def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure:
@@ -124,7 +149,7 @@ def permutation_figure(without_pe_error: float, with_pe_change: float) -> Figure
 
 
 def comparison_figure(results: dict[str, Any], *, stacked: bool = False) -> Figure:
-    """Section 3: measured FLOPs against n and d, path lengths, parallelism and wall-clock time.
+    """Section 3: counted FLOPs against n and d, path lengths, parallelism and timed wall-clock seconds.
 
     ``stacked``: the six panels in one column, for a narrow window (the report picks it below
     600 px), instead of two.
@@ -215,8 +240,20 @@ def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figu
         fig, axes = _figure(4.6, 4.4)
     else:
         fig, axes = _figure(8.2, 4.4, columns=2)
+    _draw_pe_heatmap([fig] * len(axes), axes, table, bits)
+    return fig
+
+
+def pe_heatmap_figures(table: np.ndarray, bits: np.ndarray) -> dict[str, Figure]:
+    """The two panels of :func:`pe_heatmap_figure`, each its own figure (the report wraps them when narrow)."""
+    figs, axes = _apart(4.6, 4.4, 2)
+    _draw_pe_heatmap(figs, axes, table, bits)
+    return dict(zip(("table", "bits"), figs, strict=True))
+
+
+def _draw_pe_heatmap(figs: list[Figure], axes: list[Axes], table: np.ndarray, bits: np.ndarray | None) -> None:
     _heatmap(
-        fig,
+        figs[0],
         axes[0],
         table,
         xlabel="Column (encoding dimension)",
@@ -229,7 +266,7 @@ def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figu
     if bits is not None:
         width = bits.shape[1]
         _heatmap(
-            fig,
+            figs[1],
             axes[1],
             bits,
             xlabel="Bit",
@@ -250,12 +287,23 @@ def pe_heatmap_figure(table: np.ndarray, bits: np.ndarray | None = None) -> Figu
                     va="center",
                     color="white" if bits[row, col] else "black",
                 )
-    return fig
 
 
 def absolute_figure(curves: dict[str, Any], precision: dict[str, Any]) -> Figure:
     """Section 5: distance between positions i and i + delta along i, and float32 drift far out."""
     fig, axes = _figure(10.5, 3.6, columns=2)
+    _draw_absolute(axes, curves, precision)
+    return fig
+
+
+def absolute_figures(curves: dict[str, Any], precision: dict[str, Any]) -> dict[str, Figure]:
+    """The two panels of :func:`absolute_figure`, each its own figure (the report wraps them when narrow)."""
+    figs, axes = _apart(5.25, 3.6, 2)
+    _draw_absolute(axes, curves, precision)
+    return dict(zip(("distance", "precision"), figs, strict=True))
+
+
+def _draw_absolute(axes: list[Axes], curves: dict[str, Any], precision: dict[str, Any]) -> None:
     for delta, gaps in zip(curves["deltas"], curves["distances"], strict=True):
         axes[0].plot(np.arange(len(gaps)), gaps, label=f"delta = {delta}")
     axes[0].set_xlabel("position i")
@@ -271,7 +319,6 @@ def absolute_figure(curves: dict[str, Any], precision: dict[str, Any]) -> Figure
     axes[1].set_title("Far positions: float32 angles drift")
     axes[1].legend(fontsize=8)
     axes[1].grid(True, which="both", alpha=0.3)
-    return fig
 
 
 def relative_figure(similarity: dict[str, Any]) -> Figure:
@@ -329,16 +376,10 @@ def profile_figure(diagnostics: dict[str, Any]) -> Figure:
     return fig
 
 
-def encoding_panel_figure(diagnostics: dict[str, Any]) -> Figure:
-    """Section 7: one encoding's position scores, offset profile and attention pattern."""
-    name = diagnostics["name"]
-    short = name
-    if diagnostics.get("form"):
-        name = f"{name} ({diagnostics['form']})"
-    fig, axes = _figure(13.0, 3.7, columns=3)
+def _draw_position_scores(fig: Figure, ax: Axes, diagnostics: dict[str, Any], name: str) -> None:
     _heatmap(
         fig,
-        axes[0],
+        ax,
         diagnostics["position_scores"],
         xlabel="Key position",
         ylabel="Query position",
@@ -347,18 +388,51 @@ def encoding_panel_figure(diagnostics: dict[str, Any]) -> Figure:
         cmap="RdBu_r",
         symmetric=True,
     )
-    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], short)
+
+
+def _draw_attention(fig: Figure, ax: Axes, diagnostics: dict[str, Any], name: str) -> None:
     _heatmap(
         fig,
-        axes[2],
+        ax,
         diagnostics["attention"],
         xlabel="Key position",
         ylabel="Query position",
-        title=f"{short}: attention on one input (head 0)",
+        title=f"{name}: attention on one input (head 0)",
         colorbar="attention weight",
         vmin=0.0,
     )
+
+
+def _panel_names(diagnostics: dict[str, Any]) -> tuple[str, str]:
+    """The encoding's name with its form (for the first panel's title) and without."""
+    short = str(diagnostics["name"])
+    return (f"{short} ({diagnostics['form']})" if diagnostics.get("form") else short), short
+
+
+def encoding_panel_figure(diagnostics: dict[str, Any]) -> Figure:
+    """One encoding's position scores, offset profile and attention pattern side by side (``selfattn plot``)."""
+    name, short = _panel_names(diagnostics)
+    fig, axes = _figure(13.0, 3.7, columns=3)
+    _draw_position_scores(fig, axes[0], diagnostics, name)
+    _draw_profile(axes[1], diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], short)
+    _draw_attention(fig, axes[2], diagnostics, short)
     return fig
+
+
+def encoding_panel_figures(diagnostics: dict[str, Any]) -> dict[str, Figure]:
+    """Section 7: the three panels of :func:`encoding_panel_figure`, each its own figure.
+
+    The report lays them side by side where there is room and one under the other where there is
+    not, so each keeps a readable size in a narrow window.
+    """
+    name, short = _panel_names(diagnostics)
+    scores, (scores_ax,) = _figure(4.4, 3.7)
+    _draw_position_scores(scores, scores_ax, diagnostics, name)
+    profile, (profile_ax,) = _figure(4.4, 3.7)
+    _draw_profile(profile_ax, diagnostics["deltas"], diagnostics["score_by_delta"], diagnostics["shift_spread"], short)
+    attention, (attention_ax,) = _figure(4.4, 3.7)
+    _draw_attention(attention, attention_ax, diagnostics, short)
+    return {"scores": scores, "profile": profile, "attention": attention}
 
 
 _ENCODING_COLORS = {
@@ -378,6 +452,36 @@ _DEEP_ROWS = (
 )
 
 
+def _draw_deep_panel(ax: Axes, deep: dict[str, Any], which: str, metric: str, scale: str, variant: str) -> None:
+    """One metric against depth for one block kind: a line per encoding (mean over seeds), the range shaded."""
+    layers = np.asarray(deep["layers"])
+    floor = 1e-17
+    for encoding, by_variant in deep[which].items():
+        if variant not in by_variant:
+            continue
+        entry = by_variant[variant][metric]
+        mean, low, high = (np.asarray(entry[k], dtype=float) for k in ("mean", "min", "max"))
+        if scale == "log":
+            mean, low, high = (np.maximum(v, floor) for v in (mean, low, high))
+        else:
+            mean, low, high = (np.maximum(v, -0.2) for v in (mean, low, high))
+        color = _ENCODING_COLORS.get(encoding)
+        ax.plot(layers, mean, marker=".", color=color, label=encoding, linewidth=1.2)
+        ax.fill_between(layers, low, high, color=color, alpha=0.15, linewidth=0)
+    ax.set_yscale(scale)
+    if metric == "position_r2":
+        ax.set_ylim(-0.22, 1.05)
+    elif metric == "order_accuracy":
+        ax.axhline(0.5, color="black", linewidth=0.6, linestyle=":")
+        ax.set_ylim(0.3, 1.02)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _deep_variants(deep: dict[str, Any], which: str) -> list[str]:
+    return list(next(iter(deep[which].values())))
+
+
 def deep_stack_figure(deep: dict[str, Any], which: str = "untrained") -> Figure:
     """Section 8: each metric of the deep-stack measurement against depth, one panel per block kind.
 
@@ -386,34 +490,12 @@ def deep_stack_figure(deep: dict[str, Any], which: str = "untrained") -> Figure:
     the range over seeds shaded. R^2 is drawn from -0.2 (lower values sit on the edge); the
     log panels from 1e-17.
     """
-    data = deep[which]
-    variants = list(next(iter(data.values())))
-    layers = np.asarray(deep["layers"])
+    variants = _deep_variants(deep, which)
     fig, axes = _figure(3.3 * len(variants), 2.3 * len(_DEEP_ROWS), columns=len(variants), rows=len(_DEEP_ROWS))
-    floor = 1e-17
     for row, (metric, label, scale) in enumerate(_DEEP_ROWS):
         for column, variant in enumerate(variants):
             ax = axes[row * len(variants) + column]
-            for encoding, by_variant in data.items():
-                if variant not in by_variant:
-                    continue
-                entry = by_variant[variant][metric]
-                mean, low, high = (np.asarray(entry[k], dtype=float) for k in ("mean", "min", "max"))
-                if scale == "log":
-                    mean, low, high = (np.maximum(v, floor) for v in (mean, low, high))
-                else:
-                    mean, low, high = (np.maximum(v, -0.2) for v in (mean, low, high))
-                color = _ENCODING_COLORS.get(encoding)
-                ax.plot(layers, mean, marker=".", color=color, label=encoding, linewidth=1.2)
-                ax.fill_between(layers, low, high, color=color, alpha=0.15, linewidth=0)
-            ax.set_yscale(scale)
-            if metric == "position_r2":
-                ax.set_ylim(-0.22, 1.05)
-            elif metric == "order_accuracy":
-                ax.axhline(0.5, color="black", linewidth=0.6, linestyle=":")
-                ax.set_ylim(0.3, 1.02)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(True, which="major", alpha=0.3)
+            _draw_deep_panel(ax, deep, which, metric, scale, variant)
             if row == 0:
                 ax.set_title(variant.replace("_", " "), fontsize=10)
             if row == len(_DEEP_ROWS) - 1:
@@ -426,9 +508,42 @@ def deep_stack_figure(deep: dict[str, Any], which: str = "untrained") -> Figure:
     return fig
 
 
+def deep_stack_figures(deep: dict[str, Any], which: str = "untrained") -> dict[str, Figure]:
+    """Section 8: the columns of :func:`deep_stack_figure`, one figure per block kind (the four metrics stacked).
+
+    The report lays them side by side where there is room and one under the other where there is
+    not, so each keeps a readable size in a narrow window. Each panel has its own y label; the
+    first figure carries the legend of the encodings.
+    """
+    figures: dict[str, Figure] = {}
+    for index, variant in enumerate(_deep_variants(deep, which)):
+        fig, axes = _figure(3.5, 2.4 * len(_DEEP_ROWS), rows=len(_DEEP_ROWS))
+        for ax, (metric, label, scale) in zip(axes, _DEEP_ROWS, strict=True):
+            _draw_deep_panel(ax, deep, which, metric, scale, variant)
+            ax.set_ylabel(label)
+        axes[0].set_title(variant.replace("_", " "), fontsize=11)
+        axes[-1].set_xlabel("layer (0 = input)")
+        if index == 0:
+            axes[0].legend(fontsize=7, ncol=2)
+        figures[variant] = fig
+    return figures
+
+
 def note_figure(terms: dict[str, Any], survival: dict[str, Any]) -> Figure:
     """The study note's two questions: what each term contributes to the scores, what survives of a token."""
     fig, axes = _figure(10.5, 3.6, columns=2)
+    _draw_note(axes, terms, survival)
+    return fig
+
+
+def note_figures(terms: dict[str, Any], survival: dict[str, Any]) -> dict[str, Figure]:
+    """The two panels of :func:`note_figure`, each its own figure (the report wraps them when narrow)."""
+    figs, axes = _apart(5.25, 3.6, 2)
+    _draw_note(axes, terms, survival)
+    return dict(zip(("score_terms", "tokens"), figs, strict=True))
+
+
+def _draw_note(axes: list[Axes], terms: dict[str, Any], survival: dict[str, Any]) -> None:
     labels = ["content-content", "content-position", "position-position"]
     keys = ["content_content", "content_position", "position_position"]
     width = 0.8 / len(terms["scales"])
@@ -451,4 +566,3 @@ def note_figure(terms: dict[str, Any], survival: dict[str, Any]) -> Figure:
     axes[1].set_title(f"Nearest of {survival['vocabulary']:,} tokens to E[t] + P[i]")
     axes[1].legend(fontsize=8)
     axes[1].grid(True, alpha=0.3)
-    return fig

@@ -71,7 +71,7 @@ def _positions(variant: str, table: torch.Tensor, batch: int, generator: torch.G
 
 def _train_one(variant: str, config: dict[str, Any]) -> dict[str, Any]:
     n, d, v, delta = config["num_steps"], config["num_hiddens"], config["vocab_size"], config["delta"]
-    table = sinusoidal_table(n, d)  # (n, d)
+    table = config["position_scale"] * sinusoidal_table(n, d)  # (n, d)
     with seeded(config["seed"]):
         model = OffsetModel(vocab_size=v, num_hiddens=d, num_heads=config["num_heads"])
     generator = torch.Generator().manual_seed(config["seed"] + 1)
@@ -135,8 +135,12 @@ def attend_by_offset(
     eval_samples: int = 512,
     seed: int = 0,
     variants: tuple[str, ...] = VARIANTS,
+    position_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Train one attention layer per variant to copy the token at offset ``delta``; see the module doc.
+
+    ``position_scale`` multiplies P (1: the chapter's table; a small scale leaves the tokens
+    almost no position to attend by).
 
     Raises:
         ValueError: ``delta`` is not in ``1..num_steps - 1`` or a variant is unknown.
@@ -159,6 +163,7 @@ def attend_by_offset(
         "lr": lr,
         "eval_samples": eval_samples,
         "seed": seed,
+        "position_scale": position_scale,
     }
     with single_threaded():  # tiny matrices: a second thread costs more than it gives
         runs = {variant: _train_one(variant, config) for variant in variants}

@@ -22,6 +22,7 @@ from typing import Any
 from selfattn import __version__
 from selfattn.study.summary import study_section_html
 from selfattn.tour import depth
+from selfattn.tour._html import figure_html
 from selfattn.tour.claims import count_evidence, count_verdicts
 from selfattn.tour.comparison import CHAPTER, KINDS
 
@@ -98,6 +99,9 @@ def _environment() -> Any:
         join_nums=lambda values, digits=None: ", ".join(format_number(v, digits) for v in values),
         page_text=page_text,
     )
+    env.globals["figure_html"] = figure_html
+    # A Chinese quote is marked as such, so the browser picks a CJK face from the page's font stack.
+    env.tests["chinese"] = lambda text: bool(re.search(r"[\u4e00-\u9fff]", str(text)))
     return env
 
 
@@ -438,8 +442,13 @@ def _long_range_context(results: dict[str, Any]) -> dict[str, Any]:
         sentences.append(
             f"{label} ({params[0]:,} parameters"
             + (f" at n = {distances[0]} to {params[-1]:,} at n = {distances[-1]}" if len(params) > 1 else "")
-            + f"): every seed reached {100 * target:.0f}\u2009% at n = {', '.join(map(str, reached)) or 'none'}; "
-            f"no seed within {settings['max_steps']:,} steps at n = {', '.join(map(str, missed)) or 'none'}."
+            + f"): every seed reached {100 * target:.0f}\u2009% at "
+            + (f"n = {', '.join(map(str, reached))}" if reached else "no distance")
+            + (
+                f"; no seed within {settings['max_steps']:,} steps at n = {', '.join(map(str, missed))}."
+                if missed
+                else f"; at no distance did every seed miss it within {settings['max_steps']:,} steps."
+            )
         )
     seeds = max(cell["seeds"] for cells in by_distance.values() for cell in cells.values())
     return {
@@ -488,7 +497,7 @@ def _family_context(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unseen_sentence(unseen: dict[str, Any] | None) -> str:
-    """Why the learned table, Shaw and T5 answer nothing past the training lengths: the rows training never reaches."""
+    """Which rows of the learned table, Shaw's and T5's training reaches, against those a longer sequence reads."""
     if not unseen:
         return ""
     found = unseen["encodings"]
@@ -503,8 +512,9 @@ def _unseen_sentence(unseen: dict[str, Any] | None) -> str:
             f"{entry['rows_trained']})"
         )
     return (
-        f" Why, read off untrained models of the study's shape (which rows a sequence reaches depends on its length, "
-        f"not on the weights; {_e(unseen['task'])}: a training sequence has at most "
+        " Which rows of each table training can reach, read off untrained models of the shape <code>selfattn "
+        "study</code> trains (which rows a sequence reaches depends on its length, not on the weights; "
+        f"{_e(unseen['task'])}: a training sequence has at most "
         f"{unseen['train_tokens']} tokens, one of the longest evaluated length {unseen['eval_tokens']}): which rows of "
         "each table get a nonzero gradient from a sequence of the longest training length, against those a sequence "
         f"of the longest evaluated length reads. {'; '.join(parts)}. A row no training sequence reaches keeps its "

@@ -272,7 +272,7 @@ def compute(sizes: TourSizes, advance: Callable[[str], None] | None = None) -> d
     results["exercises"] = _exercises(sizes, tick)
     results["family"] = _family(sizes, tick)
     with single_threaded():  # 120 stacks of tiny float64 matrices: a second thread costs more than it gives
-        results["depth"] = depth.measure(**sizes.depth)
+        results["depth"] = depth.measure(**sizes.depth, progress=tick)  # a tick per encoding and variant
     tick("8. deep stacks")
     return results
 
@@ -567,28 +567,32 @@ def _figures(results: dict[str, Any], directory: Path, advance: Callable[[str], 
 
     masked = results["self_attention"]["masked"]
     pe = results["positional_encoding"]
-    drawings: dict[str, Callable[[], Figure]] = {
-        "attention_weights": lambda: figures.attention_weights_figure(masked["weights"], masked["valid_lens"]),
+    drawings: dict[str, Callable[[], Figure | dict[str, Figure]]] = {
+        "attention_weights": lambda: figures.attention_weights_figures(masked["weights"], masked["valid_lens"]),
         "permutation": lambda: figures.permutation_figure(
             results["permutation"]["without_pe_error"], results["permutation"]["with_pe_change"]
         ),
         "comparison": lambda: figures.comparison_figure(results["comparison"]),
         "comparison_stacked": lambda: figures.comparison_figure(results["comparison"], stacked=True),
         "pe_columns": lambda: figures.pe_columns_figure(pe["column_values"], pe["columns"], pe["column_periods"]),
-        "pe_heatmap": lambda: figures.pe_heatmap_figure(pe["table"], checks.bit_matrix(8)),
-        "absolute": lambda: figures.absolute_figure(results["absolute"]["curves"], results["absolute"]["precision"]),
+        "pe_heatmap": lambda: figures.pe_heatmap_figures(pe["table"], checks.bit_matrix(8)),
+        "absolute": lambda: figures.absolute_figures(results["absolute"]["curves"], results["absolute"]["precision"]),
         "relative": lambda: figures.relative_figure(results["relative"]["similarity"]),
-        "note": lambda: figures.note_figure(results["note"]["taylor"], results["note"]["embedding"]),
+        "note": lambda: figures.note_figures(results["note"]["taylor"], results["note"]["embedding"]),
     }
     for name, diag in results["family"]["encodings"].items():
-        drawings[f"family_{name}"] = functools.partial(figures.encoding_panel_figure, diag)
-    drawings["depth"] = lambda: figures.deep_stack_figure(results["depth"])
+        drawings[f"family_{name}"] = functools.partial(figures.encoding_panel_figures, diag)
+    drawings["depth"] = lambda: figures.deep_stack_figures(results["depth"])
     if (results.get("depth_study") or {}).get("trained"):
-        drawings["depth_trained"] = lambda: figures.deep_stack_figure(results["depth_study"], "trained")
+        drawings["depth_trained"] = lambda: figures.deep_stack_figures(results["depth_study"], "trained")
     paths = {}
     for name, draw in drawings.items():
-        png, _svg = figures.save_figure(draw(), directory, name)
-        paths[name] = f"{directory.name}/{png.name}"
+        drawn = draw()
+        # A figure drawn as separate panels is saved panel by panel, as name-part (see tour._html).
+        for saved, fig in drawn.items() if isinstance(drawn, dict) else [("", drawn)]:
+            key = f"{name}-{saved}" if saved else name
+            png, _svg = figures.save_figure(fig, directory, key)
+            paths[key] = f"{directory.name}/{png.name}"
         advance(f"figure {name}")
     return paths
 
@@ -686,14 +690,15 @@ exercises, the deep stacks."""
 
 
 def progress_steps(sizes: TourSizes, *, with_trained_figure: bool = False) -> int:
-    """Steps of :func:`run_tour`'s progress bar: :func:`compute`'s, ten figures (eleven with a study's trained
-    stacks) plus one per encoding, and the report."""
+    """Steps of :func:`run_tour`'s progress bar: :func:`compute`'s (the deep stacks' one per encoding and variant
+    among them), ten figures (eleven with a study's trained stacks) plus one per encoding, and the report."""
     sweep = sizes.comparison
     comparison_count = comparison.comparison_steps(
         sweep["num_steps"], sweep["num_hiddens"], sweep["kernel_sizes"], sweep.get("rounds", 3)
     )
     family_count = len(family.family_names())
-    return COMPUTE_STEPS + comparison_count + 2 * family_count + 10 + with_trained_figure + 1
+    stacks = depth.progress_count(**sizes.depth)
+    return COMPUTE_STEPS + comparison_count + 2 * family_count + stacks + 10 + with_trained_figure + 1
 
 
 def _prepare_output(out_dir: Path, shown: Path) -> Path:

@@ -19,6 +19,7 @@ Shape legend: b batch, h heads, n positions, d model size, dh head size.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +46,7 @@ def score_terms(
     embedding_scales: tuple[float, ...] = (1.0, 0.1),
     shift: int = 7,
     seed: int = 0,
+    encoding: Callable[[int, int], torch.Tensor] | None = None,
 ) -> dict[str, object]:
     """Split the first head's scores of ``x + P`` into the three terms and measure each one's share.
 
@@ -56,12 +58,17 @@ def score_terms(
     by ``shift``: ``*_shift_change`` is the largest change of the term over its range (0 for a
     term that sees offsets only), for the content-position term (the note's A, where p
     appears alone), the position-position term with the layer's A and with A = I.
+
+    ``encoding(n, d)`` gives the table P (float64); None is the chapter's sinusoidal table.
     """
     dh = num_hiddens // num_heads
     with seeded(seed):
         mha = MultiHeadAttention(num_hiddens, num_heads).double().eval()
         content = torch.randn(num_steps, num_hiddens, dtype=torch.float64)  # (n, d)
-    P = sinusoidal_table(num_steps + shift, num_hiddens, dtype=torch.float64)  # (n + s, d)
+    if encoding is None:
+        P = sinusoidal_table(num_steps + shift, num_hiddens, dtype=torch.float64)  # (n + s, d)
+    else:
+        P = encoding(num_steps + shift, num_hiddens).to(torch.float64)
     P, shifted = P[:num_steps], P[shift:]  # the same sentence, every position moved by s
     W_q = mha.W_q.weight[:dh]  # (dh, d): the first head's rows
     W_k = mha.W_k.weight[:dh]
@@ -100,18 +107,25 @@ def score_terms(
         x = content
         cp_shifted = x @ A @ shifted.T + shifted @ A @ x.T
         cp = x @ A @ P.T + P @ A @ x.T
-        result["content_position_shift_change"] = float((cp - cp_shifted).abs().max() / (cp.max() - cp.min()))
-        result["position_position_shift_change"] = float(
-            (pp - shifted @ A @ shifted.T).abs().max() / (pp.max() - pp.min())
-        )
+        result["content_position_shift_change"] = _relative_change(cp, cp_shifted)
+        result["position_position_shift_change"] = _relative_change(pp, shifted @ A @ shifted.T)
         same = P @ P.T
-        result["identity_shift_change"] = float((same - shifted @ shifted.T).abs().max() / (same.max() - same.min()))
+        result["identity_shift_change"] = _relative_change(same, shifted @ shifted.T)
     result["shift"] = shift
     result["position_position_spread"] = _diagonal_spread(pp)
     result["position_position_range"] = float(pp.max() - pp.min())
     result["identity_spread"] = _diagonal_spread(P @ P.T)
     result["position_position_relative_share"] = _offset_share(pp)
     return result
+
+
+def _relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
+    """Largest change from ``before`` to ``after`` over ``before``'s range (0 when neither varies nor changes)."""
+    change = float((before - after).abs().max())
+    spread = float(before.max() - before.min())
+    if spread == 0:
+        return 0.0 if change == 0 else math.inf
+    return change / spread
 
 
 def _offset_share(scores: torch.Tensor) -> float:
