@@ -222,6 +222,7 @@ def test_sparse_selection_route_is_taken() -> None:
         sparse(x[:, :-1], positions=position_ids[:, :-1], key_padding_mask=attention_mask[:, :-1] == 0, cache=cache)
     step = dict(positions=position_ids[:, -1:], key_padding_mask=attention_mask[:, -1:] == 0, cache=cache)
     explanation = sparse.explain(x[:, -1:], **step)
+    assert explanation.computation == "absorbed"  # heads over one latent: kept apart, not folded into one head's rows
     assert explanation.route == "sparse selection", str(explanation)
     assert cache.length == LENGTH - 1 and cache.index_keys.length == LENGTH - 1  # explain changed nothing
 
