@@ -292,3 +292,22 @@ def test_layers_without_their_own_indexer_are_refused() -> None:
     modeling = importlib.import_module("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
     with pytest.raises(ValueError, match=r"has no indexer \(indexer_types 'shared'"):
         SparseLatentAttention.from_transformers(modeling.GlmMoeDsaAttention(config, 1))
+
+
+def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/latent_sparse.py's DSA part gives its rows and targets at a tiny size (its speed is not tested)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "latent_sparse.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_latent_sparse", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setitem(script.DSA_SIZES, "n", 64)
+    monkeypatch.setitem(script.DSA_SIZES, "top_k", 8)
+    timing = {"min_repeats": 1, "max_repeats": 1, "budget_s": 1.0, "warmup": 0}
+    rows, targets = script.dsa_rows(timing, {}, 1)
+    assert len(rows) == 3 and all(len(row) == len(script.DSA_HEADER) for row in rows)
+    assert "(sparse selection)" in rows[1][1] and "(sparse selection)" in rows[2][1]  # absorbed prefill, decoding
+    assert [t[0].split(" n=")[0].split(" after")[0] for t in targets] == ["DSA prefill forward", "DSA decoding"]
