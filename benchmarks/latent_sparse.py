@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import BENCHMARKS_MD, emit, load_average, log, machine_lines, measure, ratio, spread_note, table, verdict
 
+import selfattn.masks as masks
 from selfattn.latent import LatentCache, MultiHeadLatentAttention
+from selfattn.sparse import SparseLatentAttention, SparseLatentCache
 
 SECTION = "latent-sparse-cpu"
 CPU = torch.device("cpu")
@@ -189,14 +191,110 @@ def cache_rows() -> Rows:
 # ---------------------------------------------------------------------------- DeepSeek sparse attention (hook)
 
 
-def dsa_rows(timing: dict, spread: dict, threads: int) -> Rows:
-    """DSA rows (prefill n=16384 top-k 2048 against dense causal, the indexer's own cost, decoding after 16,384).
+#: DSA sizes: tokens of the prefill (and of the cache decoded after) and picks per query (``--quick`` lowers them).
+DSA_SIZES = {"n": 16384, "top_k": 2048}
+#: DeepSeek-V3.2's indexer: 64 heads of 128 (rope 64), reading the hidden states and the query latent.
+INDEXER = dict(index_n_heads=64, index_head_dim=128)
 
-    The hook for the sparse part: it returns no rows until the indexer and the sparse route exist.
-    Replace it (or add functions to :data:`DSA_PARTS`) with ``(timing, spread, threads) -> (rows, targets)``,
-    rows of :data:`DSA_HEADER`'s columns.
+
+def dsa_layers(top_k: int) -> tuple[SparseLatentAttention, MultiHeadLatentAttention]:
+    """transformers' DeepseekV32Attention (seeded weights) loaded whole, and its MLA part alone (dense)."""
+    import transformers
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as modeling
+
+    config = transformers.DeepseekV32Config(
+        vocab_size=64, num_hidden_layers=1, max_position_embeddings=163840, rope_parameters=dict(ROPE),
+        index_topk=top_k, **INDEXER, **SHAPE,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    layer = modeling.DeepseekV32Attention(config, 0).eval()
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+    return SparseLatentAttention.from_transformers(layer), MultiHeadLatentAttention.from_transformers(layer)
+
+
+def _dsa_prefill(timing: dict, spread: dict, threads: int, n: int, top_k: int) -> Rows:
+    """Attention over the picks (expanded and absorbed) against the dense causal layer; the indexer alone."""
+    sparse, dense = dsa_layers(top_k)
+    x = torch.randn(1, n, 2048, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(n)
+    with torch.no_grad():
+        picks = sparse.select(x, positions, None, None)
+    cases = {
+        "dense": lambda: dense(x),
+        "expanded": lambda: dense(x, mask=masks.selected(picks), computation="expanded"),
+        "absorbed": lambda: dense(x, mask=masks.selected(picks), computation="absorbed"),
+        "indexer": lambda: sparse.select(x, positions, None, None),
+    }
+    with torch.no_grad():
+        routes = {
+            name: dense.explain(x, mask=masks.selected(picks), computation=name).route
+            for name in ("expanded", "absorbed")
+        }
+        r = measure(cases, device=CPU, spread=spread, **timing)
+    rows, best = [], 0.0
+    for name in ("expanded", "absorbed"):
+        speedup = r["dense"] / r[name]
+        best = max(best, speedup)
+        rows.append([
+            str(threads), f"prefill forward n={n:,}, top-k {top_k:,}, {name} ({routes[name]})", f"{r['dense']:.2f}",
+            f"{r[name]:.2f}", ratio(speedup), f"{r['indexer']:.2f}",
+        ])  # fmt: skip
+    name = f"DSA prefill forward n={n:,}, top-k {top_k:,}, {threads} thread(s): >= 3x faster than dense causal (indexer apart)"
+    return rows, [[name, ratio(best), verdict(best >= 3.0)]]
+
+
+def _dsa_decoding(timing: dict, spread: dict, threads: int, n: int, top_k: int) -> Rows:
+    """One token after ``n`` cached ones: the whole DSA layer (indexer step included) against the dense layer."""
+    sparse, dense = dsa_layers(top_k)
+    gen = torch.Generator().manual_seed(4)
+    latent, k_rope = torch.randn(1, 1, n, 512, generator=gen), torch.randn(1, 1, n, 64, generator=gen)
+    sparse_cache, dense_cache = SparseLatentCache(max_len=n + STEPS), LatentCache(max_len=n + STEPS)
+    sparse_cache.latent.update(latent, k_rope)
+    dense_cache.update(latent, k_rope)
+    sparse_cache.index_keys.extend(torch.randn(1, n, INDEXER["index_head_dim"], generator=gen), None)
+    sparse_cache.index_keys.commit()
+    tokens = torch.randn(1, STEPS, 2048, generator=gen)
+
+    def steps(layer: nn.Module, cache: Any) -> None:
+        with torch.no_grad():
+            for t in range(STEPS):
+                layer(tokens[:, t : t + 1], cache=cache)
+        latent_cache = cache.latent if isinstance(cache, SparseLatentCache) else cache
+        latent_cache._store.length = n  # rewind: the next round overwrites the decoded tokens
+        if isinstance(cache, SparseLatentCache):
+            cache.index_keys.length = n
+
+    route = sparse.explain(tokens[:, :1], cache=sparse_cache).route
+    r = measure(
+        {"dense": lambda: steps(dense, dense_cache), "sparse": lambda: steps(sparse, sparse_cache)},
+        device=CPU, spread=spread, **timing,
+    )  # fmt: skip
+    speedup = r["dense"] / r["sparse"]
+    row = [
+        str(threads), f"decoding after {n:,}, top-k {top_k:,}, whole layer, s per token ({route})", f"{r['dense'] / STEPS:.4f}",
+        f"{r['sparse'] / STEPS:.4f}", ratio(speedup), "(included)",
+    ]  # fmt: skip
+    name = f"DSA decoding after {n:,} tokens, {threads} thread(s): >= 4x faster than dense decoding"
+    return [row], [[name, ratio(speedup), verdict(speedup >= 4.0)]]
+
+
+def dsa_rows(timing: dict, spread: dict, threads: int) -> Rows:
+    """DSA rows: transformers' DeepseekV32Attention loaded whole (:class:`~selfattn.sparse.SparseLatentAttention`).
+
+    Prefill forward of ``DSA_SIZES["n"]`` tokens: attention over the indexer's picks (``mask=
+    masks.selected(picks)``, expanded and absorbed) against the same layer attending densely
+    (causal), the indexer's own time beside (seconds per call); decoding one token after as many
+    cached tokens, the whole layer (indexer step included) against the dense layer with a
+    LatentCache (seconds per token).
     """
-    return [], []
+    n, top_k = DSA_SIZES["n"], DSA_SIZES["top_k"]
+    rows, targets = _dsa_prefill(timing, spread, threads, n, top_k)
+    more_rows, more_targets = _dsa_decoding(timing, spread, threads, n, top_k)
+    return rows + more_rows, targets + more_targets
 
 
 DECODING_HEADER = [
@@ -224,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.output = str(BENCHMARKS_MD)
     args.lengths = (512, 2048) if args.quick else (4096, 16384)
     args.prefill = 512 if args.quick else 4096
+    if args.quick:
+        DSA_SIZES.update(n=1024, top_k=128)
     repeats = 2 if args.quick else 5
     args.timing = {"min_repeats": repeats, "max_repeats": repeats, "budget_s": 120.0, "warmup": 1}
     return args

@@ -32,9 +32,11 @@ import torch
 
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
+from selfattn._mask_selection import Selected
 from selfattn._validation import require_positive_finite, require_probability
 from selfattn.core.call import AttentionCall
 from selfattn.core.explanation import Explanation
+from selfattn.core.routes.sparse import SPARSE_MAX_SHARE
 from selfattn.masks import Visibility
 
 __all__ = [
@@ -185,7 +187,13 @@ def _folded_visibility(visibility: Visibility, heads: int, device: torch.device)
     ``h`` heads it would make a kernel repeat the keys ``h`` times. With few queries, the heads'
     rows of queries are instead stacked into one head, ``(b, 1, h lq, r + dr)``, which sees one
     copy of the keys. Their rules are the call's rows rendered as a bool mask repeated per head.
+    A top-k selection (:func:`selfattn.masks.selected`) small enough for the "sparse selection"
+    route keeps the heads apart instead: rendered dense it would hide the selection from that
+    route, which gathers each query's picks once for all the heads.
     """
+    selection = visibility.find(Selected)
+    if isinstance(selection, Selected) and selection.indices.shape[-1] <= SPARSE_MAX_SHARE * visibility.num_keys:
+        return None
     rows = visibility.dense(device)  # (.., lq, lk) bool, or None when every key is visible
     folded = Visibility(heads * visibility.num_queries, visibility.num_keys, visibility.q_first, visibility.k_first)
     if rows is None:

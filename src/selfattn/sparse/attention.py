@@ -1,0 +1,298 @@
+"""DeepSeek sparse attention (DSA) as one layer: multi-head latent attention over the keys its indexer picks.
+
+DeepSeek-V3.2's and GLM-MoE-DSA's attention layer: the :class:`~selfattn.sparse.LightningIndexer`
+reads the layer's input and its query latent ``q_a_layernorm(q_a_proj(x))``, scores every earlier
+key and picks each query's ``top_k``; the multi-head latent attention then sees only those keys
+(:func:`selfattn.masks.selected`, "and" the causal and padding rules), so the dispatcher may take
+the "sparse selection" route. The parameters are named as transformers names them (the MLA's at
+the top level, the indexer's under ``indexer.``), so a ``DeepseekV32Attention`` state dict loads
+strictly.
+
+Shape legend:
+    b: batch, l: new tokens, n: keys seen (cache included), d: hidden size, k: picks per query,
+    dr: rotary features (qk_rope_head_dim).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import selfattn.masks as masks
+from selfattn._validation import require_positive_int
+from selfattn.latent.cache import LatentCache
+from selfattn.latent.functional import LatentExplanation
+from selfattn.latent.mla import MultiHeadLatentAttention
+from selfattn.sparse.cache import IndexerKeyCache
+from selfattn.sparse.indexer import LightningIndexer, select_top_k
+
+__all__ = ["SparseLatentAttention", "SparseLatentCache"]
+
+# Attention layer class -> whether its indexer reads rotary pairs interleaved.
+_LAYERS = {"DeepseekV32Attention": False, "GlmMoeDsaAttention": True}
+
+
+class SparseLatentCache:
+    """What one :class:`SparseLatentAttention` layer has seen: its latents and its indexer's keys, kept in step.
+
+    Both parts take a call's new tokens only once the whole layer's call has succeeded, so their
+    lengths never part: a failed call leaves both as they were.
+
+    Args:
+        max_len: the most tokens the cache will hold.
+
+    Attributes:
+        latent: the attention's :class:`~selfattn.latent.LatentCache`.
+        index_keys: the indexer's :class:`~selfattn.sparse.IndexerKeyCache`.
+    """
+
+    def __init__(self, max_len: int):
+        require_positive_int("max_len", max_len)
+        self.latent = LatentCache(max_len)
+        self.index_keys = IndexerKeyCache(max_len)
+
+    @property
+    def length(self) -> int:
+        """Tokens seen so far; the position of the next token by default."""
+        return self.latent.length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by both parts (the latent storage allocated, the index keys stored)."""
+        return self.latent.nbytes + self.index_keys.nbytes()
+
+    def reset(self) -> None:
+        """Forget everything stored in both parts."""
+        self.latent.reset()
+        self.index_keys.reset()
+
+    def copy(self) -> SparseLatentCache:
+        """A copy whose storage is its own (what ``explain`` may change without touching this cache)."""
+        twin = copy.copy(self)
+        twin.latent = self.latent.copy()
+        twin.index_keys = copy.copy(self.index_keys)
+        for name in ("_keys", "_padding"):
+            stored = getattr(self.index_keys, name)
+            setattr(twin.index_keys, name, None if stored is None else stored.clone())
+        return twin
+
+    def __repr__(self) -> str:
+        return f"SparseLatentCache(length={self.length}, latent={self.latent!r})"
+
+
+class SparseLatentAttention(MultiHeadLatentAttention):
+    """Multi-head latent attention whose queries each see only the ``top_k`` keys a lightning indexer picks.
+
+    The layer is a :class:`~selfattn.latent.MultiHeadLatentAttention` (same arguments, same
+    parameters at the top level) with a :class:`~selfattn.sparse.LightningIndexer` as
+    ``indexer``. The indexer rotates its first ``qk_rope_head_dim`` features with the layer's own
+    rotary (``position``: its scaling and attention factor included, as transformers hands the
+    model's rotary embedding to both). The picks carry no gradient (a top-k has none; transformers
+    also runs its indexer under ``torch.no_grad``), so the indexer's parameters get none from this
+    layer's output.
+
+    Args:
+        index_heads: the indexer's heads (``index_n_heads``).
+        index_head_dim: the indexer's head size (``index_head_dim``).
+        top_k: keys picked per query (``index_topk``).
+        index_interleaved: the indexer reads rotary pairs interleaved (GLM-MoE-DSA) rather than as
+            two halves (DeepSeek-V3.2).
+        **options: the arguments of :class:`~selfattn.latent.MultiHeadLatentAttention`;
+            ``q_lora_rank`` is required (the indexer reads the query latent).
+
+    Raises:
+        ValueError: no ``q_lora_rank``, a ``window`` (the indexer's cache keeps every key), a bad
+            indexer size; named.
+    """
+
+    def __init__(
+        self,
+        *,
+        index_heads: int,
+        index_head_dim: int,
+        top_k: int,
+        index_interleaved: bool = False,
+        **options: Any,
+    ):
+        super().__init__(**options)
+        if self.q_lora_rank is None:
+            raise ValueError("q_lora_rank=None: the indexer reads the query latent q_a_layernorm(q_a_proj(x))")
+        if self.window is not None:
+            raise ValueError(f"window={self.window}: a sparse latent layer picks among every earlier key")
+        self.indexer = LightningIndexer(
+            self.hidden_size, self.q_lora_rank, index_heads, index_head_dim, self.qk_rope_head_dim, top_k,
+            interleaved=index_interleaved,
+        )  # fmt: skip
+        self.indexer.to(device=self.o_proj.weight.device, dtype=self.o_proj.weight.dtype)
+
+    @classmethod
+    def from_transformers(cls, layer: nn.Module, *, rotary_embedding: nn.Module | None = None) -> SparseLatentAttention:
+        """The layer equal to transformers' ``DeepseekV32Attention`` or ``GlmMoeDsaAttention`` (indexer included).
+
+        ``layer(x, position_embeddings=rotary(x, position_ids), attention_mask=causal mask)`` then
+        equals ``sparse(x, positions=position_ids, key_padding_mask=padding)``; the state dict
+        loads strictly (every name of the transformers layer, the indexer's included).
+
+        Raises:
+            ValueError: another layer class; a GLM-MoE-DSA layer of ``indexer_types`` "shared"
+                (it has no indexer of its own: it reuses another layer's picks); what
+                :meth:`MultiHeadLatentAttention.from_transformers` refuses; named.
+        """
+        names = [c.__name__ for c in type(layer).__mro__ if c.__module__.startswith("transformers.")]
+        found = [name for name in names if name in _LAYERS]
+        if not found:
+            raise ValueError(f"layer must be a transformers {' or '.join(_LAYERS)}, got {type(layer).__name__}")
+        hf: Any = layer
+        if getattr(hf, "indexer", None) is None:
+            raise ValueError(
+                f"{type(layer).__name__} {hf.layer_idx} has no indexer (indexer_types 'shared': it reuses an "
+                "earlier layer's top-k picks), which a SparseLatentAttention does not express"
+            )
+        mla = MultiHeadLatentAttention.from_transformers(layer, rotary_embedding=rotary_embedding)
+        config = hf.config
+        made = cls(
+            index_heads=int(config.index_n_heads), index_head_dim=int(config.index_head_dim),
+            top_k=int(config.index_topk), index_interleaved=_LAYERS[found[0]], **_options_of(mla),
+        )  # fmt: skip
+        made.load_state_dict(hf.state_dict(), strict=True)
+        return made.train(hf.training)
+
+    # ------------------------------------------------------------------ the steps of forward
+
+    def index_rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``(b or 1, l, dr)`` of the layer's rotary at ``positions``, halves repeated (the indexer's layout)."""
+        length = positions.shape[-1]
+        if self.position is None:
+            empty = torch.zeros(1, length, 0, dtype=dtype, device=positions.device)
+            return empty, empty
+        frequencies, attention_factor = self.position.frequencies_at(None)  # a length-free rotary (checked)
+        angles = positions.to(torch.float64).reshape(-1, length)[..., None] * frequencies.to(positions.device)
+        angles = torch.cat((angles, angles), dim=-1)
+        return (angles.cos() * attention_factor).to(dtype), (angles.sin() * attention_factor).to(dtype)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        index_keys: IndexerKeyCache | None,
+    ) -> torch.Tensor:
+        """Each new query's picks, int64 ``(b, l, min(top_k, n))``, ``-1`` past its visible keys.
+
+        The new index keys are put after ``index_keys``' (not committed: the layer commits them
+        with the latents).
+        """
+        assert self.q_a_proj is not None and self.q_a_layernorm is not None
+        with torch.no_grad():  # integer picks: no gradient flows through them
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))  # (b, l, rq)
+            cos, sin = self.index_rotary(positions, x.dtype)
+            keys = self.indexer.index_keys(x, cos, sin)  # (b, l, D)
+            queries, weights = self.indexer.index_queries(x, q_latent, cos, sin)
+            first, padding = 0, key_padding_mask
+            if index_keys is not None:
+                first = index_keys.length
+                keys, padding = index_keys.extend(keys, padding)
+            return select_top_k(queries, weights, keys, padding, first, self.indexer.top_k)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        causal: bool = True,
+        key_padding_mask: torch.Tensor | None = None,
+        mask: masks.Rule | torch.Tensor | None = None,
+        cache: Any = None,
+        computation: str | None = None,
+    ) -> torch.Tensor:
+        """Causal self-attention of ``x`` over the keys its indexer picks (the cache's included).
+
+        Args:
+            x: ``(b, l, d)`` the new tokens.
+            positions: integer ``(l,)`` or ``(b, l)`` positions of the new tokens (default
+                ``cache.length ..``); with left padding, each row's own.
+            causal: must be True (the indexer picks among earlier keys).
+            key_padding_mask: bool ``(b, l)``, True = padding, for the new tokens.
+            mask: must be None (the indexer's picks are this layer's mask).
+            cache: a :class:`SparseLatentCache` (decoding).
+            computation: ``"expanded"``, ``"absorbed"`` or ``"auto"`` for this call.
+
+        Returns:
+            ``(b, l, d)``.
+
+        Raises:
+            ValueError: ``causal=False``, a ``mask``, a cache of another kind, and what
+                :class:`~selfattn.latent.MultiHeadLatentAttention` refuses; named.
+        """
+        latent, index_keys, positions = self._prepare(x, positions, causal, key_padding_mask, mask, cache)
+        picks = self.select(x, positions, key_padding_mask, index_keys)
+        result = super().forward(
+            x, positions=positions, key_padding_mask=key_padding_mask, mask=masks.selected(picks), cache=latent,
+            computation=computation,
+        )  # fmt: skip
+        if index_keys is not None:
+            index_keys.commit()  # the latent cache committed inside: both or neither
+        return result
+
+    def explain(self, x: torch.Tensor, **kwargs: Any) -> LatentExplanation:
+        """Which computation and route :meth:`forward` takes with these arguments (a cache is copied, not changed)."""
+        cache = kwargs.get("cache")
+        if isinstance(cache, SparseLatentCache):
+            kwargs["cache"] = cache.copy()
+        latent, index_keys, positions = self._prepare(
+            x, kwargs.get("positions"), kwargs.get("causal", True), kwargs.get("key_padding_mask"),
+            kwargs.get("mask"), kwargs.get("cache"),
+        )  # fmt: skip
+        picks = self.select(x, positions, kwargs.get("key_padding_mask"), index_keys)
+        arguments = {**kwargs, "positions": positions, "mask": masks.selected(picks), "cache": latent}
+        return MultiHeadLatentAttention.explain(self, x, **arguments)
+
+    def _prepare(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None,
+        causal: object,
+        key_padding_mask: torch.Tensor | None,
+        mask: object,
+        cache: object,
+    ) -> tuple[LatentCache | None, IndexerKeyCache | None, torch.Tensor]:
+        """Refuse what does not fit; the cache's two parts and the new tokens' positions."""
+        if causal is not True:
+            raise ValueError(f"causal={causal!r}: a sparse latent layer's indexer picks among earlier keys only")
+        if mask is not None:
+            raise ValueError(f"mask={type(mask).__name__}: the indexer's picks are this layer's mask")
+        if cache is not None and not isinstance(cache, SparseLatentCache):
+            raise ValueError(
+                f"cache must be a SparseLatentCache (the latents and the indexer's keys), got {type(cache).__name__}"
+            )
+        latent = None if cache is None else cache.latent
+        index_keys = None if cache is None else cache.index_keys
+        if latent is not None and index_keys is not None and latent.length != index_keys.length:
+            raise ValueError(
+                f"cache holds {latent.length} latents and {index_keys.length} index keys: its parts were used apart"
+            )
+        _, positions = self._check(x, positions, key_padding_mask, latent, causal)
+        return latent, index_keys, positions
+
+    def extra_repr(self) -> str:
+        indexer = self.indexer
+        return (
+            f"{super().extra_repr()}, index_heads={indexer.num_heads}, index_head_dim={indexer.head_dim}, "
+            f"top_k={indexer.top_k}, index_interleaved={indexer.interleaved}"
+        )
+
+
+def _options_of(mla: MultiHeadLatentAttention) -> dict[str, Any]:
+    """The constructor arguments that rebuild ``mla`` (a DSA family's: no query scaling, LoRA scales or window)."""
+    weight = mla.o_proj.weight
+    return {
+        "hidden_size": mla.hidden_size, "num_heads": mla.num_heads, "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim, "q_lora_rank": mla.q_lora_rank, "bias": mla.o_proj.bias is not None,
+        "norm_eps": mla.kv_a_layernorm.eps, "position": mla.position, "split_rotated_pairs": mla.split_rotated_pairs,
+        "scale": mla.scale, "dropout": mla.dropout, "computation": mla.computation, "device": weight.device,
+        "dtype": weight.dtype,
+    }  # fmt: skip

@@ -1,0 +1,313 @@
+"""SparseLatentAttention (the whole DSA layer) against transformers' DeepseekV32Attention / GlmMoeDsaAttention.
+
+Each transformers layer runs as transformers runs it: its model's rotary embedding class, a mask from
+``transformers.masking_utils``, a left-padded batch, and for decoding its own DynamicCache. The top-k
+(3) is below the number of keys (12), so the indexer's selection decides the output: each test checks
+that the inputs have no tie at the top-k boundary (so the picks are defined) and that attending densely
+would give another output.
+
+Gradients: transformers runs its indexer under ``torch.no_grad`` and its top-k indices carry none, so
+the indexer's parameters get no gradient on either side; the input and every attention parameter do.
+
+Shape legend: b batch, n tokens, k picks per query.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import masking_utils  # noqa: E402
+
+import selfattn.masks as masks  # noqa: E402
+from selfattn.latent import LatentCache, MultiHeadLatentAttention  # noqa: E402
+from selfattn.sparse import SparseLatentAttention, SparseLatentCache  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+TOP_K = 3
+LENGTH = 12
+PADS = (0, 4, 1)
+SIZES = dict(
+    vocab_size=50, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=12,
+    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64, num_hidden_layers=1,
+    index_topk=TOP_K, index_n_heads=8, index_head_dim=16,
+)  # fmt: skip
+YARN = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
+    beta_slow=1.0, mscale=0.707, mscale_all_dim=1.0,
+)  # fmt: skip
+# family -> (config class, extra config, attention class, rotary class)
+FAMILIES: dict[str, tuple[str, dict[str, Any], str, str]] = {
+    "deepseek_v32": ("DeepseekV32Config", dict(rope_parameters=YARN), "DeepseekV32Attention", "DeepseekV32RotaryEmbedding"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(indexer_types=["full"]), "GlmMoeDsaAttention", "GlmMoeDsaRotaryEmbedding"),
+}  # fmt: skip
+
+
+def _layer(family: str, implementation: str = "eager") -> tuple[Any, Any, Any]:
+    """transformers' layer (random weights, float32), its config and its model's rotary embedding."""
+    config_name, extra, attention_name, rotary_name = FAMILIES[family]
+    config = getattr(transformers, config_name)(**SIZES, **extra)
+    config._attn_implementation = implementation
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    torch.manual_seed(3)
+    layer = getattr(modeling, attention_name)(config, 0).eval()
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            param.copy_(torch.randn(param.shape) * (0.3 if "norm" in name else 1.0))
+            if name.endswith(("proj.weight", "mqa.weight", "wq_b.weight", "wk.weight")):
+                param.mul_(param.shape[-1] ** -0.5 * 1.5)
+            if "norm.weight" in name or "layernorm" in name:
+                param.add_(1.0)
+    return layer, config, getattr(modeling, rotary_name)(config)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``(b, n, d)``, transformers' attention_mask (0 = padding, left) and position_ids as generate makes them."""
+    x = torch.randn(len(PADS), LENGTH, 32, generator=torch.Generator().manual_seed(5))
+    attention_mask = torch.ones(len(PADS), LENGTH, dtype=torch.long)
+    for row, pad in enumerate(PADS):
+        attention_mask[row, :pad] = 0
+    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    return x, attention_mask, position_ids
+
+
+def _run_theirs(layer: Any, config: Any, rotary: Any, x: torch.Tensor, attention_mask: torch.Tensor, **kw: Any):
+    """transformers' output and the indexer's picks of one call (``kw``: the cache and this chunk's positions)."""
+    picks: list[torch.Tensor] = []
+    hook = layer.indexer.register_forward_hook(lambda module, args, out: picks.append(out.long()))
+    cache, position_ids = kw.get("cache"), kw["position_ids"]
+    mask = masking_utils.create_causal_mask(config, x, attention_mask, cache, position_ids=position_ids)
+    try:
+        out = layer(x, position_embeddings=rotary(x, position_ids), attention_mask=mask, **kw)[0]
+    finally:
+        hook.remove()
+    return out, picks[0]
+
+
+def _visible_sets(picks: torch.Tensor, visible: torch.Tensor) -> list[list[set[int]]]:
+    """Per row and query, the picked keys it can see (``visible`` bool ``(b, q, n)``)."""
+    return [
+        [{int(j) for j in picks[b, q] if j >= 0 and visible[b, q, j]} for q in range(picks.shape[1])]
+        for b in range(picks.shape[0])
+    ]
+
+
+def _visible(attention_mask: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Bool ``(b, count, n)``: query ``first + i`` sees key ``j`` (earlier or itself, not padding)."""
+    total = attention_mask.shape[1]
+    causal = torch.arange(total)[None, :] <= torch.arange(first, first + count)[:, None]
+    return causal[None] & attention_mask[:, None, :total].bool()
+
+
+def _assert_no_ties(sparse: SparseLatentAttention, x: torch.Tensor, position_ids: torch.Tensor, visible: torch.Tensor):
+    """Every real query with more than k visible keys has a gap between its k-th and (k+1)-th scores (float64)."""
+    indexer = sparse.indexer
+    with torch.no_grad():
+        cos, sin = (t.double() for t in sparse.index_rotary(position_ids, torch.float64))
+        x64 = x.double()
+        q_latent = torch.nn.functional.rms_norm(
+            x64 @ sparse.q_a_proj.weight.double().T, (12,), sparse.q_a_layernorm.weight.double(), 1e-6
+        )
+        indexer64 = indexer.double()
+        keys = indexer64.index_keys(x64, cos, sin)
+        queries, weights = indexer64.index_queries(x64, q_latent, cos, sin)
+        scores = torch.einsum("bqh,bqhk->bqk", weights, torch.relu(torch.einsum("bqhd,bkd->bqhk", queries, keys)))
+        indexer.float()
+    smallest = float("inf")
+    for b in range(x.shape[0]):
+        for q in range(x.shape[1]):
+            seen = scores[b, q][visible[b, q]].sort(descending=True).values
+            if seen.numel() > TOP_K:
+                smallest = min(smallest, float(seen[TOP_K - 1] - seen[TOP_K]))
+    assert smallest > 1e-4, f"a tie at the top-k boundary: gap {smallest:.2e}"
+    print(f"smallest gap at the top-k boundary: {smallest:.1e}")
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_equals_the_layer(family: str, implementation: str) -> None:
+    """Output, input gradient and attention parameter gradients equal transformers' to 1e-5; the picks equal its picks."""
+    layer, config, rotary = _layer(family, implementation)
+    x, attention_mask, position_ids = _inputs()
+    real = attention_mask.bool()
+    sparse = SparseLatentAttention.from_transformers(layer)
+    visible = _visible(attention_mask, 0, LENGTH)
+    _assert_no_ties(sparse, x, position_ids, visible)
+
+    x_theirs = x.clone().requires_grad_(True)
+    theirs, their_picks = _run_theirs(layer, config, rotary, x_theirs, attention_mask, position_ids=position_ids)
+    x_ours = x.clone().requires_grad_(True)
+    ours = sparse(x_ours, positions=position_ids, key_padding_mask=attention_mask == 0)
+    weights = torch.randn(theirs.shape, generator=torch.Generator().manual_seed(9)) * real[..., None]
+    (theirs * weights).sum().backward()
+    (ours * weights).sum().backward()
+
+    our_picks = sparse.select(x, position_ids, attention_mask == 0, None)
+    assert _visible_sets(our_picks, visible) == _visible_sets(their_picks, visible)
+    worst = float((ours[real] - theirs[real]).abs().max())
+    assert worst <= 1e-5, f"output differs by {worst:.2e}"
+    worst_grad = float((x_ours.grad - x_theirs.grad).abs().max())  # type: ignore[operator]
+    assert worst_grad <= 1e-5, f"input gradient differs by {worst_grad:.2e}"
+    worst_param = 0.0
+    theirs_params, ours_params = dict(layer.named_parameters()), dict(sparse.named_parameters())
+    assert set(theirs_params) == set(ours_params)
+    for name, param in theirs_params.items():
+        if name.startswith("indexer."):  # no gradient through top-k indices, on either side
+            assert param.grad is None and ours_params[name].grad is None, name
+            continue
+        error = float((ours_params[name].grad - param.grad).abs().max())  # type: ignore[operator]
+        error /= max(float(param.grad.abs().max()), 1.0)
+        assert error <= 1e-5, f"{name}: gradient differs by {error:.2e}"
+        worst_param = max(worst_param, error)
+    with torch.no_grad():
+        dense = MultiHeadLatentAttention.from_transformers(layer)(
+            x, positions=position_ids, key_padding_mask=attention_mask == 0
+        )
+    assert float((dense[real] - theirs[real]).abs().max()) > 1e-3  # the selection mattered
+    print(
+        f"{family} {implementation}: output {worst:.1e}, input gradient {worst_grad:.1e}, parameters {worst_param:.1e}"
+    )
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_decoding_equals_transformers_cache(family: str) -> None:
+    """Prefill 5 tokens, then one at a time: SparseLatentCache vs DynamicCache, outputs to 1e-5 and the same picks."""
+    layer, config, rotary = _layer(family)
+    x, attention_mask, position_ids = _inputs()
+    real = attention_mask.bool()
+    sparse = SparseLatentAttention.from_transformers(layer)
+    _assert_no_ties(sparse, x, position_ids, _visible(attention_mask, 0, LENGTH))
+    theirs_cache, ours_cache = transformers.DynamicCache(config=config), SparseLatentCache(max_len=LENGTH)
+    theirs, ours = [], []
+    with torch.no_grad():
+        for start, stop in [(0, 5)] + [(t, t + 1) for t in range(5, LENGTH)]:
+            chunk, positions, padding = (
+                x[:, start:stop],
+                position_ids[:, start:stop],
+                attention_mask[:, start:stop] == 0,
+            )
+            out, their_picks = _run_theirs(
+                layer, config, rotary, chunk, attention_mask[:, :stop], cache=theirs_cache, position_ids=positions
+            )
+            our_picks = sparse.select(chunk, positions, padding, ours_cache.copy().index_keys)
+            visible = _visible(attention_mask[:, :stop], start, stop - start)
+            assert _visible_sets(our_picks, visible) == _visible_sets(their_picks, visible), (start, stop)
+            theirs.append(out)
+            ours.append(sparse(chunk, positions=positions, key_padding_mask=padding, cache=ours_cache))
+    got, expected = torch.cat(ours, dim=1), torch.cat(theirs, dim=1)
+    worst = float((got[real] - expected[real]).abs().max())
+    print(f"{family} decoding: {worst:.1e}")
+    assert worst <= 1e-5
+    assert ours_cache.latent.length == ours_cache.index_keys.length == LENGTH
+    # The indexer's cached keys are transformers' (rotated the same way), on the real tokens.
+    stored, ours_keys = theirs_cache.layers[0].indexer_keys, ours_cache.index_keys._keys
+    assert stored is not None and ours_keys is not None and stored.shape == ours_keys.shape
+    torch.testing.assert_close(ours_keys[real], stored[real], atol=1e-5, rtol=0)
+
+
+def test_sparse_selection_route_is_taken() -> None:
+    """3 picks of 12 keys (under the route's 25%) for prefill and decoding: explain names "sparse selection"."""
+    layer, _, _ = _layer("deepseek_v32")
+    sparse = SparseLatentAttention.from_transformers(layer)
+    x, attention_mask, position_ids = _inputs()
+    assert sparse.explain(x, positions=position_ids, key_padding_mask=attention_mask == 0).route == "sparse selection"
+    cache = SparseLatentCache(max_len=LENGTH)
+    with torch.no_grad():
+        sparse(x[:, :-1], positions=position_ids[:, :-1], key_padding_mask=attention_mask[:, :-1] == 0, cache=cache)
+    step = dict(positions=position_ids[:, -1:], key_padding_mask=attention_mask[:, -1:] == 0, cache=cache)
+    explanation = sparse.explain(x[:, -1:], **step)
+    assert explanation.computation == "absorbed"  # heads over one latent: kept apart, not folded into one head's rows
+    assert explanation.route == "sparse selection", str(explanation)
+    assert cache.length == LENGTH - 1 and cache.index_keys.length == LENGTH - 1  # explain changed nothing
+
+
+def test_failed_call_leaves_both_caches() -> None:
+    """A call failing after the indexer extended its keys commits neither part; the next call goes on as before."""
+    layer, _, _ = _layer("glm_moe_dsa")
+    sparse = SparseLatentAttention.from_transformers(layer)
+    x = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(1))
+    cache, fresh = SparseLatentCache(max_len=8), SparseLatentCache(max_len=8)
+    with torch.no_grad():
+        sparse(x[:, :3], cache=cache)
+        sparse(x[:, :3], cache=fresh)
+        with pytest.raises(ValueError, match="computation must be one of"):
+            sparse(x[:, 3:], cache=cache, computation="neither")
+        assert cache.latent.length == cache.index_keys.length == 3
+        torch.testing.assert_close(sparse(x[:, 3:], cache=cache), sparse(x[:, 3:], cache=fresh), atol=0, rtol=0)
+
+
+def test_state_dict_is_transformers() -> None:
+    """Every name of transformers' layer, the indexer's under ``indexer.``; a state dict goes back as it is."""
+    layer, _, _ = _layer("deepseek_v32")
+    sparse = SparseLatentAttention.from_transformers(layer)
+    assert set(sparse.state_dict()) == set(layer.state_dict())
+    assert any(name.startswith("indexer.") for name in sparse.state_dict())
+    with torch.no_grad():
+        for p in sparse.parameters():
+            p.mul_(1.5)
+    layer.load_state_dict(sparse.state_dict(), strict=True)
+    assert torch.equal(layer.indexer.wk.weight, sparse.indexer.wk.weight)
+
+
+def test_bad_input_is_named() -> None:
+    layer, _, _ = _layer("deepseek_v32")
+    sparse = SparseLatentAttention.from_transformers(layer)
+    x = torch.randn(1, 4, 32)
+    with pytest.raises(ValueError, match="causal=False"):
+        sparse(x, causal=False)
+    with pytest.raises(ValueError, match="mask=Selected: the indexer's picks"):
+        sparse(x, mask=masks.selected(torch.zeros(1, 4, 1, dtype=torch.long)))
+    with pytest.raises(ValueError, match=r"cache must be a SparseLatentCache.*got LatentCache"):
+        sparse(x, cache=LatentCache(max_len=4))
+    apart = SparseLatentCache(max_len=8)
+    with torch.no_grad():
+        sparse(x, cache=apart)
+    apart.index_keys.reset()
+    with pytest.raises(ValueError, match="4 latents and 0 index keys"):
+        sparse(x, cache=apart)
+    with pytest.raises(ValueError, match="max_len must be a positive integer"):
+        SparseLatentCache(max_len=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SparseLatentAttention(
+            index_heads=2, index_head_dim=8, top_k=0, hidden_size=32, num_heads=4, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=6, q_lora_rank=12,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="q_lora_rank=None: the indexer reads the query latent"):
+        SparseLatentAttention(
+            index_heads=2, index_head_dim=8, top_k=2, hidden_size=32, num_heads=4, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=6,
+        )  # fmt: skip
+
+
+def test_layers_without_their_own_indexer_are_refused() -> None:
+    with pytest.raises(ValueError, match="DeepseekV32Attention or GlmMoeDsaAttention, got Linear"):
+        SparseLatentAttention.from_transformers(torch.nn.Linear(2, 2))
+    config = transformers.GlmMoeDsaConfig(**{**SIZES, "num_hidden_layers": 2}, indexer_types=["full", "shared"])
+    modeling = importlib.import_module("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+    with pytest.raises(ValueError, match=r"has no indexer \(indexer_types 'shared'"):
+        SparseLatentAttention.from_transformers(modeling.GlmMoeDsaAttention(config, 1))
+
+
+def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/latent_sparse.py's DSA part gives its rows and targets at a tiny size (its speed is not tested)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "latent_sparse.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_latent_sparse", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setitem(script.DSA_SIZES, "n", 64)
+    monkeypatch.setitem(script.DSA_SIZES, "top_k", 8)
+    timing = {"min_repeats": 1, "max_repeats": 1, "budget_s": 1.0, "warmup": 0}
+    rows, targets = script.dsa_rows(timing, {}, 1)
+    assert len(rows) == 3 and all(len(row) == len(script.DSA_HEADER) for row in rows)
+    assert "(sparse selection)" in rows[1][1] and "(sparse selection)" in rows[2][1]  # absorbed prefill, decoding
+    assert [t[0].split(" n=")[0].split(" after")[0] for t in targets] == ["DSA prefill forward", "DSA decoding"]
