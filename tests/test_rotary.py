@@ -264,7 +264,12 @@ def test_angle_table_rotates_bit_for_bit_as_forward(options, dtype):
 
 def test_angle_table_declines_what_it_cannot_serve():
     x = torch.randn(1, 1, 2, 16)
-    assert RotaryPositionalEncoding(16, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}).rotate_consecutive(x, 0) is None
+    assert (
+        RotaryPositionalEncoding(
+            16, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+        ).rotate_consecutive(x, 0)
+        is None
+    )
     assert RotaryPositionalEncoding(16).rotate_consecutive(x, -1) is None
     assert RotaryPositionalEncoding(16).rotate_consecutive(x, 10**6) is None  # past the table's size cap
     rope = RotaryPositionalEncoding(16)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 import selfattn._validation as _validation
-from selfattn.masks import Visibility
+from selfattn.masks import Causal, Visibility, Window
 
 if TYPE_CHECKING:
     from selfattn.positional.base import ScoreEncoding
@@ -240,12 +240,33 @@ class AttentionCall:
         listed = [int(length) for length in lengths.tolist()]
         return listed if len(set(listed)) <= MAX_LENGTH_GROUPS else None
 
+    @_once
+    def sees_every_key(self) -> bool:
+        """Whether every query may see every key: no rule, or causal and windows that hide none of these keys.
+
+        Decoding's one query (or a few) after the keys, under a lower-right causal rule, sees them all:
+        such a call needs no mask. Worked out from the indices alone, with no tensor read.
+        """
+        visibility = self.visibility
+        if not visibility.only(Causal, Window):
+            return False
+        first_query, last_query = visibility.q_first, visibility.q_first + self.num_queries - 1
+        first_key, last_key = visibility.k_first, visibility.k_first + self.num_keys - 1
+        for rule in visibility.rules:
+            if isinstance(rule, Causal) and last_key > first_query:
+                return False
+            if isinstance(rule, Window) and max(last_key - first_query, last_query - first_key) >= rule.size:
+                return False
+        return True
+
     def dense_mask(self) -> torch.Tensor | None:
         """The visibility as a bool mask of at most the heads' rank, ``(.., lq, lk)``, or None when every key is visible.
 
         Rules render ``(b, h, lq, lk)``; heads given as ``(h, l, d)`` or ``(l, d)`` are one batch
         (and one head), so the leading ones go: a mask of higher rank than the scores would grow the output's.
         """
+        if self.sees_every_key:
+            return None
         mask = self.visibility.dense(self.device)
         rank = max(self.q.dim(), 2)
         while mask is not None and mask.dim() > rank and mask.shape[0] == 1:
