@@ -118,6 +118,9 @@ class AttentionCall:
         inputs: ModuleInputs | None = None,
     ):
         self.batch, self.heads, self.kv_heads, self.num_queries, self.num_keys, self.head_dim, self.value_dim = shape
+        self.compiling = _validation.is_compiling()
+        if visibility.rules and not self.compiling and _hides_nothing(visibility):
+            visibility = visibility.without(Causal, Window)  # decoding: no mask, and the routes see no rule
         self.visibility = visibility
         self.device, self.dtype = device, dtype
         self._q, self._k, self._v = q, k, v
@@ -131,7 +134,6 @@ class AttentionCall:
         self.return_weights = return_weights
         self.block_size = block_size
         self.inputs = inputs
-        self.compiling = _validation.is_compiling()
         # Inside torch.func.grad / vmap: custom autograd Functions without functorch rules cannot run.
         self.transformed = _validation.in_func_transform()
         self._facts: dict[str, Any] = {}
@@ -240,33 +242,12 @@ class AttentionCall:
         listed = [int(length) for length in lengths.tolist()]
         return listed if len(set(listed)) <= MAX_LENGTH_GROUPS else None
 
-    @_once
-    def sees_every_key(self) -> bool:
-        """Whether every query may see every key: no rule, or causal and windows that hide none of these keys.
-
-        Decoding's one query (or a few) after the keys, under a lower-right causal rule, sees them all:
-        such a call needs no mask. Worked out from the indices alone, with no tensor read.
-        """
-        visibility = self.visibility
-        if not visibility.only(Causal, Window):
-            return False
-        first_query, last_query = visibility.q_first, visibility.q_first + self.num_queries - 1
-        first_key, last_key = visibility.k_first, visibility.k_first + self.num_keys - 1
-        for rule in visibility.rules:
-            if isinstance(rule, Causal) and last_key > first_query:
-                return False
-            if isinstance(rule, Window) and max(last_key - first_query, last_query - first_key) >= rule.size:
-                return False
-        return True
-
     def dense_mask(self) -> torch.Tensor | None:
         """The visibility as a bool mask of at most the heads' rank, ``(.., lq, lk)``, or None when every key is visible.
 
         Rules render ``(b, h, lq, lk)``; heads given as ``(h, l, d)`` or ``(l, d)`` are one batch
         (and one head), so the leading ones go: a mask of higher rank than the scores would grow the output's.
         """
-        if self.sees_every_key:
-            return None
         mask = self.visibility.dense(self.device)
         rank = max(self.q.dim(), 2)
         while mask is not None and mask.dim() > rank and mask.shape[0] == 1:
@@ -286,6 +267,24 @@ class AttentionCall:
     def simple_term(self) -> bool:
         """A score term with nothing to differentiate, no value term and no dropout: a float mask is enough."""
         return not (self.term_reads_queries or self.term_parameters or self.value_term or self.dropout_p > 0)
+
+
+def _hides_nothing(visibility: Visibility) -> bool:
+    """Whether the rules are causal and windows that let every query see every key of the call.
+
+    Decoding's one query (or a few) after the keys sees them all under a lower-right causal rule.
+    Worked out from the indices alone: no tensor is read.
+    """
+    if not visibility.only(Causal, Window):
+        return False
+    first_query, last_query = visibility.q_first, visibility.q_first + visibility.num_queries - 1
+    first_key, last_key = visibility.k_first, visibility.k_first + visibility.num_keys - 1
+    for rule in visibility.rules:
+        if isinstance(rule, Causal) and last_key > first_query:
+            return False
+        if isinstance(rule, Window) and max(last_key - first_query, last_query - first_key) >= rule.size:
+            return False
+    return True
 
 
 def _consecutive(positions: torch.Tensor) -> int | None:

@@ -71,16 +71,15 @@ def _declines(call: AttentionCall) -> str | None:
         reason = holding(("a score term", call.term is not None), ("dropout", call.dropout_p > 0))
     elif reason is None and not call.on_cpu:
         reason = "not on CPU (the kernel with a log-sum-exp is the CPU one)"
-    elif reason is None and not (call.sees_every_key or call.visibility.kernel_causal):
-        reason = "a mask other than causal on a square (or one that hides no key)"
+    elif reason is None and call.visibility.rules and not call.visibility.kernel_causal:
+        reason = "a mask other than causal on a square"
     return reason
 
 
 def _run(call: AttentionCall) -> Output:
     q, k, v = heads(call)
     assert call.sinks is not None
-    causal = call.visibility.kernel_causal  # else every key is visible (the kernel's causal is top-left)
-    out: torch.Tensor = _FlashWithSinks.apply(q, k, v, call.sinks, causal, call.scale)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+    out: torch.Tensor = _FlashWithSinks.apply(q, k, v, call.sinks, call.visibility.causal, call.scale)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
     return Output(out)
 
 
