@@ -71,6 +71,17 @@ def _for_heads(positions: torch.Tensor) -> torch.Tensor:
     return positions if positions.dim() == 3 else _per_head(positions)
 
 
+def _updates_cached_keys(encoding: QueryKeyEncoding) -> bool:
+    """Whether ``encoding.update_cached_keys`` may change a cache: not the base's no-op, nor a rotary's that
+    re-rotates nothing (:attr:`~selfattn.positional.RotaryPositionalEncoding.rerotates_cache` False)."""
+    hook = type(encoding).update_cached_keys
+    if hook is QueryKeyEncoding.update_cached_keys:
+        return False
+    if isinstance(encoding, RotaryPositionalEncoding) and hook is RotaryPositionalEncoding.update_cached_keys:
+        return encoding.rerotates_cache
+    return True
+
+
 def _check_position_sizes(position: PositionalEncoding | None, num_heads: int, head_dim: int) -> None:
     """Refuse an encoding built for another head count or head size, here rather than deep in a forward pass.
 
@@ -617,8 +628,10 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         positions: those are the keys to re-rotate, and a window that slid past others changes nothing.
         """
         cache = request.cache
-        cached = None if cache is None else cache.positions
-        if cache is None or cached is None:
+        if cache is None or not _updates_cached_keys(self.query_key_encoding):
+            return  # the positions would be gathered for nothing (a rotary without length scaling)
+        cached = cache.positions
+        if cached is None:
             return
         new_positions = request.k_positions
         if cached.dim() != new_positions.dim():  # one of them per sequence: both per sequence

@@ -72,8 +72,9 @@ def _declined_modifiers(call: AttentionCall) -> str:
 
 def _choose(call: AttentionCall, routes: Sequence[Route]) -> tuple[Route, tuple[tuple[str, str], ...]]:
     declined: list[tuple[str, str]] = []
+    modifies_scores = call.modifies_scores
     for route in routes:
-        if call.modifies_scores and not route.modifies_scores:
+        if modifies_scores and not route.modifies_scores:
             declined.append((route.name, _declined_modifiers(call)))
             continue
         reason = route.declines(call)

@@ -48,16 +48,20 @@ def require_int_tensor(name: str, value: object, shapes: tuple[tuple[int, ...], 
 
 
 def check_inputs(module: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    weight = module.W_q.weight
+    checked: list[tuple[torch.Tensor, int]] = []
     for name, t, size in (
         ("queries", queries, module.query_size),
         ("keys", keys, module.key_size),
         ("values", values, module.value_size),
     ):
+        if any(t is earlier and size == earlier_size for earlier, earlier_size in checked):
+            continue  # self-attention: one tensor, checked once
+        checked.append((t, size))
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != size:
             raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
-        weight = module.W_q.weight
         mixed_ok = torch.is_autocast_enabled(t.device.type)  # autocast casts inside the projections
         if (t.dtype != weight.dtype and not mixed_ok) or t.device != weight.device:
             raise ValueError(

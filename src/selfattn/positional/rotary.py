@@ -145,6 +145,8 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.cached_keys = cached_keys
         self.attention_factor = 1.0
         self._last: tuple[int | None, torch.Tensor, float] | None = None
+        # angle_table cast to float32 once (the rotation's dtype for every other input), and the table it came from.
+        self._float32_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
         self.register_buffer("angle_table", torch.empty(0, 0, dtype=torch.float64, device=device), persistent=False)
         self._build_tables()
@@ -210,7 +212,12 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             return None
         if stop > self.angle_table.shape[0]:
             self._grow_angle_table(stop)
-        rows = self.angle_table[first:stop]  # (l, 2r)
+        table = self.angle_table
+        if x.dtype != torch.float64:  # rotated in float32: cast the table once, not each call's rows
+            if self._float32_table is None or self._float32_table[0] is not table:
+                self._float32_table = (table, table.to(torch.float32))
+            table = self._float32_table[1]
+        rows = table[first:stop]  # (l, 2r)
         return _rotate_swapped(x, rows, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
 
     def _current(self, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -233,6 +240,13 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             magnitude=attention_factor,
         )
 
+    @property
+    def rerotates_cache(self) -> bool:
+        """Whether :meth:`update_cached_keys` may turn cached keys: ``cached_keys="rerotate"`` with a
+        length-dependent scaling (``dynamic``, ``longrope``)."""
+        config = self.scaling_config
+        return self.cached_keys == "rerotate" and config is not None and config.depends_on_length
+
     def update_cached_keys(self, cache: KVCache, positions: torch.Tensor) -> None:
         """Re-rotate the keys in ``cache`` to the frequencies of the coming call (``cached_keys="rerotate"``).
 
@@ -244,7 +258,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         """
         config = self.scaling_config
         past = cache.stored  # a windowed cache keeps only some of the cache.length keys it has seen
-        if self.cached_keys == "keep" or config is None or not config.depends_on_length or past == 0:
+        if not self.rerotates_cache or config is None or past == 0:
             return
         cached_positions = positions[..., :past]  # (past,) or per sequence (b, past)
         noted = cache.encoding_state.get("rotary_length")
