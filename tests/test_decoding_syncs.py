@@ -106,3 +106,19 @@ def test_a_decoded_token_does_not_synchronise_cuda(name):
             layer(token, token, token, cache=cache, causal=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_transformer_lm_reads_no_tensor_per_generated_token(monkeypatch):
+    """The prompt's checks read it once; each generated token (an argmax, a valid id) adds no read."""
+    from selfattn.models import TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(50, D, H, 2, position="rotary", max_len=32).eval()
+    prompt = torch.randint(0, 50, (1, 5))
+    counts = []
+    for new_tokens in (2, 6):
+        model.generate(prompt, new_tokens)  # warm-up
+        with counting_reads(monkeypatch) as reads:
+            model.generate(prompt, new_tokens)
+        counts.append(sum(reads.values()))
+    assert counts[0] == counts[1], counts
