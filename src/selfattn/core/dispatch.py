@@ -73,9 +73,10 @@ def _declined_modifiers(call: AttentionCall) -> str:
 def _choose(call: AttentionCall, routes: Sequence[Route]) -> tuple[Route, tuple[tuple[str, str], ...]]:
     declined: list[tuple[str, str]] = []
     modifies_scores = call.modifies_scores
+    modifiers_reason = _declined_modifiers(call) if modifies_scores else ""  # one sentence for every such route
     for route in routes:
         if modifies_scores and not route.modifies_scores:
-            declined.append((route.name, _declined_modifiers(call)))
+            declined.append((route.name, modifiers_reason))
             continue
         reason = route.declines(call)
         if reason is None:
