@@ -253,7 +253,7 @@ def test_angle_table_rotates_bit_for_bit_as_forward(options, dtype):
     rope = RotaryPositionalEncoding(16, **options)
     gen = torch.Generator().manual_seed(0)
     # Steps that grow the table twice (past 256, then past 512), and one at a large first position.
-    for first, length in ((0, 5), (3, 1), (250, 20), (700, 3), (5000, 2)):
+    for first, length in ((0, 5), (3, 1), (4, 0), (250, 20), (700, 3), (5000, 2)):
         x = torch.randn(2, 3, length, 16, generator=gen).to(dtype)
         table = rope.rotate_consecutive(x, first)
         assert table is not None

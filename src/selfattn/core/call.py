@@ -179,10 +179,9 @@ class AttentionCall:
 
     # ------------------------------------------------------------------ facts the routes ask about
 
-    def remember(self, compute: Callable[[AttentionCall], T]) -> T:
-        """``compute(self)``, worked out once for this call: the checks several routes share (why blocks
-        cannot serve it, why no window route can) run once however many routes ask."""
-        name = compute.__qualname__
+    def remember(self, name: str, compute: Callable[[AttentionCall], T]) -> T:
+        """``compute(self)``, worked out once for this call and kept as ``name``: the checks several routes
+        share (why blocks cannot serve it, why no window route can) run once however many routes ask."""
         if name not in self._facts:
             self._facts[name] = compute(self)
         value: T = self._facts[name]

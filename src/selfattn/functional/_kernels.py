@@ -208,7 +208,9 @@ def _check_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _host_check_pays(t: torch.Tensor) -> bool:
     """Whether a check of ``t``'s values reads it back to the host (a large CPU tensor, eager) rather than
     staying in the graph (see :data:`_IN_GRAPH_CHECKS_MAX_ELEMENTS`)."""
-    return t.device.type == "cpu" and t.numel() > _IN_GRAPH_CHECKS_MAX_ELEMENTS and not torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return False  # first: a test of the size would guard a dynamic one
+    return t.device.type == "cpu" and t.numel() > _IN_GRAPH_CHECKS_MAX_ELEMENTS
 
 
 def _prepare(

@@ -149,7 +149,7 @@ def _rotate_swapped(x: torch.Tensor, rows: torch.Tensor, *, interleaved: bool, r
     cos_row, sin_row = rows[..., :rotary_dim], rows[..., rotary_dim:]
     part = x[..., :rotary_dim].to(compute_dtype)
     if interleaved:
-        swapped = part.reshape(*part.shape[:-1], -1, 2).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+        swapped = part.reshape(*part.shape[:-1], rotary_dim // 2, 2).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
     else:
         first, second = part.chunk(2, dim=-1)
         swapped = torch.cat((second, first), dim=-1)

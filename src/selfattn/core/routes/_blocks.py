@@ -26,7 +26,7 @@ def blocks_decline(call: AttentionCall) -> str | None:
 
     Worked out once per call: most routes ask.
     """
-    return call.remember(_blocks_decline)
+    return call.remember("blocks_decline", _blocks_decline)
 
 
 def _blocks_decline(call: AttentionCall) -> str | None:

@@ -29,7 +29,7 @@ def window_block(window: int) -> int:
 
 def window_declines(call: AttentionCall) -> str | None:
     """Why neither window route can take the call, or None; worked out once per call."""
-    return call.remember(_window_declines)
+    return call.remember("window_declines", _window_declines)
 
 
 def _window_declines(call: AttentionCall) -> str | None:

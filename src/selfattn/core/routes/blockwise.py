@@ -24,7 +24,7 @@ SKIPPING_MIN_PAIRS = 1 << 16
 
 
 def _nothing_for_blocks(call: AttentionCall) -> str | None:
-    return call.remember(_blocks_skip_nothing)  # three routes ask: worked out once per call
+    return call.remember("blocks_skip_nothing", _blocks_skip_nothing)  # three routes ask: worked out once per call
 
 
 def _blocks_skip_nothing(call: AttentionCall) -> str | None:
