@@ -250,3 +250,11 @@ def test_a_forward_only_term_is_not_sent_to_flex():
     explanation = dispatch.explain(_cuda_call(AbsoluteTerm()))
     assert explanation.route == "blockwise"
     assert "elementwise form" in dict(explanation.declined)["flex"]
+
+
+def test_the_route_is_a_profiler_range_while_profiling():
+    """The range is skipped when no profiler listens (it costs a dispatcher call), and named when one does."""
+    q = torch.randn(1, H, 4, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        attention(q, q, q)
+    assert "selfattn::fused" in {event.key for event in prof.key_averages()}

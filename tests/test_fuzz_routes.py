@@ -218,7 +218,8 @@ def key_row_cases(draw, route: str) -> Case:
     heads = draw(st.integers(1, 6))
     kv = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
     opts = draw(layer_options(rotary=False)) | {"term": "alibi"}
-    lq = lk = draw(st.integers(1, 14))
+    # One token alone sees its one key: causal hides nothing there, and the call has no rule (so key row).
+    lq = lk = draw(st.integers(2 if route == "causal key rows" else 1, 14))
     if route == "causal key rows":
         opts |= {"causal": True, "positions": draw(st.sampled_from(["default", "offset"]))}
     else:

@@ -235,3 +235,44 @@ def test_module_errors():
         RotaryPositionalEncoding(8, base=0.5)
     with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., length, 8\)"):
         RotaryPositionalEncoding(8)(torch.randn(1, 1, 3, 6), torch.arange(3))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"interleaved": False},
+        {"rotary_dim": 8},
+        {"p": 0.5},
+        {"scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+        {"scaling": "linear", "scaling_factor": 2.0},
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_angle_table_rotates_bit_for_bit_as_forward(options, dtype):
+    rope = RotaryPositionalEncoding(16, **options)
+    gen = torch.Generator().manual_seed(0)
+    # Steps that grow the table twice (past 256, then past 512), and one at a large first position.
+    for first, length in ((0, 5), (3, 1), (4, 0), (250, 20), (700, 3), (5000, 2)):
+        x = torch.randn(2, 3, length, 16, generator=gen).to(dtype)
+        table = rope.rotate_consecutive(x, first)
+        assert table is not None
+        computed = rope(x, torch.arange(first, first + length))
+        assert torch.equal(table, computed), (first, length)
+    assert rope.angle_table.dtype == torch.float64 and rope.angle_table.shape[0] >= 5002
+
+
+def test_angle_table_declines_what_it_cannot_serve():
+    x = torch.randn(1, 1, 2, 16)
+    assert (
+        RotaryPositionalEncoding(
+            16, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+        ).rotate_consecutive(x, 0)
+        is None
+    )
+    assert RotaryPositionalEncoding(16).rotate_consecutive(x, -1) is None
+    assert RotaryPositionalEncoding(16).rotate_consecutive(x, 10**6) is None  # past the table's size cap
+    rope = RotaryPositionalEncoding(16)
+    rope.rotate_consecutive(x, 0)
+    rope.reset_parameters()
+    assert rope.angle_table.numel() == 0  # rebuilt from the (new) frequencies on next use

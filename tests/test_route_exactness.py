@@ -225,6 +225,18 @@ CASES = {
     "causal key rows alibi dv < d": Case(
         "causal key rows", d=6, dv=4, rules=["causal"], term=lambda: ALiBiPositionalBias(HEADS, causal=True)
     ),
+    # decoding: queries after every key see them all under causal (and a window that hides none): no mask
+    "decoding causal one query": Case("fused", lq=1, lk=6, rules=["causal"]),
+    "decoding causal two queries": Case("fused", lq=2, lk=6, rules=["causal"]),
+    "decoding window hides none": Case("fused", lq=1, lk=2, rules=["causal", "window2"]),
+    "decoding window hides some": Case("fused", lq=1, lk=6, rules=["causal", "window2"]),
+    "decoding causal padding": Case("fused", lq=1, lk=6, rules=["causal"], padding="all"),
+    "more queries than keys, causal: empty rows": Case("fused", lq=6, lk=2, rules=["causal"]),
+    "decoding fused sinks": Case("fused sinks", lq=1, lk=6, rules=["causal"], sinks=True),
+    "decoding fused sinks gqa dv < d": Case(
+        "fused sinks", lq=1, lk=6, kv_heads=1, d=6, dv=4, rules=["causal"], sinks=True
+    ),
+    "decoding sinks window hides some": Case("blockwise", lq=1, lk=6, rules=["causal", "window2"], sinks=True),
     # a float bias: the explicit route applies the softcap and sinks
     "explicit bias sinks softcap dv < d": Case(
         "explicit softcap/sinks", d=6, dv=4, rules=["causal"], bias=True, sinks=True, softcap=2.0

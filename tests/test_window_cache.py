@@ -30,3 +30,19 @@ def test_window_cache_decoding_equals_full_pass(name, chunks):
     torch.testing.assert_close(full, expected, atol=1e-10, rtol=1e-9)
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=1e-10)
     assert max(stored) == W - 1 and cache.length == L  # never more than the window keeps
+
+
+def test_cache_reports_the_bytes_it_holds():
+    """nbytes: the storage allocated at the first call (max_len positions), or a window's worth, and nothing before."""
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    full, windowed = KVCache(50), KVCache(window=8, sink_tokens=2)
+    assert full.nbytes == windowed.nbytes == 0
+    x = torch.randn(3, 20, 16)
+    with torch.no_grad():
+        layer(x, x, x, cache=full, causal=True)
+        layer(x, x, x, cache=windowed, causal=True)
+    float_bytes, long_bytes = 4, 8
+    # keys and values (b, hk, max_len, dh) = (3, 2, 50, 4) each, positions (b, max_len) int64
+    assert full.nbytes == 2 * 3 * 2 * 50 * 4 * float_bytes + 3 * 50 * long_bytes
+    kept = 2 + 8 - 1  # sinks and the last window - 1 keys
+    assert windowed.nbytes == 2 * 3 * 2 * kept * 4 * float_bytes + 3 * kept * long_bytes

@@ -38,6 +38,7 @@ from selfattn.core.inputs import Request, check_request, zero_padding
 from selfattn.core.route import Output
 from selfattn.masks import Visibility
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
+from selfattn.positional.rotary import RotaryPositionalEncoding
 
 __all__ = ["MultiHeadAttention", "cumulative_lengths_to_document_ids", "document_positions"]
 
@@ -68,6 +69,17 @@ def _encoding_positions(positions: torch.Tensor, axes: torch.Tensor | None) -> t
 def _for_heads(positions: torch.Tensor) -> torch.Tensor:
     """``(l,)``, ``(b, l)`` or M-RoPE's ``(3, b, l)`` as the encodings take them over heads."""
     return positions if positions.dim() == 3 else _per_head(positions)
+
+
+def _updates_cached_keys(encoding: QueryKeyEncoding) -> bool:
+    """Whether ``encoding.update_cached_keys`` may change a cache: not the base's no-op, nor a rotary's that
+    re-rotates nothing (:attr:`~selfattn.positional.RotaryPositionalEncoding.rerotates_cache` False)."""
+    hook = type(encoding).update_cached_keys
+    if hook is QueryKeyEncoding.update_cached_keys:
+        return False
+    if isinstance(encoding, RotaryPositionalEncoding) and hook is RotaryPositionalEncoding.update_cached_keys:
+        return encoding.rerotates_cache
+    return True
 
 
 def _check_position_sizes(position: PositionalEncoding | None, num_heads: int, head_dim: int) -> None:
@@ -469,10 +481,11 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         assert isinstance(self.position, QueryKeyEncoding)
         return self.position
 
-    def project_queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def project_queries(self, x: torch.Tensor, positions: torch.Tensor, first: int | None = None) -> torch.Tensor:
         """Query heads ``(b, h, lq, dh)`` from ``(b, lq, dq)``: ``W_q``, QK-norm, then the rotation at ``positions``.
 
-        ``positions``: ``(lq,)``, ``(b, lq)``, or M-RoPE's ``(3, b, lq)``.
+        ``positions``: ``(lq,)``, ``(b, lq)``, or M-RoPE's ``(3, b, lq)``; ``first``: ``positions[0]``
+        when they count up from it (a rotary then reads its angle table), else None.
         """
         q = self.split_heads(self.W_q(x))  # (b, h, lq, dh)
         if self.q_norm is not None:
@@ -483,14 +496,30 @@ class MultiHeadAttention(NotScriptable, nn.Module):
             require_tuned_positions(time)
             steps = torch.floor((_per_head(time).to(torch.float64) + 1) / floor_scale)  # (lq,) or (b, 1, lq)
             q = q * (1 + attn_scale * torch.log1p(steps)).to(q.dtype)[..., None]  # (b, h, lq, dh)
-        return self.query_key_encoding.encode_queries(q, _for_heads(positions)) if self.rotates else q
+        if not self.rotates:
+            return q
+        rotated = self._rotate_consecutive(q, first)
+        return self.query_key_encoding.encode_queries(q, _for_heads(positions)) if rotated is None else rotated
 
-    def project_keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Key heads ``(b, hk, lk, dh)`` from ``(b, lk, dk)``: ``W_k``, QK-norm, then the rotation at ``positions``."""
+    def project_keys(self, x: torch.Tensor, positions: torch.Tensor, first: int | None = None) -> torch.Tensor:
+        """Key heads ``(b, hk, lk, dh)`` from ``(b, lk, dk)``: ``W_k``, QK-norm, then the rotation at ``positions``
+        (``first`` as for :meth:`project_queries`)."""
         k = self.split_heads(self.W_k(x), self.num_kv_heads)  # (b, hk, lk, dh)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return self.query_key_encoding.encode_keys(k, _for_heads(positions)) if self.rotates else k
+        if not self.rotates:
+            return k
+        rotated = self._rotate_consecutive(k, first)
+        return self.query_key_encoding.encode_keys(k, _for_heads(positions)) if rotated is None else rotated
+
+    def _rotate_consecutive(self, x: torch.Tensor, first: int | None) -> torch.Tensor | None:
+        """A plain rotary's rotation of ``x`` at positions counting up from ``first``, from its table; else None.
+
+        Only the class itself: a subclass may change ``forward`` or the hooks, which the table would bypass.
+        """
+        if first is None or type(self.position) is not RotaryPositionalEncoding:
+            return None
+        return self.position.rotate_consecutive(x, first)
 
     def project_output(self, merged: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """``W_o`` of the merged heads ``(b, lq, h * dh)``, gated by ``sigmoid(W_g(queries))`` first when gated."""
@@ -544,14 +573,14 @@ class MultiHeadAttention(NotScriptable, nn.Module):
 
         def make_q() -> torch.Tensor:
             return self.project_queries(
-                inputs()[0], _encoding_positions(request.q_positions, request.q_axes)
+                inputs()[0], _encoding_positions(request.q_positions, request.q_axes), request.q_first_position
             )  # (b, h, lq, dh)
 
         def project_kv() -> tuple[torch.Tensor, torch.Tensor]:
             if self.rotates:
                 self._update_cached_keys(request)
             k = self.project_keys(
-                inputs()[1], _encoding_positions(request.k_positions, request.k_axes)
+                inputs()[1], _encoding_positions(request.k_positions, request.k_axes), request.k_first_position
             )  # (b, hk, lk_new, dh)
             v = self.split_heads(self.W_v(inputs()[2]), self.num_kv_heads)  # (b, hk, lk_new, dh)
             return k, v
@@ -599,8 +628,10 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         positions: those are the keys to re-rotate, and a window that slid past others changes nothing.
         """
         cache = request.cache
-        cached = None if cache is None else cache.positions
-        if cache is None or cached is None:
+        if cache is None or not _updates_cached_keys(self.query_key_encoding):
+            return  # the positions would be gathered for nothing (a rotary without length scaling)
+        cached = cache.positions
+        if cached is None:
             return
         new_positions = request.k_positions
         if cached.dim() != new_positions.dim():  # one of them per sequence: both per sequence

@@ -101,6 +101,13 @@ class KVCache:
         """Keys held now (``length``, or at most ``sink_tokens + window - 1`` for a windowed cache)."""
         return self.length if self.window is None else min(self.length, self.sink_tokens + self.window - 1)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storage this cache holds now: keys, values, positions, and padding and document ids
+        where kept (allocated for ``max_len`` positions at the first call; O(window) for a windowed cache)."""
+        held = (self._keys, self._values, self._positions, self._padding, self._documents)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
     def reset(self) -> None:
         """Forget everything stored, the batch size, shapes, dtype and device included."""
         self.length = 0

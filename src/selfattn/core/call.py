@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 import selfattn._validation as _validation
-from selfattn.masks import Visibility
+from selfattn.masks import Causal, Visibility, Window
 
 if TYPE_CHECKING:
     from selfattn.positional.base import ScoreEncoding
@@ -118,6 +118,9 @@ class AttentionCall:
         inputs: ModuleInputs | None = None,
     ):
         self.batch, self.heads, self.kv_heads, self.num_queries, self.num_keys, self.head_dim, self.value_dim = shape
+        self.compiling = _validation.is_compiling()
+        if visibility.rules and not self.compiling and _hides_nothing(visibility):
+            visibility = visibility.without(Causal, Window)  # decoding: no mask, and the routes see no rule
         self.visibility = visibility
         self.device, self.dtype = device, dtype
         self._q, self._k, self._v = q, k, v
@@ -131,7 +134,6 @@ class AttentionCall:
         self.return_weights = return_weights
         self.block_size = block_size
         self.inputs = inputs
-        self.compiling = _validation.is_compiling()
         # Inside torch.func.grad / vmap: custom autograd Functions without functorch rules cannot run.
         self.transformed = _validation.in_func_transform()
         self._facts: dict[str, Any] = {}
@@ -176,6 +178,14 @@ class AttentionCall:
             self._k, self._v = self._make_kv()
 
     # ------------------------------------------------------------------ facts the routes ask about
+
+    def remember(self, name: str, compute: Callable[[AttentionCall], T]) -> T:
+        """``compute(self)``, worked out once for this call and kept as ``name``: the checks several routes
+        share (why blocks cannot serve it, why no window route can) run once however many routes ask."""
+        if name not in self._facts:
+            self._facts[name] = compute(self)
+        value: T = self._facts[name]
+        return value
 
     @property
     def on_cpu(self) -> bool:
@@ -265,6 +275,24 @@ class AttentionCall:
     def simple_term(self) -> bool:
         """A score term with nothing to differentiate, no value term and no dropout: a float mask is enough."""
         return not (self.term_reads_queries or self.term_parameters or self.value_term or self.dropout_p > 0)
+
+
+def _hides_nothing(visibility: Visibility) -> bool:
+    """Whether the rules are causal and windows that let every query see every key of the call.
+
+    Decoding's one query (or a few) after the keys sees them all under a lower-right causal rule.
+    Worked out from the indices alone: no tensor is read.
+    """
+    if not visibility.only(Causal, Window):
+        return False
+    first_query, last_query = visibility.q_first, visibility.q_first + visibility.num_queries - 1
+    first_key, last_key = visibility.k_first, visibility.k_first + visibility.num_keys - 1
+    for rule in visibility.rules:
+        if isinstance(rule, Causal) and last_key > first_query:
+            return False
+        if isinstance(rule, Window) and max(last_key - first_query, last_query - first_key) >= rule.size:
+            return False
+    return True
 
 
 def _consecutive(positions: torch.Tensor) -> int | None:

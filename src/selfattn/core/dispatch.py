@@ -74,9 +74,11 @@ def _declined_modifiers(call: AttentionCall) -> str:
 
 def _choose(call: AttentionCall, routes: Sequence[Route]) -> tuple[Route, tuple[tuple[str, str], ...]]:
     declined: list[tuple[str, str]] = []
+    modifies_scores = call.modifies_scores
+    modifiers_reason = _declined_modifiers(call) if modifies_scores else ""  # one sentence for every such route
     for route in routes:
-        if call.modifies_scores and not route.modifies_scores:
-            declined.append((route.name, _declined_modifiers(call)))
+        if modifies_scores and not route.modifies_scores:
+            declined.append((route.name, modifiers_reason))
             continue
         reason = route.declines(call)
         if reason is None:
@@ -126,8 +128,8 @@ def explain(call: AttentionCall, routes: Sequence[Route] | None = None, *, verbo
 def run(call: AttentionCall, routes: Sequence[Route] | None = None) -> Output:
     """Compute ``call`` by the first route of ``routes`` (default :data:`ROUTES`) that takes it."""
     route, _ = _choose(call, ROUTES if routes is None else routes)
-    if call.compiling:
-        return route.run(call)
+    if call.compiling or not torch.autograd.profiler._is_profiler_enabled:
+        return route.run(call)  # a range costs a dispatcher call or two even when no profiler listens
     # The profiler ranges keep the names benchmarks read (blockwise_attention for every blocks route).
     profile_name = "blockwise_attention" if route.name.startswith(("blockwise", "causal key", "sliced")) else route.name
     with torch.profiler.record_function(f"selfattn::{profile_name}"):

@@ -48,16 +48,20 @@ def require_int_tensor(name: str, value: object, shapes: tuple[tuple[int, ...], 
 
 
 def check_inputs(module: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    weight = module.W_q.weight
+    checked: list[tuple[torch.Tensor, int]] = []
     for name, t, size in (
         ("queries", queries, module.query_size),
         ("keys", keys, module.key_size),
         ("values", values, module.value_size),
     ):
+        if any(t is earlier and size == earlier_size for earlier, earlier_size in checked):
+            continue  # self-attention: one tensor, checked once
+        checked.append((t, size))
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != size:
             raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
-        weight = module.W_q.weight
         mixed_ok = torch.is_autocast_enabled(t.device.type)  # autocast casts inside the projections
         if (t.dtype != weight.dtype and not mixed_ok) or t.device != weight.device:
             raise ValueError(
@@ -214,8 +218,9 @@ def resolve_positions(
     document_ids: torch.Tensor | None,
     cache: KVCache | None,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of the queries ``(lq,)``/``(b, lq)`` and of the new keys ``(lk,)``/``(b, lk)``."""
+) -> tuple[torch.Tensor, torch.Tensor, int | None, int | None]:
+    """Positions of the queries ``(lq,)``/``(b, lq)`` and of the new keys ``(lk,)``/``(b, lk)``, and the first
+    of each as an int when they count up from it (made here from ``offset``, not given), else None."""
     if offset is not None and (positions is not None or document_ids is not None):
         raise ValueError("give either offset or positions/document_ids, not both (offset is the shorthand)")
     if positions is None and document_ids is not None:
@@ -232,17 +237,18 @@ def resolve_positions(
         first = offset
     if key_positions is not None:
         shapes = ((num_new_keys,), (batch, num_new_keys))
-        return q_positions, require_int_tensor("key_positions", key_positions, shapes).to(device)
+        q_first = first if positions is None else None
+        return q_positions, require_int_tensor("key_positions", key_positions, shapes).to(device), q_first, None
     if positions is None:
         # Queries are the last lq of all keys: new key j sits at offset + lq - lk_new + j.
         start = first + num_queries - num_new_keys if cache is not None else first + num_queries - total
-        return q_positions, torch.arange(start, start + num_new_keys, device=device)
+        return q_positions, torch.arange(start, start + num_new_keys, device=device), first, start
     if num_new_keys != num_queries:
         raise ValueError(
             f"key_positions are needed: positions give the {num_queries} queries' positions, "
             f"and there are {num_new_keys} keys"
         )
-    return q_positions, q_positions
+    return q_positions, q_positions, None, None
 
 
 def check_skip_padded_queries(
@@ -302,6 +308,8 @@ class Request(NamedTuple):
     mask: masks.Rule | None = None  # the caller's rule, joined to the others by "and"
     q_axes: torch.Tensor | None = None  # (3, b, lq) for an M-RoPE encoding (q_positions is its row 0)
     k_axes: torch.Tensor | None = None  # (3, b, lk_new)
+    q_first_position: int | None = None  # q_positions[0] when they count up from it (made from offset)
+    k_first_position: int | None = None  # k_positions[0] likewise
 
 
 def check_request(
@@ -363,7 +371,7 @@ def check_request(
     positions, key_positions, q_axes, k_axes = split_position_axes(
         module, positions, key_positions, batch, num_queries, num_new_keys
     )
-    q_positions, k_positions = resolve_positions(
+    q_positions, k_positions, q_first, k_first = resolve_positions(
         batch, num_queries, num_new_keys, total, offset, positions, key_positions, document_ids, cache,
         queries.device,
     )  # fmt: skip
@@ -371,6 +379,7 @@ def check_request(
         queries, keys, values, valid_lens, causal, return_weights, cache, attn_mask, key_padding_mask,
         document_ids, document_ids, q_positions, k_positions, total, None, mask,
         lift_position_axes(module, q_axes, q_positions, batch), lift_position_axes(module, k_axes, k_positions, batch),
+        q_first, k_first,
     )  # fmt: skip
     return request if valid_lens is None else _check_lengths(module, request)
 

@@ -32,6 +32,11 @@ __all__ = ["attention_weights", "causal_mask", "fused_attention", "valid_lens_ma
 # (measured crossover: lq = lk between 1536 and 2048 at d = 512, 8 heads).
 _CONTIGUOUS_HEADS_MIN_PAIRS = 2048 * 2048
 
+# Checks of values (a NaN query, a row with no visible key, -inf in a bias) run inside the graph, with no
+# host read, up to this many elements (decoding's calls, any GPU call); past it, on CPU, one host check
+# costs less than the extra pass over the output or the scores that the in-graph form takes.
+_IN_GRAPH_CHECKS_MAX_ELEMENTS = 1 << 16
+
 # scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -200,6 +205,14 @@ def _check_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
+def _host_check_pays(t: torch.Tensor) -> bool:
+    """Whether a check of ``t``'s values reads it back to the host (a large CPU tensor, eager) rather than
+    staying in the graph (see :data:`_IN_GRAPH_CHECKS_MAX_ELEMENTS`)."""
+    if torch.compiler.is_compiling():
+        return False  # first: a test of the size would guard a dynamic one
+    return t.device.type == "cpu" and t.numel() > _IN_GRAPH_CHECKS_MAX_ELEMENTS
+
+
 def _prepare(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -209,16 +222,19 @@ def _prepare(
     causal: bool,
     scale: float | None,
     fused: bool,
+    checked: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, bool, float]:
-    """Validate, fold ``causal`` into ``mask`` unless the fused kernel can take it, and free empty rows.
+    """Validate (unless ``checked``: the caller did), fold ``causal`` into ``mask`` unless the fused kernel
+    can take it, and free empty rows.
 
     Returns ``(mask, bias, empty_rows, use_is_causal, scale)``; ``empty_rows`` is a bool
-    ``(..., lq, 1)`` of the queries that see no key, or None when there are none. A ``-inf``
-    in ``bias`` hides its key just as the mask does, so a row blocked by the bias alone is an
-    empty row too.
+    ``(..., lq, 1)`` of the queries that see no key, or None when there are none (or, where
+    the check stays in the graph, a tensor that may be all False). A ``-inf`` in ``bias`` hides
+    its key just as the mask does, so a row blocked by the bias alone is an empty row too.
     """
-    _check_shapes(q, k, v)
-    mask, bias = check_mask_and_bias(mask, bias, q, k)
+    if not checked:
+        _check_shapes(q, k, v)
+        mask, bias = check_mask_and_bias(mask, bias, q, k)
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     scale = _scale(scale, q.shape[-1])
 
@@ -231,8 +247,8 @@ def _prepare(
         lower_right = _causal_mask(num_queries, num_keys, q.device)  # (lq, lk)
         mask = lower_right if mask is None else mask & lower_right
     # -inf in the bias is a mask: move it there. (amin finds one 10x faster than isneginf().any().)
-    # Under torch.compile the test would read the tensor back (a graph break): always move it there.
-    if bias is not None and bias.numel() and (torch.compiler.is_compiling() or bool(bias.amin() == float("-inf"))):
+    # In the graph (compiling, small or GPU biases) the test would read the tensor back: always move it there.
+    if bias is not None and bias.numel() and (not _host_check_pays(bias) or bool(bias.amin() == float("-inf"))):
         blocked = torch.isneginf(bias)
         bias = bias.masked_fill(blocked, 0.0)
         mask = ~blocked if mask is None else mask & ~blocked
@@ -242,8 +258,8 @@ def _prepare(
     empty_rows = None
     if mask is not None:
         empty_rows = ~mask.any(dim=-1, keepdim=True)  # (..., lq, 1)
-        if torch.compiler.is_compiling():
-            mask = mask | empty_rows  # no data-dependent branch inside a compiled graph
+        if not _host_check_pays(mask):
+            mask = mask | empty_rows  # no data-dependent branch: the graph stays free of host reads
         elif bool(empty_rows.any()):
             mask = mask | empty_rows
         else:
@@ -336,10 +352,10 @@ def _fused_kernel(
     # finite half-precision queries from overflowing into a NaN nobody asked for.
     sum_dtype = torch.promote_types(q.dtype, torch.float32)
     query_sums = q.sum(dim=-1, keepdim=True, dtype=sum_dtype)  # (b, h, lq, 1)
-    if q.device.type == "cpu" and not torch.compiler.is_compiling() and bool(query_sums.isfinite().all()):
-        return out  # on CPU a host check of the sums costs less than one more pass over the output
+    if _host_check_pays(out) and bool(query_sums.isfinite().all()):
+        return out  # on CPU a host check of the sums costs less than one more pass over a large output
     if sum_dtype == out.dtype:
-        return out.add(query_sums, alpha=0)
+        return out.add_(query_sums, alpha=0) if not out.requires_grad else out.add(query_sums, alpha=0)
     return out + query_sums.mul(0).to(out.dtype)  # multiply first: the sum may not fit a half
 
 
@@ -392,9 +408,13 @@ def fused_attention(
     scale: float | None,
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    checked: bool = False,
 ) -> torch.Tensor:
-    """PyTorch's fused kernel with the bias folded into a float mask and empty rows zeroed, ``(b, h, lq, dv)``."""
-    mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, fused=True)
+    """PyTorch's fused kernel with the bias folded into a float mask and empty rows zeroed, ``(b, h, lq, dv)``.
+
+    ``checked``: the shapes, mask and bias were checked already (a route's call), so not again.
+    """
+    mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, True, checked)
     # Compiled graphs leave the layout to the compiler (a test on the length would guard a dynamic one).
     if (
         q.device.type == "cpu"

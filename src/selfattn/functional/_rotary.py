@@ -128,6 +128,37 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat((rotated_first, rotated_second), dim=-1)  # (..., l, r)
 
 
+def signed_angle_rows(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``(..., l, 2r)``: cos of every feature's pair, then its sin signed as :func:`_rotate_swapped` adds it.
+
+    With these rows the rotation is ``x * cos_row + swap(x) * signed_sin_row``, which rounds exactly
+    as :func:`_rotate` (``a - b`` is ``a + (-b)``, and a sum of two terms does not depend on their order).
+    """
+    if interleaved:
+        cos_row = torch.stack((cos, cos), dim=-1).flatten(-2)  # (..., l, r): c0 c0 c1 c1 ...
+        sin_row = torch.stack((-sin, sin), dim=-1).flatten(-2)  # -s0 s0 -s1 s1 ...
+    else:
+        cos_row, sin_row = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    return torch.cat((cos_row, sin_row), dim=-1)
+
+
+def _rotate_swapped(x: torch.Tensor, rows: torch.Tensor, *, interleaved: bool, rotary_dim: int) -> torch.Tensor:
+    """:func:`_rotate_by_angles` from :func:`signed_angle_rows` ``(..., l, 2r)``, in fewer operations; same bits."""
+    compute_dtype = rotation_dtype(x)
+    rows = rows.to(compute_dtype)
+    cos_row, sin_row = rows[..., :rotary_dim], rows[..., rotary_dim:]
+    part = x[..., :rotary_dim].to(compute_dtype)
+    if interleaved:
+        swapped = part.reshape(*part.shape[:-1], rotary_dim // 2, 2).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+    else:
+        first, second = part.chunk(2, dim=-1)
+        swapped = torch.cat((second, first), dim=-1)
+    rotated = part * cos_row + swapped * sin_row  # not addcmul: a fused multiply-add would round differently
+    if rotary_dim == x.shape[-1]:
+        return rotated.to(x.dtype)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)  # (..., l, d)
+
+
 def _check_rotary_inputs(x: torch.Tensor, positions: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
         raise ValueError(
@@ -153,14 +184,26 @@ def _rotate_by_positions(
 ) -> torch.Tensor:
     """The rotation itself, inputs already checked; ``magnitude`` (a float or float64 ``(..., l, r / 2)``)
     multiplies cos and sin (an attention factor, xPos's decay)."""
-    features = x.shape[-1]
-    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = rotary_angles(positions.to(x.device), frequencies)  # (..., l, r/2)
     if not isinstance(magnitude, float) or magnitude != 1.0:
         magnitude = magnitude.to(cos.device, cos.dtype) if isinstance(magnitude, torch.Tensor) else magnitude
         cos, sin = cos * magnitude, sin * magnitude
+    return _rotate_by_angles(x, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
+
+
+def rotation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a rotation of ``x`` is computed in: float64 for float64 inputs, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _rotate_by_angles(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int
+) -> torch.Tensor:
+    """Rotate the first ``rotary_dim`` features of ``x`` by ``(..., l, r / 2)`` angles (any float dtype:
+    they are cast to :func:`rotation_dtype`, a no-op when already there), one rounding to ``x``'s dtype."""
+    compute_dtype = rotation_dtype(x)
     rotated = _rotate(x[..., :rotary_dim].to(compute_dtype), cos.to(compute_dtype), sin.to(compute_dtype), interleaved)
-    if rotary_dim == features:
+    if rotary_dim == x.shape[-1]:
         return rotated.to(x.dtype)
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)  # (..., l, d)
 

@@ -335,8 +335,16 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
     from transformers.masking_utils import eager_mask, sdpa_mask
 
     config = kwargs.get("config")
-    build = sdpa_mask if _supports_sdpa(getattr(config, "model_type", None)) else eager_mask
+    model_type = getattr(config, "model_type", None)
+    build = sdpa_mask if model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type) else eager_mask
     return build(*args, **kwargs)
+
+
+#: Models without ``sdpa`` whose code hands the mask to the attention function and reads it nowhere
+#: else (they lack ``sdpa`` for its softcap or sinks alone): they get ``sdpa``'s masks, None where
+#: causality decides, rather than a float mask per layer and per decoded token (checked in their
+#: modeling code: Gemma 2, gpt-oss).
+PASS_MASKS_THROUGH = frozenset({"gemma2", "gpt_oss"})
 
 
 @functools.cache

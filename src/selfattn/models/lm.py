@@ -201,7 +201,18 @@ class TransformerLM(NotScriptable, nn.Module):
             raise ValueError(
                 f"tokens must lie in [0, {self.vocab_size}), got {tokens.min().item()}..{tokens.max().item()}"
             )
+        return self._logits(tokens, valid_lens, offset, caches, positions, return_hidden)
 
+    def _logits(
+        self,
+        tokens: torch.Tensor,
+        valid_lens: torch.Tensor | None,
+        offset: int,
+        caches: Sequence[KVCache] | None,
+        positions: torch.Tensor | None,
+        return_hidden: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`forward` on checked arguments (``generate``'s own tokens are ids by construction: no host read)."""
         x = self.embedding(tokens) * math.sqrt(self.num_hiddens)  # (b, l, d)
         if self.input_encoding is not None:
             if positions is None:
@@ -246,7 +257,9 @@ class TransformerLM(NotScriptable, nn.Module):
             next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (b, 1)
             out.append(next_token)
             if step + 1 < max_new_tokens:
-                logits = self(next_token, caches=caches)
+                decoded = self._logits(next_token, None, caches[0].length, caches, None, False)  # an argmax: a valid id
+                assert isinstance(decoded, torch.Tensor)
+                logits = decoded
         return torch.cat(out, dim=1)
 
     def extra_repr(self) -> str:

@@ -9,8 +9,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+import selfattn._validation as _validation
 from selfattn._validation import require_positive_int
-from selfattn.functional._rotary import RotaryScaling, _check_rotary_inputs, _rotate_by_positions, rotary_parameters
+from selfattn.functional._rotary import (
+    RotaryScaling,
+    _check_rotary_inputs,
+    _rotate_by_positions,
+    _rotate_swapped,
+    rotary_angles,
+    rotary_parameters,
+    signed_angle_rows,
+)
 from selfattn.functional._rotary_scaling import RotaryScalingConfig, parse_rotary_scaling, scaled_rotary_parameters
 from selfattn.functional._sinusoidal import _require_base
 from selfattn.positional._tables import KeepsTablePrecision
@@ -22,6 +31,10 @@ if TYPE_CHECKING:
 __all__ = ["RotaryPositionalEncoding"]
 
 CachedKeys = Literal["rerotate", "keep"]
+
+#: The angle table holds at most this many values (cos and signed sin of each position's features,
+#: float64): 16 MiB, e.g. 16,384 positions of a head size of 64. Positions past it are rotated from angles formed per call.
+MAX_ANGLE_TABLE_VALUES = 1 << 21
 
 
 class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
@@ -35,6 +48,10 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
     The inverse frequencies are a float64 non-persistent buffer that follows ``.to(device)``
     but not ``.to(dtype)``; angles are formed from the exact integer positions on every call
     (O(l * dh), negligible next to attention), so no cache can go stale under an offset.
+    :meth:`rotate_consecutive` (what :class:`~selfattn.MultiHeadAttention` calls when positions
+    count up from a known first one, as in decoding) reads them from ``angle_table`` instead:
+    cos and sin of positions ``0 .. n - 1``, formed the same way once, a non-persistent buffer
+    grown (doubling) when positions pass it.
 
     **Length-dependent scaling and the cache.** ``dynamic`` and ``longrope`` change their
     frequencies with the current length ``L`` (the largest position + 1 of the call, as Hugging
@@ -81,8 +98,9 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         x ``(b, h, l, dh)``, positions ``(l,)`` -> ``(b, h, l, dh)``.
     """
 
-    exact_tables = ("inv_freq",)
+    exact_tables = ("inv_freq", "angle_table")
     inv_freq: torch.Tensor
+    angle_table: torch.Tensor
     head_dim: int
     rotary_dim: int
     base: float
@@ -127,7 +145,10 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.cached_keys = cached_keys
         self.attention_factor = 1.0
         self._last: tuple[int | None, torch.Tensor, float] | None = None
+        # angle_table cast to float32 once (the rotation's dtype for every other input), and the table it came from.
+        self._float32_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
+        self.register_buffer("angle_table", torch.empty(0, 0, dtype=torch.float64, device=device), persistent=False)
         self._build_tables()
 
     def reset_parameters(self) -> None:
@@ -159,6 +180,45 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         """(Re)compute ``inv_freq`` ``(r / 2,)`` in float64 on the buffer's device, and the attention factor."""
         self._last = None
         self.inv_freq, self.attention_factor = self.frequencies_at(None)
+        self.angle_table = self.inv_freq.new_empty(0, 0)  # float64, filled on first use
+
+    def _grow_angle_table(self, stop: int) -> None:
+        """Make ``angle_table`` ``(n, 2r)`` float64 of positions ``0 .. n - 1`` with ``n >= stop``: the cos and sin
+        :func:`_rotate_by_positions` forms (times the attention factor), as :func:`signed_angle_rows` lays them out."""
+        rows = max(stop, 2 * self.angle_table.shape[0], 256)
+        rows = max(stop, min(rows, MAX_ANGLE_TABLE_VALUES // (2 * self.rotary_dim)))
+        cos, sin = rotary_angles(torch.arange(rows, device=self.inv_freq.device), self.inv_freq)  # (n, r/2)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.angle_table = signed_angle_rows(cos, sin, self.interleaved)  # (n, 2r)
+
+    def rotate_consecutive(self, x: torch.Tensor, first: int) -> torch.Tensor | None:
+        """``forward(x, arange(first, first + l))`` for ``x`` ``(..., l, dh)``, its angles read from ``angle_table``.
+
+        None where the table does not serve, and ``forward`` must: a length-dependent scaling,
+        a negative first position, positions past
+        :data:`MAX_ANGLE_TABLE_VALUES`, another device than the table's, or inside ``torch.compile``.
+        The result equals ``forward``'s bit for bit: the same float64 angles, cast as it casts them.
+        """
+        stop = first + x.shape[-2]
+        config = self.scaling_config
+        if (
+            first < 0
+            or (config is not None and config.depends_on_length)
+            or 2 * stop * self.rotary_dim > MAX_ANGLE_TABLE_VALUES
+            or x.device != self.inv_freq.device
+            or _validation.is_compiling()
+        ):
+            return None
+        if stop > self.angle_table.shape[0]:
+            self._grow_angle_table(stop)
+        table = self.angle_table
+        if x.dtype != torch.float64:  # rotated in float32: cast the table once, not each call's rows
+            if self._float32_table is None or self._float32_table[0] is not table:
+                self._float32_table = (table, table.to(torch.float32))
+            table = self._float32_table[1]
+        rows = table[first:stop]  # (l, 2r)
+        return _rotate_swapped(x, rows, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
 
     def _current(self, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
         config = self.scaling_config
@@ -180,6 +240,13 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             magnitude=attention_factor,
         )
 
+    @property
+    def rerotates_cache(self) -> bool:
+        """Whether :meth:`update_cached_keys` may turn cached keys: ``cached_keys="rerotate"`` with a
+        length-dependent scaling (``dynamic``, ``longrope``)."""
+        config = self.scaling_config
+        return self.cached_keys == "rerotate" and config is not None and config.depends_on_length
+
     def update_cached_keys(self, cache: KVCache, positions: torch.Tensor) -> None:
         """Re-rotate the keys in ``cache`` to the frequencies of the coming call (``cached_keys="rerotate"``).
 
@@ -191,7 +258,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         """
         config = self.scaling_config
         past = cache.stored  # a windowed cache keeps only some of the cache.length keys it has seen
-        if self.cached_keys == "keep" or config is None or not config.depends_on_length or past == 0:
+        if not self.rerotates_cache or config is None or past == 0:
             return
         cached_positions = positions[..., :past]  # (past,) or per sequence (b, past)
         noted = cache.encoding_state.get("rotary_length")

@@ -22,7 +22,14 @@ __all__ = ["SMALLER_BLOCKS_WORTH", "block_for", "blocks_decline", "plan_for", "r
 
 
 def blocks_decline(call: AttentionCall) -> str | None:
-    """Why no blockwise route can take the call (the weights wanted, a float bias, a compiled graph), or None."""
+    """Why no blockwise route can take the call (the weights wanted, a float bias, a compiled graph), or None.
+
+    Worked out once per call: most routes ask.
+    """
+    return call.remember("blocks_decline", _blocks_decline)
+
+
+def _blocks_decline(call: AttentionCall) -> str | None:
     if call.return_weights:
         return "the weights were asked for"
     if call.bias is not None:

@@ -14,7 +14,11 @@ __all__ = ["length_groups", "pick_rows", "ragged_declines"]
 
 
 def ragged_declines(call: AttentionCall) -> str | None:
-    """Why neither ragged route can take the call, or None (then ``call.ragged_lengths`` is set)."""
+    """Why neither ragged route can take the call, or None (then ``call.ragged_lengths`` is set); once per call."""
+    return call.remember("ragged_declines", _ragged_declines)
+
+
+def _ragged_declines(call: AttentionCall) -> str | None:
     if call.inputs is None:
         return "not a module call (the ragged routes project per group)"
     if call.inputs.has_cache:

@@ -28,7 +28,11 @@ def window_block(window: int) -> int:
 
 
 def window_declines(call: AttentionCall) -> str | None:
-    """Why neither window route can take the call, or None."""
+    """Why neither window route can take the call, or None; worked out once per call."""
+    return call.remember("window_declines", _window_declines)
+
+
+def _window_declines(call: AttentionCall) -> str | None:
     window = call.visibility.window
     if window is None:
         return "no window"

@@ -24,6 +24,10 @@ SKIPPING_MIN_PAIRS = 1 << 16
 
 
 def _nothing_for_blocks(call: AttentionCall) -> str | None:
+    return call.remember("blocks_skip_nothing", _blocks_skip_nothing)  # three routes ask: worked out once per call
+
+
+def _blocks_skip_nothing(call: AttentionCall) -> str | None:
     reason = blocks_decline(call)
     if reason is not None or call.term is not None or call.dropout_p > 0 or call.modifies_scores:
         return reason

@@ -22,7 +22,7 @@ def _run(call: AttentionCall) -> Output:
     mask = None if kernel_causal else call.dense_mask()
     out = fused_attention(
         call.q, call.k, call.v, mask=mask, bias=bias, causal=kernel_causal, dropout_p=call.dropout_p,
-        scale=call.scale,
+        scale=call.scale, checked=True,
     )  # fmt: skip
     return Output(out)  # (b, h, lq, dv)
 
