@@ -241,6 +241,10 @@ class TransformerLM(NotScriptable, nn.Module):
 
         Returns:
             ``(b, l + max_new_tokens)``: the prompt followed by the argmax tokens.
+
+        The prompt goes through :meth:`forward` (and its hooks); each decoded token, an argmax id and
+        so valid by construction, goes straight to the blocks without ``forward``'s range check, a
+        host read per token (its forward hooks do not fire for them).
         """
         self._check_tokens(prompt)
         max_new_tokens = require_non_negative_int("max_new_tokens", max_new_tokens)
