@@ -28,7 +28,7 @@ PARAMETERS = {
 }
 BUFFERS = {
     "sinusoidal": {"P"},
-    "rotary": {"inv_freq", "angle_table"},
+    "rotary": {"inv_freq"},
     "xpos": {"inv_freq", "zeta"},
     "rotary2d": {"inv_freq"},
     "mrope": {"inv_freq"},

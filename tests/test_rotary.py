@@ -276,3 +276,18 @@ def test_angle_table_declines_what_it_cannot_serve():
     rope.rotate_consecutive(x, 0)
     rope.reset_parameters()
     assert rope.angle_table.numel() == 0  # rebuilt from the (new) frequencies on next use
+
+
+def test_angle_table_is_not_a_buffer_that_models_of_one_shape_copy():
+    """An EMA copy made before decoding grew the table still averages the model (it copies buffers)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    rope = RotaryPositionalEncoding(16)
+    average = AveragedModel(rope, use_buffers=True)
+    rope.rotate_consecutive(torch.randn(1, 1, 3, 16), 0)
+    assert rope.angle_table.shape[0] >= 3 and "angle_table" not in dict(rope.named_buffers())
+    average.update_parameters(rope)
+    meta = RotaryPositionalEncoding(16, device="meta")
+    meta.to_empty(device="cpu").reset_parameters()
+    x = torch.randn(1, 1, 3, 16, dtype=torch.float64)
+    torch.testing.assert_close(meta.rotate_consecutive(x, 4), rope(x, torch.arange(4, 7)), rtol=0, atol=0)

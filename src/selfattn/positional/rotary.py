@@ -50,8 +50,10 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
     (O(l * dh), negligible next to attention), so no cache can go stale under an offset.
     :meth:`rotate_consecutive` (what :class:`~selfattn.MultiHeadAttention` calls when positions
     count up from a known first one, as in decoding) reads them from ``angle_table`` instead:
-    cos and sin of positions ``0 .. n - 1``, formed the same way once, a non-persistent buffer
-    grown (doubling) when positions pass it.
+    cos and sin of positions ``0 .. n - 1``, formed the same way once, grown (doubling) when
+    positions pass it. It is a cache attribute, not a buffer: its size depends on the positions
+    seen, and whatever copies buffers between two models of one shape (``AveragedModel``, EMA)
+    would meet tables of two sizes; it is rebuilt on the frequencies' device when they move.
 
     **Length-dependent scaling and the cache.** ``dynamic`` and ``longrope`` change their
     frequencies with the current length ``L`` (the largest position + 1 of the call, as Hugging
@@ -98,7 +100,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         x ``(b, h, l, dh)``, positions ``(l,)`` -> ``(b, h, l, dh)``.
     """
 
-    exact_tables = ("inv_freq", "angle_table")
+    exact_tables = ("inv_freq",)
     inv_freq: torch.Tensor
     angle_table: torch.Tensor
     head_dim: int
@@ -148,7 +150,6 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         # angle_table cast to float32 once (the rotation's dtype for every other input), and the table it came from.
         self._float32_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
-        self.register_buffer("angle_table", torch.empty(0, 0, dtype=torch.float64, device=device), persistent=False)
         self._build_tables()
 
     def reset_parameters(self) -> None:
@@ -210,7 +211,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             or _validation.is_compiling()
         ):
             return None
-        if stop > self.angle_table.shape[0]:
+        if stop > self.angle_table.shape[0] or self.angle_table.device != self.inv_freq.device:
             self._grow_angle_table(stop)
         table = self.angle_table
         if x.dtype != torch.float64:  # rotated in float32: cast the table once, not each call's rows
