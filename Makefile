@@ -6,7 +6,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# torch is pinned here (users of the library bring their own, from pyproject's floor on: a measured, older release).
+# torch is pinned here (users of the library bring their own; pyproject's floor is this release).
 TORCH := torch==2.13.0
 
 .PHONY: tour test bench docs lint clean
