@@ -302,7 +302,7 @@ DECODING_HEADER = [
     "max difference",
 ]  # fmt: skip
 DSA_HEADER = ["threads", "case", "dense s", "sparse s", "ratio", "indexer s"]
-#: Functions that give DSA rows and targets; the coordinator adds them here.
+#: The DSA parts of the benchmark: each gives its rows and targets.
 DSA_PARTS: list[Callable[[dict, dict, int], Rows]] = [dsa_rows]
 
 

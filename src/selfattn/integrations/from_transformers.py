@@ -46,11 +46,12 @@ _ONE_PLUS_WEIGHT = {"gemma3_text", "qwen3_next"}
 _LAYER_TYPES = (None, "full_attention", "sliding_attention", "chunked_attention")
 
 
-def _family(layer: nn.Module) -> str:
+def layer_family(layer: nn.Module, layers: Mapping[str, str] = LAYERS, kind: str = "attention") -> str:
+    """The model family of a transformers layer: its class (or a base class) looked up in ``layers``."""
     for cls in type(layer).__mro__:
-        if cls.__name__ in LAYERS and cls.__module__.startswith("transformers."):
-            return LAYERS[cls.__name__]
-    raise ValueError(f"layer must be a transformers attention layer of {sorted(LAYERS)}, got {type(layer).__name__}")
+        if cls.__name__ in layers and cls.__module__.startswith("transformers."):
+            return layers[cls.__name__]
+    raise ValueError(f"layer must be a transformers {kind} layer of {sorted(layers)}, got {type(layer).__name__}")
 
 
 def _rotary(config: Any, layer_type: str | None, *, interleaved: bool) -> RotaryPositionalEncoding:
@@ -110,7 +111,7 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
     Raises:
         ValueError: an unknown layer class, a layer type or option selfattn cannot express, named.
     """
-    family = _family(layer)
+    family = layer_family(layer)
     hf: Any = layer  # read by attribute names: projections, norms, sinks, the config
     config = hf.config
     layer_types = getattr(config, "layer_types", None)
@@ -247,7 +248,8 @@ def _integer(name: str, value: float) -> int:
     return nearest
 
 
-def _rope_parameters(rotary: RotaryPositionalEncoding) -> dict[str, Any]:
+def rope_parameters_of(rotary: RotaryPositionalEncoding) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` of ``rotary``: its scaling and its base."""
     scaling = {} if rotary.scaling_config is None else rotary.scaling_config.as_dict()
     return {"rope_type": "default", **scaling, "rope_theta": rotary.base}
 
@@ -289,7 +291,7 @@ def to_transformers_config(module: nn.Module) -> dict[str, Any]:
         "num_hidden_layers": 1,
     }
     if rotary is not None:
-        fields["rope_parameters"] = _rope_parameters(rotary)
+        fields["rope_parameters"] = rope_parameters_of(rotary)
         if rotary.rotary_dim != rotary.head_dim:
             fields["partial_rotary_factor"] = rotary.rotary_dim / rotary.head_dim
     if mha.q_norm is not None:
@@ -308,7 +310,7 @@ def to_transformers_config(module: nn.Module) -> dict[str, Any]:
             attn_logit_softcapping=mha.softcap,
         )
         if family == "gemma3_text" and rotary is not None:  # one rotary per layer type
-            both = _rope_parameters(rotary)
+            both = rope_parameters_of(rotary)
             fields["rope_parameters"] = {"sliding_attention": both, "full_attention": dict(both)}
     if family == "qwen2_vl_text":
         mrope: Any = mha.position

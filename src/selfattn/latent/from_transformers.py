@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
+from selfattn.integrations.from_transformers import layer_family, rope_parameters_of
 from selfattn.latent.rotary import ScaledFrequencyRotary
 from selfattn.positional.rotary import RotaryPositionalEncoding
 
@@ -36,13 +37,6 @@ LAYERS: dict[str, str] = {
 }
 # Rope-parameter keys that are not the rotary's own (Mistral 4 keeps its query scaling there).
 _NOT_ROTARY = ("llama_4_scaling_beta", "max_position_embeddings", "partial_rotary_factor")
-
-
-def _family(layer: nn.Module) -> str:
-    for cls in type(layer).__mro__:
-        if cls.__name__ in LAYERS and cls.__module__.startswith("transformers."):
-            return LAYERS[cls.__name__]
-    raise ValueError(f"layer must be a transformers MLA layer of {sorted(LAYERS)}, got {type(layer).__name__}")
 
 
 def _refuse_gaps(hf: Any, family: str) -> None:
@@ -198,7 +192,7 @@ def from_transformers(layer: nn.Module, cls: type[Module], *, rotary_embedding: 
             latent (``kv_sharing_modes`` "reuse"); a ``qk_head_dim`` other
             than ``dn + dr``; weights whose shapes disagree with the config's ranks; named.
     """
-    family = _family(layer)
+    family = layer_family(layer, LAYERS, "MLA")
     hf: Any = layer
     _refuse_gaps(hf, family)
     sizes = _sizes(hf)
@@ -245,7 +239,7 @@ def to_transformers_config(module: nn.Module) -> dict[str, Any]:
             "(split_rotated_pairs) or half-split: got "
             f"position={rotary!r}, split_rotated_pairs={mla.split_rotated_pairs}"
         )
-    scaling = {} if rotary.scaling_config is None else rotary.scaling_config.as_dict()
+    scaling = rope_parameters_of(rotary)
     fields: dict[str, Any] = {
         "model_type": "deepseek_v3",
         "hidden_size": mla.hidden_size,
@@ -259,7 +253,7 @@ def to_transformers_config(module: nn.Module) -> dict[str, Any]:
         "attention_bias": mla.o_proj.bias is not None,
         "attention_dropout": mla.dropout,
         "rope_interleave": rotary.interleaved,
-        "rope_parameters": {"rope_type": "default", **scaling, "rope_theta": rotary.base},
+        "rope_parameters": scaling,
         "num_hidden_layers": 1,
     }
     if mla.kv_a_layernorm.eps != 1e-6:

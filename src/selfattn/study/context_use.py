@@ -192,7 +192,7 @@ def context_gain(
         full_band = full[:, start:stop][:, scored]
         short_band = truncated[:, start:stop][:, scored]
         per_window = (short_band - full_band).mean(dim=1)  # (w,): one gain per window
-        spread = float(per_window.std()) / max(len(per_window), 1) ** 0.5 if len(per_window) > 1 else float("nan")
+        spread = float(per_window.std()) / len(per_window) ** 0.5 if len(per_window) > 1 else float("nan")
         rows.append(
             {
                 "start": start,
