@@ -12,6 +12,7 @@ __all__ = [
     "ArgumentTypeError",
     "require_bool",
     "require_dtype",
+    "require_finite",
     "require_floating",
     "require_non_negative_int",
     "require_position",
@@ -75,6 +76,13 @@ def require_positive_finite(name: str, value: object) -> float:
     return float(value)
 
 
+def require_finite(name: str, value: object) -> float:
+    """A finite real number (not a bool), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def require_temperature_tuning(value: object) -> tuple[float, float]:
     """Llama 4's ``(attn_scale, floor_scale)``, both positive and finite (the layer's and the recipe's one check)."""
     if not isinstance(value, (tuple, list)) or len(value) != 2:
@@ -85,18 +93,23 @@ def require_temperature_tuning(value: object) -> tuple[float, float]:
     )
 
 
-def require_tuned_positions(positions: torch.Tensor) -> None:
-    """Positions a temperature-tuned query may have: ``log(1 + floor((p + 1) / floor_scale))`` needs ``p >= 0``.
+def require_tuned_positions(positions: torch.Tensor, scaling: str = "temperature_tuning") -> None:
+    """Positions a query scaled by position may have: ``log(1 + floor((p + 1) / floor_scale))`` needs ``p >= 0``.
 
     A negative position (Llama 4 has none) would give ``log(0)`` or the log of a negative number: NaN.
+    ``scaling`` names the scaling in the message.
     """
     if is_compiling() or not positions.numel():
         return  # the check reads the tensor back: eager mode only
     lowest = int(positions.min())
     if lowest < 0:
+        formula = {
+            "temperature_tuning": "log(1 + floor((p + 1) / floor_scale))",
+            "LogFloorScaling": "log(1 + floor(p / original_length))",
+        }.get(scaling, "its log")
         raise ValueError(
-            f"positions must be non-negative with temperature_tuning (its factor log(1 + floor((p + 1) / "
-            f"floor_scale)) is defined for p >= 0), got a position of {lowest}"
+            f"positions must be non-negative with {scaling} (its factor {formula} is defined for p >= 0), "
+            f"got a position of {lowest}"
         )
 
 

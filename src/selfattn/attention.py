@@ -1,101 +1,47 @@
 """Multi-head attention with the chapter's ``valid_lens``, causal masks, positions and a cache.
 
-``forward`` reads as its steps: check the arguments, describe the call (projections made on
-first use, positions, the cache's keys, what each query may see), let the dispatcher
+The layer is its projections ``W_q, W_k, W_v, W_o``, a position scheme, and parts
+(:mod:`selfattn.parts`), each acting at one slot of the pass. ``forward`` reads as its steps: check
+the arguments, describe the call (:mod:`selfattn._layer_call`: projections made on first use,
+positions, the cache's keys, what each query may see), let the dispatcher
 (:mod:`selfattn.core.dispatch`) choose a route and run it, project out.
 
 Shape legend:
-    b: batch, lq: queries, lk: keys, h: heads, hk: key/value heads, dh: head size
-    (num_hiddens / h), d: num_hiddens, dq / dk / dv: feature sizes of queries / keys / values.
+    b: batch, lq: queries, lk: keys, h: heads, hk: key/value heads, dh: query/key head size
+    (num_hiddens / h), dv: value head size, d: num_hiddens, dq / dk / dv_in: feature sizes of
+    queries / keys / values.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import selfattn._validation as _validation
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
+from selfattn._layer_call import describe, finish, for_heads
+from selfattn._layer_options import AttentionOptions, build_projections, layer_options, shorthand_parts
 from selfattn._scripting import NotScriptable
-from selfattn._validation import (
-    require_positive_finite,
-    require_positive_int,
-    require_probability,
-    require_temperature_tuning,
-    require_tuned_positions,
-)
 from selfattn.cache import KVCache
-from selfattn.core.call import AttentionCall, ModuleInputs
 from selfattn.core.dispatch import Explanation
 from selfattn.core.documents import cumulative_lengths_to_document_ids, document_positions
-from selfattn.core.inputs import Request, check_request, zero_padding
-from selfattn.core.route import Output
-from selfattn.masks import Visibility
-from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
+from selfattn.core.inputs import check_request
+from selfattn.parts import SLOTS, HeadNorm, OutputGate, Part, TemperatureTuning
+from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["MultiHeadAttention", "cumulative_lengths_to_document_ids", "document_positions"]
 
-
-class _Seen(NamedTuple):
-    """The keys the queries of one call may see: the new ones, or what the cache holds."""
-
-    positions: torch.Tensor  # (lk,) or (b, lk)
-    padding: torch.Tensor | None  # (b, lk), True = padding
-    documents: torch.Tensor | None  # (b, lk)
-    first_index: int  # index of the first of them in the whole sequence
-    num_keys: int  # lk
-
-    @classmethod
-    def new_keys(cls, request: Request) -> _Seen:
-        return cls(request.k_positions, request.key_padding_mask, request.key_documents, 0, request.keys.shape[1])
-
-
-def _per_head(positions: torch.Tensor) -> torch.Tensor:
-    return positions[:, None, :] if positions.dim() == 2 else positions  # (b, 1, l) broadcasts over heads
-
-
-def _encoding_positions(positions: torch.Tensor, axes: torch.Tensor | None) -> torch.Tensor:
-    """The positions the projections take: M-RoPE's ``(3, b, l)`` axes when there are some, else ``positions``."""
-    return positions if axes is None else axes
-
-
-def _for_heads(positions: torch.Tensor) -> torch.Tensor:
-    """``(l,)``, ``(b, l)`` or M-RoPE's ``(3, b, l)`` as the encodings take them over heads."""
-    return positions if positions.dim() == 3 else _per_head(positions)
-
-
-def _updates_cached_keys(encoding: QueryKeyEncoding) -> bool:
-    """Whether ``encoding.update_cached_keys`` may change a cache: not the base's no-op, nor a rotary's that
-    re-rotates nothing (:attr:`~selfattn.positional.RotaryPositionalEncoding.rerotates_cache` False)."""
-    hook = type(encoding).update_cached_keys
-    if hook is QueryKeyEncoding.update_cached_keys:
-        return False
-    if isinstance(encoding, RotaryPositionalEncoding) and hook is RotaryPositionalEncoding.update_cached_keys:
-        return encoding.rerotates_cache
-    return True
-
-
-def _check_position_sizes(position: PositionalEncoding | None, num_heads: int, head_dim: int) -> None:
-    """Refuse an encoding built for another head count or head size, here rather than deep in a forward pass.
-
-    Score encodings record the heads they bias (``num_heads``: ALiBi, T5, Kerple, FIRE); the
-    others the head size they act on (``head_dim``: rotary, xPos, M-RoPE, Shaw).
-    """
-    built_heads, built_size = getattr(position, "num_heads", None), getattr(position, "head_dim", None)
-    name = type(position).__name__
-    if isinstance(built_heads, int) and built_heads != num_heads:
-        raise ValueError(f"position={name} built for {built_heads} heads, the layer has {num_heads}")
-    if isinstance(built_size, int) and built_size != head_dim:
-        raise ValueError(
-            f"position={name} built for head size {built_size}, the layer's is {head_dim} (num_hiddens / num_heads)"
-        )
+_KEPT = ("num_hiddens", "num_heads", "num_kv_heads", "head_dim", "value_head_dim", "dropout", "query_size",
+         "key_size", "value_size", "output_size", "position", "window", "chunk_size", "block_size",
+         "skip_padded_queries", "scale", "softcap")  # fmt: skip
 
 
 class MultiHeadAttention(NotScriptable, nn.Module):
@@ -152,8 +98,8 @@ class MultiHeadAttention(NotScriptable, nn.Module):
             (zeros at first): it joins each softmax's denominator and adds no value, so a query
             may give part of its attention to nothing.
         qk_norm: RMSNorm over each head of the queries and of the keys, after projection and
-            before the rotation (Qwen3, OLMo 2, Gemma 3): the modules ``q_norm`` and ``k_norm``
-            with ``(dh,)`` weights.
+            before the rotation (Qwen3, Gemma 3): the parts ``q_norm`` and ``k_norm``
+            (:class:`~selfattn.parts.HeadNorm` with ``(dh,)`` weights).
         qk_norm_eps: the RMSNorm's epsilon.
         chunk_size: chunked attention (Llama 4's ``attention_chunk_size``): a query sees only keys
             of its own chunk, ``p_i // chunk_size == p_j // chunk_size`` for the tokens' positions
@@ -162,9 +108,18 @@ class MultiHeadAttention(NotScriptable, nn.Module):
             as Llama 4 does); combined with every other mask by "and".
         temperature_tuning: ``(attn_scale, floor_scale)``: each query at position ``p`` is
             multiplied by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` before
-            attention (Llama 4's NoPE layers, which sharpen attention at long range).
+            attention (Llama 4's NoPE layers, which sharpen attention at long range): the part
+            ``query_scaling`` (:class:`~selfattn.parts.TemperatureTuning`).
         gated_output: a sigmoid gate per output feature, ``sigmoid(W_g(queries))``, multiplies
-            the merged heads before ``W_o`` (Qwen3-Next's full-attention layers).
+            the merged heads before ``W_o`` (Qwen3-Next's full-attention layers): the part ``W_g``
+            (:class:`~selfattn.parts.OutputGate`).
+        value_head_dim: the value heads' size ``dv`` (default ``dh``): ``W_v`` has ``hk * dv``
+            outputs and ``W_o`` ``h * dv`` inputs (MiMo-V2-Flash: ``dh`` 192, ``dv`` 128).
+        values_from_keys: the values are ``W_k``'s output before the key parts and the rotation
+            (Gemma 4's global layers); the layer has no ``W_v``.
+        parts: more parts, ``{name: part}`` (:mod:`selfattn.parts`): each acts at its slot, after
+            the keywords' parts of that slot, in the given order; ``name`` is its attribute and its
+            state dict prefix.
         skip_padded_queries: self-attention over a padded batch with per-sequence ``valid_lens``
             ``(b,)``: rows ``i >= valid_lens[s]`` of sequence ``s`` are padding as queries too.
             Their output (and attention weights) are exactly zero, with no ``W_o`` bias, and
@@ -178,91 +133,46 @@ class MultiHeadAttention(NotScriptable, nn.Module):
             ``ValueError``); without ``valid_lens`` it changes nothing.
     """
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        *,
-        bias: bool = False,
-        output_bias: bool | None = None,
-        query_size: int | None = None,
-        key_size: int | None = None,
-        value_size: int | None = None,
-        output_size: int | None = None,
-        position: PositionalEncoding | None = None,
-        num_kv_heads: int | None = None,
-        window: int | None = None,
-        block_size: int | None = None,
-        skip_padded_queries: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sinks: bool = False,
-        qk_norm: bool = False,
-        qk_norm_eps: float = 1e-6,
-        gated_output: bool = False,
-        chunk_size: int | None = None,
-        temperature_tuning: tuple[float, float] | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ):
+    num_hiddens: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    dropout: float
+    query_size: int
+    key_size: int
+    value_size: int
+    output_size: int
+    position: PositionalEncoding | None
+    window: int | None
+    chunk_size: int | None
+    block_size: int | None
+    skip_padded_queries: bool
+    scale: float | None
+    softcap: float | None
+    W_q: nn.Linear
+    W_k: nn.Linear
+    W_v: nn.Linear | None
+    W_o: nn.Linear
+    sinks: nn.Parameter | None
+    q_norm: HeadNorm | None
+    k_norm: HeadNorm | None
+    W_g: OutputGate | None
+
+    def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0, **options: Unpack[AttentionOptions]):
         super().__init__()
-        self.num_hiddens = require_positive_int("num_hiddens", num_hiddens)
-        self.num_heads = require_positive_int("num_heads", num_heads)
-        if num_hiddens % num_heads:
-            raise ValueError(f"num_hiddens={num_hiddens} is not divisible by num_heads={num_heads}")
-        self.num_kv_heads = num_heads if num_kv_heads is None else require_positive_int("num_kv_heads", num_kv_heads)
-        if num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
-        self.window = None if window is None else require_positive_int("window", window)
-        self.chunk_size = None if chunk_size is None else require_positive_int("chunk_size", chunk_size)
-        self.temperature_tuning = None if temperature_tuning is None else require_temperature_tuning(temperature_tuning)
-        self.head_dim = num_hiddens // num_heads
-        self.dropout = require_probability("dropout", dropout)
-        sizes = {}
-        given = (
-            ("query_size", query_size),
-            ("key_size", key_size),
-            ("value_size", value_size),
-            ("output_size", output_size),
-        )
-        for name, size in given:
-            sizes[name] = num_hiddens if size is None else require_positive_int(name, size)
-        self.query_size, self.key_size, self.value_size = sizes["query_size"], sizes["key_size"], sizes["value_size"]
-        self.output_size = sizes["output_size"]
-        if position is not None and not isinstance(position, (QueryKeyEncoding, ScoreEncoding)):
-            raise ValueError(
-                f"position must rotate queries/keys or bias the scores, got {type(position).__name__} "
-                "(add input encodings to the input instead)"
-            )
-        _check_position_sizes(position, self.num_heads, self.head_dim)
-        self.position = position
-        self.block_size = None if block_size is None else require_positive_int("block_size", block_size)
-        if not isinstance(skip_padded_queries, bool):
-            raise ValueError(f"skip_padded_queries must be True or False, got {skip_padded_queries!r}")
-        self.skip_padded_queries = skip_padded_queries
-        self.scale = None if scale is None else require_positive_finite("scale", scale)
-        self.softcap = None if softcap is None else require_positive_finite("softcap", softcap)
-        for name, flag in (("bias", bias), ("sinks", sinks), ("qk_norm", qk_norm), ("gated_output", gated_output)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        kv_hiddens = self.num_kv_heads * self.head_dim
-        self.W_q = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory)
-        self.W_k = nn.Linear(self.key_size, kv_hiddens, bias=bias, **factory)
-        self.W_v = nn.Linear(self.value_size, kv_hiddens, bias=bias, **factory)
-        if output_bias is not None and not isinstance(output_bias, bool):
-            raise ValueError(f"output_bias must be True, False or None, got {output_bias!r}")
-        self.W_o = nn.Linear(
-            num_hiddens, self.output_size, bias=bias if output_bias is None else output_bias, **factory
-        )
-        self.W_g = nn.Linear(self.query_size, num_hiddens, bias=bias, **factory) if gated_output else None
-        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
-        self.q_norm = self.k_norm = None
-        if qk_norm:
-            eps = require_positive_finite("qk_norm_eps", qk_norm_eps)
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=eps, **factory)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=eps, **factory)
+        checked = layer_options(num_hiddens, num_heads, dropout, options)
+        for name in _KEPT:
+            setattr(self, name, getattr(checked, name))
+        for name, weight in build_projections(checked).items():
+            setattr(self, name, weight)
+        self.q_norm = self.k_norm = self.W_g = None  # the shorthands' parts, when given
+        parts = shorthand_parts(checked)
+        for name, part in parts.items():
+            if name not in ("q_norm", "k_norm", "W_g") and hasattr(self, name):
+                raise ValueError(f"parts[{name!r}]: the name is an attribute of the layer; choose another")
+            setattr(self, name, part)
+        self.part_names = {slot: tuple(n for n, p in parts.items() if p.slot == slot) for slot in SLOTS}
 
     def reset_parameters(self) -> None:
         """Reset ``position`` (built before this module), then re-draw the projections as ``nn.Linear`` does.
@@ -273,9 +183,11 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         reset = getattr(self.position, "reset_parameters", None)
         if callable(reset):
             reset()
-        for layer in (self.W_q, self.W_k, self.W_v, self.W_o, self.W_g, self.q_norm, self.k_norm):
-            if layer is not None:
-                layer.reset_parameters()
+        parts = [part for slot in SLOTS for part in self.parts(slot)]
+        for layer in (self.W_q, self.W_k, self.W_v, self.W_o, *parts):
+            reset_layer = getattr(layer, "reset_parameters", None)
+            if callable(reset_layer):
+                reset_layer()
         if self.sinks is not None:
             with torch.no_grad():
                 self.sinks.zero_()
@@ -296,38 +208,9 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         Raises:
             ValueError: for ``add_bias_kv`` or ``add_zero_attn``, which have no equivalent here.
         """
-        if not isinstance(module, nn.MultiheadAttention):
-            raise ValueError(f"module must be an nn.MultiheadAttention, got {type(module).__name__}")
-        if module.bias_k is not None or module.add_zero_attn:
-            raise ValueError("module uses add_bias_kv or add_zero_attn, which MultiHeadAttention does not have")
-        has_bias = module.in_proj_bias is not None
-        if has_bias != (module.out_proj.bias is not None):
-            raise ValueError("module has a bias on only some projections; MultiHeadAttention has all or none")
-        weight = module.out_proj.weight
-        mha = cls(
-            module.embed_dim,
-            module.num_heads,
-            module.dropout,
-            bias=has_bias,
-            key_size=module.kdim,
-            value_size=module.vdim,
-            position=position,
-            device=weight.device,
-            dtype=weight.dtype,
-        )
-        with torch.no_grad():
-            if module.in_proj_weight is not None:
-                weights = module.in_proj_weight.chunk(3)
-            else:
-                weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-            for linear, w in zip((mha.W_q, mha.W_k, mha.W_v), weights, strict=True):
-                linear.weight.copy_(w)
-            mha.W_o.weight.copy_(module.out_proj.weight)
-            if has_bias:
-                for linear, b in zip((mha.W_q, mha.W_k, mha.W_v), module.in_proj_bias.chunk(3), strict=True):
-                    linear.bias.copy_(b)
-                mha.W_o.bias.copy_(module.out_proj.bias)
-        return mha.train(module.training)
+        from selfattn.integrations.from_torch import from_torch
+
+        return from_torch(module, cls, position=position)
 
     @classmethod
     def from_transformers(cls, layer: nn.Module) -> MultiHeadAttention:
@@ -398,11 +281,10 @@ class MultiHeadAttention(NotScriptable, nn.Module):
             valid_lens: ``(b,)`` or ``(b, lq)``; key ``j`` is visible iff ``j < valid_len``
                 (with a cache, ``j`` counts every key stored, and lengths may reach
                 ``cache.max_len``).
-            causal: query ``i`` sees only keys up to its own index (lower-right aligned).
-                ``True`` or ``False`` (anything else raises ``ValueError``, as for ``return_weights``).
+            causal: query ``i`` sees only keys up to its own index (lower-right aligned); a bool,
+                as ``return_weights`` (anything else raises ``ValueError``).
             return_weights: also return the ``(b, h, lq, lk)`` attention weights.
-            offset: position of the first query (default 0, or ``cache.length``); the
-                shorthand for ``positions = offset + arange(lq)``.
+            offset: position of the first query (default 0, or ``cache.length``): ``positions = offset + arange(lq)``.
             cache: a :class:`~selfattn.KVCache` for incremental decoding.
             positions: integer positions of the queries, ``(lq,)`` or per sequence
                 ``(b, lq)`` (left padding, packed documents); the new keys get the same ones
@@ -438,37 +320,67 @@ class MultiHeadAttention(NotScriptable, nn.Module):
                 included). A block of queries that can reach no key of a stretch of keys never
                 computes them (see :meth:`selfattn.masks.Visibility.key_range`).
 
-        Returns:
-            ``(b, lq, output_size)``, or ``(output, weights)``.
+        Returns: ``(b, lq, output_size)``, or ``(output, weights)``.
         """
         request = check_request(
             self,
             queries, keys, values, valid_lens, causal, return_weights, offset, cache, positions, key_positions,
             attn_mask, key_padding_mask, document_ids, cumulative_lengths, mask,
         )  # fmt: skip
-        call = self._describe(request)
-        return self._finish(request, call, dispatch.run(call))
+        call = describe(self, request)
+        return finish(self, request, call, dispatch.run(call))
 
     def explain(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Explanation:
-        """Which route :meth:`forward` takes with these arguments, and why each route before it declined.
+        """Which route :meth:`forward` takes with these arguments, why each route before it declined, and the parts.
 
         Takes exactly :meth:`forward`'s arguments and computes no attention (a cache is copied,
-        not changed). ``str()`` of the result lists the reasons; ``.route`` is the route's name.
+        not changed). ``str()`` of the result lists the reasons; ``.route`` is the route's name;
+        ``.parts`` names the layer's parts by slot.
         """
         forward_arguments = inspect.signature(self.forward).bind(queries, keys, values, *args, **kwargs)
         forward_arguments.apply_defaults()
         given = dict(forward_arguments.arguments)
         if given["cache"] is not None:
             given["cache"] = given["cache"].copy()
-        return dispatch.explain(self._describe(check_request(self, **given)))
+        explanation = dispatch.explain(describe(self, check_request(self, **given)))
+        return explanation.with_parts(self.describe_parts())
 
-    def split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
-        """``(b, l, heads * dh)`` -> ``(b, heads, l, dh)``, a view."""
+    # ------------------------------------------------------------------ the parts
+
+    def parts(self, slot: str) -> tuple[Part, ...]:
+        """The parts acting at ``slot``, in the order they apply."""
+        return tuple(part for _, part in self._named_parts(slot))
+
+    def _named_parts(self, slot: str) -> list[tuple[str, Part]]:
+        return [(name, self._modules[name]) for name in self.part_names[slot]]  # type: ignore[misc]
+
+    def describe_parts(self) -> tuple[str, ...]:
+        """One line per part (``name at slot: Class(options)``) in the order of the pass, after the position scheme."""
+        lines = [f"{name} at {slot}: {part.describe()}" for slot in SLOTS for name, part in self._named_parts(slot)]
+        if self.position is not None:
+            lines.insert(0, f"position = {type(self.position).__name__} ({self.position.acts_on})")
+        if self.W_v is None:
+            lines.insert(0, "values = W_k's projection (values_from_keys)")
+        return tuple(lines)
+
+    @property
+    def gated(self) -> bool:
+        """Whether a part gates the merged heads (so padded query rows must reach it as zeros)."""
+        return bool(self.part_names["merged"])
+
+    @property
+    def temperature_tuning(self) -> tuple[float, float] | None:
+        """``(attn_scale, floor_scale)`` of the :class:`~selfattn.parts.TemperatureTuning` part, if there is one."""
+        part = self._modules.get("query_scaling")
+        return (part.attn_scale, part.floor_scale) if isinstance(part, TemperatureTuning) else None
+
+    def split_heads(self, x: torch.Tensor, heads: int | None = None, head_dim: int | None = None) -> torch.Tensor:
+        """``(b, l, heads * head_dim)`` -> ``(b, heads, l, head_dim)``, a view (default: query heads of size dh)."""
         b, length, _ = x.shape
         heads = self.num_heads if heads is None else heads
-        return x.view(b, length, heads, self.head_dim).transpose(1, 2)  # (b, heads, l, dh)
+        return x.view(b, length, heads, self.head_dim if head_dim is None else head_dim).transpose(1, 2)
 
     @property
     def rotates(self) -> bool:
@@ -481,36 +393,40 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         assert isinstance(self.position, QueryKeyEncoding)
         return self.position
 
+    def _run_parts(self, slot: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        for name in self.part_names[slot]:
+            x = self._modules[name](x, positions)  # type: ignore[misc]
+        return x
+
     def project_queries(self, x: torch.Tensor, positions: torch.Tensor, first: int | None = None) -> torch.Tensor:
-        """Query heads ``(b, h, lq, dh)`` from ``(b, lq, dq)``: ``W_q``, QK-norm, then the rotation at ``positions``.
+        """Query heads ``(b, h, lq, dh)`` from ``(b, lq, dq)``: ``W_q``, the query parts around the rotation.
 
         ``positions``: ``(lq,)``, ``(b, lq)``, or M-RoPE's ``(3, b, lq)``; ``first``: ``positions[0]``
         when they count up from it (a rotary then reads its angle table), else None.
         """
-        q = self.split_heads(self.W_q(x))  # (b, h, lq, dh)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.temperature_tuning is not None:
-            attn_scale, floor_scale = self.temperature_tuning
-            time = positions[0] if positions.dim() == 3 else positions  # M-RoPE's first axis counts tokens
-            require_tuned_positions(time)
-            steps = torch.floor((_per_head(time).to(torch.float64) + 1) / floor_scale)  # (lq,) or (b, 1, lq)
-            q = q * (1 + attn_scale * torch.log1p(steps)).to(q.dtype)[..., None]  # (b, h, lq, dh)
-        if not self.rotates:
-            return q
-        rotated = self._rotate_consecutive(q, first)
-        return self.query_key_encoding.encode_queries(q, _for_heads(positions)) if rotated is None else rotated
+        q = self.split_heads(self._run_parts("query_features", self.W_q(x), positions))  # (b, h, lq, dh)
+        q = self._run_parts("queries", q, positions)
+        if self.rotates:
+            rotated = self._rotate_consecutive(q, first)
+            q = self.query_key_encoding.encode_queries(q, for_heads(positions)) if rotated is None else rotated
+        return self._run_parts("rotated_queries", q, positions)
 
     def project_keys(self, x: torch.Tensor, positions: torch.Tensor, first: int | None = None) -> torch.Tensor:
-        """Key heads ``(b, hk, lk, dh)`` from ``(b, lk, dk)``: ``W_k``, QK-norm, then the rotation at ``positions``
+        """Key heads ``(b, hk, lk, dh)`` from ``(b, lk, dk)``: ``W_k``, the key parts around the rotation
         (``first`` as for :meth:`project_queries`)."""
-        k = self.split_heads(self.W_k(x), self.num_kv_heads)  # (b, hk, lk, dh)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        if not self.rotates:
-            return k
-        rotated = self._rotate_consecutive(k, first)
-        return self.query_key_encoding.encode_keys(k, _for_heads(positions)) if rotated is None else rotated
+        k = self.split_heads(self._run_parts("key_features", self.W_k(x), positions), self.num_kv_heads)
+        k = self._run_parts("keys", k, positions)  # (b, hk, lk, dh)
+        if self.rotates:
+            rotated = self._rotate_consecutive(k, first)
+            k = self.query_key_encoding.encode_keys(k, for_heads(positions)) if rotated is None else rotated
+        return self._run_parts("rotated_keys", k, positions)
+
+    def project_values(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
+        """Value heads ``(b, hk, lk, dv)`` from ``(b, lk, dv_in)``: ``W_v`` (or ``W_k`` of ``keys`` when values
+        are the keys' projection), then the value parts."""
+        projected = self.W_k(x if keys is None else keys) if self.W_v is None else self.W_v(x)
+        v = self.split_heads(projected, self.num_kv_heads, self.value_head_dim)  # (b, hk, lk, dv)
+        return self._run_parts("values", v, v.new_zeros(0))
 
     def _rotate_consecutive(self, x: torch.Tensor, first: int | None) -> torch.Tensor | None:
         """A plain rotary's rotation of ``x`` at positions counting up from ``first``, from its table; else None.
@@ -522,159 +438,15 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         return self.position.rotate_consecutive(x, first)
 
     def project_output(self, merged: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-        """``W_o`` of the merged heads ``(b, lq, h * dh)``, gated by ``sigmoid(W_g(queries))`` first when gated."""
-        if self.W_g is not None:
-            merged = merged * torch.sigmoid(self.W_g(queries))  # (b, lq, h * dh)
+        """``W_o`` of the merged heads ``(b, lq, h * dv)``, after the output parts (norms per head, then gates)."""
+        if self.part_names["output_heads"]:
+            b, lq, _ = merged.shape
+            heads = merged.view(b, lq, self.num_heads, self.value_head_dim)  # (b, lq, h, dv)
+            merged = self._run_parts("output_heads", heads, merged.new_zeros(0)).flatten(2)  # (b, lq, h * dv)
+        for name in self.part_names["merged"]:
+            merged = self._modules[name](merged, queries)  # type: ignore[misc]
         out: torch.Tensor = self.W_o(merged)  # (b, lq, d)
         return out
-
-    # ------------------------------------------------------------------ the steps of forward
-
-    def _finish(
-        self, request: Request, call: AttentionCall, result: Output
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Project out, zero padded query rows, commit the cache, pad the weights to every key."""
-        out = result.out
-        if result.stage == "heads":
-            out = out.transpose(1, 2).flatten(2)  # (b, h, lq, dh) -> (b, lq, d)
-        if result.stage != "projected":
-            queries = request.queries
-            if self.W_g is not None and request.valid_rows is not None:  # padded rows reach no gate
-                queries = queries.masked_fill(~request.valid_rows[:, :, None], 0.0)
-            out = self.project_output(out, queries)  # (b, lq, d)
-        if request.valid_rows is not None:
-            out = out.masked_fill(~request.valid_rows[:, :, None], 0.0)  # padded query rows: zero, no W_o bias
-        if request.cache is not None:
-            request.cache.commit()  # the new keys count as stored only once attention has succeeded
-        if not request.return_weights:
-            return out
-        weights = result.weights
-        assert weights is not None
-        if request.valid_rows is not None:
-            weights = weights.masked_fill(~request.valid_rows[:, None, :, None], 0.0)  # (b, h, lq, lk)
-        # Keys never scored (skipped padding, or dropped by a windowed cache) weigh 0: (b, h, lq, total).
-        first = call.visibility.k_first
-        return out, F.pad(weights, (first, request.total - first - weights.shape[-1]))
-
-    def _describe(self, request: Request) -> AttentionCall:
-        """The call: lazily projected heads, positions, the cache's keys, and what each query may see."""
-        queries, keys = request.queries, request.keys
-        batch, num_queries = queries.shape[:2]
-
-        zeroed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-        def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            """The inputs, with padded rows zeroed for skip_padded_queries (a NaN there reaches nothing)."""
-            if request.valid_rows is None:
-                return queries, keys, request.values
-            if not zeroed:  # once for the queries and the keys alike
-                zeroed.append(zero_padding(request.valid_rows, queries, keys, request.values))
-            return zeroed[0]
-
-        def make_q() -> torch.Tensor:
-            return self.project_queries(
-                inputs()[0], _encoding_positions(request.q_positions, request.q_axes), request.q_first_position
-            )  # (b, h, lq, dh)
-
-        def project_kv() -> tuple[torch.Tensor, torch.Tensor]:
-            if self.rotates:
-                self._update_cached_keys(request)
-            k = self.project_keys(
-                inputs()[1], _encoding_positions(request.k_positions, request.k_axes), request.k_first_position
-            )  # (b, hk, lk_new, dh)
-            v = self.split_heads(self.W_v(inputs()[2]), self.num_kv_heads)  # (b, hk, lk_new, dh)
-            return k, v
-
-        seen = _Seen.new_keys(request)
-        make_kv = project_kv
-        if request.cache is not None:  # what the cache holds decides the visibility: gather it now
-            k, v = project_kv()
-            stored = request.cache.update(
-                k, v, positions=request.k_positions, padding=request.key_padding_mask,
-                documents=request.key_documents, commit=False,
-            )  # fmt: skip
-            seen = _Seen(stored.positions, stored.padding, stored.documents, stored.first_index, stored.keys.shape[-2])
-            make_kv = lambda: (stored.keys, stored.values)  # noqa: E731
-        visibility, bias = self._visibility(request, seen)
-        return AttentionCall(
-            shape=(batch, self.num_heads, self.num_kv_heads, num_queries, seen.num_keys, self.head_dim, self.head_dim),
-            visibility=visibility,
-            device=queries.device,
-            dtype=self.W_q.weight.dtype,
-            make_q=make_q,
-            make_kv=make_kv,
-            q_positions=request.q_positions,
-            k_positions=seen.positions,
-            term=self.position if isinstance(self.position, ScoreEncoding) else None,
-            bias=bias,
-            dropout_p=self.dropout if self.training else 0.0,
-            scale=self.scale,
-            softcap=self.softcap,
-            sinks=self.sinks,
-            return_weights=request.return_weights,
-            block_size=self.block_size,
-            inputs=ModuleInputs(
-                self, queries, keys, request.values,
-                request.q_positions if request.q_axes is None else request.q_axes,  # the encoding's positions
-                request.k_positions if request.k_axes is None else request.k_axes,
-                self.skip_padded_queries, request.cache is not None,
-            ),
-        )  # fmt: skip
-
-    def _update_cached_keys(self, request: Request) -> None:
-        """Give the encoding the positions of the stored keys and the new ones (dynamic rotary re-rotates the cache).
-
-        A windowed cache holds only some keys (``cache.stored`` of ``cache.length``), with their own
-        positions: those are the keys to re-rotate, and a window that slid past others changes nothing.
-        """
-        cache = request.cache
-        if cache is None or not _updates_cached_keys(self.query_key_encoding):
-            return  # the positions would be gathered for nothing (a rotary without length scaling)
-        cached = cache.positions
-        if cached is None:
-            return
-        new_positions = request.k_positions
-        if cached.dim() != new_positions.dim():  # one of them per sequence: both per sequence
-            batch = request.queries.shape[0]
-            cached, new_positions = cached.expand(batch, -1), new_positions.expand(batch, -1)
-        self.query_key_encoding.update_cached_keys(cache, torch.cat((cached, new_positions), dim=-1))
-
-    def _visibility(self, request: Request, seen: _Seen) -> tuple[Visibility, torch.Tensor | None]:
-        """What each query may see (and a float ``attn_mask``'s finite part, a bias)."""
-        num_queries = request.queries.shape[1]
-        visibility = Visibility(num_queries, seen.num_keys, request.total - num_queries, seen.first_index)
-        mask, bias = request.attn_mask, None
-        if mask is not None:
-            mask = mask[..., seen.first_index : seen.first_index + seen.num_keys]
-            if mask.is_floating_point():
-                bias = mask.masked_fill(mask == float("-inf"), 0.0)  # -inf goes into the bool mask
-                mask = mask != float("-inf")
-        both = request.document_ids is not None and seen.documents is not None
-        visibility = visibility.with_rules(
-            masks.causal() if request.causal else None,
-            None if self.window is None else masks.window(self.window),
-            self._chunks(request, seen),
-            None if request.valid_lens is None else masks.ValidLengths(request.valid_lens),  # checked: check_valid_lens
-            None if seen.padding is None else masks.key_padding(seen.padding),
-            masks.documents(request.document_ids, seen.documents) if both else None,  # type: ignore[arg-type]
-            None if mask is None else masks.dense(mask),
-            request.mask,
-        )
-        return visibility, bias
-
-    def _chunks(self, request: Request, seen: _Seen) -> masks.Rule | None:
-        """``chunk_size`` as a rule: chunks of token indices when positions are the indices, else of positions."""
-        if self.chunk_size is None:
-            return None
-        q_positions, k_positions = request.q_positions, seen.positions
-        num_queries = request.queries.shape[1]
-        first_query = request.total - num_queries
-        if q_positions.dim() == 1 and k_positions.dim() == 1 and not _validation.is_compiling():
-            by_index = torch.arange(first_query, request.total, device=q_positions.device)
-            keys_by_index = torch.arange(seen.first_index, seen.first_index + seen.num_keys, device=k_positions.device)
-            if torch.equal(q_positions, by_index) and torch.equal(k_positions, keys_by_index):
-                return masks.chunks(self.chunk_size)  # indices: blocks can skip other chunks' keys
-        return masks.chunks(self.chunk_size, query_positions=q_positions, key_positions=k_positions)
 
     def extra_repr(self) -> str:
         extra = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
@@ -682,6 +454,8 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         extra += "" if self.window is None else f", window={self.window}"
         extra += "" if self.chunk_size is None else f", chunk_size={self.chunk_size}"
         extra += "" if self.temperature_tuning is None else f", temperature_tuning={self.temperature_tuning}"
+        extra += "" if self.value_head_dim == self.head_dim else f", value_head_dim={self.value_head_dim}"
+        extra += ", values_from_keys=True" if self.W_v is None else ""
         extra += ", skip_padded_queries=True" if self.skip_padded_queries else ""
         extra += "" if self.scale is None else f", scale={self.scale}"
         extra += "" if self.softcap is None else f", softcap={self.softcap}"

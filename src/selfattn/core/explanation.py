@@ -7,6 +7,7 @@ that every route of :data:`~selfattn.core.dispatch.ROUTES` has a note and a sect
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -119,12 +120,19 @@ class Explanation:
         declined: ``(route name, reason)`` for each route tried before it, in order.
         cost: what the route computes and holds for this call, where known ("" otherwise).
         verbose: whether ``str()`` lists the declined routes.
+        parts: the layer's parts, one line each (:meth:`selfattn.MultiHeadAttention.describe_parts`);
+            empty for a functional call.
     """
 
     route: str
     declined: tuple[tuple[str, str], ...]
     cost: str = ""
     verbose: bool = False
+    parts: tuple[str, ...] = ()
+
+    def with_parts(self, parts: tuple[str, ...]) -> Explanation:
+        """This explanation with the layer's ``parts`` named beside the route."""
+        return dataclasses.replace(self, parts=parts)
 
     def describe(self, verbose: bool | None = None) -> str:
         """The explanation as lines of text; ``verbose`` (default: the field) adds the declined routes."""
@@ -135,6 +143,7 @@ class Explanation:
         if self.cost:
             lines.append(f"cost: {self.cost}")
         lines.append(f"more: {ROUTES_PAGE}#{route_anchor(self.route)}")
+        lines += [f"part: {part}" for part in self.parts]
         if self.verbose if verbose is None else verbose:
             lines.append("declined before it:" if self.declined else "declined before it: none (it is tried first)")
             lines += [f"  {name}: {reason}" for name, reason in self.declined]

@@ -77,5 +77,5 @@ def project_keys(
         key_rows = pick_rows(inputs.keys[:, :length], take).contiguous()
     value_rows = key_rows if inputs.values is inputs.keys else pick_rows(inputs.values[:, :length], take)
     k_g = module.project_keys(key_rows, group_positions(inputs.k_positions, length, take))
-    v_g = module.split_heads(module.W_v(value_rows), module.num_kv_heads)
+    v_g = module.project_values(value_rows, key_rows)
     return k_g, v_g

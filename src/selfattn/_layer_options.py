@@ -1,0 +1,202 @@
+"""The keyword options of :class:`~selfattn.MultiHeadAttention`, validated, and the parts they stand for.
+
+The layer's older keywords are shorthands: ``qk_norm=True`` builds two :class:`~selfattn.parts.HeadNorm`
+parts, ``temperature_tuning`` a :class:`~selfattn.parts.TemperatureTuning`, ``gated_output`` an
+:class:`~selfattn.parts.OutputGate`. Everything else a family needs arrives as ``parts=``.
+
+Shape legend: h heads, hk key/value heads, dq query/key head size, dv value head size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple, TypedDict
+
+import torch
+from torch import nn
+
+from selfattn._validation import (
+    ArgumentTypeError,
+    require_positive_finite,
+    require_positive_int,
+    require_temperature_tuning,
+)
+from selfattn.parts import SLOTS, HeadNorm, OutputGate, Part, TemperatureTuning
+from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
+
+__all__ = ["AttentionOptions", "LayerOptions", "build_projections", "layer_options", "shorthand_parts"]
+
+
+class AttentionOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`~selfattn.MultiHeadAttention` (see its docstring)."""
+
+    bias: bool
+    output_bias: bool | None
+    query_size: int | None
+    key_size: int | None
+    value_size: int | None
+    output_size: int | None
+    position: PositionalEncoding | None
+    num_kv_heads: int | None
+    value_head_dim: int | None
+    values_from_keys: bool
+    window: int | None
+    block_size: int | None
+    skip_padded_queries: bool
+    scale: float | None
+    softcap: float | None
+    sinks: bool
+    qk_norm: bool
+    qk_norm_eps: float
+    gated_output: bool
+    chunk_size: int | None
+    temperature_tuning: tuple[float, float] | None
+    parts: Mapping[str, Part] | None
+    device: torch.device | str | None
+    dtype: torch.dtype | None
+
+
+DEFAULTS: dict[str, Any] = {
+    "bias": False, "output_bias": None, "query_size": None, "key_size": None, "value_size": None,
+    "output_size": None, "position": None, "num_kv_heads": None, "value_head_dim": None, "values_from_keys": False,
+    "window": None, "block_size": None, "skip_padded_queries": False, "scale": None, "softcap": None,
+    "sinks": False, "qk_norm": False, "qk_norm_eps": 1e-6, "gated_output": False, "chunk_size": None,
+    "temperature_tuning": None, "parts": None, "device": None, "dtype": None,
+}  # fmt: skip
+
+
+class LayerOptions(NamedTuple):
+    """The validated sizes and options a layer keeps as attributes (and ``raw``: the rest, for building)."""
+
+    num_hiddens: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    dropout: float
+    query_size: int
+    key_size: int
+    value_size: int
+    output_size: int
+    position: PositionalEncoding | None
+    window: int | None
+    chunk_size: int | None
+    block_size: int | None
+    skip_padded_queries: bool
+    scale: float | None
+    softcap: float | None
+    raw: dict[str, Any]
+
+
+def _optional(check: Any, name: str, value: Any) -> Any:
+    return None if value is None else check(name, value)
+
+
+def _check_position(position: PositionalEncoding | None, num_heads: int, head_dim: int) -> None:
+    """Refuse an encoding that acts on the input, or one built for another head count or head size.
+
+    Score encodings record the heads they bias (``num_heads``: ALiBi, T5, Kerple, FIRE); the
+    others the head size they act on (``head_dim``: rotary, xPos, M-RoPE, Shaw).
+    """
+    if position is not None and not isinstance(position, (QueryKeyEncoding, ScoreEncoding)):
+        raise ValueError(
+            f"position must rotate queries/keys or bias the scores, got {type(position).__name__} "
+            "(add input encodings to the input instead)"
+        )
+    built_heads, built_size = getattr(position, "num_heads", None), getattr(position, "head_dim", None)
+    name = type(position).__name__
+    if isinstance(built_heads, int) and built_heads != num_heads:
+        raise ValueError(f"position={name} built for {built_heads} heads, the layer has {num_heads}")
+    if isinstance(built_size, int) and built_size != head_dim:
+        raise ValueError(
+            f"position={name} built for head size {built_size}, the layer's is {head_dim} (num_hiddens / num_heads)"
+        )
+
+
+def layer_options(num_hiddens: int, num_heads: int, dropout: float, given: Mapping[str, Any]) -> LayerOptions:
+    """Validate the constructor's arguments; ``ValueError`` names the first bad one and its value."""
+    from selfattn._validation import require_probability
+
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise ArgumentTypeError(f"MultiHeadAttention got unexpected keyword arguments {unknown}")
+    raw = DEFAULTS | dict(given)
+    num_hiddens, num_heads = (
+        require_positive_int("num_hiddens", num_hiddens),
+        require_positive_int("num_heads", num_heads),
+    )
+    if num_hiddens % num_heads:
+        raise ValueError(f"num_hiddens={num_hiddens} is not divisible by num_heads={num_heads}")
+    kv_heads = num_heads if raw["num_kv_heads"] is None else require_positive_int("num_kv_heads", raw["num_kv_heads"])
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={raw['num_kv_heads']}")
+    head_dim = num_hiddens // num_heads
+    value_head_dim = _optional(require_positive_int, "value_head_dim", raw["value_head_dim"]) or head_dim
+    sizes = {
+        name: num_hiddens if raw[name] is None else require_positive_int(name, raw[name])
+        for name in ("query_size", "key_size", "value_size")
+    }
+    output_size = num_hiddens if raw["output_size"] is None else require_positive_int("output_size", raw["output_size"])
+    _check_position(raw["position"], num_heads, head_dim)
+    for name in ("bias", "sinks", "qk_norm", "gated_output", "skip_padded_queries", "values_from_keys"):
+        if not isinstance(raw[name], bool):
+            raise ValueError(f"{name} must be True or False, got {raw[name]!r}")
+    if raw["output_bias"] is not None and not isinstance(raw["output_bias"], bool):
+        raise ValueError(f"output_bias must be True, False or None, got {raw['output_bias']!r}")
+    if raw["values_from_keys"] and (value_head_dim != head_dim or raw["value_size"] not in (None, sizes["key_size"])):
+        raise ValueError(
+            f"values_from_keys=True: values are the keys' projection, so value_head_dim={value_head_dim} must be "
+            f"the head size {head_dim} and value_size={sizes['value_size']} the key_size {sizes['key_size']}"
+        )
+    if raw["temperature_tuning"] is not None:
+        raw["temperature_tuning"] = require_temperature_tuning(raw["temperature_tuning"])
+    return LayerOptions(
+        num_hiddens, num_heads, kv_heads, head_dim, value_head_dim, require_probability("dropout", dropout),
+        sizes["query_size"], sizes["key_size"], sizes["value_size"], output_size, raw["position"],
+        _optional(require_positive_int, "window", raw["window"]),
+        _optional(require_positive_int, "chunk_size", raw["chunk_size"]),
+        _optional(require_positive_int, "block_size", raw["block_size"]),
+        raw["skip_padded_queries"],
+        _optional(require_positive_finite, "scale", raw["scale"]),
+        _optional(require_positive_finite, "softcap", raw["softcap"]),
+        raw,
+    )  # fmt: skip
+
+
+def build_projections(options: LayerOptions) -> dict[str, nn.Module | nn.Parameter | None]:
+    """``W_q, W_k, W_v, W_o`` and ``sinks``: the layer's own weights (``W_v`` None when values are the keys)."""
+    raw, factory = options.raw, {"device": options.raw["device"], "dtype": options.raw["dtype"]}
+    bias, output_bias = raw["bias"], raw["bias"] if raw["output_bias"] is None else raw["output_bias"]
+    h, hk, dq, dv = options.num_heads, options.num_kv_heads, options.head_dim, options.value_head_dim
+    return {
+        "W_q": nn.Linear(options.query_size, h * dq, bias=bias, **factory),
+        "W_k": nn.Linear(options.key_size, hk * dq, bias=bias, **factory),
+        "W_v": None if raw["values_from_keys"] else nn.Linear(options.value_size, hk * dv, bias=bias, **factory),
+        "W_o": nn.Linear(h * dv, options.output_size, bias=output_bias, **factory),
+        "sinks": nn.Parameter(torch.zeros(h, **factory)) if raw["sinks"] else None,
+    }
+
+
+def shorthand_parts(options: LayerOptions) -> dict[str, Part]:
+    """The parts the keywords stand for, then ``parts=``, in the order the layer applies them within a slot."""
+    raw, factory = options.raw, {"device": options.raw["device"], "dtype": options.raw["dtype"]}
+    parts: dict[str, Part] = {}
+    if raw["qk_norm"]:
+        eps = require_positive_finite("qk_norm_eps", raw["qk_norm_eps"])
+        parts["q_norm"] = HeadNorm(options.head_dim, slot="queries", eps=eps, **factory)
+        parts["k_norm"] = HeadNorm(options.head_dim, slot="keys", eps=eps, **factory)
+    if raw["temperature_tuning"] is not None:
+        parts["query_scaling"] = TemperatureTuning(*raw["temperature_tuning"])
+    if raw["gated_output"]:
+        gate = OutputGate(options.query_size, options.num_heads, options.value_head_dim, bias=raw["bias"], **factory)
+        parts["W_g"] = gate
+    given = raw["parts"] or {}
+    if not isinstance(given, Mapping):
+        raise ValueError(f"parts must be a mapping of names to parts, got {type(given).__name__}")
+    for name, part in given.items():
+        if not isinstance(part, Part) or getattr(part, "slot", None) not in SLOTS:
+            raise ValueError(f"parts[{name!r}] must be a selfattn.parts.Part with a slot in {SLOTS}, got {part!r}")
+        if name in parts or not name.isidentifier():
+            raise ValueError(f"parts[{name!r}]: the name is taken by a keyword's part or is not an identifier")
+        parts[name] = part
+    return parts

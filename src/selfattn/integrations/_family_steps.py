@@ -1,0 +1,136 @@
+"""The steps of the family table (:mod:`selfattn.integrations.families`) that data cannot say.
+
+``read_*(hf, config, options)`` adds or changes the module's options for a family's layer;
+``copy_*(hf, mha)`` copies weights the common copy does not know; ``write_*(mha, fields)`` adds the
+config fields that rebuild the module as the family's layer. None imports transformers.
+
+Shape legend: h heads, dh head size, d hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from selfattn.parts import LogFloorScaling
+
+__all__ = [
+    "integer_field",
+    "read_llama4",
+    "read_log_floor_scaling",
+    "read_query_gate",
+    "copy_query_gate",
+    "write_gemma",
+    "write_llama4",
+    "write_qwen2_vl",
+    "write_qwen3",
+]
+
+
+def integer_field(name: str, value: float) -> int:
+    """``value`` as the int a transformers config field requires, if it is one up to rounding."""
+    nearest = round(value)
+    if nearest < 1 or abs(value - nearest) > 1e-9 * nearest:
+        raise ValueError(f"{name}={value!r}: transformers' config takes a positive integer there")
+    return nearest
+
+
+# ---------------------------------------------------------------- reading a layer
+
+
+def read_llama4(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Llama 4: NoPE layers (temperature tuning, no rotary) and the L2 QK-norm of rotary layers (unit weights)."""
+    if getattr(hf, "qk_norm", None) is not None:
+        options.update(qk_norm=True, qk_norm_eps=float(hf.qk_norm.eps))
+    if not hf.use_rope:
+        options["position"] = None
+        if config.attn_temperature_tuning:
+            options["temperature_tuning"] = (float(config.attn_scale), float(config.floor_scale))
+
+
+def read_query_gate(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Qwen3-Next / Qwen3.5: ``q_proj`` emits each head's query and its gate side by side: a gate per feature."""
+    options["gated_output"] = True
+
+
+def copy_query_gate(hf: Any, mha: Any) -> None:
+    """Split ``q_proj``'s rows ``(h, query | gate, dh)`` into ``W_q`` and the gate ``W_g``."""
+    heads, head_dim = mha.num_heads, mha.head_dim
+    halves = hf.q_proj.weight.view(heads, 2, head_dim, -1)  # (h, query | gate, dh, d)
+    mha.W_q.weight.copy_(halves[:, 0].flatten(0, 1))
+    mha.W_g.weight.copy_(halves[:, 1].flatten(0, 1))
+    if hf.q_proj.bias is not None:
+        bias_halves = hf.q_proj.bias.view(heads, 2, head_dim)
+        mha.W_q.bias.copy_(bias_halves[:, 0].flatten())
+        mha.W_g.bias.copy_(bias_halves[:, 1].flatten())
+
+
+def read_log_floor_scaling(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Mistral 3 / Ministral 3: ``rope_parameters["llama_4_scaling_beta"]`` scales each query by position."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    beta = parameters.get("llama_4_scaling_beta")
+    if beta is not None:
+        scaling = LogFloorScaling(float(beta), float(parameters["original_max_position_embeddings"]))
+        options.setdefault("parts", {})["query_scaling"] = scaling
+
+
+# ---------------------------------------------------------------- the way back
+
+
+def write_qwen3(mha: Any, fields: dict[str, Any]) -> None:
+    if mha.window is not None:
+        fields.update(use_sliding_window=True, max_window_layers=0)
+
+
+def write_gemma(mha: Any, fields: dict[str, Any]) -> None:
+    """Gemma 2 and 3: the scale as ``query_pre_attn_scalar``, the softcap; Gemma 3 keeps a rotary per layer type."""
+    scale = mha.head_dim**-0.5 if mha.scale is None else mha.scale
+    fields.update(
+        query_pre_attn_scalar=integer_field("scale ** -2 (query_pre_attn_scalar)", scale**-2),
+        attn_logit_softcapping=mha.softcap,
+    )
+    if fields["model_type"] == "gemma3_text" and "rope_parameters" in fields:
+        both = fields["rope_parameters"]
+        fields["rope_parameters"] = {"sliding_attention": both, "full_attention": dict(both)}
+
+
+def write_qwen2_vl(mha: Any, fields: dict[str, Any]) -> None:
+    """M-RoPE is Qwen2-VL's, whose layer has a bias on ``W_q, W_k, W_v`` only and heads adding up to ``d``."""
+    if mha.W_o.bias is not None or mha.W_q.bias is None or mha.num_hiddens != mha.query_size:
+        raise ValueError(
+            "M-RoPE is Qwen2-VL's, whose layer has a bias on W_q, W_k, W_v only and heads that add up to the "
+            f"hidden size; got output_bias={mha.W_o.bias is not None}, bias={mha.W_q.bias is not None}, "
+            f"num_hiddens={mha.num_hiddens}, query_size={mha.query_size}"
+        )
+    mrope = mha.position
+    fields["rope_parameters"] = {
+        "rope_type": "default",
+        "mrope_section": list(mrope.sections),
+        "rope_theta": mrope.base,
+    }
+    del fields["head_dim"], fields["attention_bias"]  # hidden_size / heads; q, k, v biased, o not
+
+
+def write_llama4(mha: Any, fields: dict[str, Any]) -> None:
+    if mha.temperature_tuning is not None and mha.position is not None:
+        raise ValueError("Llama 4 tunes the temperature of its NoPE layers only: temperature_tuning with a rotary")
+    tuning = mha.temperature_tuning
+    fields.update(
+        layer_types=["chunked_attention" if mha.chunk_size is not None else "full_attention"],
+        attention_chunk_size=mha.chunk_size,
+        no_rope_layers=[int(mha.position is not None)],
+        use_qk_norm=mha.q_norm is not None,
+        attn_temperature_tuning=tuning is not None,
+    )
+    if tuning is not None:
+        fields.update(attn_scale=tuning[0], floor_scale=integer_field("temperature_tuning[1] (floor_scale)", tuning[1]))
+
+
+def weight_of(norm: Any, name: str) -> tuple[torch.Tensor | None, float]:
+    """A transformers norm's weight (None when it has none) and epsilon."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    if not isinstance(eps, float):
+        raise ValueError(f"{name} {type(norm).__name__} has no epsilon to read")
+    return (weight if isinstance(weight, torch.Tensor) else None), eps
