@@ -284,3 +284,23 @@ def test_families_not_yet_in_the_table_run(model_type: str) -> None:
         with torch.no_grad():
             out = _run_transformers(model_type, layer, config, rotary, x, attention_mask, None)
         assert out.shape == x.shape and bool(out[attention_mask.bool()].isfinite().all())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="library: from_transformers reads Gemma3Attention.attn_logit_softcapping, which transformers 5.24 "
+    "stores (modeling_gemma3 L306) but never passes to the attention function (L342-352): the loaded module "
+    "softcaps, the layer does not",
+)
+def test_gemma3_ignores_its_softcap_field() -> None:
+    """A Gemma 3 config with attn_logit_softcapping set: transformers' layer computes no softcap."""
+    config = hf.build_config("gemma3_text", attn_logit_softcapping=2.0)
+    layer, _ = hf.build_layer("gemma3_text", 0, torch.float32, config=config)
+    mha = MultiHeadAttention.from_transformers(layer)
+    x, attention_mask = _inputs(torch.float32)
+    rotary = hf.build_rotary("gemma3_text", config)
+    with torch.no_grad():
+        expected = _run_transformers("gemma3_text", layer, config, rotary, x, attention_mask, None)
+        got = mha(x, x, x, causal=True, positions=hf.position_ids(attention_mask), key_padding_mask=attention_mask == 0)
+    real = attention_mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
