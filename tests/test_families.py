@@ -80,9 +80,11 @@ def _exact_frequencies(mha: Any, rotary: Any, config: Any, layer_idx: int) -> tu
     transformers forms ``position * inv_freq`` in float32; the float64 comparison gives the layer
     angles formed from these float64 frequencies instead, after this check pins them to its own.
     """
-    position = getattr(mha, "position", None)
-    if position is None or not hasattr(position, "inv_freq"):
-        return None
+    rotaries = [module for module in mha.modules() if isinstance(getattr(module, "inv_freq", None), torch.Tensor)]
+    if not rotaries:
+        return None  # a NoPE layer
+    assert len(rotaries) == 1, f"selfattn's module has {len(rotaries)} rotary encodings; this test reads one"
+    position = rotaries[0]
     ours, factor = position.inv_freq, float(getattr(position, "attention_factor", 1.0))
     theirs, scaling = hf.hf_frequencies(rotary, hf.layer_type(config, layer_idx))
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-6, atol=0)
