@@ -194,42 +194,54 @@ def test_outputs_and_gradients(model_type: str, layer_idx: int, dtype: torch.dty
         _check_parameter_grads(model_type, layer, mha, atol, where)
 
 
-@pytest.mark.parametrize(("model_type", "layer_idx"), CASES)
-def test_cached_decoding(model_type: str, layer_idx: int) -> None:
-    """A prefill of 3 tokens, then one at a time: selfattn's KVCache against the layer's own DynamicCache."""
-    layer, config = hf.build_layer(model_type, layer_idx, torch.float32)
-    rotary = hf.build_rotary(model_type, config)
-    mha = MultiHeadAttention.from_transformers(layer)
-    x, attention_mask = _inputs(torch.float32)
-    ids, rotary_positions = hf.position_ids(attention_mask), hf.rotary_positions(model_type, attention_mask)
-    positions, padding = hf.selfattn_positions(model_type, layer, attention_mask), attention_mask == 0
-    ours_cache, theirs_cache = KVCache(max_len=LENGTH), transformers.DynamicCache(config=config)
-    ours_steps, theirs_steps = [], []
+STEPS = [(0, 3)] + [(t, t + 1) for t in range(3, LENGTH)]  # a prefill of 3 tokens, then one at a time
+
+
+def _decode_transformers(
+    model_type: str, layer: Any, config: Any, rotary: Any, x: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """The layer's outputs ``(b, l, d)`` over :data:`STEPS` with its own DynamicCache, as generate runs it."""
+    ids, positions = hf.position_ids(attention_mask), hf.rotary_positions(model_type, attention_mask)
+    cache, steps = transformers.DynamicCache(config=config), []
     with torch.no_grad():
-        for start, stop in [(0, 3)] + [(t, t + 1) for t in range(3, LENGTH)]:
+        for start, stop in STEPS:
             chunk = x[:, start:stop]
-            ours_steps.append(
-                mha(
-                    chunk,
-                    chunk,
-                    chunk,
-                    causal=True,
-                    cache=ours_cache,
-                    positions=positions[..., start:stop],
-                    key_padding_mask=padding[:, start:stop],
-                )
-            )
-            embeddings = hf.embeddings(model_type, rotary, config, layer_idx, chunk, rotary_positions[..., start:stop])
-            causal = hf.mask(config, layer_idx, chunk, attention_mask[:, :stop], ids[:, start:stop], theirs_cache)
+            embeddings = hf.embeddings(model_type, rotary, config, layer.layer_idx, chunk, positions[..., start:stop])
+            causal = hf.mask(config, layer.layer_idx, chunk, attention_mask[:, :stop], ids[:, start:stop], cache)
             out, _ = layer(
                 chunk,
                 position_embeddings=embeddings,
                 attention_mask=causal,
-                cache=theirs_cache,
+                cache=cache,
                 **hf.forward_kwargs(layer, ids[:, start:stop]),
             )
-            theirs_steps.append(out)
-    ours, theirs, real = torch.cat(ours_steps, dim=1), torch.cat(theirs_steps, dim=1), attention_mask.bool()
+            steps.append(out)
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize(("model_type", "layer_idx"), CASES)
+def test_cached_decoding(model_type: str, layer_idx: int) -> None:
+    """A prefill of 3 tokens, then one at a time: selfattn's KVCache against the layer's own DynamicCache."""
+    layer, config = hf.build_layer(model_type, layer_idx, torch.float32)
+    mha = MultiHeadAttention.from_transformers(layer)
+    x, attention_mask = _inputs(torch.float32)
+    positions, padding = hf.selfattn_positions(model_type, layer, attention_mask), attention_mask == 0
+    cache, steps = KVCache(max_len=LENGTH), []
+    with torch.no_grad():
+        for start, stop in STEPS:
+            chunk = x[:, start:stop]
+            out = mha(
+                chunk,
+                chunk,
+                chunk,
+                causal=True,
+                cache=cache,
+                positions=positions[..., start:stop],
+                key_padding_mask=padding[:, start:stop],
+            )
+            steps.append(out)
+    theirs = _decode_transformers(model_type, layer, config, hf.build_rotary(model_type, config), x, attention_mask)
+    ours, real = torch.cat(steps, dim=1), attention_mask.bool()
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
 
 
@@ -276,7 +288,8 @@ _ALL = os.environ.get("SELFATTN_ALL_FAMILIES") == "1"
 @pytest.mark.skipif(not _ALL, reason="SELFATTN_ALL_FAMILIES=1 runs every family's transformers layer (~30 s)")
 @pytest.mark.parametrize("model_type", sorted(set(hf.FAMILIES) - set(TABLE)))
 def test_families_not_yet_in_the_table_run(model_type: str) -> None:
-    """The configs waiting for a recipe build, and their layers run as the harness runs them, cached too."""
+    """The configs waiting for a recipe build, and their layers run as the harness runs them: whole, and
+    cached (which must agree, so the harness's masks, positions and arguments fit the family)."""
     config = hf.build_config(model_type)
     assert config.model_type == model_type
     rotary = hf.build_rotary(model_type, config)
@@ -285,7 +298,10 @@ def test_families_not_yet_in_the_table_run(model_type: str) -> None:
         layer, _ = hf.build_layer(model_type, layer_idx, torch.float32, config=copy.deepcopy(config))
         with torch.no_grad():
             out = _run_transformers(model_type, layer, config, rotary, x, attention_mask, None)
-        assert out.shape == x.shape and bool(out[attention_mask.bool()].isfinite().all())
+        decoded = _decode_transformers(model_type, layer, config, rotary, x, attention_mask)
+        real = attention_mask.bool()
+        assert out.shape == x.shape and bool(out[real].isfinite().all())
+        torch.testing.assert_close(decoded[real], out[real], atol=1e-5, rtol=0)
 
 
 @pytest.mark.xfail(
