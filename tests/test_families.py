@@ -304,12 +304,6 @@ def test_families_not_yet_in_the_table_run(model_type: str) -> None:
         torch.testing.assert_close(decoded[real], out[real], atol=1e-5, rtol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library: from_transformers reads Gemma3Attention.attn_logit_softcapping, which transformers 5.24 "
-    "stores (modeling_gemma3 L306) but never passes to the attention function (L342-352): the loaded module "
-    "softcaps, the layer does not",
-)
 def test_gemma3_ignores_its_softcap_field() -> None:
     """A Gemma 3 config with attn_logit_softcapping set: transformers' layer computes no softcap."""
     config = hf.build_config("gemma3_text", attn_logit_softcapping=2.0)

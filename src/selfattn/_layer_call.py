@@ -10,7 +10,7 @@ Shape legend:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +23,6 @@ from selfattn.core.route import Output
 from selfattn.masks import Visibility
 from selfattn.positional.base import QueryKeyEncoding, ScoreEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
-
-if TYPE_CHECKING:
-    from selfattn.attention import MultiHeadAttention
 
 __all__ = ["describe", "encoding_positions", "finish", "for_heads"]
 
@@ -70,7 +67,7 @@ def _updates_cached_keys(encoding: QueryKeyEncoding) -> bool:
 
 
 def finish(
-    module: MultiHeadAttention, request: Request, call: AttentionCall, result: Output
+    module: Any, request: Request, call: AttentionCall, result: Output
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Project out, zero padded query rows, commit the cache, pad the weights to every key."""
     out = result.out
@@ -96,7 +93,7 @@ def finish(
     return out, F.pad(weights, (first, request.total - first - weights.shape[-1]))
 
 
-def describe(module: MultiHeadAttention, request: Request) -> AttentionCall:
+def describe(module: Any, request: Request) -> AttentionCall:
     """The call: lazily projected heads, positions, the cache's keys, and what each query may see."""
     queries, keys = request.queries, request.keys
     batch, num_queries = queries.shape[:2]
@@ -112,9 +109,10 @@ def describe(module: MultiHeadAttention, request: Request) -> AttentionCall:
         return zeroed[0]
 
     def make_q() -> torch.Tensor:
-        return module.project_queries(
+        q: torch.Tensor = module.project_queries(
             inputs()[0], encoding_positions(request.q_positions, request.q_axes), request.q_first_position
         )  # (b, h, lq, dh)
+        return q
 
     def project_kv() -> tuple[torch.Tensor, torch.Tensor]:
         if module.rotates:
@@ -165,7 +163,7 @@ def describe(module: MultiHeadAttention, request: Request) -> AttentionCall:
     )  # fmt: skip
 
 
-def _update_cached_keys(module: MultiHeadAttention, request: Request) -> None:
+def _update_cached_keys(module: Any, request: Request) -> None:
     """Give the encoding the positions of the stored keys and the new ones (dynamic rotary re-rotates the cache).
 
     A windowed cache holds only some keys (``cache.stored`` of ``cache.length``), with their own
@@ -184,7 +182,7 @@ def _update_cached_keys(module: MultiHeadAttention, request: Request) -> None:
     module.query_key_encoding.update_cached_keys(cache, torch.cat((cached, new_positions), dim=-1))
 
 
-def _visibility(module: MultiHeadAttention, request: Request, seen: _Seen) -> tuple[Visibility, torch.Tensor | None]:
+def _visibility(module: Any, request: Request, seen: _Seen) -> tuple[Visibility, torch.Tensor | None]:
     """What each query may see (and a float ``attn_mask``'s finite part, a bias)."""
     num_queries = request.queries.shape[1]
     visibility = Visibility(num_queries, seen.num_keys, request.total - num_queries, seen.first_index)
@@ -208,7 +206,7 @@ def _visibility(module: MultiHeadAttention, request: Request, seen: _Seen) -> tu
     return visibility, bias
 
 
-def _chunks(module: MultiHeadAttention, request: Request, seen: _Seen) -> masks.Rule | None:
+def _chunks(module: Any, request: Request, seen: _Seen) -> masks.Rule | None:
     """``chunk_size`` as a rule: chunks of token indices when positions are the indices, else of positions."""
     if module.chunk_size is None:
         return None
