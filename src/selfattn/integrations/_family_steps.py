@@ -58,6 +58,7 @@ def read_no_softcap(hf: Any, config: Any, options: dict[str, Any]) -> None:
 def read_query_gate(hf: Any, config: Any, options: dict[str, Any]) -> None:
     """Qwen3-Next / Qwen3.5: ``q_proj`` emits each head's query and its gate side by side: a gate per feature."""
     options["gated_output"] = True
+    options["num_heads"] //= 2  # q_proj's rows: (h, query | gate, dh)
 
 
 def copy_query_gate(hf: Any, mha: Any) -> None:
@@ -79,6 +80,30 @@ def read_log_floor_scaling(hf: Any, config: Any, options: dict[str, Any]) -> Non
     if beta is not None:
         scaling = LogFloorScaling(float(beta), float(parameters["original_max_position_embeddings"]))
         options.setdefault("parts", {})["query_scaling"] = scaling
+
+
+def read_model_window(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Mistral, Phi-3: one sliding window for every layer, read from the config (the layer passes it on)."""
+    options["window"] = getattr(config, "sliding_window", None)
+
+
+def read_exaone4(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """EXAONE 4: the window acts on sliding layers only; with a window set, the full layers are NoPE."""
+    options["window"] = hf.sliding_window if hf.is_sliding else None
+    if hf.sliding_window is not None and not hf.is_sliding:
+        options["position"] = None
+
+
+def read_no_rope_layers(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """SmolLM3: ``no_rope_layers[i] == 0`` makes layer ``i`` NoPE (the layer's ``use_rope``)."""
+    if not getattr(hf, "use_rope", True):
+        options["position"] = None
+
+
+def read_ministral3(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Ministral 3: one window for every layer and Mistral's query scaling by position."""
+    read_model_window(hf, config, options)
+    read_log_floor_scaling(hf, config, options)
 
 
 # ---------------------------------------------------------------- the way back

@@ -36,6 +36,8 @@ class Family:
             ``"rotated_queries"``: after the rotation), or None.
         norm_names: the layer's attributes of the query and key norms.
         norm_plus_one: whether the norm multiplies by ``1 + w`` (Gemma's RMSNorm).
+        projections: the layer's attributes of ``W_q, W_k, W_v, W_o``; a fused ``qkv_proj`` (Phi-3)
+            is named three times and split by rows ``[q | k | v]``.
         layer_types: the ``layer_types`` entries a layer may have.
         read: more options from the layer and its config: ``read(hf, config, options)``.
         copy: more weights into the module: ``copy(hf, mha)`` (under ``no_grad``).
@@ -50,6 +52,7 @@ class Family:
     qk_norm: str | None = None
     norm_names: tuple[str, str] = ("q_norm", "k_norm")
     norm_plus_one: bool = False
+    projections: tuple[str, str, str, str] = ("q_proj", "k_proj", "v_proj", "o_proj")
     layer_types: frozenset[str | None] = _PLAIN_TYPES
     read: Callable[[Any, Any, dict[str, Any]], None] | None = None
     copy: Callable[[Any, Any], None] | None = None
@@ -91,6 +94,32 @@ FAMILIES: tuple[Family, ...] = (
         expresses=frozenset({"M-RoPE", "a bias on W_q, W_k, W_v only"}), write=steps.write_qwen2_vl,
     ),
     Family("qwen2_5_vl_text", ("Qwen2_5_VLAttention",), rotary="mrope"),
+    # Llama plus options the common reading sees: biases, windows, QK-norm per head.
+    Family("mistral", ("MistralAttention",), read=steps.read_model_window),
+    Family("ministral", ("MinistralAttention",)),
+    Family("qwen2", ("Qwen2Attention",)),
+    Family("hy_v3", ("HYV3Attention",), qk_norm="queries"),
+    Family("dots1", ("Dots1Attention",), qk_norm="queries"),
+    Family("apertus", ("ApertusAttention",), qk_norm="queries"),
+    Family("seed_oss", ("SeedOssAttention",)),
+    Family("glm4_moe", ("Glm4MoeAttention",), qk_norm="queries"),
+    Family("exaone4", ("Exaone4Attention",), qk_norm="queries", read=steps.read_exaone4),
+    Family("smollm3", ("SmolLM3Attention",), read=steps.read_no_rope_layers),
+    Family(
+        "lfm2", ("Lfm2Attention",), qk_norm="queries", norm_names=("q_layernorm", "k_layernorm"),
+        projections=("q_proj", "k_proj", "v_proj", "out_proj"),
+    ),
+    Family(
+        "phi3", ("Phi3Attention",), projections=("qkv_proj", "qkv_proj", "qkv_proj", "o_proj"),
+        read=steps.read_model_window,
+    ),
+    # QK-norm over the whole projection, before the head split.
+    Family("olmo2", ("Olmo2Attention",), qk_norm="query_features"),
+    Family("olmo3", ("Olmo3Attention",), qk_norm="query_features"),
+    Family("flex_olmo", ("FlexOlmoAttention",), qk_norm="query_features"),
+    Family("minimax_m2", ("MiniMaxM2Attention",), qk_norm="query_features"),
+    # Query scaling by position.
+    Family("ministral3", ("Ministral3Attention",), read=steps.read_ministral3),
 )  # fmt: skip
 
 
