@@ -336,6 +336,8 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
 
     config = kwargs.get("config")
     model_type = getattr(config, "model_type", None)
+    if model_type in CUT_QUERIES:
+        kwargs["allow_is_causal_skip"] = False  # a mask, cut with the queries, rather than None
     build = sdpa_mask if model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type) else eager_mask
     return build(*args, **kwargs)
 
@@ -345,6 +347,13 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
 #: causality decides, rather than a float mask per layer and per decoded token (checked in their
 #: modeling code: Gemma 2, gpt-oss).
 PASS_MASKS_THROUGH = frozenset({"gemma2", "gpt_oss"})
+
+#: Models whose code keeps only the last queries after the masks are built, cutting the masks with
+#: them, and trusts a missing mask there only under the name ``sdpa`` (Gemma 4 runs its layers that
+#: reuse earlier keys and values on the tokens whose logits are kept: ``_maybe_slice_kv_shared_inputs``).
+#: A missing mask would leave the last of 8 queries facing a static cache's empty slots, or 3 of 8
+#: queries read as the first 3, so they always get a mask (a test re-scans transformers for such models).
+CUT_QUERIES = frozenset({"gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"})
 
 
 @functools.cache
