@@ -159,17 +159,19 @@ def test_last_logits_match_eager(family: str) -> None:
 
 
 def test_models_that_cut_queries_get_a_mask_where_causality_decides() -> None:
-    """A causal batch without padding: Gemma 4 gets the causal mask (it may cut its queries), Gemma 3n None."""
+    """A causal batch without padding: Gemma 4 gets the causal mask for a prompt (it may cut its queries), Gemma 3n None."""
     from selfattn.integrations.transformers import model_masks
 
-    def build(family: str) -> Any:
+    def build(family: str, q_length: int = 4) -> Any:
         config = transformers.AutoConfig.for_model(family)
         return model_masks(
-            batch_size=1, q_length=4, kv_length=4, attention_mask=torch.ones(1, 4, dtype=torch.bool), config=config
-        )
+            batch_size=1, q_length=q_length, kv_length=4, q_offset=4 - q_length,
+            attention_mask=torch.ones(1, 4, dtype=torch.bool), config=config,
+        )  # fmt: skip
 
     assert build("gemma3n_text") is None
     torch.testing.assert_close(build("gemma4_text"), torch.ones(4, 4, dtype=torch.bool).tril().expand(1, 1, 4, 4))
+    assert build("gemma4_text", q_length=1) is None  # decoding one token: never cut, the fast route
 
 
 def test_every_model_that_cuts_queries_is_listed() -> None:

@@ -358,7 +358,7 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
 
     config = kwargs.get("config")
     model_type = getattr(config, "model_type", None)
-    if model_type in CUT_QUERIES:
+    if model_type in CUT_QUERIES and kwargs.get("q_length") != 1:  # one query (decoding) is never cut
         kwargs["allow_is_causal_skip"] = False  # a mask, cut with the queries, rather than None
     build = sdpa_mask if model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type) else eager_mask
     return build(*args, **kwargs)
@@ -374,7 +374,8 @@ PASS_MASKS_THROUGH = frozenset({"gemma2", "gpt_oss"})
 #: them, and trusts a missing mask there only under the name ``sdpa`` (Gemma 4 runs its layers that
 #: reuse earlier keys and values on the tokens whose logits are kept: ``_maybe_slice_kv_shared_inputs``).
 #: A missing mask would leave the last of 8 queries facing a static cache's empty slots, or 3 of 8
-#: queries read as the first 3, so they always get a mask (a test re-scans transformers for such models).
+#: queries read as the first 3, so they get a mask for more than one query (a test re-scans transformers
+#: for such models).
 CUT_QUERIES = frozenset({"gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"})
 
 
