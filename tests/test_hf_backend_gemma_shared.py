@@ -92,22 +92,16 @@ def _forward(model: Any, implementation: str, **options: Any) -> Any:
         return model(input_ids=ids, attention_mask=attention_mask, **options)
 
 
-def _real(attention_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The weights of real queries (a padded query sees no key: zeros in selfattn, uniform in eager)."""
-    return weights[attention_mask.bool()[:, None, :, None].expand_as(weights)]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_weights_match_eager(family: str) -> None:
+    """Every position's, padded ones too: a query that sees no key weighs every key evenly in both."""
     model = _model(family)
-    _, attention_mask = _batch(padded=True)
     expected = _forward(model, "eager", output_attentions=True)
     got = _forward(model, "selfattn", output_attentions=True)
-    real = attention_mask.bool()
-    torch.testing.assert_close(got.logits[real], expected.logits[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=0)
     assert len(got.attentions) == len(expected.attentions) == len(LAYER_TYPES)
     for got_weights, expected_weights in zip(got.attentions, expected.attentions, strict=True):
-        torch.testing.assert_close(_real(attention_mask, got_weights), _real(attention_mask, expected_weights))
+        torch.testing.assert_close(got_weights, expected_weights, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -190,3 +184,25 @@ def test_every_model_that_cuts_queries_is_listed() -> None:
             found |= {name for name in model_types if not name.endswith(("_audio", "_vision"))}
     assert "gemma4_text" in found
     assert found <= CUT_QUERIES, found - CUT_QUERIES
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameter_gradients_match_eager(family: str) -> None:
+    """Every parameter's gradient of the loss at real queries (a padded query's output differs by design)."""
+    model = _model(family)
+    ids, attention_mask = _batch(padded=True)
+    real_query = torch.cat(
+        [attention_mask[:, :1], attention_mask[:, :-1]], dim=1
+    ).bool()  # the query predicting each label
+    labels = ids.masked_fill(~real_query, -100)
+    gradients = {}
+    for implementation in ("eager", "selfattn"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        gradients[implementation] = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    assert gradients["selfattn"].keys() == gradients["eager"].keys()
+    assert any("self_attn.k_proj" in name for name in gradients["eager"])
+    assert not any(gradient.isnan().any() for gradient in gradients["selfattn"].values())
+    for name, expected in gradients["eager"].items():
+        torch.testing.assert_close(gradients["selfattn"][name], expected, atol=1e-5, rtol=0)

@@ -73,7 +73,8 @@ def attention_forward(
             packing, windows), eager's float form of one (0 and ``-inf`` or the dtype's lowest: read as
             ``== 0``), another float mask added to the scores, or None: the layer's ``is_causal`` decides as
             for ``sdpa`` (query ``i`` of several sees keys ``0 .. i`` and the last ``sliding_window``; one
-            query sees every key). The other restrictions below are "and"-ed with it.
+            query sees every key). The other restrictions below are "and"-ed with it. A query it lets see
+            no key weighs every key evenly, as in eager (without sinks; ``sdpa`` gives zeros there).
         dropout: dropout on the weights (the model passes 0 in evaluation).
         scaling: score scale (default ``1 / sqrt(d)``).
         is_causal: overrides ``module.is_causal``.
@@ -89,8 +90,8 @@ def attention_forward(
         cu_seq_lens_q: cumulative lengths ``(n + 1,)`` of the queries of sequences packed in a batch of 1.
         cu_seq_lens_k: cumulative key lengths; may be omitted when ``lk == lq``.
         seq_idx: ``(b, l)`` sequence ids of the tokens of packed rows; a query sees keys of its id.
-        output_attentions: also return the weights, as eager does (zeros where a query sees no key,
-            uniform in eager); also when transformers records them without passing this (GPT-2 ...).
+        output_attentions: also return the weights, as eager does; also when transformers records them
+            without passing this (GPT-2 ...).
         **kwargs: keywords known not to change the answer are not read; any other not None is refused.
 
     Returns:
@@ -108,8 +109,8 @@ def attention_forward(
     key, value, mask, bias, causal = _visibility(
         module, query, key, value, attention_mask, is_causal, sliding_window, cu_seq_lens_q, cu_seq_lens_k
     )
-    key, value, mask, bias, picks = _restricted(
-        query, key, value, mask, bias, picks, selections, position_bias, per_query_sinks
+    query, key, value, mask, bias, picks = _restricted(
+        query, key, value, mask, bias, picks, selections, position_bias, sinks, per_query_sinks
     )
     options: dict[str, Any] = dict(
         mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling, softcap=softcap, sinks=sinks,
@@ -128,9 +129,11 @@ def _restricted(
     picks: torch.Tensor | None,
     selections: list[torch.Tensor],
     position_bias: torch.Tensor | None,
+    sinks: torch.Tensor | None,
     per_query_sinks: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(key, value, mask, bias, picks)`` of :func:`_visibility` with the selections "and"-ed in, the position bias added and per-query sinks as a first key.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(query, key, value, mask, bias, picks)``: :func:`_visibility`'s with the selections "and"-ed in,
+    the position bias added, the rows that see no key as eager computes them, per-query sinks as a first key.
 
     The selections and picks were made over the keys passed; :func:`_visibility` keeps the first
     ``lq`` of them in a static cache's prefill, so they are cut to the keys kept.
@@ -142,12 +145,32 @@ def _restricted(
         mask = selection if mask is None else mask & selection
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
+    if mask is not None and sinks is None and per_query_sinks is None:  # with sinks eager's answer is zeros too
+        query, mask, bias = _uniform_where_blind(query, mask, bias)
     if per_query_sinks is not None:
         key, value, mask, bias = prepend_sink_key(per_query_sinks, query, key, value, mask, bias)
         if picks is not None:  # the sink went first: every pick moves one on, and every query sees the sink
             moved = torch.where(picks >= 0, picks + 1, -1)
             picks = torch.cat([moved.new_zeros(*moved.shape[:-1], 1), moved], dim=-1)
-    return key, value, mask, bias, picks
+    return query, key, value, mask, bias, picks
+
+
+def _uniform_where_blind(
+    query: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(query, mask, bias)`` with which a query that ``mask`` lets see no key weighs every key ``1 / lk``, as in eager.
+
+    Eager adds the dtype's lowest value to each hidden score: in a row that hides every key the
+    scores vanish beside it, and the softmax spreads the row evenly over all ``lk`` keys (their
+    mean value). selfattn would give zeros there, and a model may break on those: Gemma 3n's
+    ``mean(h ** 2) ** 0.5`` of a padded token whose every input is zero has an infinite
+    derivative (NaN gradients). Here such a row sees every key with a zero query and no bias, so
+    every score is 0; rows that see a key are untouched. No host sync: all of it is masking.
+    """
+    blind = ~mask.any(dim=-1, keepdim=True)  # (b or 1, 1 or h, lq, 1)
+    query = query.masked_fill(blind, 0)
+    bias = None if bias is None else bias.masked_fill(blind, 0)
+    return query, mask | blind, bias
 
 
 def _attend(
@@ -267,8 +290,8 @@ def _bool_if_only_visibility(attention_mask: torch.Tensor | None) -> torch.Tenso
 
     transformers' eager masks put ``finfo.min`` where a key is hidden, and models add ``-inf``
     blocks to them (DeepSeek-V4's compressed keys); such a score gets no weight in the softmax, so
-    a mask of only 0 and entries at most the dtype's lowest is exactly the bool mask (up to rows that
-    see no key, uniform in eager). The bool form takes the fast routes, and allows ``softcap``.
+    a mask of only 0 and entries at most the dtype's lowest is exactly the bool mask (a row that sees no
+    key: :func:`_uniform_where_blind`). The bool form takes the fast routes, and allows ``softcap``.
     """
     if attention_mask is None or not attention_mask.is_floating_point():
         return attention_mask
