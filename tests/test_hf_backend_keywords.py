@@ -526,6 +526,25 @@ def test_model_matches_eager(family: str) -> None:
         torch.testing.assert_close(got_weights, expected_weights, atol=ATOL, rtol=0)
 
 
+def test_left_padded_minimax_m3_matches_eager() -> None:
+    """Left padding: the first queries of row 1 see no key, and their outputs reach the next layer's indexer.
+
+    MiniMax-M3's indexer scores every token's hidden state, a padded one's too, so the blocks a
+    real query selects in layer 2 depend on what layer 1 gave the padded queries: eager's even
+    spread over the keys (selfattn gave zeros, and real tokens' logits differed by 0.12).
+    """
+    model = _tiny_model("minimax_m3_vl_text")
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0
+    logits = {}
+    for implementation in ("eager", "selfattn"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits["selfattn"], logits["eager"], atol=ATOL, rtol=0)  # padded positions too
+
+
 @pytest.mark.parametrize("family", ["deepseek_v32", "minimax_m3_vl_text", "inkling2_text"])
 def test_generation_matches_eager(family: str) -> None:
     """Decoding from a cache: one query, a selection over every cached key (or per-token sinks)."""
