@@ -73,8 +73,8 @@ def attention_forward(
             packing, windows), eager's float form of one (0 and ``-inf`` or the dtype's lowest: read as
             ``== 0``), another float mask added to the scores, or None: the layer's ``is_causal`` decides as
             for ``sdpa`` (query ``i`` of several sees keys ``0 .. i`` and the last ``sliding_window``; one
-            query sees every key). The other restrictions below are "and"-ed with it. A query it lets see
-            no key weighs every key evenly, as in eager (without sinks; ``sdpa`` gives zeros there).
+            query sees every key). The restrictions below are "and"-ed with it. A query it lets see no key
+            weighs every key evenly, as in eager (zeros in ``sdpa``, with sinks, with shared ``indices``).
         dropout: dropout on the weights (the model passes 0 in evaluation).
         scaling: score scale (default ``1 / sqrt(d)``).
         is_causal: overrides ``module.is_causal``.
@@ -132,11 +132,14 @@ def _restricted(
     sinks: torch.Tensor | None,
     per_query_sinks: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(query, key, value, mask, bias, picks)``: :func:`_visibility`'s with the selections "and"-ed in,
-    the position bias added, the rows that see no key as eager computes them, per-query sinks as a first key.
+    """``(query, key, value, mask, bias, picks)`` for the route, from :func:`_visibility`'s.
 
-    The selections and picks were made over the keys passed; :func:`_visibility` keeps the first
-    ``lq`` of them in a static cache's prefill, so they are cut to the keys kept.
+    The selections are "and"-ed into the mask, the position bias is added to the bias, a query that
+    the mask lets see no key is given eager's answer (:func:`_uniform_where_blind`; not with sinks,
+    where eager's answer is zeros, as selfattn's, nor with shared picks, whose sparse route gives
+    zeros), and per-query sinks become a first key. The selections and picks were made over the keys
+    passed; :func:`_visibility` keeps the first ``lq`` of them in a static cache's prefill, so they
+    are cut to the keys kept.
     """
     if picks is not None:
         picks = picks.masked_fill(picks >= key.shape[-2], -1)
@@ -145,7 +148,7 @@ def _restricted(
         mask = selection if mask is None else mask & selection
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
-    if mask is not None and sinks is None and per_query_sinks is None:  # with sinks eager's answer is zeros too
+    if mask is not None and sinks is None and per_query_sinks is None and picks is None:
         query, mask, bias = _uniform_where_blind(query, mask, bias)
     if per_query_sinks is not None:
         key, value, mask, bias = prepend_sink_key(per_query_sinks, query, key, value, mask, bias)
