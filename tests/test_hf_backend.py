@@ -116,6 +116,20 @@ def test_a_query_that_sees_no_key_matches_eager() -> None:
     torch.testing.assert_close(gradient, expected_gradient, atol=ATOL, rtol=0)
 
 
+def test_a_query_that_sees_no_key_with_sinks_or_shared_indices_is_zeros() -> None:
+    """Sinks take the whole weight of such a row in eager (gpt-oss); shared ``indices`` run the sparse route (zeros)."""
+    q, k, v = _qkv(5, 5)
+    mask = _padding_mask(5, 5, causal=True)
+    module = _module(True, groups=2)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    with_sinks, _ = attention_forward(module, q, k, v, mask, s_aux=sinks)
+    indices = torch.arange(3).expand(2, 5, 3)  # every query picks keys 0, 1, 2 (row 1's first two are padding)
+    picked, _ = attention_forward(module, q, k, v, mask, indices=indices)
+    for out in (with_sinks, picked):
+        assert torch.equal(out[1, :2], torch.zeros(2, 4, 8))
+        assert out[1, 2:].abs().amax() > 0.1  # the rows that see a key have an answer
+
+
 def test_no_mask_with_a_causal_module_is_causal() -> None:
     q, k, v = _qkv(4, 4, kv_heads=4)
     causal, _ = attention_forward(_module(True), q, k, v, None)
