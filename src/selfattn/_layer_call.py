@@ -177,8 +177,8 @@ def _shared_keys(module: MultiHeadAttention, request: Request) -> CachedKeys:
     if not isinstance(cache, SharedKVView):
         got = "none" if cache is None else type(cache).__name__
         raise ValueError(
-            "cache must be a SharedKVView of the source layer's SharedKVCache: a layer with shared_kv=True "
-            f"reads another layer's keys and values (selfattn.shared_cache); got {got}"
+            "cache must be a SharedKVView (selfattn.models) of the source layer's SharedKVCache: a layer with "
+            f"shared_kv=True reads another layer's keys and values; got {got}"
         )
     return cache.read(request.keys.shape[1], module.num_kv_heads, module.head_dim, module.value_head_dim)
 

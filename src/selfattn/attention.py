@@ -120,7 +120,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         shared_kv: the keys and values are another layer's (Gemma 3n's and Gemma 4's last layers): the
             layer has no ``W_k``, ``W_v`` nor key or value parts (``qk_norm`` normalizes its queries
             only), and each call reads what the source layer's latest call attended to from ``cache``,
-            a :class:`~selfattn.shared_cache.SharedKVView` of the source's cache.
+            a :class:`~selfattn.models.SharedKVView` of the source's cache.
         parts: more parts, ``{name: part}`` (:mod:`selfattn.parts`): each acts at its slot, after
             the keywords' parts of that slot, in the given order; ``name`` is its attribute and its
             state dict prefix.

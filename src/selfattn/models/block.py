@@ -51,7 +51,7 @@ class TransformerBlock(NotScriptable, nn.Module):
             :class:`~selfattn.models.LayerRecipe`; its ``position`` and ``rotary_base`` are for the
             model, which passes this block its ``position``. With ``shares_kv_with``, the attention
             reads another layer's keys and values (``shared_kv=True``) and every call needs
-            ``cache``, a :class:`~selfattn.shared_cache.SharedKVView` of that layer's cache.
+            ``cache``, a :class:`~selfattn.models.SharedKVView` of that layer's cache.
 
     Shape:
         x ``(b, l, d)`` -> ``(b, l, d)``.

@@ -58,8 +58,8 @@ class TransformerLM(NotScriptable, nn.Module):
 
     A layer with ``shares_kv_with=i`` reads what layer ``i`` attended to: in a full pass the
     model hands it layer ``i``'s keys and values (through a cache of this pass), and when decoding
-    its cache (:meth:`make_caches`) is a :class:`~selfattn.shared_cache.SharedKVView` of layer
-    ``i``'s :class:`~selfattn.shared_cache.SharedKVCache`, so the keys are stored once.
+    its cache (:meth:`make_caches`) is a :class:`~selfattn.models.SharedKVView` of layer
+    ``i``'s :class:`~selfattn.models.SharedKVCache`, so the keys are stored once.
 
     Shape:
         tokens ``(b, l)`` int64 -> logits ``(b, l, v)``.
@@ -100,39 +100,20 @@ class TransformerLM(NotScriptable, nn.Module):
         self.embedding = nn.Embedding(vocab_size, num_hiddens)
         self.layers = check_recipes(layers, self.num_layers) if layers is not None else [LayerRecipe()] * num_layers
         check_stack(self.layers, num_hiddens, num_heads)
-        # The encoding of each distinct (heads, head size, rotary base) a layer needs besides the model's.
-        own_encodings: dict[tuple[int, int, float | None], PositionalEncoding] = {}
-
-        def layer_position(recipe: LayerRecipe) -> PositionalEncoding | None:
-            if not recipe.position or self.position is None:
-                return None
-            sizes = recipe.sizes(num_hiddens, num_heads)
-            if recipe.rotary_base is None and _fits(self.position, sizes):
-                return self.position
-            if recipe.rotary_base is not None and not isinstance(self.position, RotaryPositionalEncoding):
-                raise ValueError(
-                    f"a layer has rotary_base={recipe.rotary_base}, but position={position!r} is not rotary"
-                )
-            key = (sizes.num_heads, sizes.head_dim, recipe.rotary_base)
-            if key not in own_encodings:
-                own = options if recipe.rotary_base is None else {**options, "base": recipe.rotary_base}
-                inner = sizes.num_heads * sizes.head_dim
-                own_encodings[key] = build(position, num_hiddens=inner, num_heads=sizes.num_heads, **own)
-            return own_encodings[key]
-
+        positions = _layer_positions(self.layers, self.position, position, options, num_hiddens, num_heads)
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 num_hiddens,
                 num_heads,
                 4 * num_hiddens if ffn_hiddens is None else ffn_hiddens,
                 dropout,
-                position=layer_position(recipe),
+                position=layer_position,
                 norm_first=norm_first,
                 residual=residual,
                 mlp=mlp,
                 recipe=recipe,
             )
-            for recipe in self.layers
+            for recipe, layer_position in zip(self.layers, positions, strict=True)
         )
         self.norm = nn.LayerNorm(num_hiddens)
         nn.init.normal_(self.embedding.weight, std=num_hiddens**-0.5)
@@ -147,8 +128,8 @@ class TransformerLM(NotScriptable, nn.Module):
     def make_caches(self, max_len: int | None = None) -> list[KVCache]:
         """One empty :class:`~selfattn.KVCache` per block, for ``max_len`` positions (default ``self.max_len``).
 
-        A layer whose keys and values later layers read gets a :class:`~selfattn.shared_cache.SharedKVCache`,
-        and each of those layers a :class:`~selfattn.shared_cache.SharedKVView` of it, which stores nothing.
+        A layer whose keys and values later layers read gets a :class:`~selfattn.models.SharedKVCache`,
+        and each of those layers a :class:`~selfattn.models.SharedKVView` of it, which stores nothing.
         """
         max_len = self.max_len if max_len is None else require_positive_int("max_len", max_len)
         return [cache for cache in self._caches(max_len, every_layer=True) if cache is not None]
@@ -318,6 +299,38 @@ class TransformerLM(NotScriptable, nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, position={self.position_name!r}, max_len={self.max_len}"
+
+
+def _layer_positions(
+    layers: Sequence[LayerRecipe],
+    model_position: PositionalEncoding | None,
+    name: str,
+    options: Mapping[str, Any],
+    num_hiddens: int,
+    num_heads: int,
+) -> list[PositionalEncoding | None]:
+    """Each layer's encoding inside attention: the model's, or one built for the layer's rotary base or sizes.
+
+    One encoding per distinct ``(heads, head size, rotary base)``, shared by the layers that have it.
+    """
+    own: dict[tuple[int, int, float | None], PositionalEncoding] = {}
+    positions: list[PositionalEncoding | None] = []
+    for recipe in layers:
+        if recipe.rotary_base is not None and not isinstance(model_position, RotaryPositionalEncoding):
+            raise ValueError(f"a layer has rotary_base={recipe.rotary_base}, but position={name!r} is not rotary")
+        sizes = recipe.sizes(num_hiddens, num_heads)
+        if not recipe.position or model_position is None:
+            positions.append(None)
+        elif recipe.rotary_base is None and _fits(model_position, sizes):
+            positions.append(model_position)
+        else:
+            key = (sizes.num_heads, sizes.head_dim, recipe.rotary_base)
+            if key not in own:
+                given = options if recipe.rotary_base is None else {**options, "base": recipe.rotary_base}
+                inner = sizes.num_heads * sizes.head_dim
+                own[key] = build(name, num_hiddens=inner, num_heads=sizes.num_heads, **given)
+            positions.append(own[key])
+    return positions
 
 
 def _fits(encoding: PositionalEncoding, sizes: LayerSizes) -> bool:

@@ -170,7 +170,8 @@ def _check_source(recipes: Sequence[LayerRecipe], index: int, num_hiddens: int, 
     assert source_index is not None
     field = f"layers[{index}].shares_kv_with={source_index}"
     if source_index >= index:
-        raise ValueError(f"{field}: a layer reads the keys and values of an earlier layer (0..{index - 1})")
+        earlier = f"one of 0..{index - 1}" if index else "and layer 0 has none"
+        raise ValueError(f"{field}: a layer reads the keys and values of an earlier layer, {earlier}")
     source = recipes[source_index]
     if source.shares_kv_with is not None:
         raise ValueError(
