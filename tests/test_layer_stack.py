@@ -89,7 +89,8 @@ def _reference_attention(mha, x, keys, values, positions):
     group = mha.num_heads // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (b, h, l, l)
-    i, j = positions[:, None], positions[None, :]
+    index = torch.arange(len(positions))  # masks count tokens; the rotation reads their positions
+    i, j = index[:, None], index[None, :]
     visible = j <= i
     if mha.window is not None:
         visible &= i - j < mha.window
@@ -97,13 +98,13 @@ def _reference_attention(mha, x, keys, values, positions):
     return (weights @ values).transpose(1, 2).flatten(2) @ mha.W_o.weight.T
 
 
-def _reference_lm(lm, tokens, share_weights_instead=False):
+def _reference_lm(lm, tokens, share_weights_instead=False, positions=None):
     """The model from the formulas: each non-sharing layer's keys computed once and handed to its readers.
 
     ``share_weights_instead``: a sharing layer projects its own input with its source's weights (the
     mistake a stack that shared projections rather than keys would make), to show the test tells them apart.
     """
-    positions = torch.arange(tokens.shape[1])
+    positions = torch.arange(tokens.shape[1]) if positions is None else positions
     x = lm.embedding.weight[tokens] * math.sqrt(D)
     kept = {}
     for index, (block, recipe) in enumerate(zip(lm.blocks, lm.layers, strict=True)):
@@ -185,6 +186,17 @@ def test_sharing_stack_full_pass_and_gradients_equal_the_float64_reference():
         torch.testing.assert_close(g, w, rtol=0, atol=1e-9)
     source_key_grad = dict(zip((n for n, p in lm.named_parameters() if p.requires_grad), got, strict=True))
     assert source_key_grad["blocks.0.attention.W_k.weight"].abs().sum() > 0
+
+
+def test_sharing_stack_at_given_positions_and_with_padding():
+    lm = _lm(SHARING)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    positions = torch.tensor([0, 2, 3, 7, 8, 11, 12, 20])  # randomized positions: rotations there, masks by index
+    expected = _reference_lm(lm, tokens, positions=positions)
+    torch.testing.assert_close(lm(tokens, positions=positions), expected, rtol=0, atol=1e-10)
+    padded = lm(tokens, torch.tensor([8, 5]))  # right padding: each valid row as its sequence alone
+    torch.testing.assert_close(padded[1, :5], lm(tokens[1:, :5])[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(padded[0], lm(tokens[:1])[0], rtol=0, atol=1e-10)
 
 
 def test_sharing_keys_is_not_sharing_projections():

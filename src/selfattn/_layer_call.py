@@ -2,7 +2,8 @@
 
 :func:`describe` turns a checked request into an :class:`~selfattn.core.call.AttentionCall`: heads
 projected on first use (through the layer's parts), positions, the cache's keys (or, for a
-``shared_kv`` layer, another layer's), and what each query may see. :func:`finish` projects the route's output out, zeroes padded rows and commits the cache.
+``shared_kv`` layer, another layer's), and what each query may see. :func:`finish` projects the
+route's output out, zeroes padded rows and commits the cache.
 
 Shape legend:
     b: batch, lq: queries, lk: keys, h: heads, hk: key/value heads, dh: head size, dv: value head size.
