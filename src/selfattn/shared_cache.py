@@ -52,7 +52,7 @@ class SharedKVCache(KVCache):
         documents: torch.Tensor | None = None,
         commit: bool = True,
     ) -> CachedKeys:
-        """:meth:`KVCache.update <selfattn.KVCache.update>`, remembering what it returns as :attr:`latest`."""
+        """:meth:`~selfattn.KVCache.update`, remembering what it returns as :attr:`latest`."""
         seen = super().update(keys, values, positions=positions, padding=padding, documents=documents, commit=commit)
         self.latest, self.latest_new = seen, keys.shape[-2]
         return seen
@@ -107,7 +107,9 @@ class SharedKVView(KVCache):
 
         Args:
             num_new: tokens of the sharing layer's call.
-            kv_heads, head_dim, value_head_dim: the sharing layer's ``hk``, ``dh`` and ``dv``.
+            kv_heads: the sharing layer's key/value heads ``hk``.
+            head_dim: its key head size ``dh``.
+            value_head_dim: its value head size ``dv``.
 
         Returns:
             keys ``(b, hk, n, dh)``, values ``(b, hk, n, dv)``, their positions, padding and first index.
