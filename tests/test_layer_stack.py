@@ -171,6 +171,8 @@ def test_sharing_layers_project_no_keys_and_read_their_sources():
         assert mha.shared_kv and mha.W_k is None and mha.W_v is None and mha.k_norm is None
         assert not any(name.startswith(("W_k", "W_v", "k_norm")) for name, _ in mha.named_parameters())
     assert lm.blocks[3].attention.q_norm is not None  # its own queries are still normalized
+    # Its queries turn with the rotary that turned the keys it reads (one per head size, whatever the heads).
+    assert lm.blocks[3].attention.position is lm.blocks[0].attention.position is not lm.position
     assert "shared_kv" in lm.blocks[2].attention.describe_parts()[0]
 
 

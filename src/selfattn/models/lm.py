@@ -311,9 +311,13 @@ def _layer_positions(
 ) -> list[PositionalEncoding | None]:
     """Each layer's encoding inside attention: the model's, or one built for the layer's rotary base or sizes.
 
-    One encoding per distinct ``(heads, head size, rotary base)``, shared by the layers that have it.
+    One encoding per distinct rotary base and size it is built for (the heads a score encoding biases,
+    the head size a rotary turns), shared by the layers that have them: a layer that reads another
+    layer's keys then encodes its queries with the very module that encoded those keys.
     """
     own: dict[tuple[int, int, float | None], PositionalEncoding] = {}
+    by_heads = isinstance(getattr(model_position, "num_heads", None), int)
+    by_size = isinstance(getattr(model_position, "head_dim", None), int)
     positions: list[PositionalEncoding | None] = []
     for recipe in layers:
         if recipe.rotary_base is not None and not isinstance(model_position, RotaryPositionalEncoding):
@@ -324,7 +328,7 @@ def _layer_positions(
         elif recipe.rotary_base is None and _fits(model_position, sizes):
             positions.append(model_position)
         else:
-            key = (sizes.num_heads, sizes.head_dim, recipe.rotary_base)
+            key = (sizes.num_heads if by_heads else 0, sizes.head_dim if by_size else 0, recipe.rotary_base)
             if key not in own:
                 given = options if recipe.rotary_base is None else {**options, "base": recipe.rotary_base}
                 inner = sizes.num_heads * sizes.head_dim
