@@ -207,7 +207,6 @@ def test_a_state_dict_saved_before_the_parts_loads() -> None:
         (lambda: MultiHeadAttention(8, 2, qk_norm=True, parts={"q_norm": HeadNorm(4, slot="keys")}), "taken"),
         (lambda: MultiHeadAttention(8, 2, values_from_keys=True, value_head_dim=2), "values_from_keys=True"),
         (lambda: MultiHeadAttention(8, 2, value_head_dim=0), "value_head_dim must be a positive integer"),
-        (lambda: MultiHeadAttention(8, 2, colour="red"), "unexpected keyword arguments \\['colour'\\]"),
     ],
 )
 def test_bad_parts_are_refused(build, match) -> None:

@@ -62,6 +62,7 @@ _SUBPACKAGES = (
     "masks",
     "models",
     "nn",
+    "parts",
     "positional",
     "sparse",
 )

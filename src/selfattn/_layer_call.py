@@ -11,7 +11,7 @@ Shape legend:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,6 @@ from selfattn.masks import Visibility
 from selfattn.positional.base import QueryKeyEncoding, ScoreEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
 from selfattn.shared_cache import SharedKVView
-
-if TYPE_CHECKING:
-    from selfattn.attention import MultiHeadAttention
 
 __all__ = ["describe", "encoding_positions", "finish", "for_heads"]
 
@@ -73,7 +70,7 @@ def _updates_cached_keys(encoding: QueryKeyEncoding) -> bool:
 
 
 def finish(
-    module: MultiHeadAttention, request: Request, call: AttentionCall, result: Output
+    module: Any, request: Request, call: AttentionCall, result: Output
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Project out, zero padded query rows, commit the cache, pad the weights to every key."""
     out = result.out
@@ -99,7 +96,7 @@ def finish(
     return out, F.pad(weights, (first, request.total - first - weights.shape[-1]))
 
 
-def describe(module: MultiHeadAttention, request: Request) -> AttentionCall:
+def describe(module: Any, request: Request) -> AttentionCall:
     """The call: lazily projected heads, positions, the cache's keys, and what each query may see."""
     queries, keys = request.queries, request.keys
     batch, num_queries = queries.shape[:2]
@@ -115,9 +112,10 @@ def describe(module: MultiHeadAttention, request: Request) -> AttentionCall:
         return zeroed[0]
 
     def make_q() -> torch.Tensor:
-        return module.project_queries(
+        q: torch.Tensor = module.project_queries(
             inputs()[0], encoding_positions(request.q_positions, request.q_axes), request.q_first_position
         )  # (b, h, lq, dh)
+        return q
 
     def project_kv() -> tuple[torch.Tensor, torch.Tensor]:
         if module.rotates:
@@ -172,7 +170,7 @@ def describe(module: MultiHeadAttention, request: Request) -> AttentionCall:
     )  # fmt: skip
 
 
-def _shared_keys(module: MultiHeadAttention, request: Request) -> CachedKeys:
+def _shared_keys(module: Any, request: Request) -> CachedKeys:
     """What the source layer's latest call attended to, through the ``SharedKVView`` a ``shared_kv`` layer needs."""
     cache = request.cache
     if not isinstance(cache, SharedKVView):
@@ -184,7 +182,7 @@ def _shared_keys(module: MultiHeadAttention, request: Request) -> CachedKeys:
     return cache.read(request.keys.shape[1], module.num_kv_heads, module.head_dim, module.value_head_dim)
 
 
-def _update_cached_keys(module: MultiHeadAttention, request: Request) -> None:
+def _update_cached_keys(module: Any, request: Request) -> None:
     """Give the encoding the positions of the stored keys and the new ones (dynamic rotary re-rotates the cache).
 
     A windowed cache holds only some keys (``cache.stored`` of ``cache.length``), with their own
@@ -203,7 +201,7 @@ def _update_cached_keys(module: MultiHeadAttention, request: Request) -> None:
     module.query_key_encoding.update_cached_keys(cache, torch.cat((cached, new_positions), dim=-1))
 
 
-def _visibility(module: MultiHeadAttention, request: Request, seen: _Seen) -> tuple[Visibility, torch.Tensor | None]:
+def _visibility(module: Any, request: Request, seen: _Seen) -> tuple[Visibility, torch.Tensor | None]:
     """What each query may see (and a float ``attn_mask``'s finite part, a bias)."""
     num_queries = request.queries.shape[1]
     visibility = Visibility(num_queries, seen.num_keys, request.total - num_queries, seen.first_index)
@@ -227,7 +225,7 @@ def _visibility(module: MultiHeadAttention, request: Request, seen: _Seen) -> tu
     return visibility, bias
 
 
-def _chunks(module: MultiHeadAttention, request: Request, seen: _Seen) -> masks.Rule | None:
+def _chunks(module: Any, request: Request, seen: _Seen) -> masks.Rule | None:
     """``chunk_size`` as a rule: chunks of token indices when positions are the indices, else of positions."""
     if module.chunk_size is None:
         return None

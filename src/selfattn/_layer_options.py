@@ -10,7 +10,7 @@ Shape legend: h heads, hk key/value heads, dq query/key head size, dv value head
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,41 +24,10 @@ from selfattn._validation import (
 from selfattn.parts import SLOTS, HeadNorm, OutputGate, Part, TemperatureTuning
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
 
-__all__ = ["AttentionOptions", "LayerOptions", "build_projections", "layer_options", "shorthand_parts"]
-
+__all__ = ["OPTION_NAMES", "LayerOptions", "build_projections", "layer_options", "shorthand_parts"]
 
 # The slots a layer reading another layer's keys and values (shared_kv) never runs.
 _KEY_VALUE_SLOTS = ("key_features", "keys", "rotated_keys", "values")
-
-
-class AttentionOptions(TypedDict, total=False):
-    """The keyword arguments of :class:`~selfattn.MultiHeadAttention` (see its docstring)."""
-
-    bias: bool
-    output_bias: bool | None
-    query_size: int | None
-    key_size: int | None
-    value_size: int | None
-    output_size: int | None
-    position: PositionalEncoding | None
-    num_kv_heads: int | None
-    value_head_dim: int | None
-    values_from_keys: bool
-    shared_kv: bool
-    window: int | None
-    block_size: int | None
-    skip_padded_queries: bool
-    scale: float | None
-    softcap: float | None
-    sinks: bool
-    qk_norm: bool
-    qk_norm_eps: float
-    gated_output: bool
-    chunk_size: int | None
-    temperature_tuning: tuple[float, float] | None
-    parts: Mapping[str, Part] | None
-    device: torch.device | str | None
-    dtype: torch.dtype | None
 
 
 DEFAULTS: dict[str, Any] = {
@@ -68,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "softcap": None, "sinks": False, "qk_norm": False, "qk_norm_eps": 1e-6, "gated_output": False, "chunk_size": None,
     "temperature_tuning": None, "parts": None, "device": None, "dtype": None,
 }  # fmt: skip
+OPTION_NAMES = frozenset(DEFAULTS)
 
 
 class LayerOptions(NamedTuple):
@@ -215,5 +185,6 @@ def shorthand_parts(options: LayerOptions) -> dict[str, Part]:
             raise ValueError(
                 f"parts[{name!r}] acts at {part.slot!r}, but a layer with shared_kv=True projects no keys or values"
             )
-        parts[name] = part
+        moves = {key: value for key, value in factory.items() if value is not None}
+        parts[name] = part.to(**moves) if moves else part  # the layer's device and dtype, as its own weights
     return parts

@@ -15,8 +15,8 @@ Shape legend:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
 from selfattn._layer_call import describe, finish, for_heads
-from selfattn._layer_options import AttentionOptions, build_projections, layer_options, shorthand_parts
+from selfattn._layer_options import OPTION_NAMES, build_projections, layer_options, shorthand_parts
 from selfattn._scripting import NotScriptable
 from selfattn.cache import KVCache
 from selfattn.core.dispatch import Explanation
@@ -33,9 +33,6 @@ from selfattn.core.inputs import check_request
 from selfattn.parts import SLOTS, HeadNorm, OutputGate, Part, TemperatureTuning
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 __all__ = ["MultiHeadAttention", "cumulative_lengths_to_document_ids", "document_positions"]
 
@@ -164,7 +161,19 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     k_norm: HeadNorm | None
     W_g: OutputGate | None
 
-    def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0, **options: Unpack[AttentionOptions]):
+    def __init__(
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, *, bias: bool = False,
+        output_bias: bool | None = None, query_size: int | None = None, key_size: int | None = None,
+        value_size: int | None = None, output_size: int | None = None, position: PositionalEncoding | None = None,
+        num_kv_heads: int | None = None, value_head_dim: int | None = None, values_from_keys: bool = False,
+        shared_kv: bool = False, window: int | None = None, block_size: int | None = None,
+        skip_padded_queries: bool = False, scale: float | None = None, softcap: float | None = None,
+        sinks: bool = False, qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6, gated_output: bool = False, chunk_size: int | None = None,
+        temperature_tuning: tuple[float, float] | None = None, parts: Mapping[str, Part] | None = None,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    ):  # fmt: skip
+        options = {name: value for name, value in locals().items() if name in OPTION_NAMES}
         super().__init__()
         checked = layer_options(num_hiddens, num_heads, dropout, options)
         for name in _KEPT:
@@ -400,7 +409,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         assert isinstance(self.position, QueryKeyEncoding)
         return self.position
 
-    def _run_parts(self, slot: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run_parts(self, slot: str, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         for name in self.part_names[slot]:
             x = self._modules[name](x, positions)  # type: ignore[misc]
         return x
@@ -433,7 +442,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         are the keys' projection), then the value parts."""
         projected = self._key_projection()(x if keys is None else keys) if self.W_v is None else self.W_v(x)
         v = self.split_heads(projected, self.num_kv_heads, self.value_head_dim)  # (b, hk, lk, dv)
-        return self._run_parts("values", v, v.new_zeros(0))
+        return self._run_parts("values", v, None)
 
     def _key_projection(self) -> nn.Linear:
         """``W_k``; a layer reading another layer's keys (``shared_kv``) has none."""
@@ -455,7 +464,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         if self.part_names["output_heads"]:
             b, lq, _ = merged.shape
             heads = merged.view(b, lq, self.num_heads, self.value_head_dim)  # (b, lq, h, dv)
-            merged = self._run_parts("output_heads", heads, merged.new_zeros(0)).flatten(2)  # (b, lq, h * dv)
+            merged = self._run_parts("output_heads", heads, None).flatten(2)  # (b, lq, h * dv)
         for name in self.part_names["merged"]:
             merged = self._modules[name](merged, queries)  # type: ignore[misc]
         out: torch.Tensor = self.W_o(merged)  # (b, lq, d)

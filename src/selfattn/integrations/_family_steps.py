@@ -19,6 +19,7 @@ __all__ = [
     "integer_field",
     "read_llama4",
     "read_log_floor_scaling",
+    "read_no_softcap",
     "read_query_gate",
     "copy_query_gate",
     "write_gemma",
@@ -47,6 +48,11 @@ def read_llama4(hf: Any, config: Any, options: dict[str, Any]) -> None:
         options["position"] = None
         if config.attn_temperature_tuning:
             options["temperature_tuning"] = (float(config.attn_scale), float(config.floor_scale))
+
+
+def read_no_softcap(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Gemma 3 keeps ``attn_logit_softcapping`` on the layer but never applies it: no softcap."""
+    options["softcap"] = None
 
 
 def read_query_gate(hf: Any, config: Any, options: dict[str, Any]) -> None:

@@ -71,8 +71,8 @@ FAMILIES: tuple[Family, ...] = (
         expresses=frozenset({_HALF, "window", "scale", "softcap"}), write=steps.write_gemma,
     ),
     Family(
-        "gemma3_text", ("Gemma3Attention",), qk_norm="queries", norm_plus_one=True,
-        expresses=frozenset({_HALF, "window", "scale", "softcap", "qk_norm", _UNIT}), write=steps.write_gemma,
+        "gemma3_text", ("Gemma3Attention",), qk_norm="queries", norm_plus_one=True, read=steps.read_no_softcap,
+        expresses=frozenset({_HALF, "window", "scale", "qk_norm", _UNIT}), write=steps.write_gemma,
     ),
     Family("gpt_oss", ("GptOssAttention",), expresses=frozenset({_HALF, "window", "sinks"})),
     Family(

@@ -19,7 +19,8 @@ slot                 what the part receives             examples
 ==================== ================================== ==========================================
 
 Head parts are called ``part(x, positions)`` (positions ``(l,)``, ``(b, l)`` or M-RoPE's
-``(3, b, l)``: the first axis counts tokens); ``merged`` parts ``part(merged, queries)``.
+``(3, b, l)``: the first axis counts tokens; None at ``values`` and ``output_heads``);
+``merged`` parts ``part(merged, queries)``.
 A new kind of part is one subclass in a file of its own: set :attr:`Part.slot` and write
 ``forward``.
 
