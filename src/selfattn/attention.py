@@ -160,6 +160,8 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     q_norm: HeadNorm | None
     k_norm: HeadNorm | None
     W_g: OutputGate | None
+    # The transformers family a layer was loaded from (from_transformers); to_transformers_config writes it first.
+    transformers_model_type: str | None = None
 
     def __init__(
         self, num_hiddens: int, num_heads: int, dropout: float = 0.0, *, bias: bool = False,

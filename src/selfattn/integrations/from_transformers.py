@@ -206,6 +206,7 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
             getattr(mha, name).weight.copy_(norm_weight)
         if family.copy is not None:
             family.copy(hf, mha)
+    mha.transformers_model_type = family.model_type  # the way back writes this family first
     return cast(Module, mha.train(hf.training))
 
 
@@ -213,6 +214,7 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
 _HALF_SPLIT = "half-split rotary"
 _UNIT_NORM = "qk_norm with unit weights"  # what Llama 4 has; a weighted QK-norm with weights 1 too
 _QKV_BIAS = "a bias on W_q, W_k, W_v only"
+BIAS = "a bias on W_q, W_k, W_v and W_o"
 _MROPE_OPTION = "M-RoPE"
 
 
@@ -225,19 +227,20 @@ def _options(mha: Any) -> set[str]:
         )
     used = {name for name in ("window", "scale", "softcap", "chunk_size", "temperature_tuning") if getattr(mha, name)}
     used |= {name for name, part in (("sinks", mha.sinks), ("gated_output", mha.W_g)) if part is not None}
-    if mha.q_norm is not None and mha.k_norm is not None:
-        if (mha.q_norm.slot, mha.q_norm.weight is None) != ("queries", False):
+    if mha.q_norm is not None:
+        weights = [norm.weight for norm in (mha.q_norm, mha.k_norm) if norm is not None]
+        if (mha.q_norm.slot, len(weights), mha.k_norm is None) != ("queries", 2, False):
             used.add(f"qk_norm at {mha.q_norm.slot}" + (", unweighted" if mha.q_norm.weight is None else ""))
         else:
-            unit = bool((mha.q_norm.weight == 1).all()) and bool((mha.k_norm.weight == 1).all())
+            unit = all(bool((weight == 1).all()) for weight in weights)
             used.add(_UNIT_NORM if unit and mha.position is not None else "qk_norm")
-    used |= {f"part {name}: {part.describe()}" for name, part in mha.named_children() if _unlisted(name, part)}
+    used |= {f"part {type(part).__name__}" for name, part in mha.named_children() if _unlisted(name, part)}
     used |= {"value_head_dim"} if mha.value_head_dim != mha.head_dim else set()
-    used |= {"values_from_keys"} if mha.W_v is None else set()
+    used |= {"shared_kv"} if mha.shared_kv else {"values_from_keys"} if mha.W_v is None else set()
     if mha.W_o.bias is not None and mha.W_q.bias is None:
         raise ValueError("a bias on W_o only: no transformers attention layer has it")
-    if mha.W_q.bias is not None and mha.W_o.bias is None:
-        used.add(_QKV_BIAS)
+    if mha.W_q.bias is not None:
+        used.add(_QKV_BIAS if mha.W_o.bias is None else BIAS)
     rotary = mha.position
     if rotary is None:
         used.add("no rotary")
@@ -249,6 +252,11 @@ def _options(mha: Any) -> set[str]:
         used.add("interleaved rotary" if rotary.interleaved else _HALF_SPLIT)
         used |= {"partial rotary"} if rotary.rotary_dim != rotary.head_dim else set()
     return used
+
+
+def _required(family: Family, used: set[str]) -> bool:
+    """Whether ``used`` holds one option of each of ``family.requires`` (a layer that always has them)."""
+    return all(used & alternatives for alternatives in family.requires)
 
 
 def _unlisted(name: str, part: nn.Module) -> bool:
@@ -271,8 +279,9 @@ def rope_parameters_of(rotary: RotaryPositionalEncoding) -> dict[str, Any]:
 def to_transformers_config(module: nn.Module) -> dict[str, Any]:
     """Config fields that rebuild ``module`` (a MultiHeadAttention) as one transformers attention layer.
 
-    ``model_type`` names the first family of the table whose layer expresses every option
-    ``module`` uses (a model of one layer); build the config with
+    ``model_type`` names the family the module was loaded from (``module.transformers_model_type``)
+    if its layer expresses every option ``module`` uses, else the first family of the table that
+    does (a model of one layer); build the config with
     ``transformers.AutoConfig.for_model(**fields)`` and the layer with ``layer_idx=0``. Weights
     are not part of a config: copy them as :func:`from_transformers` reads them (Gemma 3 and
     Qwen3-Next store ``w - 1`` for a QK-norm weight ``w``).
@@ -283,7 +292,8 @@ def to_transformers_config(module: nn.Module) -> dict[str, Any]:
     """
     mha: Any = module  # a MultiHeadAttention
     used = _options(mha)
-    family = next((f for f in FAMILIES if f.expresses and used <= f.expresses), None)
+    loaded = [f for f in FAMILIES if f.model_type == getattr(mha, "transformers_model_type", None)]
+    family = next((f for f in (*loaded, *FAMILIES) if f.expresses and used <= f.expresses and _required(f, used)), None)
     if family is None or ("temperature_tuning" in used and mha.position is not None):
         raise ValueError(f"no transformers attention layer has all of {sorted(used)}")
     rotary = mha.position if isinstance(mha.position, RotaryPositionalEncoding) else None
