@@ -5,10 +5,13 @@ exact match, finding NoPE and T5 best and ALiBi in the middle. The study's defau
 evaluates to 4L. This module trains copy (the task of theirs the study trains to >= 95%) with
 the study's settings except ``eval_factor=2``, and variants that isolate two suspected causes:
 
-* ``t5`` vs ``t5-trained-buckets``: with causal T5 buckets up to distance 128, the distances of
-  lengths 21..40 fall in buckets no training sample reaches, whose biases stay at their N(0, 1)
-  initial values; ``max_distance=40`` sends every distance past 40 to the last bucket, which
-  training reaches (as T5's 128 did in Press et al.'s training at 512).
+* ``t5`` vs ``t5-trained-buckets``: with causal T5 buckets up to distance 128, training (lengths
+  1..20, distances up to 41) reaches buckets 0-23, and the distances 46..81 of lengths up to 40
+  fall in buckets 24-28 (:func:`t5_bucket_starts`), which get no gradient: their N(0, 1) initial
+  biases only shrink under AdamW's weight decay
+  (:func:`~selfattn.study.training.decay_without_gradient`); ``max_distance=40`` sends every
+  distance past 38 to the last bucket, which training reaches (as T5's 128 did in Press et
+  al.'s training at 512).
 * ``shaw-clip-40`` (the study's) vs ``shaw-clip-16`` (Shaw et al.'s): the distance past which
   one vector serves every offset.
 * ``rotary+rand``: randomized positions (Ruoss et al. 2023) beside plain ``rotary``.
@@ -32,7 +35,7 @@ from selfattn.functional import t5_relative_bucket
 from selfattn.study.tasks import get_task
 from selfattn.study.training import RunSpec, StudyConfig, shaw_max_distance, train_run
 
-__all__ = ["CAUSE_VARIANTS", "KAZEMNEJAD", "run_literature", "t5_buckets_reached"]
+__all__ = ["CAUSE_VARIANTS", "KAZEMNEJAD", "run_literature", "t5_bucket_starts", "t5_buckets_reached"]
 
 #: The study's settings, evaluated to 2L as Kazemnejad et al. did.
 KAZEMNEJAD = StudyConfig(eval_factor=2)
@@ -48,6 +51,22 @@ CAUSE_VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
     "rotary": ("rotary", False, {}),
     "rotary+rand": ("rotary", True, {}),
 }
+
+
+def t5_bucket_starts(num_buckets: int = 32, max_distance: int = 128, farthest: int = 4096) -> list[int]:
+    """The first distance of each causal T5 bucket (index: the bucket), as the study's models assign them.
+
+    Read off :func:`~selfattn.functional.t5_relative_bucket` for the distances ``0 .. farthest``
+    (a bucket no distance up to ``farthest`` reaches is left out). The log-spaced buckets do
+    not start at round numbers: with 32 buckets to 128, bucket 24 starts at 46 and the last at
+    113, so ``max_distance`` is not where the last bucket begins.
+    """
+    distances = torch.arange(farthest + 1)
+    buckets = t5_relative_bucket(-distances, bidirectional=False, num_buckets=num_buckets, max_distance=max_distance)
+    starts: dict[int, int] = {}
+    for distance, bucket in zip(distances.tolist(), buckets.tolist(), strict=True):
+        starts.setdefault(int(bucket), int(distance))
+    return [starts[bucket] for bucket in sorted(starts)]
 
 
 def t5_buckets_reached(task: str, config: StudyConfig, max_distance: int = 128) -> dict[str, list[int]]:

@@ -160,10 +160,13 @@ def build_text_model(encoding: str, config: TextConfig, *, scaling: dict[str, An
 
     Learned absolute positions get a table of ``train_len`` rows: what training fills. Shaw
     clips at ``L - 1``, the farthest distance training sees. ``t5`` keeps T5's defaults (32
-    causal buckets, the last from distance 128 on), so with ``L = 64`` the buckets of distances
-    ``L .. 128`` and beyond are never trained and keep their N(0, 1) initial biases;
-    ``t5-short`` (16 buckets, the last from distance ``L / 2`` on) puts every distance in a
-    bucket training reaches, as T5's 128 did in Press et al.'s training at 512.
+    causal buckets, ``max_distance`` 128: the last bucket starts at 113), so with ``L = 64``
+    training (distances up to 63) reaches buckets 0-26 (26 covers 59..66) and the distances
+    from 67 on fall in buckets 27-31, which get no gradient: their N(0, 1) initial biases only
+    shrink under AdamW's weight decay (:func:`~selfattn.study.training.decay_without_gradient`).
+    ``t5-short`` (16 buckets, ``max_distance`` ``L / 2``: at ``L = 64`` the last bucket starts
+    at 27) puts every distance in a bucket training reaches, as T5's 128 did in Press et al.'s
+    training at 512.
     """
     if encoding not in TEXT_ENCODINGS:
         raise ValueError(f"encoding must be one of {', '.join(TEXT_ENCODINGS)}; got {encoding!r}")

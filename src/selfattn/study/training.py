@@ -39,11 +39,13 @@ __all__ = [
     "StudyConfig",
     "build_model",
     "check_accuracy",
+    "decay_without_gradient",
     "evaluate",
     "evaluate_lengths",
     "evaluated_weights",
     "exact_match",
     "make_optimizer",
+    "parameter_count",
     "shaw_max_distance",
     "token_accuracy",
     "train_run",
@@ -262,6 +264,29 @@ def _learning_rate(step: int, steps: int, config: StudyConfig) -> float:
         return config.lr * (step + 1) / config.warmup
     progress = (step - config.warmup) / max(1, steps - config.warmup)
     return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def decay_without_gradient(config: StudyConfig, steps_taken: int, scheduled: int) -> float:
+    """The factor left on a weight whose gradient is zero at every step of a run (e.g. an untrained T5 bucket).
+
+    Adam's update of such a weight is zero (its moments stay zero), but AdamW's decoupled weight
+    decay still multiplies it by ``1 - lr_t * weight_decay`` at every step ``t``: an untrained
+    bucket does not keep its initial value, it shrinks toward zero by this product.
+
+    Args:
+        config: the schedule (``lr``, ``warmup``) and ``weight_decay``.
+        steps_taken: optimizer steps the run took.
+        scheduled: the schedule's length (:meth:`StudyConfig.steps_for`).
+    """
+    factor = 1.0
+    for step in range(steps_taken):
+        factor *= 1.0 - _learning_rate(step, scheduled, config) * config.weight_decay
+    return factor
+
+
+def parameter_count(spec: RunSpec, config: StudyConfig) -> int:
+    """Trainable parameters of the run's model (:func:`build_model`): the model's size, stated in the docs."""
+    return sum(p.numel() for p in build_model(spec, config).parameters())
 
 
 def _answer_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
