@@ -46,6 +46,7 @@ from selfattn.study.context_use import (
     truncated_context_nll,
 )
 from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
+from selfattn.study.provenance import code_versions
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
 from selfattn.study.text_tables import summarize_context_gain, summarize_text, text_table
 from selfattn.study.training import (
@@ -475,6 +476,7 @@ def run_text_study(
             runs.append({k: v for k, v in run.items() if k != "loss_curve"})
         full_config = {
             **config.as_dict(),
+            "code_versions": code_versions(runs),
             "encodings": list(encodings),
             "seeds": seeds,
             "world_size": env.world,
