@@ -13,7 +13,7 @@ import numpy as np
 from selfattn._atomic import atomic_write_path
 from selfattn.study.training import encoding_label
 
-__all__ = ["accuracy_figure", "cosine_similarity", "learned_table_figure", "save_figure"]
+__all__ = ["accuracy_figure", "cosine_similarity", "learned_table_figure", "save_figure", "training_checks_figure"]
 
 
 def save_figure(fig: Any, folder: Path, stem: str) -> list[str]:
@@ -67,6 +67,34 @@ def accuracy_figure(results: dict[str, Any], task: str, folder: Path) -> list[st
     ax.set(xlabel="input length n", ylabel="exact match of the answer", ylim=(-0.02, 1.08), title=f"{task}")
     ax.legend(fontsize=7, ncol=2, loc="lower left")
     return save_figure(fig, folder, f"accuracy_{task}")
+
+
+def training_checks_figure(results: dict[str, Any], task: str, folder: Path) -> list[str]:
+    """Exact match past the training lengths at each check during training, one curve per encoding (mean over
+    seeds); empty when the runs hold no checks with a reading past ``L`` (runs made before it was recorded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {
+        label: members
+        for label, members in _by_label(results["runs"], task).items()
+        if all(len(check) > 2 and check[2] is not None for run in members for check in run.get("checks") or [[]])
+        and all(run.get("checks") for run in members)
+    }
+    if not groups:
+        return []
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for index, (label, members) in enumerate(groups.items()):
+        shortest = min(len(run["checks"]) for run in members)  # early-stopped runs have fewer checks
+        steps = [check[0] for check in members[0]["checks"][:shortest]]
+        past = np.array([[c[2] for c in run["checks"][:shortest]] for run in members])  # (seeds, checks)
+        ax.plot(steps, past.mean(axis=0), color=f"C{index % 10}", label=f"{label} ({len(members)} seeds)")
+    ax.set(xlabel="training step", ylabel="exact match past the training lengths", ylim=(-0.02, 1.02),
+           title=f"{task}: accuracy past L during training (mean over seeds)")  # fmt: skip
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    return save_figure(fig, folder, f"training_{task}")
 
 
 def cosine_similarity(table: np.ndarray) -> np.ndarray:

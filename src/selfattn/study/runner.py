@@ -123,6 +123,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
             "seeds": len(members),
             # Steps taken, mean over seeds: with early stops, how fast the encoding learns the task.
             "steps": statistics.fmean(int(r["steps"]) for r in members) if all("steps" in r for r in members) else None,
+            # The early-stopping reading, per seed: the first check at learned_at in range (None: never reached).
+            "steps_to_learn": [r.get("steps_to_learn") for r in members],
         }
     return summary
 

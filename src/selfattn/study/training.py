@@ -13,7 +13,7 @@ import itertools
 import math
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ __all__ = [
     "StudyConfig",
     "build_model",
     "check_accuracy",
+    "check_beyond",
+    "check_lengths_beyond",
     "decay_without_gradient",
     "evaluate",
     "evaluate_lengths",
@@ -47,6 +49,7 @@ __all__ = [
     "make_optimizer",
     "parameter_count",
     "shaw_max_distance",
+    "steps_to_learn",
     "token_accuracy",
     "train_run",
     "training_batch",
@@ -58,8 +61,8 @@ P_ROPE = 0.75
 ABSOLUTE_OR_ROTARY = ("sinusoidal", "learned", "rotary")
 
 
-#: Default optimizer steps per task: the schedule's length, and the most a run takes (it stops
-#: sooner once a check finds it has learned the task: :attr:`StudyConfig.stop_at`). The grid's hour on
+#: Default optimizer steps per task: every run of the task takes all of them (compute-matched:
+#: no encoding stops sooner, unless :attr:`StudyConfig.stop_at` asks for it). The grid's hour on
 #: 2 cores goes mostly to copy and reverse, where the default budget must train every encoding to
 #: >= 95% exact match at the training lengths. In one-seed trials at 2700 steps NoPE reached 67-71%
 #: on copy and sinusoidal 88% on reverse, at 5000 steps 99.9% and 97.0%. With early stops, runs of
@@ -86,10 +89,18 @@ class StudyConfig:
         lr: peak AdamW learning rate (linear warm-up, then cosine decay to a tenth).
         warmup: warm-up steps.
         stop_at: a run stops before its last step once its exact match at the training lengths
-            (checked every ``check_every`` steps on ``check_samples`` samples per length, drawn
-            apart from the training and evaluation samples) reaches this; None never checks.
-        check_every: steps between two checks.
+            (on a check) reaches this; None (the default) never stops: every encoding trains
+            for the same steps, so the comparison is compute-matched. Runs that stop early
+            compare snapshots at different points of training (a separate reading).
+        learned_at: the exact match at the training lengths whose first check is recorded as
+            the run's ``steps_to_learn`` (the early-stopping reading, without stopping).
+        check_every: steps between two checks. A check measures exact match at the training
+            lengths and beyond them (``check_beyond_lengths`` lengths spread over ``L+1 ..
+            eval_len``) on ``check_samples`` samples per length, drawn apart from the training
+            and evaluation samples; the run records ``[step, in range, beyond]`` per check:
+            accuracy past L over training.
         check_samples: samples per length in a check.
+        check_beyond_lengths: lengths past ``train_len`` a check measures (evenly spread).
         ema_decay: the evaluated model is an exponential moving average of the trained weights
             with this decay (None: the trained weights themselves). With one length per step
             the last steps pull the weights toward the last lengths drawn; the average lifted
@@ -111,9 +122,11 @@ class StudyConfig:
     mixed_lengths: bool = False
     lr: float = 3e-3
     warmup: int = 100
-    stop_at: float | None = 0.99
+    stop_at: float | None = None
+    learned_at: float = 0.99
     check_every: int = 250
     check_samples: int = 16
+    check_beyond_lengths: int = 12
     ema_decay: float | None = 0.995
     weight_decay: float = 0.1
     train_len: int = 20
@@ -130,8 +143,11 @@ class StudyConfig:
             raise ValueError(f"stop_at must be in (0, 1] or None, got {self.stop_at!r}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) or None, got {self.ema_decay!r}")
+        if not 0.0 < self.learned_at <= 1.0:
+            raise ValueError(f"learned_at must be in (0, 1], got {self.learned_at!r}")
         require_positive_int("check_every", self.check_every)
         require_positive_int("check_samples", self.check_samples)
+        require_positive_int("check_beyond_lengths", self.check_beyond_lengths)
 
     def steps_for(self, task: str) -> int:
         """Optimizer steps of a run of ``task``."""
@@ -326,7 +342,13 @@ def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _score_lengths(
-    model: nn.Module, task: Task, spec: RunSpec, lengths: range, samples: int, stream: str, chunk_tokens: int = 16384
+    model: nn.Module,
+    task: Task,
+    spec: RunSpec,
+    lengths: Sequence[int],
+    samples: int,
+    stream: str,
+    chunk_tokens: int = 16384,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Exact match and token accuracy at each length, on ``samples`` samples drawn from ``stream``."""
     was_training = model.training
@@ -373,6 +395,25 @@ def check_accuracy(model: nn.Module, task: Task, spec: RunSpec, config: StudyCon
     return sum(accuracy.values()) / len(accuracy)
 
 
+def check_lengths_beyond(config: StudyConfig) -> list[int]:
+    """The lengths past ``train_len`` a check measures: ``check_beyond_lengths`` of them, evenly spread to ``eval_len``."""
+    beyond = list(range(config.train_len + 1, config.eval_len + 1))
+    if len(beyond) <= config.check_beyond_lengths:
+        return beyond
+    last = len(beyond) - 1
+    picks = sorted({round(i * last / (config.check_beyond_lengths - 1)) for i in range(config.check_beyond_lengths)})
+    return [beyond[i] for i in picks]
+
+
+def check_beyond(model: nn.Module, task: Task, spec: RunSpec, config: StudyConfig) -> float | None:
+    """Mean exact match over :func:`check_lengths_beyond` on the check's samples (None if ``eval_len == train_len``)."""
+    lengths = check_lengths_beyond(config)
+    if not lengths:
+        return None
+    accuracy, _ = _score_lengths(model, task, spec, lengths, config.check_samples, "check")
+    return sum(accuracy.values()) / len(accuracy)
+
+
 def evaluate(
     model: nn.Module, task: Task, spec: RunSpec, config: StudyConfig, *, chunk_tokens: int = 16384
 ) -> dict[str, float]:
@@ -386,7 +427,7 @@ class _State:
     train_seconds: float = 0.0
     cpu_seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
-    checks: list[list[float]] = field(default_factory=list)  # [step, accuracy] of each check
+    checks: list[list[float | None]] = field(default_factory=list)  # [step, in range, beyond] of each check
     stopped: bool = False  # a check reached stop_at
 
 
@@ -481,6 +522,41 @@ def over_ranks(model: nn.Module, world: int) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+def _run_check(
+    evaluated: nn.Module,
+    task: Task,
+    spec: RunSpec,
+    config: StudyConfig,
+    state: _State,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device | str,
+) -> None:
+    """Append ``[step, in range, beyond]`` to ``state.checks``; stop the run if ``config.stop_at`` is reached."""
+    import torch.distributed as dist
+
+    checked = torch.full((2,), float("nan"), dtype=torch.float64, device=device)
+    if rank == 0:
+        beyond = check_beyond(evaluated, task, spec, config)
+        checked[0] = check_accuracy(evaluated, task, spec, config)
+        checked[1] = float("nan") if beyond is None else beyond
+    if world > 1:
+        dist.broadcast(checked, 0)  # one decision for every rank, or DDP would wait forever
+    inside, past = float(checked[0]), float(checked[1])
+    state.checks.append([state.step, inside, None if math.isnan(past) else past])
+    state.stopped = config.stop_at is not None and inside >= config.stop_at
+
+
+def steps_to_learn(checks: Sequence[Sequence[float | None]], learned_at: float) -> int | None:
+    """The step of the first check whose exact match at the training lengths reaches ``learned_at`` (None: none did)."""
+    for check in checks:
+        step, inside = check[0], check[1]
+        if step is not None and inside is not None and inside >= learned_at:
+            return int(step)
+    return None
+
+
 def train_run(
     spec: RunSpec,
     config: StudyConfig,
@@ -553,14 +629,8 @@ def train_run(
         loss = float(total) / count
         state.losses.append(loss)
         state.step += 1
-        if config.stop_at is not None and state.step % config.check_every == 0 and state.step < steps:
-            checked = torch.zeros((), dtype=torch.float64, device=device)
-            if rank == 0:
-                checked.fill_(check_accuracy(evaluated, task, spec, config))
-            if world > 1:
-                dist.broadcast(checked, 0)  # one decision for every rank, or DDP would wait forever
-            state.checks.append([state.step, float(checked)])
-            state.stopped = float(checked) >= config.stop_at
+        if state.step % config.check_every == 0 and state.step < steps:
+            _run_check(evaluated, task, spec, config, state, rank=rank, world=world, device=device)
         state.train_seconds += time.perf_counter() - started
         state.cpu_seconds += time.process_time() - cpu_started
         if on_step is not None:
@@ -579,7 +649,10 @@ def train_run(
         **spec.as_dict(),
         "steps": state.step,
         "scheduled_steps": steps,
+        # [step, exact match in range, beyond] every check_every steps: accuracy past L over training.
         "checks": state.checks,
+        # The early-stopping reading, without stopping: when the run first reached learned_at in range.
+        "steps_to_learn": steps_to_learn(state.checks, config.learned_at),
         "train_max_len": config.train_len,
         "accuracy_by_length": accuracy,
         "token_accuracy_by_length": tokens_right,
