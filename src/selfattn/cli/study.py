@@ -49,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         choices=TEXT_STUDY_ENCODINGS,
         default=None,
         metavar="ENCODING",
-        help=f"encodings (%(choices)s; default: all; {', '.join(TEXT_ONLY_ENCODINGS)} needs --text)",
+        help=f"encodings (%(choices)s; default: all; {'; '.join(f'{name} needs --text' for name in TEXT_ONLY_ENCODINGS)})",
     )
     parser.add_argument(
         "--seeds", type=positive_int, default=None, help="seeds per cell (default 5; with --text 3; --quick 1)"

@@ -46,6 +46,7 @@ from selfattn.study.context_use import (
     truncated_context_nll,
 )
 from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
+from selfattn.study.encodings import encoding_setting
 from selfattn.study.provenance import code_versions
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
 from selfattn.study.text_tables import summarize_context_gain, summarize_text, text_table
@@ -77,9 +78,10 @@ __all__ = [
     "train_text_run",
 ]
 
-#: The synthetic study's encodings (``p-rope`` is rotary with ``p``), and ``t5-short``: T5 with
-#: 16 buckets, the last from distance L / 2 on (see :func:`build_text_model`).
-TEXT_ENCODINGS = (*ENCODINGS, "t5-short")
+#: The synthetic study's encodings (``p-rope`` is rotary with ``p``), ``t5-short``: T5 with
+#: 16 buckets and ``max_distance`` L / 2 (see :func:`build_text_model`), and ``alibi-8-heads``
+#: (ALiBi's slopes for the paper's 8 heads, :mod:`selfattn.study.encodings`).
+TEXT_ENCODINGS = (*ENCODINGS, "t5-short", "alibi-8-heads")
 #: Rotary scalings applied at evaluation time only.
 SCALINGS = ("linear", "ntk", "yarn", "dynamic")
 
@@ -173,12 +175,9 @@ def build_text_model(encoding: str, config: TextConfig, *, scaling: dict[str, An
         raise ValueError(f"encoding must be one of {', '.join(TEXT_ENCODINGS)}; got {encoding!r}")
     if scaling is not None and encoding != "rotary":
         raise ValueError(f"scaling applies to rotary, not {encoding!r}")
-    options: dict[str, Any] = {}
-    position = encoding
+    position, options, heads = encoding_setting(encoding, config.train_len, config.num_hiddens // config.num_heads)
     if encoding == "p-rope":
-        position, options["p"] = "rotary", config.p_rope
-    elif encoding == "t5":
-        options["bidirectional"] = False
+        options["p"] = config.p_rope
     elif encoding == "t5-short":
         position = "t5"
         options.update(bidirectional=False, num_buckets=16, max_distance=max(config.train_len // 2, 16))
@@ -189,7 +188,7 @@ def build_text_model(encoding: str, config: TextConfig, *, scaling: dict[str, An
     return TransformerLM(
         VOCAB_SIZE,
         config.num_hiddens,
-        config.num_heads,
+        heads or config.num_heads,
         config.num_layers,
         position=position,
         max_len=config.train_len,

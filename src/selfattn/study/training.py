@@ -26,6 +26,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from selfattn._atomic import atomic_write_path
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
+from selfattn.study.encodings import P_ROPE, encoding_setting
 from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
 
 __all__ = [
@@ -55,9 +56,12 @@ __all__ = [
     "training_batch",
 ]
 
-ENCODINGS = ("none", "sinusoidal", "learned", "rotary", "p-rope", "xpos", "alibi", "kerple", "fire", "t5", "shaw")
-#: p-RoPE's fraction of rotating pairs (Barbero et al. 2024, "Round and round we go!"; ``p-rope``).
-P_ROPE = 0.75
+#: The grid's encodings: the papers' settings, and ``p-rope-scaled`` and ``xpos-scaled`` with
+#: settings scaled to the training length beside them (:mod:`selfattn.study.encodings`).
+ENCODINGS = (
+    "none", "sinusoidal", "learned", "rotary", "p-rope", "p-rope-scaled", "xpos", "xpos-scaled", "alibi", "kerple",
+    "fire", "t5", "shaw",
+)  # fmt: skip
 ABSOLUTE_OR_ROTARY = ("sinusoidal", "learned", "rotary")
 
 
@@ -212,28 +216,35 @@ def encoding_label(run: dict[str, Any] | RunSpec) -> str:
 
 
 def build_model(spec: RunSpec, config: StudyConfig, position_options: dict[str, Any] | None = None) -> TransformerLM:
-    """The run's model, initialised from its seed; ``position_options`` override the encoding's (variants)."""
+    """The run's model, initialised from its seed; ``position_options`` override the encoding's (variants).
+
+    ``position_options["bias_init_std"]`` (T5 only) redraws the bias table from N(0, std^2),
+    as Hugging Face's T5 does with ``d_model ** -0.5``, instead of ``nn.Embedding``'s N(0, 1).
+    """
     torch.manual_seed(spec.seed)
     max_len = config.longest_sequence() * (config.position_range if spec.randomized_positions else 1)
-    options: dict[str, Any] = {}
-    position = spec.encoding
-    if spec.encoding == "p-rope":
-        position, options["p"] = "rotary", P_ROPE
-    if spec.encoding == "t5":
-        options["bidirectional"] = False
+    trained_len = get_task(spec.task).sequence_len(config.train_len)
+    position, options, heads = encoding_setting(spec.encoding, trained_len, config.num_hiddens // config.num_heads)
     if spec.encoding == "shaw":
         options["max_distance"] = shaw_max_distance(spec.task, config)
     options.update(position_options or {})
-    return TransformerLM(
+    init_std = options.pop("bias_init_std", None)
+    model = TransformerLM(
         VOCAB_SIZE,
         config.num_hiddens,
-        config.num_heads,
+        heads or config.num_heads,
         config.num_layers,
         position=position,
         max_len=max_len,
         ffn_hiddens=config.ffn_hiddens,
         position_options=options,
     )
+    if init_std is not None:
+        table = getattr(model.encoding, "relative_attention_bias", None)
+        if not isinstance(table, nn.Embedding):
+            raise ValueError(f"bias_init_std applies to T5's bias table, not to {position!r}")
+        nn.init.normal_(table.weight, std=float(init_std))
+    return model
 
 
 def shaw_max_distance(task: str, config: StudyConfig) -> int:
