@@ -38,6 +38,7 @@ from torch import nn
 from selfattn._atomic import check_folder, write_json, write_text
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
+from selfattn.study.attention_use import attention_on_text
 from selfattn.study.context_use import (
     context_gain,
     nll_by_position,
@@ -49,7 +50,7 @@ from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
 from selfattn.study.encodings import encoding_setting
 from selfattn.study.provenance import code_versions
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
-from selfattn.study.text_tables import summarize_context_gain, summarize_text, text_table
+from selfattn.study.text_tables import summarize_attention, summarize_context_gain, summarize_text, text_table
 from selfattn.study.training import (
     ENCODINGS,
     P_ROPE,
@@ -405,6 +406,9 @@ def train_text_run(
     scores, skipped = evaluate_text(model, spec.encoding, held_out, config)
     scalings = evaluate_scalings(model, held_out, config) if spec.encoding == "rotary" else {}
     gain = [] if spec.encoding == "learned" else evaluate_context_gain(model, held_out, config)
+    # Where the model attends at the longest length it serves: distance and entropy by band of positions.
+    longest = config.train_len if spec.encoding == "learned" else max(config.eval_lengths)
+    attention = attention_on_text(model, held_out, longest, config.train_len)
     return {
         **spec.as_dict(),
         "steps": state.step,
@@ -413,6 +417,7 @@ def train_text_run(
         "skipped": skipped,
         "scalings": scalings,
         "context_gain": gain,
+        "attention": attention,
         "train_seconds": state.train_seconds,
         "train_cpu_seconds": state.cpu_seconds,
         "eval_cpu_seconds": time.process_time() - eval_started,
@@ -491,6 +496,7 @@ def run_text_study(
             "runs": runs,
             "summary": summarize_text(runs),
             "context_gain": summarize_context_gain(runs),
+            "attention": summarize_attention(runs),
         }
         write_json(out / "results.json", results)
         write_text(out / "text.md", "\n".join(text_table(results)) + "\n")

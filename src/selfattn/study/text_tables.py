@@ -15,7 +15,15 @@ from typing import Any
 from selfattn.study.provenance import mixed_versions_warning
 from selfattn.study.spread import best_and_ties, interval95
 
-__all__ = ["by_position_table", "context_gain_table", "summarize_context_gain", "summarize_text", "text_table"]
+__all__ = [
+    "attention_table",
+    "by_position_table",
+    "context_gain_table",
+    "summarize_attention",
+    "summarize_context_gain",
+    "summarize_text",
+    "text_table",
+]
 
 
 def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
@@ -143,6 +151,42 @@ def _best_lines(summary: dict[str, dict[str, dict[str, Any]]], lengths: Sequence
     return ["", *lines] if lines else []
 
 
+def summarize_attention(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``{encoding: [{"start", "stop", "distance", "entropy", "uniform_entropy"}]}``: per band of query positions,
+    the mean attended distance and attention entropy (mean over layers, then over seeds; :mod:`~selfattn.study.attention_use`)."""
+    by_encoding: dict[str, list[list[dict[str, Any]]]] = {}
+    for run in runs:
+        if run.get("attention"):  # absent in runs from before this reading
+            by_encoding.setdefault(run["encoding"], []).append(run["attention"])
+    summary: dict[str, list[dict[str, Any]]] = {}
+    for encoding, members in by_encoding.items():
+        summary[encoding] = [
+            {"start": band[0]["start"], "stop": band[0]["stop"], "uniform_entropy": band[0]["uniform_entropy"],
+             "distance": _mean_sd([sum(b["distance"]) / len(b["distance"]) for b in band]),
+             "entropy": _mean_sd([sum(b["entropy"]) / len(b["entropy"]) for b in band])}
+            for band in zip(*members, strict=True)
+        ]  # fmt: skip
+    return summary
+
+
+def attention_table(attention: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Markdown lines: per encoding and band of query positions, mean attended distance / entropy (uniform's in the header)."""
+    if not attention:
+        return []
+    widest = max(attention.values(), key=len)
+    lines = [
+        "Attention by query position (mean over layers, heads and seeds): mean distance back / entropy in nats; "
+        "uniform attention over every earlier key has the entropy in the header:",
+        "",
+        "| encoding | " + " | ".join(f"{b['start']}-{b['stop']} ({b['uniform_entropy']:.2f})" for b in widest) + " |",
+        f"|---|{'---|' * len(widest)}",
+    ]
+    for encoding, bands in attention.items():
+        cells = [f"{b['distance']['mean']:.1f} / {b['entropy']['mean']:.2f}" for b in bands]
+        lines.append(f"| {encoding} | {' | '.join(cells + [''] * (len(widest) - len(cells)))} |")
+    return lines
+
+
 def text_table(results: dict[str, Any]) -> list[str]:
     """The perplexity table as Markdown lines: mean ± the 95% interval's half-width over seeds, the mean alone with one seed (beyond-L perplexity in brackets)."""
     config, summary = results["config"], results["summary"]
@@ -170,6 +214,10 @@ def text_table(results: dict[str, Any]) -> list[str]:
     lines += _best_lines(summary, lengths)
     warning = mixed_versions_warning(list(config.get("code_versions", [])))
     lines += [warning] if warning else []
-    for extra in (by_position_table(summary), context_gain_table(results.get("context_gain", {}), config["train_len"])):
+    for extra in (
+        by_position_table(summary),
+        context_gain_table(results.get("context_gain", {}), config["train_len"]),
+        attention_table(results.get("attention", {})),
+    ):
         lines += ["", *extra] if extra else []
     return lines
