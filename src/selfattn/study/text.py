@@ -50,7 +50,13 @@ from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
 from selfattn.study.encodings import encoding_setting
 from selfattn.study.provenance import code_versions
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
-from selfattn.study.text_tables import summarize_attention, summarize_context_gain, summarize_text, text_table
+from selfattn.study.text_tables import (
+    summarize_attention,
+    summarize_context_gain,
+    summarize_text,
+    text_figures,
+    text_table,
+)
 from selfattn.study.training import (
     ENCODINGS,
     P_ROPE,
@@ -499,7 +505,7 @@ def run_text_study(
             "attention": summarize_attention(runs),
         }
         write_json(out / "results.json", results)
-        write_text(out / "text.md", "\n".join(text_table(results)) + "\n")
+        write_text(out / "text.md", "\n".join(text_table(results) + text_figures(results, out / "figures")) + "\n")
         return results
     finally:
         env.close()

@@ -10,6 +10,7 @@ difference among those is claimed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from selfattn.study.provenance import mixed_versions_warning
@@ -22,6 +23,7 @@ __all__ = [
     "summarize_attention",
     "summarize_context_gain",
     "summarize_text",
+    "text_figures",
     "text_table",
 ]
 
@@ -221,3 +223,20 @@ def text_table(results: dict[str, Any]) -> list[str]:
     ):
         lines += ["", *extra] if extra else []
     return lines
+
+
+def text_figures(results: dict[str, Any], folder: Path) -> list[str]:
+    """Draw the text study's figures into ``folder`` (perplexity by position, context gain by position) and
+    return the Markdown lines that show them in ``text.md`` (paths relative to the study folder)."""
+    from selfattn.study.figures import context_gain_figure, perplexity_by_position_figure
+
+    folder.mkdir(parents=True, exist_ok=True)
+    train_len = int(results["config"]["train_len"])
+    drawn = [
+        ("Perplexity by position, log scales", perplexity_by_position_figure(results["summary"], train_len, folder)),
+        (
+            "Gain from context past L, by position",
+            context_gain_figure(results.get("context_gain", {}), train_len, folder),
+        ),
+    ]
+    return [line for title, names in drawn if names for line in ("", f"![{title}]({folder.name}/{names[0]})")]
