@@ -361,7 +361,11 @@ def _score_lengths(
     stream: str,
     chunk_tokens: int = 16384,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Exact match and token accuracy at each length, on ``samples`` samples drawn from ``stream``."""
+    """Exact match and token accuracy at each length, on ``samples`` samples drawn from ``stream``.
+
+    With randomized positions each sample draws its own positions (one forward pass per sample),
+    so a length's accuracy does not hang on one draw shared by all its samples.
+    """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -371,16 +375,24 @@ def _score_lengths(
         generator = _generator(stream, spec.seed, spec.task, n)
         tokens, targets, _ = make_batch(task, [n] * samples, generator)
         tokens, targets = tokens.to(device), targets.to(device)
-        positions = None
         if spec.randomized_positions:
             assert isinstance(model, TransformerLM)
-            positions = _random_positions(tokens.shape[1], model.max_len, generator).to(device)
-        per_chunk = max(1, chunk_tokens // tokens.shape[1])
+            draw = _random_positions  # one draw per sample
+            batches = [
+                (tokens[i : i + 1], targets[i : i + 1], draw(tokens.shape[1], model.max_len, generator).to(device))
+                for i in range(tokens.shape[0])
+            ]
+        else:
+            per_chunk = max(1, chunk_tokens // tokens.shape[1])
+            batches = [
+                (tokens[i : i + per_chunk], targets[i : i + per_chunk], None)
+                for i in range(0, tokens.shape[0], per_chunk)
+            ]
         hits, fractions = [], []
-        for start in range(0, tokens.shape[0], per_chunk):
-            logits = model(tokens[start : start + per_chunk], positions=positions)
-            hits.append(exact_match(logits, targets[start : start + per_chunk]))
-            fractions.append(token_accuracy(logits, targets[start : start + per_chunk]))
+        for inputs, answers, positions in batches:
+            logits = model(inputs, positions=positions)
+            hits.append(exact_match(logits, answers))
+            fractions.append(token_accuracy(logits, answers))
         accuracy[str(n)] = float(torch.cat(hits).mean())
         tokens_right[str(n)] = float(torch.cat(fractions).mean())
     model.train(was_training)
