@@ -24,6 +24,7 @@ from torch import nn
 
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
+from selfattn.models.block import TransformerBlock
 
 __all__ = ["attention_bands", "attention_by_position", "attention_on_text"]
 
@@ -50,7 +51,8 @@ def attention_by_position(model: TransformerLM, tokens: torch.Tensor) -> dict[st
         _, found = module.forward(*args, **{**kwargs, "return_weights": True})  # forward itself: no hook again
         weights.append(found.detach().double().cpu())  # (b, h, l, l)
 
-    handles = [block.attention.register_forward_hook(record, with_kwargs=True) for block in model.blocks]
+    attentions = [block.attention for block in model.blocks if isinstance(block, TransformerBlock)]
+    handles = [attention.register_forward_hook(record, with_kwargs=True) for attention in attentions]
     was_training = model.training
     model.eval()
     try:

@@ -116,7 +116,7 @@ def study_section_html(folder: Path | None = None) -> str:
             f"{head}<p>No study grid found in <code>{html.escape(str(folder))}</code> (no <code>results.json</code>"
             f"{shown}). The exercises are answered with "
             "trained models by <code>selfattn study</code> (the earlier default grid of 84 runs took 45 minutes on "
-            "2 CPU cores; the present one, 66 runs, has not been timed: "
+            "2 CPU cores; the present one, 130 compute-matched runs, has not been timed: "
             "<code>torchrun --standalone --nproc_per_node 2 -m selfattn study</code>; <code>selfattn study --quick</code> "
             "for a smoke test); rerun the tour afterwards, or point <code>SELFATTN_STUDY</code> at its folder.</p>"
         )

@@ -375,6 +375,7 @@ def _score_lengths(
         generator = _generator(stream, spec.seed, spec.task, n)
         tokens, targets, _ = make_batch(task, [n] * samples, generator)
         tokens, targets = tokens.to(device), targets.to(device)
+        batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
         if spec.randomized_positions:
             assert isinstance(model, TransformerLM)
             draw = _random_positions  # one draw per sample
