@@ -54,3 +54,14 @@ def test_perplexity_plot_uses_log_scales_and_one_line_per_row(tmp_path: Path, mo
     gain = drawn["context_gain"].get_lines()[0]
     assert list(gain.get_ydata()) == pytest.approx([0.01])  # mean of 0, 0.01, 0.02 over the seeds
     assert figures.context_gain_figure({}, 64, tmp_path) == []
+
+
+def test_accuracy_past_l_over_training_is_drawn_from_the_checks(tmp_path: Path) -> None:
+    def run(encoding: str, seed: int, checks: list[list[Any]]) -> dict[str, Any]:
+        return {"task": "copy", "encoding": encoding, "seed": seed, "randomized_positions": False, "checks": checks}
+
+    tracked = [run("alibi", s, [[250, 0.5, 0.1], [500, 0.9, 0.3 + 0.1 * s]]) for s in range(2)]
+    older = [run("rotary", 0, [[250, 0.5]])]  # a run from before the reading past L: left out
+    names = figures.training_checks_figure({"runs": tracked + older}, "copy", tmp_path)
+    assert names == ["training_copy.png", "training_copy.svg"] and (tmp_path / names[0]).stat().st_size > 1000
+    assert figures.training_checks_figure({"runs": older}, "copy", tmp_path / "none") == []

@@ -85,11 +85,14 @@ def training_checks_figure(results: dict[str, Any], task: str, folder: Path) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def tracked(run: dict[str, Any]) -> bool:  # checks of the form [step, in range, beyond]
+        checks = run.get("checks") or []
+        return bool(checks) and all(len(check) > 2 and check[2] is not None for check in checks)
+
     groups = {
         label: members
         for label, members in _by_label(results["runs"], task).items()
-        if all(len(check) > 2 and check[2] is not None for run in members for check in run.get("checks") or [[]])
-        and all(run.get("checks") for run in members)
+        if all(tracked(run) for run in members)
     }
     if not groups:
         return []
@@ -175,7 +178,7 @@ def perplexity_by_position_figure(
     ax.text(train_len, ax.get_ylim()[1], " L", va="top", fontsize=8)
     ax.set(xscale="log", yscale="log", xlabel="position in the window (band centre)", ylabel="perplexity per byte",
            title="Perplexity by position (longest window of each row; mean over seeds)")  # fmt: skip
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: the curves fill the axes
     return save_figure(fig, folder, "perplexity_by_position")
 
 
@@ -199,5 +202,5 @@ def context_gain_figure(gains: dict[str, list[dict[str, Any]]], train_len: int, 
     ax.set(xscale="log", xlabel=f"position in the window (band centre; context past L = {train_len} bytes)",
            ylabel="gain from context past L (nats per byte)",
            title="Does the model use the bytes past L? (> 0: yes)")  # fmt: skip
-    ax.legend(fontsize=7, ncol=2, loc="best")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return save_figure(fig, folder, "context_gain")
