@@ -110,6 +110,11 @@ def write_qwen2_vl(mha: Any, fields: dict[str, Any]) -> None:
             f"num_hiddens={mha.num_hiddens}, query_size={mha.query_size}"
         )
     mrope = mha.position
+    if (mrope.layout, mrope.rotary_dim) != ("sectioned", mrope.head_dim):
+        raise ValueError(
+            f"Qwen2-VL's M-RoPE has contiguous sections over the whole head; got layout={mrope.layout!r}, "
+            f"rotary_dim={mrope.rotary_dim} of head_dim={mrope.head_dim}"
+        )
     fields["rope_parameters"] = {
         "rope_type": "default",
         "mrope_section": list(mrope.sections),
@@ -140,3 +145,49 @@ def weight_of(norm: Any, name: str) -> tuple[torch.Tensor | None, float]:
     if not isinstance(eps, float):
         raise ValueError(f"{name} {type(norm).__name__} has no epsilon to read")
     return (weight if isinstance(weight, torch.Tensor) else None), eps
+
+
+# ---------------------------------------------------------------- rotary variants (interleaved M-RoPE, ...)
+
+
+def read_mrope(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Qwen3-VL / Qwen3.5: the config's M-RoPE in its own layout (interleaved) and rotated size (partial)."""
+    from selfattn.positional.mrope import MultimodalRotaryPositionalEncoding
+
+    mrope = MultimodalRotaryPositionalEncoding.from_config(config)
+    if mrope.head_dim != int(hf.head_dim):
+        raise ValueError(f"config head_dim={mrope.head_dim} but the layer's head_dim={hf.head_dim}")
+    options["position"] = mrope
+
+
+def _write_interleaved_mrope(mha: Any, fields: dict[str, Any], *, partial: bool) -> None:
+    mrope = mha.position
+    if mrope.layout != "interleaved" or (not partial and mrope.rotary_dim != mrope.head_dim):
+        raise ValueError(
+            f"{fields['model_type']}'s M-RoPE is interleaved{'' if partial else ' over the whole head'}; got "
+            f"layout={mrope.layout!r}, rotary_dim={mrope.rotary_dim} of head_dim={mrope.head_dim}"
+        )
+    fields["rope_parameters"] = {
+        "rope_type": "default",
+        "mrope_section": list(mrope.sections),
+        "mrope_interleaved": True,
+        "rope_theta": mrope.base,
+        "partial_rotary_factor": mrope.rotary_dim / mrope.head_dim,
+    }
+
+
+def read_qwen3_5(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Qwen3.5 / Qwen3.5-MoE: Qwen3-Next's layer (query gate) with interleaved M-RoPE."""
+    read_query_gate(hf, config, options)
+    read_mrope(hf, config, options)
+
+
+def write_qwen3_vl(mha: Any, fields: dict[str, Any]) -> None:
+    """Qwen3-VL's text layer: interleaved M-RoPE over the whole head."""
+    _write_interleaved_mrope(mha, fields, partial=False)
+    del fields["rope_parameters"]["partial_rotary_factor"]
+
+
+def write_qwen3_5(mha: Any, fields: dict[str, Any]) -> None:
+    """Qwen3.5's attention layer: interleaved M-RoPE on the leading ``partial_rotary_factor`` of each head."""
+    _write_interleaved_mrope(mha, fields, partial=True)

@@ -91,6 +91,21 @@ FAMILIES: tuple[Family, ...] = (
         expresses=frozenset({"M-RoPE", "a bias on W_q, W_k, W_v only"}), write=steps.write_qwen2_vl,
     ),
     Family("qwen2_5_vl_text", ("Qwen2_5_VLAttention",), rotary="mrope"),
+    # Rotary variants: interleaved M-RoPE (read by read_mrope: the loader's "mrope" is Qwen2-VL's sections).
+    Family(
+        "qwen3_vl_text", ("Qwen3VLTextAttention",), rotary="none", qk_norm="queries", read=steps.read_mrope,
+        layer_types=frozenset({None, "full_attention"}),
+        expresses=frozenset({"M-RoPE", "qk_norm", _UNIT}), write=steps.write_qwen3_vl,
+    ),
+    Family(
+        "qwen3_5_text", ("Qwen3_5Attention",), rotary="none", qk_norm="queries", norm_plus_one=True,
+        layer_types=frozenset({None, "full_attention"}), read=steps.read_qwen3_5, copy=steps.copy_query_gate,
+        expresses=frozenset({"M-RoPE", "qk_norm", _UNIT, "gated_output"}), write=steps.write_qwen3_5,
+    ),
+    Family(
+        "qwen3_5_moe_text", ("Qwen3_5MoeAttention",), rotary="none", qk_norm="queries", norm_plus_one=True,
+        layer_types=frozenset({None, "full_attention"}), read=steps.read_qwen3_5, copy=steps.copy_query_gate,
+    ),
 )  # fmt: skip
 
 
