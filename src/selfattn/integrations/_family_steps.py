@@ -191,3 +191,56 @@ def write_qwen3_vl(mha: Any, fields: dict[str, Any]) -> None:
 def write_qwen3_5(mha: Any, fields: dict[str, Any]) -> None:
     """Qwen3.5's attention layer: interleaved M-RoPE on the leading ``partial_rotary_factor`` of each head."""
     _write_interleaved_mrope(mha, fields, partial=True)
+
+
+def _config_rotary(config: Any, head_dim: int, parameters: Any) -> Any:
+    """:meth:`RotaryPositionalEncoding.from_config` of ``config`` with ``parameters`` as its ``rope_parameters``."""
+    from selfattn.positional.rotary import RotaryPositionalEncoding
+
+    fields = {
+        name: getattr(config, name, None)
+        for name in ("max_position_embeddings", "original_max_position_embeddings", "partial_rotary_factor")
+    }
+    return RotaryPositionalEncoding.from_config({**fields, "head_dim": head_dim, "rope_parameters": parameters})
+
+
+def read_ntk_alpha(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Hunyuan V1: ``rope_type="dynamic"`` with ``alpha`` is static NTK, ``base * alpha^(dh / (dh - 2))``.
+
+    transformers' Hunyuan rotary turns that pair into its own ``ntk_alpha`` (over the whole head,
+    ``factor`` unread): selfattn's ``ntk`` scaling with factor ``alpha``. Without ``alpha`` the
+    rotary is the common reading of ``rope_parameters``.
+    """
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    alpha = parameters.get("alpha")
+    if parameters.get("rope_type") == "dynamic" and alpha:
+        head_dim = int(hf.head_dim)
+        rotary = _config_rotary(
+            config, head_dim, {"rope_type": "ntk", "factor": alpha, "rope_theta": parameters["rope_theta"]}
+        )
+        if rotary.rotary_dim != head_dim:
+            raise ValueError(
+                f"partial_rotary_factor={config.partial_rotary_factor!r} with alpha: Hunyuan's ntk_alpha rotary "
+                "spans the whole head"
+            )
+    else:
+        rotary = _config_rotary(config, int(hf.head_dim), parameters or None)
+    options["position"] = rotary
+
+
+def write_hunyuan(mha: Any, fields: dict[str, Any]) -> None:
+    """Hunyuan V1: static NTK as ``dynamic`` with ``alpha``; its QK-norm acts after the rotation, weighted."""
+    if mha.q_norm is None or mha.q_norm.weight is None or mha.W_o.bias is None and mha.W_q.bias is not None:
+        raise ValueError("Hunyuan's layer has a weighted QK-norm after the rotation, and biases on all four or none")
+    rotary = mha.position
+    parameters = fields["rope_parameters"]
+    if parameters.get("rope_type") == "ntk":
+        if rotary.rotary_dim != rotary.head_dim:
+            raise ValueError("Hunyuan's ntk_alpha rotary spans the whole head: partial rotary with ntk scaling")
+        fields["rope_parameters"] = {
+            "rope_type": "dynamic",
+            "alpha": parameters["factor"],
+            "factor": 1.0,
+            "rope_theta": parameters["rope_theta"],
+        }
+    del fields["layer_types"]

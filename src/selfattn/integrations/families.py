@@ -106,6 +106,16 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3_5_moe_text", ("Qwen3_5MoeAttention",), rotary="none", qk_norm="queries", norm_plus_one=True,
         layer_types=frozenset({None, "full_attention"}), read=steps.read_qwen3_5, copy=steps.copy_query_gate,
     ),
+    # Hunyuan V1: QK-norm after the rotation, static NTK from rope_parameters "alpha" (read_ntk_alpha).
+    Family(
+        "hunyuan_v1_dense", ("HunYuanDenseV1Attention",), rotary="none", qk_norm="rotated_queries",
+        norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
+        expresses=frozenset({_HALF, "qk_norm at rotated_queries"}), write=steps.write_hunyuan,
+    ),
+    Family(
+        "hunyuan_v1_moe", ("HunYuanMoEV1Attention",), rotary="none", qk_norm="rotated_queries",
+        norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
+    ),
 )  # fmt: skip
 
 
