@@ -230,7 +230,7 @@ def read_ntk_alpha(hf: Any, config: Any, options: dict[str, Any]) -> None:
 
 def write_hunyuan(mha: Any, fields: dict[str, Any]) -> None:
     """Hunyuan V1: static NTK as ``dynamic`` with ``alpha``; its QK-norm acts after the rotation, weighted."""
-    if mha.q_norm is None or mha.q_norm.weight is None or mha.W_o.bias is None and mha.W_q.bias is not None:
+    if mha.q_norm is None or mha.q_norm.weight is None or (mha.W_o.bias is None and mha.W_q.bias is not None):
         raise ValueError("Hunyuan's layer has a weighted QK-norm after the rotation, and biases on all four or none")
     rotary = mha.position
     parameters = fields["rope_parameters"]
@@ -243,4 +243,17 @@ def write_hunyuan(mha: Any, fields: dict[str, Any]) -> None:
             "factor": 1.0,
             "rope_theta": parameters["rope_theta"],
         }
+    del fields["layer_types"]
+
+
+def read_rotary_on_sliding_layers(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Cohere 2: only the sliding-window layers rotate; the full layers have no position encoding (NoPE)."""
+    if hf.sliding_window is None:
+        options["position"] = None
+
+
+def write_glm4(mha: Any, fields: dict[str, Any]) -> None:
+    """GLM-4: a bias on ``W_q, W_k, W_v`` (``attention_bias``) or none, never on ``W_o``."""
+    if mha.W_o.bias is not None:
+        raise ValueError("GLM-4's layer has no bias on W_o (o_proj); got output_bias=True")
     del fields["layer_types"]

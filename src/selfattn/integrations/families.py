@@ -116,6 +116,18 @@ FAMILIES: tuple[Family, ...] = (
         "hunyuan_v1_moe", ("HunYuanMoEV1Attention",), rotary="none", qk_norm="rotated_queries",
         norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
     ),
+    # Interleaved rotary (pairs 2j, 2j + 1): on a partial slice (GLM-4), the whole head (ERNIE 4.5, Cohere 2's
+    # sliding layers; its full layers are NoPE).
+    Family(
+        "glm4", ("Glm4Attention",), rotary="interleaved",
+        expresses=frozenset({"interleaved rotary", "partial rotary", "a bias on W_q, W_k, W_v only"}),
+        write=steps.write_glm4,
+    ),
+    Family("ernie4_5", ("Ernie4_5Attention",), rotary="interleaved"),
+    Family(
+        "cohere2", ("Cohere2Attention",), rotary="interleaved", read=steps.read_rotary_on_sliding_layers,
+        expresses=frozenset({"interleaved rotary", "window"}),
+    ),
 )  # fmt: skip
 
 
