@@ -9,6 +9,7 @@ Shape legend: h heads, dh head size, d hidden size.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -257,3 +258,63 @@ def write_glm4(mha: Any, fields: dict[str, Any]) -> None:
     if mha.W_o.bias is not None:
         raise ValueError("GLM-4's layer has no bias on W_o (o_proj); got output_bias=True")
     del fields["layer_types"]
+
+
+def read_head_gate(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """LFM3: ``g_proj`` (d -> h, no bias), a sigmoid gate per head on the attention output: part ``W_g``."""
+    from selfattn.parts import OutputGate
+
+    if getattr(hf, "g_proj", None) is None:
+        return
+    heads = int(hf.q_proj.out_features) // int(hf.head_dim)
+    if hf.g_proj.out_features != heads:
+        raise ValueError(f"g_proj has {hf.g_proj.out_features} outputs; a gate per head has num_heads={heads}")
+    gate = OutputGate(hf.g_proj.in_features, heads, int(hf.head_dim), per="head", bias=hf.g_proj.bias is not None)
+    options.setdefault("parts", {})["W_g"] = gate
+
+
+def copy_head_gate(hf: Any, mha: Any) -> None:
+    if getattr(hf, "g_proj", None) is not None:
+        mha.W_g.weight.copy_(hf.g_proj.weight)
+        if hf.g_proj.bias is not None:
+            mha.W_g.bias.copy_(hf.g_proj.bias)
+
+
+def proportional_rope_parameters(rotary: Any) -> dict[str, Any]:
+    """transformers' ``rope_type="proportional"`` parameters of a half-split p-RoPE over the whole head.
+
+    The inverse of :meth:`RotaryPositionalEncoding.from_config`'s reading: ``partial_rotary_factor``
+    is chosen so transformers' ``int(partial_rotary_factor * dh // 2)`` gives back the rotated pairs.
+    """
+    config = rotary.scaling_config
+    if rotary.interleaved or rotary.rotary_dim != rotary.head_dim or (config and config.rope_type != "linear"):
+        raise ValueError(
+            "rope_type 'proportional' is half-split p-RoPE over the whole head with at most a linear factor; got "
+            f"{rotary!r}"
+        )
+    half = rotary.head_dim // 2
+    partial = rotary.rotated_pairs / half
+    if int(partial * rotary.head_dim // 2) != rotary.rotated_pairs:  # the product rounded below the integer
+        partial = math.nextafter(partial, 1.0)
+    return {
+        "rope_type": "proportional",
+        "rope_theta": rotary.base,
+        "partial_rotary_factor": partial,
+        "factor": 1.0 if config is None else config.factor,
+    }
+
+
+def write_lfm3(mha: Any, fields: dict[str, Any]) -> None:
+    """LFM3: a sigmoid gate per head (``use_attention_gate``), a rotary per layer type (p-RoPE as proportional)."""
+    gate = mha.W_g
+    if gate is None or (gate.per, gate.activation, gate.bias is None) != ("head", "sigmoid", True):
+        raise ValueError(f"LFM3's layer has a sigmoid gate per head without bias (g_proj); got W_g={gate!r}")
+    rotary = mha.position
+    parameters = fields["rope_parameters"] if rotary.p == 1.0 else proportional_rope_parameters(rotary)
+    layer_type = fields["layer_types"][0]
+    other = "full_attention" if layer_type == "sliding_attention" else "sliding_attention"
+    fields.update(
+        use_attention_gate=True,
+        rope_parameters={layer_type: parameters, other: {"rope_type": "default", "rope_theta": rotary.base}},
+    )
+    fields.pop("partial_rotary_factor", None)

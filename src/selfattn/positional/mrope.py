@@ -121,7 +121,6 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
     position_axes: ClassVar[int] = 3
     exact_tables = ("inv_freq",)
     inv_freq: torch.Tensor
-    axis_of_frequency: torch.Tensor
 
     def __init__(
         self,
@@ -148,7 +147,6 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.base = _require_base(base)
         self.sections = self._check_sections(default_sections(self.rotary_dim) if sections is None else sections)
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
-        self.register_buffer("axis_of_frequency", torch.empty(0, dtype=torch.long, device=device), persistent=False)
         self._build_tables()
 
     def _check_sections(self, sections: object) -> tuple[int, int, int]:
@@ -171,10 +169,18 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self._build_tables()
 
     def _build_tables(self) -> None:
-        """``inv_freq`` ``(r / 2,)`` in float64 and ``axis_of_frequency`` ``(r / 2,)`` on the buffers' device."""
+        """``inv_freq`` ``(r / 2,)`` in float64 on the buffer's device, and which axis each frequency reads."""
         self.inv_freq = rotary_frequencies(self.rotary_dim, self.base).to(self.inv_freq.device)
-        axes = frequency_axes(self.sections, self.layout)
-        self.axis_of_frequency = torch.tensor(axes, dtype=torch.long, device=self.inv_freq.device)
+        self.frequency_axes = frequency_axes(self.sections, self.layout)
+        self._axis_masks: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _reads(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks ``(r / 2,)`` of the frequencies that read height, and width, on ``device``: a cache, not a buffer
+        (the layout fixes it; a state dict or a dtype cast has nothing to do with it)."""
+        if device not in self._axis_masks:
+            axes = torch.tensor(self.frequency_axes, device=device)
+            self._axis_masks[device] = (axes == 1, axes == 2)
+        return self._axis_masks[device]
 
     def axis_positions(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``(3, ..., l)`` positions broadcastable to ``x.shape[:-1]``, from any accepted form (see the class)."""
@@ -201,9 +207,9 @@ class MultimodalRotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         angle_dtype = _angle_dtype(x.device)
         frequencies = self.inv_freq.to(x.device, angle_dtype)
         by_axis = axes.to(x.device, angle_dtype)[..., None] * frequencies  # (3, ..., l, r / 2)
-        reads = self.axis_of_frequency.to(x.device)
-        angles = torch.where(reads == 1, by_axis[1], by_axis[0])
-        angles = torch.where(reads == 2, by_axis[2], angles)
+        reads_height, reads_width = self._reads(x.device)
+        angles = torch.where(reads_height, by_axis[1], by_axis[0])
+        angles = torch.where(reads_width, by_axis[2], angles)
         return _rotate_by_angles(x, torch.cos(angles), torch.sin(angles), interleaved=False, rotary_dim=self.rotary_dim)
 
     @classmethod
