@@ -318,3 +318,11 @@ def write_lfm3(mha: Any, fields: dict[str, Any]) -> None:
         rope_parameters={layer_type: parameters, other: {"rope_type": "default", "rope_theta": rotary.base}},
     )
     fields.pop("partial_rotary_factor", None)
+
+
+def write_ernie4_5(mha: Any, fields: dict[str, Any]) -> None:
+    """ERNIE 4.5: one ``use_bias`` for all four projections (``attention_bias`` is not its field)."""
+    if (mha.W_q.bias is None) != (mha.W_o.bias is None):
+        raise ValueError("ERNIE 4.5's layer has a bias on all four projections or none (use_bias)")
+    fields["use_bias"] = fields.pop("attention_bias")
+    del fields["layer_types"]

@@ -95,12 +95,12 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "qwen3_vl_text", ("Qwen3VLTextAttention",), rotary="none", qk_norm="queries", read=steps.read_mrope,
         layer_types=frozenset({None, "full_attention"}),
-        expresses=frozenset({"M-RoPE", "qk_norm", _UNIT}), write=steps.write_qwen3_vl,
+        expresses=frozenset({"M-RoPE", "a bias on W_q, W_k, W_v and W_o", "qk_norm", _UNIT}), write=steps.write_qwen3_vl,
     ),
     Family(
         "qwen3_5_text", ("Qwen3_5Attention",), rotary="none", qk_norm="queries", norm_plus_one=True,
         layer_types=frozenset({None, "full_attention"}), read=steps.read_qwen3_5, copy=steps.copy_query_gate,
-        expresses=frozenset({"M-RoPE", "qk_norm", _UNIT, "gated_output"}), write=steps.write_qwen3_5,
+        expresses=frozenset({"M-RoPE", "a bias on W_q, W_k, W_v and W_o", "qk_norm", _UNIT, "gated_output"}), write=steps.write_qwen3_5,
     ),
     Family(
         "qwen3_5_moe_text", ("Qwen3_5MoeAttention",), rotary="none", qk_norm="queries", norm_plus_one=True,
@@ -110,12 +110,13 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "hunyuan_v1_dense", ("HunYuanDenseV1Attention",), rotary="none", qk_norm="rotated_queries",
         norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
-        expresses=frozenset({_HALF, "qk_norm at rotated_queries"}), write=steps.write_hunyuan,
+        expresses=frozenset({_HALF, "a bias on W_q, W_k, W_v and W_o", "qk_norm at rotated_queries"}), write=steps.write_hunyuan,
     ),
     Family(
         "hunyuan_v1_moe", ("HunYuanMoEV1Attention",), rotary="none", qk_norm="rotated_queries",
         norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
     ),
+    # ("a bias on W_q, W_k, W_v and W_o": the option name main's way back gives a layer biased on all four.)
     # Interleaved rotary (pairs 2j, 2j + 1): on a partial slice (GLM-4), the whole head (ERNIE 4.5, Cohere 2's
     # sliding layers; its full layers are NoPE).
     Family(
@@ -123,10 +124,13 @@ FAMILIES: tuple[Family, ...] = (
         expresses=frozenset({"interleaved rotary", "partial rotary", "a bias on W_q, W_k, W_v only"}),
         write=steps.write_glm4,
     ),
-    Family("ernie4_5", ("Ernie4_5Attention",), rotary="interleaved"),
+    Family(
+        "ernie4_5", ("Ernie4_5Attention",), rotary="interleaved",
+        expresses=frozenset({"interleaved rotary", "a bias on W_q, W_k, W_v and W_o"}), write=steps.write_ernie4_5,
+    ),
     Family(
         "cohere2", ("Cohere2Attention",), rotary="interleaved", read=steps.read_rotary_on_sliding_layers,
-        expresses=frozenset({"interleaved rotary", "window"}),
+        expresses=frozenset({"interleaved rotary", "a bias on W_q, W_k, W_v and W_o", "window"}),
     ),
 )  # fmt: skip
 
