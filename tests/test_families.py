@@ -316,3 +316,44 @@ def test_gemma3_ignores_its_softcap_field() -> None:
         got = mha(x, x, x, causal=True, positions=hf.position_ids(attention_mask), key_padding_mask=attention_mask == 0)
     real = attention_mask.bool()
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
+
+
+MODULES: dict[str, dict[str, Any]] = {
+    "window only": dict(window=3),
+    "window and sinks": dict(window=3, sinks=True),
+    "a bias on q, k, v only": dict(bias=True, output_bias=False, window=3),
+    "QK-norm over the projection": dict(parts={"q_norm": "query_features", "k_norm": "key_features"}),
+    "QK-norm and a window": dict(qk_norm=True, window=3),
+    "query scaling by position": dict(parts={"query_scaling": "log floor"}, window=5),
+}
+
+
+def _module(options: dict[str, Any]) -> MultiHeadAttention:
+    from selfattn.parts import HeadNorm, LogFloorScaling
+    from selfattn.positional import RotaryPositionalEncoding
+
+    options = dict(options)
+    parts = {}
+    for name, kind in options.pop("parts", {}).items():
+        size = 32 if kind == "query_features" else 16
+        parts[name] = LogFloorScaling(0.3, 16) if kind == "log floor" else HeadNorm(size, slot=kind)
+    return MultiHeadAttention(32, 4, num_kv_heads=2, position=RotaryPositionalEncoding(8, interleaved=False),
+                              parts=parts, **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_a_module_written_as_a_config_loads_back_with_the_same_recipe(name: str) -> None:
+    """module -> config -> transformers layer -> module: the same parts, options and sizes (weights aside).
+
+    A config that named a family whose layer does more (Qwen3's QK-norm for a window-only module)
+    would load back with a part the module lacks.
+    """
+    mha = _module(MODULES[name])
+    fields = mha.to_transformers_config()
+    config = transformers.AutoConfig.for_model(**fields)
+    config._attn_implementation = "eager"
+    layer, _ = hf.build_layer(fields["model_type"], 0, torch.float32, config=config)
+    back = MultiHeadAttention.from_transformers(layer)
+    assert back.describe_parts() == mha.describe_parts(), fields["model_type"]
+    assert back.extra_repr() == mha.extra_repr(), fields["model_type"]
+    assert repr(back.position) == repr(mha.position)
