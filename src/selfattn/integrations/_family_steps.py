@@ -36,6 +36,20 @@ __all__ = [
     "write_qwen2",
     "write_seed_oss",
     "write_smollm3",
+    # rotary variants
+    "copy_head_gate",
+    "proportional_rope_parameters",
+    "read_head_gate",
+    "read_mrope",
+    "read_ntk_alpha",
+    "read_qwen3_5",
+    "read_rotary_on_sliding_layers",
+    "write_ernie4_5",
+    "write_glm4",
+    "write_hunyuan",
+    "write_lfm3",
+    "write_qwen3_5",
+    "write_qwen3_vl",
 ]
 
 
