@@ -122,3 +122,17 @@ def test_bad_options_raise(kwargs, message) -> None:
 def test_repr_names_the_layout_and_the_rotated_size() -> None:
     encoding = MultimodalRotaryPositionalEncoding(16, sections=(2, 1, 1), layout="interleaved", rotary_dim=8)
     assert "rotary_dim=8" in repr(encoding) and "layout='interleaved'" in repr(encoding)
+
+
+@pytest.mark.parametrize("options", [dict(layout="interleaved"), dict(rotary_dim=8, sections=(2, 1, 1))])
+def test_the_way_back_does_not_write_qwen2_vl_sections_for_another_m_rope(options) -> None:
+    """Qwen2-VL's config says contiguous sections over the whole head; any other M-RoPE is refused, not rewritten."""
+    sections = options.pop("sections", (4, 2, 2))
+    position = build("mrope", num_hiddens=32, num_heads=2, sections=sections, **options)
+    mha = MultiHeadAttention(32, 2, bias=True, output_bias=False, position=position)
+    with pytest.raises(ValueError, match=r"Qwen2-VL's M-RoPE has contiguous sections over the whole head; got layout="):
+        mha.to_transformers_config()
+    sectioned = MultiHeadAttention(
+        32, 2, bias=True, output_bias=False, position=build("mrope", num_hiddens=32, num_heads=2)
+    )
+    assert sectioned.to_transformers_config()["rope_parameters"]["mrope_section"] == [2, 3, 3]
