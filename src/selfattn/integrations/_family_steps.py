@@ -9,6 +9,7 @@ Shape legend: h heads, dh head size, d hidden size.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,6 +36,20 @@ __all__ = [
     "write_qwen2",
     "write_seed_oss",
     "write_smollm3",
+    # rotary variants
+    "copy_head_gate",
+    "proportional_rope_parameters",
+    "read_head_gate",
+    "read_mrope",
+    "read_ntk_alpha",
+    "read_qwen3_5",
+    "read_rotary_on_sliding_layers",
+    "write_ernie4_5",
+    "write_glm4",
+    "write_hunyuan",
+    "write_lfm3",
+    "write_qwen3_5",
+    "write_qwen3_vl",
 ]
 
 
@@ -144,6 +159,11 @@ def write_qwen2_vl(mha: Any, fields: dict[str, Any]) -> None:
             f"num_hiddens={mha.num_hiddens}, query_size={mha.query_size}"
         )
     mrope = mha.position
+    if (mrope.layout, mrope.rotary_dim) != ("sectioned", mrope.head_dim):
+        raise ValueError(
+            f"Qwen2-VL's M-RoPE has contiguous sections over the whole head; got layout={mrope.layout!r}, "
+            f"rotary_dim={mrope.rotary_dim} of head_dim={mrope.head_dim}"
+        )
     fields["rope_parameters"] = {
         "rope_type": "default",
         "mrope_section": list(mrope.sections),
@@ -251,3 +271,183 @@ def write_ministral3(mha: Any, fields: dict[str, Any]) -> None:
     )
     fields["rope_parameters"] = parameters
     write_model_window(mha, fields)
+
+
+# ---------------------------------------------------------------- rotary variants (interleaved M-RoPE, ...)
+
+
+def read_mrope(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Qwen3-VL / Qwen3.5: the config's M-RoPE in its own layout (interleaved) and rotated size (partial)."""
+    from selfattn.positional.mrope import MultimodalRotaryPositionalEncoding
+
+    mrope = MultimodalRotaryPositionalEncoding.from_config(config)
+    if mrope.head_dim != int(hf.head_dim):
+        raise ValueError(f"config head_dim={mrope.head_dim} but the layer's head_dim={hf.head_dim}")
+    options["position"] = mrope
+
+
+def _write_interleaved_mrope(mha: Any, fields: dict[str, Any], *, partial: bool) -> None:
+    mrope = mha.position
+    if mrope.layout != "interleaved" or (not partial and mrope.rotary_dim != mrope.head_dim):
+        raise ValueError(
+            f"{fields['model_type']}'s M-RoPE is interleaved{'' if partial else ' over the whole head'}; got "
+            f"layout={mrope.layout!r}, rotary_dim={mrope.rotary_dim} of head_dim={mrope.head_dim}"
+        )
+    fields["rope_parameters"] = {
+        "rope_type": "default",
+        "mrope_section": list(mrope.sections),
+        "mrope_interleaved": True,
+        "rope_theta": mrope.base,
+        "partial_rotary_factor": mrope.rotary_dim / mrope.head_dim,
+    }
+
+
+def read_qwen3_5(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Qwen3.5 / Qwen3.5-MoE: Qwen3-Next's layer (query gate) with interleaved M-RoPE."""
+    read_query_gate(hf, config, options)
+    read_mrope(hf, config, options)
+
+
+def write_qwen3_vl(mha: Any, fields: dict[str, Any]) -> None:
+    """Qwen3-VL's text layer: interleaved M-RoPE over the whole head."""
+    _write_interleaved_mrope(mha, fields, partial=False)
+    del fields["rope_parameters"]["partial_rotary_factor"]
+
+
+def write_qwen3_5(mha: Any, fields: dict[str, Any]) -> None:
+    """Qwen3.5's attention layer: interleaved M-RoPE on the leading ``partial_rotary_factor`` of each head."""
+    _write_interleaved_mrope(mha, fields, partial=True)
+
+
+def _config_rotary(config: Any, head_dim: int, parameters: Any) -> Any:
+    """:meth:`RotaryPositionalEncoding.from_config` of ``config`` with ``parameters`` as its ``rope_parameters``."""
+    from selfattn.positional.rotary import RotaryPositionalEncoding
+
+    fields = {
+        name: getattr(config, name, None)
+        for name in ("max_position_embeddings", "original_max_position_embeddings", "partial_rotary_factor")
+    }
+    return RotaryPositionalEncoding.from_config({**fields, "head_dim": head_dim, "rope_parameters": parameters})
+
+
+def read_ntk_alpha(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Hunyuan V1: ``rope_type="dynamic"`` with ``alpha`` is static NTK, ``base * alpha^(dh / (dh - 2))``.
+
+    transformers' Hunyuan rotary turns that pair into its own ``ntk_alpha`` (over the whole head,
+    ``factor`` unread): selfattn's ``ntk`` scaling with factor ``alpha``. Without ``alpha`` the
+    rotary is the common reading of ``rope_parameters``.
+    """
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    alpha = parameters.get("alpha")
+    if parameters.get("rope_type") == "dynamic" and alpha:
+        head_dim = int(hf.head_dim)
+        rotary = _config_rotary(
+            config, head_dim, {"rope_type": "ntk", "factor": alpha, "rope_theta": parameters["rope_theta"]}
+        )
+        if rotary.rotary_dim != head_dim:
+            raise ValueError(
+                f"partial_rotary_factor={config.partial_rotary_factor!r} with alpha: Hunyuan's ntk_alpha rotary "
+                "spans the whole head"
+            )
+    else:
+        rotary = _config_rotary(config, int(hf.head_dim), parameters or None)
+    options["position"] = rotary
+
+
+def write_hunyuan(mha: Any, fields: dict[str, Any]) -> None:
+    """Hunyuan V1: static NTK as ``dynamic`` with ``alpha``; its QK-norm acts after the rotation, weighted."""
+    if mha.q_norm is None or mha.q_norm.weight is None or (mha.W_o.bias is None and mha.W_q.bias is not None):
+        raise ValueError("Hunyuan's layer has a weighted QK-norm after the rotation, and biases on all four or none")
+    rotary = mha.position
+    parameters = fields["rope_parameters"]
+    if parameters.get("rope_type") == "ntk":
+        if rotary.rotary_dim != rotary.head_dim:
+            raise ValueError("Hunyuan's ntk_alpha rotary spans the whole head: partial rotary with ntk scaling")
+        fields["rope_parameters"] = {
+            "rope_type": "dynamic",
+            "alpha": parameters["factor"],
+            "factor": 1.0,
+            "rope_theta": parameters["rope_theta"],
+        }
+    del fields["layer_types"]
+
+
+def read_rotary_on_sliding_layers(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Cohere 2: only the sliding-window layers rotate; the full layers have no position encoding (NoPE)."""
+    if hf.sliding_window is None:
+        options["position"] = None
+
+
+def write_glm4(mha: Any, fields: dict[str, Any]) -> None:
+    """GLM-4: a bias on ``W_q, W_k, W_v`` (``attention_bias``) or none, never on ``W_o``."""
+    if mha.W_o.bias is not None:
+        raise ValueError("GLM-4's layer has no bias on W_o (o_proj); got output_bias=True")
+    del fields["layer_types"]
+
+
+def read_head_gate(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """LFM3: ``g_proj`` (d -> h, no bias), a sigmoid gate per head on the attention output: part ``W_g``."""
+    from selfattn.parts import OutputGate
+
+    if getattr(hf, "g_proj", None) is None:
+        return
+    heads = int(hf.q_proj.out_features) // int(hf.head_dim)
+    if hf.g_proj.out_features != heads:
+        raise ValueError(f"g_proj has {hf.g_proj.out_features} outputs; a gate per head has num_heads={heads}")
+    gate = OutputGate(hf.g_proj.in_features, heads, int(hf.head_dim), per="head", bias=hf.g_proj.bias is not None)
+    options.setdefault("parts", {})["W_g"] = gate
+
+
+def copy_head_gate(hf: Any, mha: Any) -> None:
+    if getattr(hf, "g_proj", None) is not None:
+        mha.W_g.weight.copy_(hf.g_proj.weight)
+        if hf.g_proj.bias is not None:
+            mha.W_g.bias.copy_(hf.g_proj.bias)
+
+
+def proportional_rope_parameters(rotary: Any) -> dict[str, Any]:
+    """transformers' ``rope_type="proportional"`` parameters of a half-split p-RoPE over the whole head.
+
+    The inverse of :meth:`RotaryPositionalEncoding.from_config`'s reading: ``partial_rotary_factor``
+    is chosen so transformers' ``int(partial_rotary_factor * dh // 2)`` gives back the rotated pairs.
+    """
+    config = rotary.scaling_config
+    if rotary.interleaved or rotary.rotary_dim != rotary.head_dim or (config and config.rope_type != "linear"):
+        raise ValueError(
+            "rope_type 'proportional' is half-split p-RoPE over the whole head with at most a linear factor; got "
+            f"{rotary!r}"
+        )
+    half = rotary.head_dim // 2
+    partial = rotary.rotated_pairs / half
+    if int(partial * rotary.head_dim // 2) != rotary.rotated_pairs:  # the product rounded below the integer
+        partial = math.nextafter(partial, 1.0)
+    return {
+        "rope_type": "proportional",
+        "rope_theta": rotary.base,
+        "partial_rotary_factor": partial,
+        "factor": 1.0 if config is None else config.factor,
+    }
+
+
+def write_lfm3(mha: Any, fields: dict[str, Any]) -> None:
+    """LFM3: a sigmoid gate per head (``use_attention_gate``), a rotary per layer type (p-RoPE as proportional)."""
+    gate = mha.W_g
+    if gate is None or (gate.per, gate.activation, gate.bias is None) != ("head", "sigmoid", True):
+        raise ValueError(f"LFM3's layer has a sigmoid gate per head without bias (g_proj); got W_g={gate!r}")
+    rotary = mha.position
+    parameters = fields["rope_parameters"] if rotary.p == 1.0 else proportional_rope_parameters(rotary)
+    layer_type = fields["layer_types"][0]
+    other = "full_attention" if layer_type == "sliding_attention" else "sliding_attention"
+    fields.update(
+        use_attention_gate=True,
+        rope_parameters={layer_type: parameters, other: {"rope_type": "default", "rope_theta": rotary.base}},
+    )
+    fields.pop("partial_rotary_factor", None)
+
+
+def write_ernie4_5(mha: Any, fields: dict[str, Any]) -> None:
+    """ERNIE 4.5: one ``use_bias`` for all four projections (``attention_bias`` is not its field)."""
+    if (mha.W_q.bias is None) != (mha.W_o.bias is None):
+        raise ValueError("ERNIE 4.5's layer has a bias on all four projections or none (use_bias)")
+    fields["use_bias"] = fields.pop("attention_bias")
+    del fields["layer_types"]

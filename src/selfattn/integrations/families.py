@@ -172,6 +172,48 @@ FAMILIES: tuple[Family, ...] = (
         expresses=frozenset({_HALF, "window", "part LogFloorScaling"}),
         requires=(frozenset({"part LogFloorScaling"}),), write=steps.write_ministral3,
     ),
+    # Rotary variants: interleaved M-RoPE (read by read_mrope: the loader's "mrope" is Qwen2-VL's sections).
+    Family(
+        "qwen3_vl_text", ("Qwen3VLTextAttention",), rotary="none", qk_norm="queries", read=steps.read_mrope,
+        layer_types=frozenset({None, "full_attention"}),
+        expresses=frozenset({"M-RoPE", _BIAS, "qk_norm", _UNIT}), requires=_NORMED, write=steps.write_qwen3_vl,
+    ),
+    Family(
+        "qwen3_5_text", ("Qwen3_5Attention",), rotary="none", qk_norm="queries", norm_plus_one=True,
+        layer_types=frozenset({None, "full_attention"}), read=steps.read_qwen3_5, copy=steps.copy_query_gate,
+        expresses=frozenset({"M-RoPE", _BIAS, "qk_norm", _UNIT, "gated_output"}),
+        requires=(*_NORMED, frozenset({"gated_output"})), write=steps.write_qwen3_5,
+    ),
+    Family(
+        "qwen3_5_moe_text", ("Qwen3_5MoeAttention",), rotary="none", qk_norm="queries", norm_plus_one=True,
+        layer_types=frozenset({None, "full_attention"}), read=steps.read_qwen3_5, copy=steps.copy_query_gate,
+    ),
+    # Hunyuan V1: QK-norm after the rotation, static NTK from rope_parameters "alpha" (read_ntk_alpha).
+    Family(
+        "hunyuan_v1_dense", ("HunYuanDenseV1Attention",), rotary="none", qk_norm="rotated_queries",
+        norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
+        expresses=frozenset({_HALF, _BIAS, "qk_norm at rotated_queries"}),
+        requires=(frozenset({"qk_norm at rotated_queries"}),), write=steps.write_hunyuan,
+    ),
+    Family(
+        "hunyuan_v1_moe", ("HunYuanMoEV1Attention",), rotary="none", qk_norm="rotated_queries",
+        norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
+    ),
+    # Interleaved rotary (pairs 2j, 2j + 1): on a partial slice (GLM-4), the whole head (ERNIE 4.5, Cohere 2's
+    # sliding layers; its full layers are NoPE).
+    Family(
+        "glm4", ("Glm4Attention",), rotary="interleaved",
+        expresses=frozenset({"interleaved rotary", "partial rotary", _QKV}),
+        write=steps.write_glm4,
+    ),
+    Family(
+        "ernie4_5", ("Ernie4_5Attention",), rotary="interleaved",
+        expresses=frozenset({"interleaved rotary", _BIAS}), write=steps.write_ernie4_5,
+    ),
+    Family(
+        "cohere2", ("Cohere2Attention",), rotary="interleaved", read=steps.read_rotary_on_sliding_layers,
+        expresses=frozenset({"interleaved rotary", _BIAS, "window"}),
+    ),
 )  # fmt: skip
 
 
