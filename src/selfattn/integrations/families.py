@@ -214,6 +214,12 @@ FAMILIES: tuple[Family, ...] = (
         "cohere2", ("Cohere2Attention",), rotary="interleaved", read=steps.read_rotary_on_sliding_layers,
         expresses=frozenset({"interleaved rotary", _BIAS, "window"}),
     ),
+    Family(
+        "lfm3", ("Lfm3Attention",), qk_norm="queries", read=steps.read_head_gate, copy=steps.copy_head_gate,
+        expresses=frozenset({_HALF, "proportional rotary", _BIAS, "window", "qk_norm", _UNIT, "gated_output",
+                             "part OutputGate"}),
+        requires=(*_NORMED, frozenset({"part OutputGate"})), write=steps.write_lfm3,
+    ),
 )  # fmt: skip
 
 
