@@ -49,10 +49,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, str]] = {
 }  # fmt: skip
 
 
-def _layer(family: str, implementation: str = "eager") -> tuple[Any, Any, Any]:
-    """transformers' layer (random weights, float32), its config and its model's rotary embedding."""
+def _layer(family: str, implementation: str = "eager", **sizes: Any) -> tuple[Any, Any, Any]:
+    """transformers' layer (random weights, float32), its config and its model's rotary embedding; ``sizes`` override."""
     config_name, extra, attention_name, rotary_name = FAMILIES[family]
-    config = getattr(transformers, config_name)(**SIZES, **extra)
+    config = getattr(transformers, config_name)(**{**SIZES, **sizes}, **extra)
     config._attn_implementation = implementation
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(3)
@@ -225,6 +225,33 @@ def test_sparse_selection_route_is_taken() -> None:
     assert explanation.computation == "absorbed"  # heads over one latent: kept apart, not folded into one head's rows
     assert explanation.route == "sparse selection", str(explanation)
     assert cache.length == LENGTH - 1 and cache.index_keys.length == LENGTH - 1  # explain changed nothing
+
+
+def test_long_prefill_takes_the_absorbed_sparse_route_and_equals_the_dense_masked_pass() -> None:
+    """80 queries (past the route's 64 for one head per kv head), 3 picks each: absorbed, "sparse selection".
+
+    Expanded, each gathered key would serve one head, so the route declines and a dense masked pass
+    runs; absorbed, one gathered latent row serves every head (8 here: the route's least for many
+    queries), so the computation is chosen by the picks it attends to, and equals the expanded
+    dense masked pass (and its gradients) to rounding. With 4 heads the route declines the
+    absorbed call too, and the picks are not counted.
+    """
+    layer, _, _ = _layer("deepseek_v32", num_attention_heads=8, num_key_value_heads=8)
+    sparse = SparseLatentAttention.from_transformers(layer)
+    x = torch.randn(2, 80, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    explained = sparse.explain(x)
+    assert (explained.computation, explained.route) == ("absorbed", "sparse selection"), str(explained)
+    assert "3 selected keys per query" in explained.reason
+    four_heads = SparseLatentAttention.from_transformers(_layer("deepseek_v32")[0]).explain(x)
+    assert four_heads.computation == "expanded" and "selected keys" not in four_heads.reason
+    expanded = sparse.explain(x, computation="expanded")
+    assert expanded.route != "sparse selection"  # the dense masked pass it is checked against
+    ours = sparse(x)
+    (grad,) = torch.autograd.grad(ours.square().sum(), x)
+    dense = sparse(x, computation="expanded")
+    (dense_grad,) = torch.autograd.grad(dense.square().sum(), x)
+    torch.testing.assert_close(ours, dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, dense_grad, atol=1e-4, rtol=1e-5)
 
 
 def test_failed_call_leaves_both_caches() -> None:
