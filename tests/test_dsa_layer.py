@@ -335,6 +335,6 @@ def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(script.DSA_SIZES, "top_k", 8)
     timing = {"min_repeats": 1, "max_repeats": 1, "budget_s": 1.0, "warmup": 0}
     rows, targets = script.dsa_rows(timing, {}, 1)
-    assert len(rows) == 3 and all(len(row) == len(script.DSA_HEADER) for row in rows)
-    assert "(sparse selection)" in rows[1][1] and "(sparse selection)" in rows[2][1]  # absorbed prefill, decoding
+    assert len(rows) == 2 and all(len(row) == len(script.DSA_HEADER) for row in rows)
+    assert "sparse absorbed (sparse selection)" in rows[0][1] and "(sparse selection)" in rows[1][1]
     assert [t[0].split(" n=")[0].split(" after")[0] for t in targets] == ["DSA prefill forward", "DSA decoding"]
