@@ -319,6 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dsa-n", type=int, help=f"DSA tokens (default {DSA_SIZES['n']}, 1024 with --quick)")
     parser.add_argument("--dsa-top-k", type=int, help=f"DSA picks per query (default {DSA_SIZES['top_k']})")
     parser.add_argument("--repeats", type=int, help="timed repeats of each case (default 5, 2 with --quick)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each case first (default 1)")
     args = parser.parse_args(argv)
     args.threads = [int(t) for t in args.threads.split(",")]
     args.skip = set(filter(None, args.skip.split(",")))
@@ -330,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         DSA_SIZES.update(n=1024, top_k=128)
     DSA_SIZES.update({k: v for k, v in (("n", args.dsa_n), ("top_k", args.dsa_top_k)) if v})
     repeats = args.repeats or (2 if args.quick else 5)
-    args.timing = {"min_repeats": repeats, "max_repeats": repeats, "budget_s": 120.0, "warmup": 1}
+    args.timing = {"min_repeats": repeats, "max_repeats": repeats, "budget_s": 120.0, "warmup": args.warmup}
     return args
 
 

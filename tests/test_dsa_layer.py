@@ -312,13 +312,86 @@ def test_bad_input_is_named() -> None:
         )  # fmt: skip
 
 
-def test_layers_without_their_own_indexer_are_refused() -> None:
+def test_other_layer_classes_are_refused() -> None:
     with pytest.raises(ValueError, match="DeepseekV32Attention or GlmMoeDsaAttention, got Linear"):
         SparseLatentAttention.from_transformers(torch.nn.Linear(2, 2))
+
+
+def _glm_pair() -> tuple[Any, Any, Any, Any]:
+    """transformers' GLM-5 layers of ``indexer_types=["full", "shared"]`` (random weights), the config and the rotary."""
     config = transformers.GlmMoeDsaConfig(**{**SIZES, "num_hidden_layers": 2}, indexer_types=["full", "shared"])
+    config._attn_implementation = "eager"
     modeling = importlib.import_module("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
-    with pytest.raises(ValueError, match=r"has no indexer \(indexer_types 'shared'"):
-        SparseLatentAttention.from_transformers(modeling.GlmMoeDsaAttention(config, 1))
+    torch.manual_seed(3)
+    layers = [modeling.GlmMoeDsaAttention(config, i).eval() for i in (0, 1)]
+    with torch.no_grad():
+        for layer in layers:
+            for name, param in layer.named_parameters():
+                param.copy_(torch.randn(param.shape) * (0.3 if "norm" in name else param.shape[-1] ** -0.5 * 1.5))
+                if "norm.weight" in name or "layernorm" in name:
+                    param.add_(1.0)
+    return layers[0], layers[1], config, modeling.GlmMoeDsaRotaryEmbedding(config)
+
+
+def test_a_shared_layer_takes_the_full_layers_picks_as_transformers_does() -> None:
+    """GLM-5's "shared" layer has no indexer: given the "full" layer's picks it equals transformers' (1e-5).
+
+    transformers hands the shared layer ``prev_topk_indices``; here :meth:`forward_with_picks` of
+    the full layer returns them. Decoding with the caches (a plain LatentCache for the shared layer)
+    equals the full pass.
+    """
+    full, shared, config, rotary = _glm_pair()
+    x, attention_mask, position_ids = _inputs()
+    x_next = torch.randn(x.shape, generator=torch.Generator().manual_seed(11))  # the shared layer's own input
+    padding, real = attention_mask == 0, attention_mask.bool()
+    ours_full, ours_shared = SparseLatentAttention.from_transformers(full), SparseLatentAttention.from_transformers(shared)
+    assert ours_shared.shares_picks and not ours_full.shares_picks and "shares_picks=True" in repr(ours_shared)
+    assert set(ours_shared.state_dict()) == set(shared.state_dict())  # no indexer weights on either side
+    _assert_no_ties(ours_full, x, position_ids, _visible(attention_mask, 0, LENGTH))
+    mask = masking_utils.create_causal_mask(config, x, attention_mask, None, position_ids=position_ids)
+    embeddings = rotary(x, position_ids)
+    with torch.no_grad():
+        theirs_full, _, their_picks = full(x, embeddings, mask, position_ids=position_ids)
+        theirs, _, _ = shared(x_next, embeddings, mask, position_ids=position_ids, prev_topk_indices=their_picks)
+        ours_out, picks = ours_full.forward_with_picks(x, positions=position_ids, key_padding_mask=padding)
+        ours = ours_shared(x_next, positions=position_ids, key_padding_mask=padding, picks=picks)
+        dense = MultiHeadLatentAttention.from_transformers(shared)(
+            x_next, positions=position_ids, key_padding_mask=padding
+        )
+    torch.testing.assert_close(ours_out[real], theirs_full[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+    assert float((dense[real] - theirs[real]).abs().max()) > 1e-3  # the shared picks mattered
+    assert ours_shared.explain(x_next, positions=position_ids, key_padding_mask=padding, picks=picks).route == (
+        "sparse selection"
+    )
+    full_cache, shared_cache, steps = SparseLatentCache(max_len=LENGTH), LatentCache(max_len=LENGTH), []
+    with torch.no_grad():
+        for start, stop in [(0, 5)] + [(t, t + 1) for t in range(5, LENGTH)]:
+            chunk = dict(positions=position_ids[:, start:stop], key_padding_mask=padding[:, start:stop])
+            _, step_picks = ours_full.forward_with_picks(x[:, start:stop], cache=full_cache, **chunk)
+            steps.append(ours_shared(x_next[:, start:stop], cache=shared_cache, picks=step_picks, **chunk))
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], ours[real], atol=1e-5, rtol=0)
+
+
+def test_picks_go_only_where_they_are_taken() -> None:
+    full, shared, _, _ = _glm_pair()
+    ours_full, ours_shared = SparseLatentAttention.from_transformers(full), SparseLatentAttention.from_transformers(shared)
+    x, picks = torch.randn(1, 4, 32), torch.zeros(1, 4, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="picks=None: this layer has no indexer"):
+        ours_shared(x)
+    with pytest.raises(ValueError, match="picks given to a layer with its own indexer"):
+        ours_full(x, picks=picks)
+    with pytest.raises(ValueError, match="cache must be a LatentCache.*got SparseLatentCache"):
+        ours_shared(x, picks=picks, cache=SparseLatentCache(max_len=4))
+    with pytest.raises(ValueError, match=r"masks.selected: indices .* must lie in \[-1, 4\)"):
+        ours_shared(x, picks=picks + 4)
+    with pytest.raises(ValueError, match="this layer shares another layer's picks"):
+        ours_shared.select(x, torch.arange(4), None, None)
+    with pytest.raises(ValueError, match="index_heads=2, index_head_dim=None, top_k=3: give all three"):
+        SparseLatentAttention(
+            index_heads=2, index_head_dim=None, top_k=3, hidden_size=32, num_heads=4, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=6, q_lora_rank=12,
+        )  # fmt: skip
 
 
 def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
