@@ -344,7 +344,10 @@ def test_a_shared_layer_takes_the_full_layers_picks_as_transformers_does() -> No
     x, attention_mask, position_ids = _inputs()
     x_next = torch.randn(x.shape, generator=torch.Generator().manual_seed(11))  # the shared layer's own input
     padding, real = attention_mask == 0, attention_mask.bool()
-    ours_full, ours_shared = SparseLatentAttention.from_transformers(full), SparseLatentAttention.from_transformers(shared)
+    ours_full, ours_shared = (
+        SparseLatentAttention.from_transformers(full),
+        SparseLatentAttention.from_transformers(shared),
+    )
     assert ours_shared.shares_picks and not ours_full.shares_picks and "shares_picks=True" in repr(ours_shared)
     assert set(ours_shared.state_dict()) == set(shared.state_dict())  # no indexer weights on either side
     _assert_no_ties(ours_full, x, position_ids, _visible(attention_mask, 0, LENGTH))
@@ -375,13 +378,16 @@ def test_a_shared_layer_takes_the_full_layers_picks_as_transformers_does() -> No
 
 def test_picks_go_only_where_they_are_taken() -> None:
     full, shared, _, _ = _glm_pair()
-    ours_full, ours_shared = SparseLatentAttention.from_transformers(full), SparseLatentAttention.from_transformers(shared)
+    ours_full, ours_shared = (
+        SparseLatentAttention.from_transformers(full),
+        SparseLatentAttention.from_transformers(shared),
+    )
     x, picks = torch.randn(1, 4, 32), torch.zeros(1, 4, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="picks=None: this layer has no indexer"):
         ours_shared(x)
     with pytest.raises(ValueError, match="picks given to a layer with its own indexer"):
         ours_full(x, picks=picks)
-    with pytest.raises(ValueError, match="cache must be a LatentCache.*got SparseLatentCache"):
+    with pytest.raises(ValueError, match=r"cache must be a LatentCache.*got SparseLatentCache"):
         ours_shared(x, picks=picks, cache=SparseLatentCache(max_len=4))
     with pytest.raises(ValueError, match=r"masks.selected: indices .* must lie in \[-1, 4\)"):
         ours_shared(x, picks=picks + 4)
