@@ -21,6 +21,7 @@ from selfattn._mask_selection import Selected
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._reasons import holding
+from selfattn.core.routes._sparse_kernel import sparse_attention_blocks
 from selfattn.functional._block_common import _compute_dtype
 from selfattn.masks import Visibility
 
@@ -108,84 +109,6 @@ def _seen(rest: Visibility, kept: torch.Tensor, start: int, picks: torch.Tensor,
     return seen
 
 
-class _Rows:
-    """Where a block's gathered key and value rows go: fresh tensors, or storage reused from block to block.
-
-    Without autograd the rows are gathered into storage allocated once per call: a fresh tensor of
-    several MiB per block is page-faulted in each time, and ``index_select`` into reused storage
-    measured 4x faster (16,384 rows of 576 floats, one thread). When the values are the keys
-    themselves (absorbed latent attention hands the latent as both), the rows are gathered once.
-    """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: int, reuse: bool):
-        self.shared = v is k or (v.data_ptr() == k.data_ptr() and v.shape == k.shape and v.stride() == k.stride())
-        self.keys = k.new_empty(rows, k.shape[-1]) if reuse else None
-        self.values = v.new_empty(rows, v.shape[-1]) if reuse and not self.shared else None
-
-    def gather(self, k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``flat`` of one head's ``k (lk, d)`` and ``v (lk, dv)``: ``(len(flat), d)``, ``(len(flat), dv)``."""
-        count = flat.numel()
-        keys = k.index_select(0, flat) if self.keys is None else torch.index_select(k, 0, flat, out=self.keys[:count])
-        if self.shared:
-            return keys, keys
-        if self.values is None:
-            return keys, v.index_select(0, flat)
-        return keys, torch.index_select(v, 0, flat, out=self.values[:count])
-
-
-def _group(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    picks: torch.Tensor,
-    seen: torch.Tensor,
-    scale: float,
-    rows: _Rows,
-) -> torch.Tensor:
-    """One sequence's queries ``q (g, q, d)`` of one kv head over their picks ``(q, t)`` of its ``k (lk, d)``, ``v (lk, dv)``.
-
-    ``seen`` ``(1 or g, q, t)``. Each head's keys are gathered by rows (``index_select``), and
-    the products are batched matrix products over the block's queries: no copy of the gathered rows.
-    """
-    block, width = picks.shape
-    keys, values = rows.gather(k, v, picks.reshape(-1))
-    scores = torch.bmm(q.transpose(0, 1), keys.view(block, width, -1).transpose(1, 2)) * scale  # (q, g, t)
-    seen = seen.transpose(0, 1)  # (q, 1 or g, t)
-    sees_a_key = seen.any(dim=-1, keepdim=True)
-    # Rows with no key get a finite softmax and then zeros, so neither the answer nor a gradient is NaN.
-    logits = torch.where(sees_a_key, scores.masked_fill(~seen, float("-inf")), 0.0)
-    weights = torch.where(seen, torch.softmax(logits, dim=-1), 0.0)
-    return torch.bmm(weights, values.view(block, width, -1)).transpose(0, 1)  # (g, q, dv)
-
-
-def _block(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    picks: torch.Tensor,
-    seen: torch.Tensor,
-    scale: float,
-    rows: _Rows,
-) -> torch.Tensor:
-    """Attention of one block: ``q (b, h, q, d)`` over its picks ``(b, q, t)`` of ``k``/``v``; ``(b, h, q, dv)``.
-
-    One kv head at a time, so the rows it gathers come from that head's keys alone (a working
-    set of ``lk x d``, not every head's).
-    """
-    heads, kv_heads = q.shape[1], k.shape[1]
-    group = heads // kv_heads
-    per_head_mask = seen.shape[1] > 1
-    sequences = []
-    for s in range(q.shape[0]):
-        outs = []
-        for j in range(kv_heads):
-            query_heads = slice(j * group, (j + 1) * group)
-            head_seen = seen[s, query_heads] if per_head_mask else seen[s]
-            outs.append(_group(q[s, query_heads], k[s, j], v[s, j], picks[s], head_seen, scale, rows))
-        sequences.append(torch.cat(outs, dim=0))
-    return torch.stack(sequences)
-
-
 def _run(call: AttentionCall) -> Output:
     selection = call.visibility.find(Selected)
     assert isinstance(selection, Selected)
@@ -193,17 +116,13 @@ def _run(call: AttentionCall) -> Output:
     compute = _compute_dtype(call.dtype)
     q, k, v = (t.to(compute) for t in (call.q, call.k, call.v))
     picks, kept = _unique_picks(selection.indices, call.batch)
+
+    def seen_of(start: int, end: int) -> torch.Tensor:
+        return _seen(rest, kept[:, start:end], start, picks[:, start:end], call.heads)
+
     block = sparse_block_size(call, picks.shape[-1])
-    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    rows = _Rows(k, v, min(block, call.num_queries) * picks.shape[-1], reuse=not tracked)
-    outs = []
-    for start in range(0, call.num_queries, block):
-        end = min(start + block, call.num_queries)
-        seen = _seen(rest, kept[:, start:end], start, picks[:, start:end], call.heads)
-        outs.append(_block(q[:, :, start:end], k, v, picks[:, start:end], seen, call.scale, rows))
-    if not outs:
-        return Output(q.new_zeros(call.batch, call.heads, 0, call.value_dim).to(call.dtype))
-    return Output(torch.cat(outs, dim=2).to(call.dtype))
+    out = sparse_attention_blocks(q, k, v, picks, seen_of, call.scale, block)
+    return Output(out.to(call.dtype))
 
 
 SPARSE = Route("sparse selection", _declines, _run)
