@@ -260,21 +260,28 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         )[0]  # fmt: skip
 
     def forward_with_picks(
-        self, x: torch.Tensor, *, picks: torch.Tensor | None = None, **kwargs: Any
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        causal: bool = True,
+        key_padding_mask: torch.Tensor | None = None,
+        mask: masks.Rule | torch.Tensor | None = None,
+        cache: Any = None,
+        computation: str | None = None,
+        picks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`'s output and the picks it attended to, ``(b or 1, l, k)``, for layers that share them.
 
         GLM-5 runs its indexer in "full" layers only; each "shared" layer after one takes its picks.
+        The arguments are :meth:`forward`'s.
         """
-        latent, index_keys, positions = self._prepare(
-            x, kwargs.get("positions"), kwargs.get("causal", True), kwargs.get("key_padding_mask"), kwargs.get("mask"),
-            kwargs.get("cache"), picks,
-        )  # fmt: skip
+        latent, index_keys, positions = self._prepare(x, positions, causal, key_padding_mask, mask, cache, picks)
         if picks is None:
-            picks = self.select(x, positions, kwargs.get("key_padding_mask"), index_keys)
+            picks = self.select(x, positions, key_padding_mask, index_keys)
         result = super().forward(
-            x, positions=positions, key_padding_mask=kwargs.get("key_padding_mask"), mask=masks.selected(picks),
-            cache=latent, computation=kwargs.get("computation"),
+            x, positions=positions, key_padding_mask=key_padding_mask, mask=masks.selected(picks), cache=latent,
+            computation=computation,
         )  # fmt: skip
         if index_keys is not None:
             index_keys.commit()  # the latent cache committed inside: both or neither

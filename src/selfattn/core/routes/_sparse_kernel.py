@@ -3,8 +3,9 @@
 The forward pass keeps no gathered rows: it returns the output and each row's log-sum-exp, and
 the backward pass gathers each block's rows again and recomputes its weights (as flash
 attention recomputes its tiles). Left to autograd, every block's gathered keys and values
-would be kept until the backward pass: ``lq x t x (d + dv)`` numbers per kv head, 77 GB for a
-16,384-token DeepSeek-V3.2 prefill (top-k 2048, latent 576) where the inputs hold 40 MB.
+would be kept until the backward pass: ``lq x t x (d + dv)`` numbers per kv head, 154 GB for a
+16,384-token DeepSeek-V3.2 prefill in the absorbed form (top-k 2048, keys and values the 576-wide
+latent), where the keys hold 38 MB.
 
 Shape legend: b batch, h heads, hk key/value heads, g = h / hk, lq queries, lk keys,
 t picks per query, q block of queries, d head size, dv value size.
