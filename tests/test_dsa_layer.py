@@ -26,7 +26,7 @@ from transformers import masking_utils  # noqa: E402
 
 import selfattn.masks as masks  # noqa: E402
 from selfattn.latent import LatentCache, MultiHeadLatentAttention  # noqa: E402
-from selfattn.sparse import SparseLatentAttention, SparseLatentCache  # noqa: E402
+from selfattn.sparse import LightningIndexer, SparseLatentAttention, SparseLatentCache  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -313,7 +313,9 @@ def test_bad_input_is_named() -> None:
 
 
 def test_other_layer_classes_are_refused() -> None:
-    with pytest.raises(ValueError, match="DeepseekV32Attention or GlmMoeDsaAttention, got Linear"):
+    with pytest.raises(
+        ValueError, match="DeepseekV32Attention, GlmMoeDsaAttention, MistralLarge4TextAttention, got Linear"
+    ):
         SparseLatentAttention.from_transformers(torch.nn.Linear(2, 2))
 
 
@@ -417,3 +419,50 @@ def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(rows) == 2 and all(len(row) == len(script.DSA_HEADER) for row in rows)
     assert "sparse absorbed (sparse selection)" in rows[0][1] and "(sparse selection)" in rows[1][1]
     assert [t[0].split(" n=")[0].split(" after")[0] for t in targets] == ["DSA prefill forward", "DSA decoding"]
+
+
+def test_mistral_large4_layer_equals_transformers() -> None:
+    """Mistral Large 4's DSA layer (indexer from the normed hidden states, per-head log scaling, learned rotary).
+
+    A rope layer and a NoPE layer (``no_rope_layers``), each with top-k 3 of 12 keys, equal
+    transformers' own (eager, left-padded) to 1e-5; the picks decide the output.
+    """
+    modeling = importlib.import_module("transformers.models.mistral_large4.modeling_mistral_large4")
+    sizes = {**SIZES, "num_hidden_layers": 2, "q_lora_rank": None}
+    config = transformers.MistralLarge4TextConfig(
+        **sizes, no_rope_layers=[1, 0], rope_parameters=dict(YARN, attention_factor=1.0)
+    )
+    config._attn_implementation = "eager"
+    rotary = modeling.MistralLarge4TextRotaryEmbedding(config)
+    x, attention_mask, position_ids = _inputs()
+    padding, real = attention_mask == 0, attention_mask.bool()
+    mask = masking_utils.create_causal_mask(config, x, attention_mask, None, position_ids=position_ids)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        rotary.alpha.copy_(0.3 * torch.randn(rotary.alpha.shape))
+    for layer_idx in (0, 1):
+        layer = modeling.MistralLarge4TextAttention(config, layer_idx).eval()
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                param.copy_(torch.randn(param.shape) * (0.3 if "norm" in name else param.shape[-1] ** -0.5 * 1.5))
+                if "norm.weight" in name or "layernorm" in name or name.endswith("scaling.bias"):
+                    param.add_(1.0)
+            theirs = layer(
+                x, rotary(x, position_ids), mask, transformers.cache_utils.KVSharingDict(), position_ids=position_ids
+            )[0]
+            ours = SparseLatentAttention.from_transformers(layer, rotary_embedding=rotary)
+            assert ours.indexer is not None and ours.indexer.query_input == "hidden"
+            assert ours.indexer.rope_dim == (4 if layer_idx == 0 else 0)
+            got = ours(x, positions=position_ids, key_padding_mask=padding)
+            dense = MultiHeadLatentAttention.from_transformers(layer, rotary_embedding=rotary)(
+                x, positions=position_ids, key_padding_mask=padding
+            )
+        torch.testing.assert_close(got[real], theirs[real], atol=1e-5, rtol=0, msg=f"layer {layer_idx}")
+        assert float((dense[real] - theirs[real]).abs().max()) > 1e-3  # the picks mattered
+        if layer_idx == 0:  # the indexer alone, handed the model's rotary as transformers hands it
+            visible = _visible(attention_mask, 0, LENGTH)
+            with torch.no_grad():
+                their_picks = layer.indexer(x, rotary(x, position_ids), mask[:, 0], position_ids)
+                alone = LightningIndexer.from_transformers(layer.indexer)
+                our_picks = alone(x, x, positions=position_ids, rotary=rotary(x, position_ids), key_padding=padding)
+            assert _visible_sets(our_picks, visible) == _visible_sets(their_picks, visible)

@@ -31,8 +31,14 @@ from selfattn.sparse.indexer import LightningIndexer, select_top_k
 
 __all__ = ["SparseLatentAttention", "SparseLatentCache"]
 
-# Attention layer class -> whether its indexer reads rotary pairs interleaved.
-_LAYERS = {"DeepseekV32Attention": False, "GlmMoeDsaAttention": True}
+# Attention layer class -> its indexer's options beyond the sizes.
+_LAYERS: dict[str, dict[str, Any]] = {
+    "DeepseekV32Attention": {"index_interleaved": False},
+    "GlmMoeDsaAttention": {"index_interleaved": True},
+    "MistralLarge4TextAttention": {
+        "index_interleaved": True, "index_query_input": "hidden", "index_head_log_scaling": True,
+    },
+}  # fmt: skip
 
 
 class SparseLatentCache:
@@ -104,10 +110,13 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         index_heads: the indexer's heads (``index_n_heads``); None for a layer that shares picks.
         index_head_dim: the indexer's head size (``index_head_dim``); None likewise.
         top_k: keys picked per query (``index_topk``); None likewise.
-        index_interleaved: the indexer reads rotary pairs interleaved (GLM-MoE-DSA) rather than as
-            two halves (DeepSeek-V3.2).
+        index_interleaved: the indexer reads rotary pairs interleaved (GLM-MoE-DSA, Mistral Large 4)
+            rather than as two halves (DeepSeek-V3.2).
+        index_query_input: what the indexer's queries read: ``"latent"``, the query latent
+            ``q_a_layernorm(q_a_proj(x))``, or ``"hidden"``, the layer's input (Mistral Large 4).
+        index_head_log_scaling: the indexer scales its queries per head by the position (Mistral Large 4).
         **options: the arguments of :class:`~selfattn.latent.MultiHeadLatentAttention`;
-            ``q_lora_rank`` is required with an indexer (it reads the query latent).
+            ``q_lora_rank`` is required by an indexer that reads the query latent.
 
     Raises:
         ValueError: no ``q_lora_rank`` with an indexer, some but not all of the indexer's sizes,
@@ -121,6 +130,8 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         index_head_dim: int | None,
         top_k: int | None,
         index_interleaved: bool = False,
+        index_query_input: str = "latent",
+        index_head_log_scaling: bool = False,
         **options: Any,
     ):
         super().__init__(**options)
@@ -135,11 +146,12 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                 f"{', '.join(f'{k}={v}' for k, v in sizes.items())}: give all three (a layer with its own indexer) "
                 "or none (a layer that takes another layer's picks)"
             )
-        if self.q_lora_rank is None:
+        if self.q_lora_rank is None and index_query_input == "latent":
             raise ValueError("q_lora_rank=None: the indexer reads the query latent q_a_layernorm(q_a_proj(x))")
         self.indexer = LightningIndexer(
-            self.hidden_size, self.q_lora_rank, index_heads, index_head_dim, self.qk_rope_head_dim, top_k,
-            interleaved=index_interleaved,
+            self.hidden_size, self.q_lora_rank or self.hidden_size, index_heads, index_head_dim,
+            self.qk_rope_head_dim, top_k, interleaved=index_interleaved, query_input=index_query_input,
+            head_log_scaling=index_head_log_scaling,
         )  # fmt: skip
         self.indexer.to(device=self.o_proj.weight.device, dtype=self.o_proj.weight.dtype)
 
@@ -150,15 +162,18 @@ class SparseLatentAttention(MultiHeadLatentAttention):
 
     @classmethod
     def from_transformers(cls, layer: nn.Module, *, rotary_embedding: nn.Module | None = None) -> SparseLatentAttention:
-        """The layer equal to transformers' ``DeepseekV32Attention`` or ``GlmMoeDsaAttention`` (indexer included).
+        """The layer equal to transformers' ``DeepseekV32Attention``, ``GlmMoeDsaAttention`` or ``MistralLarge4TextAttention``.
 
         ``layer(x, position_embeddings=rotary(x, position_ids), attention_mask=causal mask)`` then
         equals ``sparse(x, positions=position_ids, key_padding_mask=padding)``; the state dict
         loads strictly (every name of the transformers layer, the indexer's included).
+        ``rotary_embedding``: the model's rotary module, for Mistral Large 4's learned frequencies
+        (its indexer reads the hidden states and scales its queries per head).
 
-        A GLM-MoE-DSA layer of ``indexer_types`` "shared" has no indexer: the layer made shares
-        picks (``picks=``, from the last "full" layer's :meth:`forward_with_picks`), as
-        transformers hands it ``prev_topk_indices``.
+        A layer of ``indexer_types`` "shared" (GLM-5, Mistral Large 4) has no indexer: the layer
+        made shares picks (``picks=``, from the last "full" layer's :meth:`forward_with_picks`), as
+        transformers hands it ``prev_topk_indices``. Mistral Large 4's cross-layer latent sharing
+        (``kv_sharing_modes`` "reuse") is refused, as by the MLA loader.
 
         Raises:
             ValueError: another layer class; what
@@ -167,7 +182,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         names = [c.__name__ for c in type(layer).__mro__ if c.__module__.startswith("transformers.")]
         found = [name for name in names if name in _LAYERS]
         if not found:
-            raise ValueError(f"layer must be a transformers {' or '.join(_LAYERS)}, got {type(layer).__name__}")
+            raise ValueError(f"layer must be a transformers {', '.join(_LAYERS)}, got {type(layer).__name__}")
         hf: Any = layer
         mla = MultiHeadLatentAttention.from_transformers(layer, rotary_embedding=rotary_embedding)
         config = hf.config
@@ -175,7 +190,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         made = cls(
             index_heads=int(config.index_n_heads) if own else None,
             index_head_dim=int(config.index_head_dim) if own else None,
-            top_k=int(config.index_topk) if own else None, index_interleaved=_LAYERS[found[0]], **_options_of(mla),
+            top_k=int(config.index_topk) if own else None, **_LAYERS[found[0]], **_options_of(mla),
         )  # fmt: skip
         made.load_state_dict(hf.state_dict(), strict=True)
         return made.train(hf.training)
@@ -207,12 +222,15 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         """
         if self.indexer is None:
             raise ValueError("this layer shares another layer's picks (no indexer): pass picks= to forward")
-        assert self.q_a_proj is not None and self.q_a_layernorm is not None
         with torch.no_grad():  # integer picks: no gradient flows through them
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))  # (b, l, rq)
+            if self.indexer.query_input == "hidden":
+                q_input = x
+            else:
+                assert self.q_a_proj is not None and self.q_a_layernorm is not None
+                q_input = self.q_a_layernorm(self.q_a_proj(x))  # (b, l, rq)
             cos, sin = self.index_rotary(positions, x.dtype)
             keys = self.indexer.index_keys(x, cos, sin)  # (b, l, D)
-            queries, weights = self.indexer.index_queries(x, q_latent, cos, sin)
+            queries, weights = self.indexer.index_queries(x, q_input, cos, sin, positions)
             first, padding = 0, key_padding_mask
             if index_keys is not None:
                 first = index_keys.length
@@ -358,7 +376,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             return f"{super().extra_repr()}, shares_picks=True"
         return (
             f"{super().extra_repr()}, index_heads={indexer.num_heads}, index_head_dim={indexer.head_dim}, "
-            f"top_k={indexer.top_k}, index_interleaved={indexer.interleaved}"
+            f"top_k={indexer.top_k}, index_interleaved={indexer.interleaved}, index_query_input={indexer.query_input!r}"
         )
 
 
@@ -371,5 +389,6 @@ def _options_of(mla: MultiHeadLatentAttention) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim, "q_lora_rank": mla.q_lora_rank, "bias": mla.o_proj.bias is not None,
         "norm_eps": mla.kv_a_layernorm.eps, "position": mla.position, "split_rotated_pairs": mla.split_rotated_pairs,
         "scale": mla.scale, "dropout": mla.dropout, "computation": mla.computation, "device": weight.device,
+        "head_log_scaling": mla.softmax_scaling is not None,
         "dtype": weight.dtype,
     }  # fmt: skip
