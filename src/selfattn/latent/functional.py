@@ -79,6 +79,15 @@ class LatentExplanation:
         return f"computation: {self.computation} ({self.reason})\n{self.attention}"
 
 
+#: What one multiply-add over gathered latent rows costs, in multiply-adds of a dense pass. Per query the
+#: route multiplies ``h`` query rows by ``t`` gathered rows of ``r + dr``: a matrix product of ``h`` (16)
+#: rows, slower per multiply-add than the fused dense kernel's tiles, and more so as the ``t x (r + dr)``
+#: rows outgrow the cache. Measured on CPU, one thread, DeepSeek-V3's sizes (BENCHMARKS.md section
+#: latent-sparse-cpu-dsa and the DSA rows of latent-sparse-cpu): 0.9x the time of a dense masked
+#: multiply-add at n=4096, top-k 512; 2.5x that of the dense causal pass at n=8192, top-k 2048.
+GATHERED_COST = 2
+
+
 def _costs(
     num_queries: int, num_keys: int, heads: int, rank: int, nope: int, rope: int, value: int, picks: int | None
 ) -> tuple[int, int]:
@@ -89,8 +98,11 @@ def _costs(
     route declines many queries and a dense masked pass attends to all of them.
     """
     expanded = num_keys * heads * rank * (nope + value) + num_queries * heads * num_keys * (nope + rope + value)
-    attended = num_keys if picks is None else min(picks, num_keys)
-    absorbed = num_queries * heads * (rank * (nope + value) + attended * (2 * rank + rope))
+    if picks is None:
+        absorbed = num_queries * heads * (rank * (nope + value) + num_keys * (2 * rank + rope))
+    else:
+        gathered = GATHERED_COST * min(picks, num_keys) * (2 * rank + rope)
+        absorbed = num_queries * heads * (rank * (nope + value) + gathered)
     return expanded, absorbed
 
 
@@ -112,8 +124,7 @@ def choose_computation(
     DeepSeek-V3's sizes absorbing wins below about 170 queries, whatever the number of keys.
     With ``picks`` keys per query (a top-k selection small enough for the "sparse selection"
     route) absorbing attends to ``picks`` keys, not ``lk``: the gathered latent rows serve every
-    head at once. A gathered multiply-add runs about as fast as one of a dense masked pass, the
-    expanded alternative (DeepSeek-V3's sizes, n=4096, top-k 512, one thread: 7.8 s against 15.5 s).
+    head at once; each gathered multiply-add counts :data:`GATHERED_COST` dense ones.
 
     Raises:
         ValueError: ``requested`` not one of :data:`COMPUTATIONS`.
