@@ -82,9 +82,10 @@ class LatentExplanation:
 #: What one multiply-add over gathered latent rows costs, in multiply-adds of a dense pass. Per query the
 #: route multiplies ``h`` query rows by ``t`` gathered rows of ``r + dr``: a matrix product of ``h`` (16)
 #: rows, slower per multiply-add than the fused dense kernel's tiles, and more so as the ``t x (r + dr)``
-#: rows outgrow the cache. Measured on CPU, one thread, DeepSeek-V3's sizes (BENCHMARKS.md section
-#: latent-sparse-cpu-dsa and the DSA rows of latent-sparse-cpu): 0.9x the time of a dense masked
-#: multiply-add at n=4096, top-k 512; 2.5x that of the dense causal pass at n=8192, top-k 2048.
+#: rows outgrow the cache. Measured on CPU, one thread, DeepSeek-V3's sizes, layer forward with the
+#: projections: at n=8192, top-k 2048, absorbed on the sparse route 86.1 s, expanded (a masked fused
+#: pass over every key) 49.7 s, dense causal 20.3 s: 1.9x the time per multiply-add of the masked pass
+#: (0.9x at n=4096, top-k 512, whose gathered rows fit the cache better).
 GATHERED_COST = 2
 
 
