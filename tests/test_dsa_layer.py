@@ -26,7 +26,7 @@ from transformers import masking_utils  # noqa: E402
 
 import selfattn.masks as masks  # noqa: E402
 from selfattn.latent import LatentCache, MultiHeadLatentAttention  # noqa: E402
-from selfattn.sparse import SparseLatentAttention, SparseLatentCache  # noqa: E402
+from selfattn.sparse import LightningIndexer, SparseLatentAttention, SparseLatentCache  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -49,10 +49,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str, str]] = {
 }  # fmt: skip
 
 
-def _layer(family: str, implementation: str = "eager") -> tuple[Any, Any, Any]:
-    """transformers' layer (random weights, float32), its config and its model's rotary embedding."""
+def _layer(family: str, implementation: str = "eager", **sizes: Any) -> tuple[Any, Any, Any]:
+    """transformers' layer (random weights, float32), its config and its model's rotary embedding; ``sizes`` override."""
     config_name, extra, attention_name, rotary_name = FAMILIES[family]
-    config = getattr(transformers, config_name)(**SIZES, **extra)
+    config = getattr(transformers, config_name)(**{**SIZES, **sizes}, **extra)
     config._attn_implementation = implementation
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     torch.manual_seed(3)
@@ -227,6 +227,33 @@ def test_sparse_selection_route_is_taken() -> None:
     assert cache.length == LENGTH - 1 and cache.index_keys.length == LENGTH - 1  # explain changed nothing
 
 
+def test_long_prefill_takes_the_absorbed_sparse_route_and_equals_the_dense_masked_pass() -> None:
+    """80 queries (past the route's 64 for one head per kv head), 3 picks each: absorbed, "sparse selection".
+
+    Expanded, each gathered key would serve one head, so the route declines and a dense masked pass
+    runs; absorbed, one gathered latent row serves every head (8 here: the route's least for many
+    queries), so the computation is chosen by the picks it attends to, and equals the expanded
+    dense masked pass (and its gradients) to rounding. With 4 heads the route declines the
+    absorbed call too, and the picks are not counted.
+    """
+    layer, _, _ = _layer("deepseek_v32", num_attention_heads=8, num_key_value_heads=8)
+    sparse = SparseLatentAttention.from_transformers(layer)
+    x = torch.randn(2, 80, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    explained = sparse.explain(x)
+    assert (explained.computation, explained.route) == ("absorbed", "sparse selection"), str(explained)
+    assert "3 selected keys per query" in explained.reason
+    four_heads = SparseLatentAttention.from_transformers(_layer("deepseek_v32")[0]).explain(x)
+    assert four_heads.computation == "expanded" and "selected keys" not in four_heads.reason
+    expanded = sparse.explain(x, computation="expanded")
+    assert expanded.route != "sparse selection"  # the dense masked pass it is checked against
+    ours = sparse(x)
+    (grad,) = torch.autograd.grad(ours.square().sum(), x)
+    dense = sparse(x, computation="expanded")
+    (dense_grad,) = torch.autograd.grad(dense.square().sum(), x)
+    torch.testing.assert_close(ours, dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, dense_grad, atol=1e-4, rtol=1e-5)
+
+
 def test_failed_call_leaves_both_caches() -> None:
     """A call failing after the indexer extended its keys commits neither part; the next call goes on as before."""
     layer, _, _ = _layer("glm_moe_dsa")
@@ -285,13 +312,94 @@ def test_bad_input_is_named() -> None:
         )  # fmt: skip
 
 
-def test_layers_without_their_own_indexer_are_refused() -> None:
-    with pytest.raises(ValueError, match="DeepseekV32Attention or GlmMoeDsaAttention, got Linear"):
+def test_other_layer_classes_are_refused() -> None:
+    with pytest.raises(
+        ValueError, match="DeepseekV32Attention, GlmMoeDsaAttention, MistralLarge4TextAttention, got Linear"
+    ):
         SparseLatentAttention.from_transformers(torch.nn.Linear(2, 2))
+
+
+def _glm_pair() -> tuple[Any, Any, Any, Any]:
+    """transformers' GLM-5 layers of ``indexer_types=["full", "shared"]`` (random weights), the config and the rotary."""
     config = transformers.GlmMoeDsaConfig(**{**SIZES, "num_hidden_layers": 2}, indexer_types=["full", "shared"])
+    config._attn_implementation = "eager"
     modeling = importlib.import_module("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
-    with pytest.raises(ValueError, match=r"has no indexer \(indexer_types 'shared'"):
-        SparseLatentAttention.from_transformers(modeling.GlmMoeDsaAttention(config, 1))
+    torch.manual_seed(3)
+    layers = [modeling.GlmMoeDsaAttention(config, i).eval() for i in (0, 1)]
+    with torch.no_grad():
+        for layer in layers:
+            for name, param in layer.named_parameters():
+                param.copy_(torch.randn(param.shape) * (0.3 if "norm" in name else param.shape[-1] ** -0.5 * 1.5))
+                if "norm.weight" in name or "layernorm" in name:
+                    param.add_(1.0)
+    return layers[0], layers[1], config, modeling.GlmMoeDsaRotaryEmbedding(config)
+
+
+def test_a_shared_layer_takes_the_full_layers_picks_as_transformers_does() -> None:
+    """GLM-5's "shared" layer has no indexer: given the "full" layer's picks it equals transformers' (1e-5).
+
+    transformers hands the shared layer ``prev_topk_indices``; here :meth:`forward_with_picks` of
+    the full layer returns them. Decoding with the caches (a plain LatentCache for the shared layer)
+    equals the full pass.
+    """
+    full, shared, config, rotary = _glm_pair()
+    x, attention_mask, position_ids = _inputs()
+    x_next = torch.randn(x.shape, generator=torch.Generator().manual_seed(11))  # the shared layer's own input
+    padding, real = attention_mask == 0, attention_mask.bool()
+    ours_full, ours_shared = (
+        SparseLatentAttention.from_transformers(full),
+        SparseLatentAttention.from_transformers(shared),
+    )
+    assert ours_shared.shares_picks and not ours_full.shares_picks and "shares_picks=True" in repr(ours_shared)
+    assert set(ours_shared.state_dict()) == set(shared.state_dict())  # no indexer weights on either side
+    _assert_no_ties(ours_full, x, position_ids, _visible(attention_mask, 0, LENGTH))
+    mask = masking_utils.create_causal_mask(config, x, attention_mask, None, position_ids=position_ids)
+    embeddings = rotary(x, position_ids)
+    with torch.no_grad():
+        theirs_full, _, their_picks = full(x, embeddings, mask, position_ids=position_ids)
+        theirs, _, _ = shared(x_next, embeddings, mask, position_ids=position_ids, prev_topk_indices=their_picks)
+        ours_out, picks = ours_full.forward_with_picks(x, positions=position_ids, key_padding_mask=padding)
+        ours = ours_shared(x_next, positions=position_ids, key_padding_mask=padding, picks=picks)
+        dense = MultiHeadLatentAttention.from_transformers(shared)(
+            x_next, positions=position_ids, key_padding_mask=padding
+        )
+    torch.testing.assert_close(ours_out[real], theirs_full[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
+    assert float((dense[real] - theirs[real]).abs().max()) > 1e-3  # the shared picks mattered
+    assert ours_shared.explain(x_next, positions=position_ids, key_padding_mask=padding, picks=picks).route == (
+        "sparse selection"
+    )
+    full_cache, shared_cache, steps = SparseLatentCache(max_len=LENGTH), LatentCache(max_len=LENGTH), []
+    with torch.no_grad():
+        for start, stop in [(0, 5)] + [(t, t + 1) for t in range(5, LENGTH)]:
+            chunk = dict(positions=position_ids[:, start:stop], key_padding_mask=padding[:, start:stop])
+            _, step_picks = ours_full.forward_with_picks(x[:, start:stop], cache=full_cache, **chunk)
+            steps.append(ours_shared(x_next[:, start:stop], cache=shared_cache, picks=step_picks, **chunk))
+    torch.testing.assert_close(torch.cat(steps, dim=1)[real], ours[real], atol=1e-5, rtol=0)
+
+
+def test_picks_go_only_where_they_are_taken() -> None:
+    full, shared, _, _ = _glm_pair()
+    ours_full, ours_shared = (
+        SparseLatentAttention.from_transformers(full),
+        SparseLatentAttention.from_transformers(shared),
+    )
+    x, picks = torch.randn(1, 4, 32), torch.zeros(1, 4, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="picks=None: this layer has no indexer"):
+        ours_shared(x)
+    with pytest.raises(ValueError, match="picks given to a layer with its own indexer"):
+        ours_full(x, picks=picks)
+    with pytest.raises(ValueError, match=r"cache must be a LatentCache.*got SparseLatentCache"):
+        ours_shared(x, picks=picks, cache=SparseLatentCache(max_len=4))
+    with pytest.raises(ValueError, match=r"masks.selected: indices .* must lie in \[-1, 4\)"):
+        ours_shared(x, picks=picks + 4)
+    with pytest.raises(ValueError, match="this layer shares another layer's picks"):
+        ours_shared.select(x, torch.arange(4), None, None)
+    with pytest.raises(ValueError, match="index_heads=2, index_head_dim=None, top_k=3: give all three"):
+        SparseLatentAttention(
+            index_heads=2, index_head_dim=None, top_k=3, hidden_size=32, num_heads=4, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=6, q_lora_rank=12,
+        )  # fmt: skip
 
 
 def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -308,6 +416,53 @@ def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(script.DSA_SIZES, "top_k", 8)
     timing = {"min_repeats": 1, "max_repeats": 1, "budget_s": 1.0, "warmup": 0}
     rows, targets = script.dsa_rows(timing, {}, 1)
-    assert len(rows) == 3 and all(len(row) == len(script.DSA_HEADER) for row in rows)
-    assert "(sparse selection)" in rows[1][1] and "(sparse selection)" in rows[2][1]  # absorbed prefill, decoding
+    assert len(rows) == 2 and all(len(row) == len(script.DSA_HEADER) for row in rows)
+    assert "sparse absorbed (sparse selection)" in rows[0][1] and "(sparse selection)" in rows[1][1]
     assert [t[0].split(" n=")[0].split(" after")[0] for t in targets] == ["DSA prefill forward", "DSA decoding"]
+
+
+def test_mistral_large4_layer_equals_transformers() -> None:
+    """Mistral Large 4's DSA layer (indexer from the normed hidden states, per-head log scaling, learned rotary).
+
+    A rope layer and a NoPE layer (``no_rope_layers``), each with top-k 3 of 12 keys, equal
+    transformers' own (eager, left-padded) to 1e-5; the picks decide the output.
+    """
+    modeling = importlib.import_module("transformers.models.mistral_large4.modeling_mistral_large4")
+    sizes = {**SIZES, "num_hidden_layers": 2, "q_lora_rank": None}
+    config = transformers.MistralLarge4TextConfig(
+        **sizes, no_rope_layers=[1, 0], rope_parameters=dict(YARN, attention_factor=1.0)
+    )
+    config._attn_implementation = "eager"
+    rotary = modeling.MistralLarge4TextRotaryEmbedding(config)
+    x, attention_mask, position_ids = _inputs()
+    padding, real = attention_mask == 0, attention_mask.bool()
+    mask = masking_utils.create_causal_mask(config, x, attention_mask, None, position_ids=position_ids)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        rotary.alpha.copy_(0.3 * torch.randn(rotary.alpha.shape))
+    for layer_idx in (0, 1):
+        layer = modeling.MistralLarge4TextAttention(config, layer_idx).eval()
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                param.copy_(torch.randn(param.shape) * (0.3 if "norm" in name else param.shape[-1] ** -0.5 * 1.5))
+                if "norm.weight" in name or "layernorm" in name or name.endswith("scaling.bias"):
+                    param.add_(1.0)
+            theirs = layer(
+                x, rotary(x, position_ids), mask, transformers.cache_utils.KVSharingDict(), position_ids=position_ids
+            )[0]
+            ours = SparseLatentAttention.from_transformers(layer, rotary_embedding=rotary)
+            assert ours.indexer is not None and ours.indexer.query_input == "hidden"
+            assert ours.indexer.rope_dim == (4 if layer_idx == 0 else 0)
+            got = ours(x, positions=position_ids, key_padding_mask=padding)
+            dense = MultiHeadLatentAttention.from_transformers(layer, rotary_embedding=rotary)(
+                x, positions=position_ids, key_padding_mask=padding
+            )
+        torch.testing.assert_close(got[real], theirs[real], atol=1e-5, rtol=0, msg=f"layer {layer_idx}")
+        assert float((dense[real] - theirs[real]).abs().max()) > 1e-3  # the picks mattered
+        if layer_idx == 0:  # the indexer alone, handed the model's rotary as transformers hands it
+            visible = _visible(attention_mask, 0, LENGTH)
+            with torch.no_grad():
+                their_picks = layer.indexer(x, rotary(x, position_ids), mask[:, 0], position_ids)
+                alone = LightningIndexer.from_transformers(layer.indexer)
+                our_picks = alone(x, x, positions=position_ids, rotary=rotary(x, position_ids), key_padding=padding)
+            assert _visible_sets(our_picks, visible) == _visible_sets(their_picks, visible)

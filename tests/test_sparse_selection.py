@@ -93,6 +93,61 @@ def test_route_equals_the_dense_masked_formula(name: str, dtype: torch.dtype, la
     assert out.dtype == dtype and torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))  # picked only -1
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own values", "values are the keys"])
+def test_without_autograd_the_reused_storage_gives_the_formula(shared: bool) -> None:
+    """No autograd: the gathered rows go into storage reused block after block (and once when ``v is k``).
+
+    Blocks of 3 queries over 2 sequences and 2 kv heads, so each block's rows overwrite the last's;
+    the absorbed latent call's shape (values = keys) gathers the rows once.
+    """
+    b, h, hk, lq, lk, d, t = 2, 4, 2, 10, 30, 6, 5
+    generator = torch.Generator().manual_seed(4)
+    q, k = torch.randn(b, h, lq, d, generator=generator), torch.randn(b, hk, lk, d, generator=generator)
+    v = k if shared else torch.randn(b, hk, lk, 3, generator=generator)
+    picks = _picks(b, lq, lk, t, seed=2)
+    call = AttentionCall.of_heads(
+        q, k, v, Visibility.lower_right(lq, lk, masks.causal(), masks.selected(picks)), scale=0.6, block_size=3
+    )
+    assert dispatch.explain(call).route == "sparse selection"
+    with torch.no_grad():
+        out = dispatch.run(call).out
+    seen = _folded(picks, lk) & (torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None])
+    expected = reference_attention(q.double(), k.double(), v.double(), seen, scale=0.6)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+
+
+def test_the_backward_pass_keeps_no_gathered_rows() -> None:
+    """What the route saves for backward is the size of its inputs and output, not of the gathered rows.
+
+    Left to autograd, each block's gathered keys and values (``lq x t x (d + dv)`` per kv head,
+    here 16x the keys) stayed alive until the backward pass; the route now gathers them again there.
+    """
+    b, h, hk, lq, lk, d, t = 1, 4, 1, 64, 64, 8, 16
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(b, h, lq, d, generator=generator, requires_grad=True)
+    k, v = (torch.randn(b, hk, lk, d, generator=generator, requires_grad=True) for _ in range(2))
+    picks = torch.stack([torch.randperm(lk, generator=generator)[:t] for _ in range(lq)])[None]
+    call = AttentionCall.of_heads(q, k, v, Visibility.lower_right(lq, lk, masks.selected(picks)), block_size=8)
+    assert dispatch.explain(call).route == "sparse selection"
+    saved: list[int] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        out = dispatch.run(call).out
+    inputs_and_output = sum(x.numel() * x.element_size() for x in (q, k, v, picks, out, out[..., 0]))
+    gathered = lq * t * 2 * d * 4  # one pass's gathered key and value rows, float32
+    assert sum(saved) <= inputs_and_output < gathered, (sum(saved), inputs_and_output, gathered)
+    seen = _folded(picks, lk)
+    expected = reference_attention(q.double(), k.double(), v.double(), seen, scale=d**-0.5)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    expected_grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(expected))
+    for got, wanted in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, wanted, atol=2e-5, rtol=0)
+
+
 def test_other_rules_and_per_head_masks_hold_on_the_picked_pairs() -> None:
     """Documents, a window and a per-head dense mask, evaluated on the picks alone, equal the dense route."""
     b, h, lq, lk = 2, 2, 8, 40

@@ -36,7 +36,7 @@ from selfattn._mask_selection import Selected
 from selfattn._validation import require_positive_finite, require_probability
 from selfattn.core.call import AttentionCall
 from selfattn.core.explanation import Explanation
-from selfattn.core.routes.sparse import SPARSE_MAX_SHARE
+from selfattn.core.routes.sparse import SPARSE_MANY_QUERIES, SPARSE_MAX_SHARE, SPARSE_MIN_GROUP
 from selfattn.masks import Visibility
 
 __all__ = [
@@ -79,29 +79,63 @@ class LatentExplanation:
         return f"computation: {self.computation} ({self.reason})\n{self.attention}"
 
 
-def _costs(num_queries: int, num_keys: int, heads: int, rank: int, nope: int, rope: int, value: int) -> tuple[int, int]:
-    """Multiply-adds of (expanded, absorbed) per batch row, projections in and out of the heads included."""
+#: What one multiply-add over gathered latent rows costs, in multiply-adds of a dense pass. Per query the
+#: route multiplies ``h`` query rows by ``t`` gathered rows of ``r + dr``: a matrix product of ``h`` (16)
+#: rows, slower per multiply-add than the fused dense kernel's tiles, and more so as the ``t x (r + dr)``
+#: rows outgrow the cache. Measured on CPU, one thread, DeepSeek-V3's sizes, layer forward with the
+#: projections: at n=8192, top-k 2048, absorbed on the sparse route 86.1 s, expanded (a masked fused
+#: pass over every key) 49.7 s, dense causal 20.3 s: 1.9x the time per multiply-add of the masked pass
+#: (0.9x at n=4096, top-k 512, whose gathered rows fit the cache better).
+GATHERED_COST = 2
+
+
+def _costs(
+    num_queries: int, num_keys: int, heads: int, rank: int, nope: int, rope: int, value: int, picks: int | None
+) -> tuple[int, int]:
+    """Multiply-adds of (expanded, absorbed) per batch row, projections in and out of the heads included.
+
+    With ``picks`` (a top-k selection the "sparse selection" route takes when absorbed), the
+    absorbed queries each attend to ``picks`` keys; expanded, one query head per key head, the
+    route declines many queries and a dense masked pass attends to all of them.
+    """
     expanded = num_keys * heads * rank * (nope + value) + num_queries * heads * num_keys * (nope + rope + value)
-    absorbed = num_queries * heads * (rank * (nope + value) + num_keys * (2 * rank + rope))
+    if picks is None:
+        absorbed = num_queries * heads * (rank * (nope + value) + num_keys * (2 * rank + rope))
+    else:
+        gathered = GATHERED_COST * min(picks, num_keys) * (2 * rank + rope)
+        absorbed = num_queries * heads * (rank * (nope + value) + gathered)
     return expanded, absorbed
 
 
 def choose_computation(
-    requested: str, num_queries: int, num_keys: int, heads: int, rank: int, nope: int, rope: int, value: int
+    requested: str,
+    num_queries: int,
+    num_keys: int,
+    heads: int,
+    rank: int,
+    nope: int,
+    rope: int,
+    value: int,
+    picks: int | None = None,
 ) -> tuple[Computation, str]:
     """The computation for these sizes and the reason, in words.
 
     ``"auto"`` takes the one with fewer multiply-adds: expanding costs ``lk h r (dn + dv)`` once
     plus ``lq h lk (dn + dr + dv)``; absorbing costs ``lq h (r (dn + dv) + lk (2 r + dr))``. With
     DeepSeek-V3's sizes absorbing wins below about 170 queries, whatever the number of keys.
+    With ``picks`` keys per query (a top-k selection small enough for the "sparse selection"
+    route) absorbing attends to ``picks`` keys, not ``lk``: the gathered latent rows serve every
+    head at once; each gathered multiply-add counts :data:`GATHERED_COST` dense ones.
 
     Raises:
         ValueError: ``requested`` not one of :data:`COMPUTATIONS`.
     """
     if requested not in COMPUTATIONS:
         raise ValueError(f"computation must be one of {COMPUTATIONS}, got {requested!r}")
-    expanded, absorbed = _costs(num_queries, num_keys, heads, rank, nope, rope, value)
+    expanded, absorbed = _costs(num_queries, num_keys, heads, rank, nope, rope, value, picks)
     counts = f"expanded {expanded:,} vs absorbed {absorbed:,} multiply-adds per sequence"
+    if picks is not None:
+        counts += f" (absorbed attends to the {picks} selected keys per query)"
     if requested != "auto":
         return requested, f"asked for; {counts}"  # type: ignore[return-value]
     if absorbed < expanded:
@@ -176,6 +210,20 @@ def _expanded_call(
     )  # fmt: skip
 
 
+def _sparse_picks(visibility: Visibility, heads: int | None = None) -> int | None:
+    """Picks per query of a top-k selection small enough for the "sparse selection" route, else None.
+
+    With ``heads``: only if the route also takes the absorbed call (``heads`` query heads over
+    one latent key head; past :data:`SPARSE_MANY_QUERIES` queries it wants :data:`SPARSE_MIN_GROUP`).
+    """
+    selection = visibility.find(Selected)
+    if not isinstance(selection, Selected) or selection.indices.shape[-1] > SPARSE_MAX_SHARE * visibility.num_keys:
+        return None
+    if heads is not None and visibility.num_queries > SPARSE_MANY_QUERIES and heads < SPARSE_MIN_GROUP:
+        return None
+    return int(selection.indices.shape[-1])
+
+
 #: Absorbed calls of at most this many queries fold the heads into the queries (see :func:`_folded_visibility`).
 FOLD_MAX_QUERIES = 64
 
@@ -191,8 +239,7 @@ def _folded_visibility(visibility: Visibility, heads: int, device: torch.device)
     route keeps the heads apart instead: rendered dense it would hide the selection from that
     route, which gathers each query's picks once for all the heads.
     """
-    selection = visibility.find(Selected)
-    if isinstance(selection, Selected) and selection.indices.shape[-1] <= SPARSE_MAX_SHARE * visibility.num_keys:
+    if _sparse_picks(visibility) is not None:
         return None
     rows = visibility.dense(device)  # (.., lq, lk) bool, or None when every key is visible
     folded = Visibility(heads * visibility.num_queries, visibility.num_keys, visibility.q_first, visibility.k_first)
@@ -301,7 +348,8 @@ def describe_latent(
     heads, num_queries, nope = q_nope.shape[1], q_nope.shape[2], q_nope.shape[3]
     rank, rope, num_keys = kv_b_weight.shape[-1], q_rope.shape[-1], latent_key.shape[-2]
     value = kv_b_weight.shape[0] // heads - nope
-    chosen, reason = choose_computation(computation, num_queries, num_keys, heads, rank, nope, rope, value)
+    picks = _sparse_picks(visibility, heads)
+    chosen, reason = choose_computation(computation, num_queries, num_keys, heads, rank, nope, rope, value, picks)
     scale, dropout_p = require_positive_finite("scale", scale), require_probability("dropout_p", dropout_p)
     visibility.check(q_nope.shape[0], heads)  # the rules' tensors fit the call, before any is rendered
     if chosen == "expanded":

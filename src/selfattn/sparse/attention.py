@@ -31,8 +31,14 @@ from selfattn.sparse.indexer import LightningIndexer, select_top_k
 
 __all__ = ["SparseLatentAttention", "SparseLatentCache"]
 
-# Attention layer class -> whether its indexer reads rotary pairs interleaved.
-_LAYERS = {"DeepseekV32Attention": False, "GlmMoeDsaAttention": True}
+# Attention layer class -> its indexer's options beyond the sizes.
+_LAYERS: dict[str, dict[str, Any]] = {
+    "DeepseekV32Attention": {"index_interleaved": False},
+    "GlmMoeDsaAttention": {"index_interleaved": True},
+    "MistralLarge4TextAttention": {
+        "index_interleaved": True, "index_query_input": "hidden", "index_head_log_scaling": True,
+    },
+}  # fmt: skip
 
 
 class SparseLatentCache:
@@ -94,68 +100,97 @@ class SparseLatentAttention(MultiHeadLatentAttention):
     also runs its indexer under ``torch.no_grad``), so the indexer's parameters get none from this
     layer's output.
 
+    A layer may instead share another layer's picks (GLM-5's ``indexer_types`` "shared" layers,
+    which reuse the top-k of the last layer that ran an indexer): built with
+    ``index_heads = index_head_dim = top_k = None`` it has no indexer (``indexer`` is None), its
+    cache is a plain :class:`~selfattn.latent.LatentCache`, and each call takes the picks as
+    ``picks=``, as :meth:`forward_with_picks` of the selecting layer returned them.
+
     Args:
-        index_heads: the indexer's heads (``index_n_heads``).
-        index_head_dim: the indexer's head size (``index_head_dim``).
-        top_k: keys picked per query (``index_topk``).
-        index_interleaved: the indexer reads rotary pairs interleaved (GLM-MoE-DSA) rather than as
-            two halves (DeepSeek-V3.2).
+        index_heads: the indexer's heads (``index_n_heads``); None for a layer that shares picks.
+        index_head_dim: the indexer's head size (``index_head_dim``); None likewise.
+        top_k: keys picked per query (``index_topk``); None likewise.
+        index_interleaved: the indexer reads rotary pairs interleaved (GLM-MoE-DSA, Mistral Large 4)
+            rather than as two halves (DeepSeek-V3.2).
+        index_query_input: what the indexer's queries read: ``"latent"``, the query latent
+            ``q_a_layernorm(q_a_proj(x))``, or ``"hidden"``, the layer's input (Mistral Large 4).
+        index_head_log_scaling: the indexer scales its queries per head by the position (Mistral Large 4).
         **options: the arguments of :class:`~selfattn.latent.MultiHeadLatentAttention`;
-            ``q_lora_rank`` is required (the indexer reads the query latent).
+            ``q_lora_rank`` is required by an indexer that reads the query latent.
 
     Raises:
-        ValueError: no ``q_lora_rank``, a ``window`` (the indexer's cache keeps every key), a bad
-            indexer size; named.
+        ValueError: no ``q_lora_rank`` with an indexer, some but not all of the indexer's sizes,
+            a ``window`` (the indexer's cache keeps every key), a bad indexer size; named.
     """
 
     def __init__(
         self,
         *,
-        index_heads: int,
-        index_head_dim: int,
-        top_k: int,
+        index_heads: int | None,
+        index_head_dim: int | None,
+        top_k: int | None,
         index_interleaved: bool = False,
+        index_query_input: str = "latent",
+        index_head_log_scaling: bool = False,
         **options: Any,
     ):
         super().__init__(**options)
-        if self.q_lora_rank is None:
-            raise ValueError("q_lora_rank=None: the indexer reads the query latent q_a_layernorm(q_a_proj(x))")
         if self.window is not None:
             raise ValueError(f"window={self.window}: a sparse latent layer picks among every earlier key")
+        sizes = {"index_heads": index_heads, "index_head_dim": index_head_dim, "top_k": top_k}
+        self.indexer: LightningIndexer | None = None
+        if all(size is None for size in sizes.values()):
+            return  # shares another layer's picks
+        if index_heads is None or index_head_dim is None or top_k is None:
+            raise ValueError(
+                f"{', '.join(f'{k}={v}' for k, v in sizes.items())}: give all three (a layer with its own indexer) "
+                "or none (a layer that takes another layer's picks)"
+            )
+        if self.q_lora_rank is None and index_query_input == "latent":
+            raise ValueError("q_lora_rank=None: the indexer reads the query latent q_a_layernorm(q_a_proj(x))")
         self.indexer = LightningIndexer(
-            self.hidden_size, self.q_lora_rank, index_heads, index_head_dim, self.qk_rope_head_dim, top_k,
-            interleaved=index_interleaved,
+            self.hidden_size, self.q_lora_rank or self.hidden_size, index_heads, index_head_dim,
+            self.qk_rope_head_dim, top_k, interleaved=index_interleaved, query_input=index_query_input,
+            head_log_scaling=index_head_log_scaling,
         )  # fmt: skip
         self.indexer.to(device=self.o_proj.weight.device, dtype=self.o_proj.weight.dtype)
 
+    @property
+    def shares_picks(self) -> bool:
+        """Whether the layer has no indexer and takes another layer's picks (``picks=``)."""
+        return self.indexer is None
+
     @classmethod
     def from_transformers(cls, layer: nn.Module, *, rotary_embedding: nn.Module | None = None) -> SparseLatentAttention:
-        """The layer equal to transformers' ``DeepseekV32Attention`` or ``GlmMoeDsaAttention`` (indexer included).
+        """The layer equal to transformers' ``DeepseekV32Attention``, ``GlmMoeDsaAttention`` or ``MistralLarge4TextAttention``.
 
         ``layer(x, position_embeddings=rotary(x, position_ids), attention_mask=causal mask)`` then
         equals ``sparse(x, positions=position_ids, key_padding_mask=padding)``; the state dict
         loads strictly (every name of the transformers layer, the indexer's included).
+        ``rotary_embedding``: the model's rotary module, for Mistral Large 4's learned frequencies
+        (its indexer reads the hidden states and scales its queries per head).
+
+        A layer of ``indexer_types`` "shared" (GLM-5, Mistral Large 4) has no indexer: the layer
+        made shares picks (``picks=``, from the last "full" layer's :meth:`forward_with_picks`), as
+        transformers hands it ``prev_topk_indices``. Mistral Large 4's cross-layer latent sharing
+        (``kv_sharing_modes`` "reuse") is refused, as by the MLA loader.
 
         Raises:
-            ValueError: another layer class; a GLM-MoE-DSA layer of ``indexer_types`` "shared"
-                (it has no indexer of its own: it reuses another layer's picks); what
+            ValueError: another layer class; what
                 :meth:`MultiHeadLatentAttention.from_transformers` refuses; named.
         """
         names = [c.__name__ for c in type(layer).__mro__ if c.__module__.startswith("transformers.")]
         found = [name for name in names if name in _LAYERS]
         if not found:
-            raise ValueError(f"layer must be a transformers {' or '.join(_LAYERS)}, got {type(layer).__name__}")
+            raise ValueError(f"layer must be a transformers {', '.join(_LAYERS)}, got {type(layer).__name__}")
         hf: Any = layer
-        if getattr(hf, "indexer", None) is None:
-            raise ValueError(
-                f"{type(layer).__name__} {hf.layer_idx} has no indexer (indexer_types 'shared': it reuses an "
-                "earlier layer's top-k picks), which a SparseLatentAttention does not express"
-            )
         mla = MultiHeadLatentAttention.from_transformers(layer, rotary_embedding=rotary_embedding)
         config = hf.config
+        own = getattr(hf, "indexer", None) is not None
         made = cls(
-            index_heads=int(config.index_n_heads), index_head_dim=int(config.index_head_dim),
-            top_k=int(config.index_topk), index_interleaved=_LAYERS[found[0]], **_options_of(mla),
+            index_heads=int(config.index_n_heads) if own else None,
+            index_head_dim=int(config.index_head_dim) if own else None,
+            top_k=int(config.index_topk) if own else None, **_LAYERS[found[0]], **_options_of(mla),
         )  # fmt: skip
         made.load_state_dict(hf.state_dict(), strict=True)
         return made.train(hf.training)
@@ -185,12 +220,17 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         The new index keys are put after ``index_keys``' (not committed: the layer commits them
         with the latents).
         """
-        assert self.q_a_proj is not None and self.q_a_layernorm is not None
+        if self.indexer is None:
+            raise ValueError("this layer shares another layer's picks (no indexer): pass picks= to forward")
         with torch.no_grad():  # integer picks: no gradient flows through them
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))  # (b, l, rq)
+            if self.indexer.query_input == "hidden":
+                q_input = x
+            else:
+                assert self.q_a_proj is not None and self.q_a_layernorm is not None
+                q_input = self.q_a_layernorm(self.q_a_proj(x))  # (b, l, rq)
             cos, sin = self.index_rotary(positions, x.dtype)
             keys = self.indexer.index_keys(x, cos, sin)  # (b, l, D)
-            queries, weights = self.indexer.index_queries(x, q_latent, cos, sin)
+            queries, weights = self.indexer.index_queries(x, q_input, cos, sin, positions)
             first, padding = 0, key_padding_mask
             if index_keys is not None:
                 first = index_keys.length
@@ -207,6 +247,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         mask: masks.Rule | torch.Tensor | None = None,
         cache: Any = None,
         computation: str | None = None,
+        picks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal self-attention of ``x`` over the keys its indexer picks (the cache's included).
 
@@ -217,36 +258,65 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             causal: must be True (the indexer picks among earlier keys).
             key_padding_mask: bool ``(b, l)``, True = padding, for the new tokens.
             mask: must be None (the indexer's picks are this layer's mask).
-            cache: a :class:`SparseLatentCache` (decoding).
+            cache: a :class:`SparseLatentCache` (decoding); a
+                :class:`~selfattn.latent.LatentCache` for a layer that shares picks.
             computation: ``"expanded"``, ``"absorbed"`` or ``"auto"`` for this call.
+            picks: integer ``(b or 1, l, k)`` key indices (cache included, ``-1`` unused), another
+                layer's (:meth:`forward_with_picks`): required by a layer that shares picks,
+                refused by one with its own indexer.
 
         Returns:
             ``(b, l, d)``.
 
         Raises:
-            ValueError: ``causal=False``, a ``mask``, a cache of another kind, and what
-                :class:`~selfattn.latent.MultiHeadLatentAttention` refuses; named.
+            ValueError: ``causal=False``, a ``mask``, a cache of another kind, ``picks`` missing or
+                not wanted, and what :class:`~selfattn.latent.MultiHeadLatentAttention` refuses; named.
         """
-        latent, index_keys, positions = self._prepare(x, positions, causal, key_padding_mask, mask, cache)
-        picks = self.select(x, positions, key_padding_mask, index_keys)
+        return self.forward_with_picks(
+            x, positions=positions, causal=causal, key_padding_mask=key_padding_mask, mask=mask, cache=cache,
+            computation=computation, picks=picks,
+        )[0]  # fmt: skip
+
+    def forward_with_picks(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        causal: bool = True,
+        key_padding_mask: torch.Tensor | None = None,
+        mask: masks.Rule | torch.Tensor | None = None,
+        cache: Any = None,
+        computation: str | None = None,
+        picks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`'s output and the picks it attended to, ``(b or 1, l, k)``, for layers that share them.
+
+        GLM-5 runs its indexer in "full" layers only; each "shared" layer after one takes its picks.
+        The arguments are :meth:`forward`'s.
+        """
+        latent, index_keys, positions = self._prepare(x, positions, causal, key_padding_mask, mask, cache, picks)
+        if picks is None:
+            picks = self.select(x, positions, key_padding_mask, index_keys)
         result = super().forward(
             x, positions=positions, key_padding_mask=key_padding_mask, mask=masks.selected(picks), cache=latent,
             computation=computation,
         )  # fmt: skip
         if index_keys is not None:
             index_keys.commit()  # the latent cache committed inside: both or neither
-        return result
+        return result, picks
 
     def explain(self, x: torch.Tensor, **kwargs: Any) -> LatentExplanation:
         """Which computation and route :meth:`forward` takes with these arguments (a cache is copied, not changed)."""
         cache = kwargs.get("cache")
         if isinstance(cache, SparseLatentCache):
-            kwargs["cache"] = cache.copy()
+            kwargs["cache"] = cache.copy()  # a LatentCache (a layer that shares picks) is copied by the MLA's explain
+        picks = kwargs.pop("picks", None)
         latent, index_keys, positions = self._prepare(
             x, kwargs.get("positions"), kwargs.get("causal", True), kwargs.get("key_padding_mask"),
-            kwargs.get("mask"), kwargs.get("cache"),
+            kwargs.get("mask"), kwargs.get("cache"), picks,
         )  # fmt: skip
-        picks = self.select(x, positions, kwargs.get("key_padding_mask"), index_keys)
+        if picks is None:
+            picks = self.select(x, positions, kwargs.get("key_padding_mask"), index_keys)
         arguments = {**kwargs, "positions": positions, "mask": masks.selected(picks), "cache": latent}
         return MultiHeadLatentAttention.explain(self, x, **arguments)
 
@@ -258,12 +328,17 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         key_padding_mask: torch.Tensor | None,
         mask: object,
         cache: object,
+        picks: torch.Tensor | None = None,
     ) -> tuple[LatentCache | None, IndexerKeyCache | None, torch.Tensor]:
         """Refuse what does not fit; the cache's two parts and the new tokens' positions."""
         if causal is not True:
             raise ValueError(f"causal={causal!r}: a sparse latent layer's indexer picks among earlier keys only")
         if mask is not None:
             raise ValueError(f"mask={type(mask).__name__}: the indexer's picks are this layer's mask")
+        if self.indexer is None:
+            return self._prepare_shared(x, positions, key_padding_mask, cache, picks)
+        if picks is not None:
+            raise ValueError("picks given to a layer with its own indexer: it attends to the keys it picks")
         if cache is not None and not isinstance(cache, SparseLatentCache):
             raise ValueError(
                 f"cache must be a SparseLatentCache (the latents and the indexer's keys), got {type(cache).__name__}"
@@ -277,11 +352,31 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         _, positions = self._check(x, positions, key_padding_mask, latent, causal)
         return latent, index_keys, positions
 
+    def _prepare_shared(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+        cache: object,
+        picks: torch.Tensor | None,
+    ) -> tuple[LatentCache | None, None, torch.Tensor]:
+        """A layer that shares picks: they are given, and its cache holds latents only."""
+        if picks is None:
+            raise ValueError("picks=None: this layer has no indexer and takes another layer's picks (picks=)")
+        if cache is not None and not isinstance(cache, LatentCache):
+            raise ValueError(
+                f"cache must be a LatentCache (a layer that shares picks keeps no index keys), got {type(cache).__name__}"
+            )
+        _, positions = self._check(x, positions, key_padding_mask, cache, True)
+        return cache, None, positions
+
     def extra_repr(self) -> str:
         indexer = self.indexer
+        if indexer is None:
+            return f"{super().extra_repr()}, shares_picks=True"
         return (
             f"{super().extra_repr()}, index_heads={indexer.num_heads}, index_head_dim={indexer.head_dim}, "
-            f"top_k={indexer.top_k}, index_interleaved={indexer.interleaved}"
+            f"top_k={indexer.top_k}, index_interleaved={indexer.interleaved}, index_query_input={indexer.query_input!r}"
         )
 
 
@@ -294,5 +389,6 @@ def _options_of(mla: MultiHeadLatentAttention) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim, "q_lora_rank": mla.q_lora_rank, "bias": mla.o_proj.bias is not None,
         "norm_eps": mla.kv_a_layernorm.eps, "position": mla.position, "split_rotated_pairs": mla.split_rotated_pairs,
         "scale": mla.scale, "dropout": mla.dropout, "computation": mla.computation, "device": weight.device,
+        "head_log_scaling": mla.softmax_scaling is not None,
         "dtype": weight.dtype,
     }  # fmt: skip

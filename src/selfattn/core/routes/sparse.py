@@ -21,6 +21,7 @@ from selfattn._mask_selection import Selected
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._reasons import holding
+from selfattn.core.routes._sparse_kernel import sparse_attention_blocks
 from selfattn.functional._block_common import _compute_dtype
 from selfattn.masks import Visibility
 
@@ -108,49 +109,6 @@ def _seen(rest: Visibility, kept: torch.Tensor, start: int, picks: torch.Tensor,
     return seen
 
 
-def _group(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: torch.Tensor, seen: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One sequence's queries ``q (g, q, d)`` of one kv head over their picks ``(q, t)`` of its ``k (lk, d)``, ``v (lk, dv)``.
-
-    ``seen`` ``(1 or g, q, t)``. Each head's keys are gathered by rows (``index_select``), and
-    the products are batched matrix products over the block's queries: no copy of the gathered rows.
-    """
-    block, width = picks.shape
-    flat = picks.reshape(-1)
-    keys = k.index_select(0, flat).view(block, width, -1)  # (q, t, d)
-    scores = torch.bmm(q.transpose(0, 1), keys.transpose(1, 2)) * scale  # (q, g, t)
-    seen = seen.transpose(0, 1)  # (q, 1 or g, t)
-    sees_a_key = seen.any(dim=-1, keepdim=True)
-    # Rows with no key get a finite softmax and then zeros, so neither the answer nor a gradient is NaN.
-    logits = torch.where(sees_a_key, scores.masked_fill(~seen, float("-inf")), 0.0)
-    weights = torch.where(seen, torch.softmax(logits, dim=-1), 0.0)
-    values = v.index_select(0, flat).view(block, width, -1)  # (q, t, dv)
-    return torch.bmm(weights, values).transpose(0, 1)  # (g, q, dv)
-
-
-def _block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, picks: torch.Tensor, seen: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of one block: ``q (b, h, q, d)`` over its picks ``(b, q, t)`` of ``k``/``v``; ``(b, h, q, dv)``.
-
-    One kv head at a time, so the rows it gathers come from that head's keys alone (a working
-    set of ``lk x d``, not every head's).
-    """
-    heads, kv_heads = q.shape[1], k.shape[1]
-    group = heads // kv_heads
-    per_head_mask = seen.shape[1] > 1
-    sequences = []
-    for s in range(q.shape[0]):
-        outs = []
-        for j in range(kv_heads):
-            query_heads = slice(j * group, (j + 1) * group)
-            head_seen = seen[s, query_heads] if per_head_mask else seen[s]
-            outs.append(_group(q[s, query_heads], k[s, j], v[s, j], picks[s], head_seen, scale))
-        sequences.append(torch.cat(outs, dim=0))
-    return torch.stack(sequences)
-
-
 def _run(call: AttentionCall) -> Output:
     selection = call.visibility.find(Selected)
     assert isinstance(selection, Selected)
@@ -158,13 +116,12 @@ def _run(call: AttentionCall) -> Output:
     compute = _compute_dtype(call.dtype)
     q, k, v = (t.to(compute) for t in (call.q, call.k, call.v))
     picks, kept = _unique_picks(selection.indices, call.batch)
+
+    def seen_of(start: int, end: int) -> torch.Tensor:
+        return _seen(rest, kept[:, start:end], start, picks[:, start:end], call.heads)
+
     block = sparse_block_size(call, picks.shape[-1])
-    outs = []
-    for start in range(0, call.num_queries, block):
-        end = min(start + block, call.num_queries)
-        seen = _seen(rest, kept[:, start:end], start, picks[:, start:end], call.heads)
-        outs.append(_block(q[:, :, start:end], k, v, picks[:, start:end], seen, call.scale))
-    out = torch.cat(outs, dim=2) if outs else q.new_zeros(call.batch, call.heads, 0, call.value_dim)
+    out = sparse_attention_blocks(q, k, v, picks, seen_of, call.scale, block)
     return Output(out.to(call.dtype))
 
 
