@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from selfattn.parts import LogFloorScaling
+from selfattn.parts import HeadNorm, LogFloorScaling, OutputGate, ValueScale
 
 __all__ = [
     "integer_field",
@@ -26,6 +26,14 @@ __all__ = [
     "write_llama4",
     "write_qwen2_vl",
     "write_qwen3",
+    "read_gemma3n",
+    "read_gemma4",
+    "read_mimo_v2_flash",
+    "read_step3p7",
+    "read_laguna",
+    "read_afmoe",
+    "read_muse",
+    "copy_gate",
 ]
 
 
@@ -140,3 +148,126 @@ def weight_of(norm: Any, name: str) -> tuple[torch.Tensor | None, float]:
     if not isinstance(eps, float):
         raise ValueError(f"{name} {type(norm).__name__} has no epsilon to read")
     return (weight if isinstance(weight, torch.Tensor) else None), eps
+
+
+# ---------------------------------------------------------------- families whose sizes, values or gates differ
+
+
+def _require_own_keys(hf: Any) -> None:
+    """A Gemma 3n / Gemma 4 layer that reuses another layer's keys and values has no ``k_proj`` of its own."""
+    if getattr(hf, "is_kv_shared_layer", False) or getattr(hf, "k_proj", None) is None:
+        raise ValueError(
+            f"kv_sharing_modes[{hf.layer_idx}]='reuse': the layer reads the keys and values of an earlier layer "
+            "(it has no k_proj); one MultiHeadAttention cannot express it (build the model's shared-KV stack)"
+        )
+
+
+def _require_config_heads(hf: Any, config: Any) -> None:
+    """A per-layer head count other than ``config.num_attention_heads``: the loader builds that many heads."""
+    heads = hf.q_proj.out_features // int(hf.head_dim)
+    if heads != int(config.num_attention_heads):
+        raise ValueError(
+            f"layer {hf.layer_idx} has {heads} query heads (a per-layer head count), but the loader builds "
+            f"config.num_attention_heads={config.num_attention_heads}: not expressed here"
+        )
+
+
+def _layer_kv_heads(hf: Any, options: dict[str, Any]) -> None:
+    """The layer's own key/value heads (Gemma 4's full layers, MiMo-V2-Flash's sliding ones), from ``k_proj``."""
+    options["num_kv_heads"] = hf.k_proj.out_features // int(hf.head_dim)
+
+
+def _value_norm(hf: Any, options: dict[str, Any]) -> None:
+    """Gemma 3n / Gemma 4: ``v_norm``, an RMSNorm of each value head without a weight."""
+    weight, eps = weight_of(hf.v_norm, "v_norm")
+    if weight is not None:
+        raise ValueError("v_norm has a weight: Gemma's value norm has none (with_scale=False)")
+    options.setdefault("parts", {})["v_norm"] = HeadNorm(int(hf.head_dim), slot="values", eps=eps, weighted=False)
+
+
+def _output_gate(hf: Any, options: dict[str, Any], per: str, activation: str) -> None:
+    """A gate ``W_g`` from the layer's ``g_proj`` (Step-3.7, Laguna) or ``gate_proj`` (AFMoE, Muse)."""
+    source = hf.g_proj if hasattr(hf, "g_proj") else hf.gate_proj
+    heads, head_dim = hf.o_proj.in_features // int(hf.head_dim), int(hf.head_dim)
+    gate = OutputGate(
+        source.in_features, heads, head_dim, per=per, activation=activation, bias=source.bias is not None
+    )  # fmt: skip
+    if gate.out_features != source.out_features:
+        raise ValueError(f"the gate has {source.out_features} outputs: neither per head ({heads}) nor per feature")
+    options.setdefault("parts", {})["W_g"] = gate
+
+
+def _gate_per(hf: Any) -> str:
+    return "head" if getattr(hf, "gate_per_head", False) else "feature"
+
+
+def read_gemma3n(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Gemma 3n: scale 1 and a weighted QK-norm (common reading), the value norm; shared-KV layers refused."""
+    _require_own_keys(hf)
+    _value_norm(hf, options)
+
+
+def read_gemma4(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Gemma 4: as Gemma 3n, with the layer's own key/value heads and, on full layers, values from ``k_proj``."""
+    _require_own_keys(hf)
+    if getattr(config, "use_bidirectional_attention", None):
+        raise ValueError(
+            f"use_bidirectional_attention={config.use_bidirectional_attention!r}: a bidirectional Gemma 4 layer "
+            "is not expressed here"
+        )
+    _layer_kv_heads(hf, options)
+    options["values_from_keys"] = hf.v_proj is None
+    _value_norm(hf, options)
+
+
+def read_mimo_v2_flash(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """MiMo-V2-Flash: value heads of their own size, scaled values, the sliding layers' own key/value heads."""
+    _layer_kv_heads(hf, options)
+    options["value_head_dim"] = int(hf.v_head_dim)
+    if float(hf.v_scale) != 1.0:
+        options.setdefault("parts", {})["v_scale"] = ValueScale(float(hf.v_scale))
+
+
+def read_step3p7(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Step-3.7: its sliding layers' head count, a sigmoid gate per head (or per feature) from ``g_proj``."""
+    _require_config_heads(hf, config)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True: a bidirectional Step-3.7 layer is not expressed here")
+    _output_gate(hf, options, _gate_per(hf), "sigmoid")
+
+
+def read_laguna(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Laguna: its per-layer head count, a softplus gate per head (or per feature) from ``g_proj``."""
+    _require_config_heads(hf, config)
+    _output_gate(hf, options, _gate_per(hf), "softplus")
+
+
+def read_afmoe(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """AFMoE: a sigmoid gate per feature from ``gate_proj``; only sliding layers rotate (full layers are NoPE)."""
+    _output_gate(hf, options, "feature", "sigmoid")
+    if not hf.is_local_attention:
+        options["position"] = None
+
+
+def read_muse(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Muse Glimmer / Spark: ``q *= qk_scale_factor`` as the scale, a sigmoid gate per feature, NoPE layers
+    (``layer_rope_theta[i] == 0``) and Spark's output norm per head, without a weight."""
+    options["scale"] = float(hf.scaling) * float(hf.qk_scale_factor)
+    _output_gate(hf, options, "feature", "sigmoid")
+    if not config.layer_rope_theta[hf.layer_idx]:
+        options["position"] = None
+    if getattr(hf, "o_norm", None) is not None:
+        weight, eps = weight_of(hf.o_norm, "o_norm")
+        if weight is not None:
+            raise ValueError("o_norm has a weight: Muse Spark's output norm has none (with_scale=False)")
+        options.setdefault("parts", {})["o_norm"] = HeadNorm(
+            int(hf.head_dim), slot="output_heads", eps=eps, weighted=False
+        )  # fmt: skip
+
+
+def copy_gate(hf: Any, mha: Any) -> None:
+    """The gate's weights: ``g_proj`` or ``gate_proj`` into ``W_g``."""
+    source = hf.g_proj if hasattr(hf, "g_proj") else hf.gate_proj
+    mha.W_g.weight.copy_(source.weight)
+    if source.bias is not None:
+        mha.W_g.bias.copy_(source.bias)

@@ -91,6 +91,24 @@ FAMILIES: tuple[Family, ...] = (
         expresses=frozenset({"M-RoPE", "a bias on W_q, W_k, W_v only"}), write=steps.write_qwen2_vl,
     ),
     Family("qwen2_5_vl_text", ("Qwen2_5_VLAttention",), rotary="mrope"),
+    # Families whose sizes, values or gates differ (value norm, K = V, value head size, gates per head).
+    Family("gemma3n_text", ("Gemma3nTextAttention",), qk_norm="queries", read=steps.read_gemma3n),
+    Family("gemma4_text", ("Gemma4TextAttention",), qk_norm="queries", read=steps.read_gemma4),
+    Family("mimo_v2_flash", ("MiMoV2FlashAttention",), read=steps.read_mimo_v2_flash),
+    Family(
+        "step3p5", ("Step3p7Attention",), qk_norm="queries", norm_plus_one=True, read=steps.read_step3p7,
+        copy=steps.copy_gate,
+    ),
+    Family("laguna", ("LagunaAttention",), qk_norm="queries", read=steps.read_laguna, copy=steps.copy_gate),
+    Family("afmoe", ("AfmoeAttention",), qk_norm="queries", read=steps.read_afmoe, copy=steps.copy_gate),
+    Family(
+        "muse_glimmer_text", ("MuseGlimmerTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
+        read=steps.read_muse, copy=steps.copy_gate,
+    ),
+    Family(
+        "muse_spark_text", ("MuseSparkTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
+        read=steps.read_muse, copy=steps.copy_gate,
+    ),
 )  # fmt: skip
 
 
