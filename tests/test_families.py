@@ -34,13 +34,36 @@ transformers = pytest.importorskip("transformers")
 import _hf_families as hf  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
 
 from selfattn import KVCache, MultiHeadAttention  # noqa: E402
+from selfattn.integrations.families import family_of_layer  # noqa: E402
 from selfattn.integrations.from_transformers import LAYERS  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 TABLE = sorted(set(LAYERS.values()))  # the model_types selfattn loads
+# Layers whose recipe is in the table but which the generic loader (from_transformers.py) cannot read yet:
+# it reads config.num_attention_heads / num_key_value_heads / head_dim, which transformers refuses on a
+# per-layer config (Gemma 4, Step-3.7: AmbiguousGlobalPerLayerAttributeError, a RuntimeError), reads
+# v_proj's bias (Gemma 4's K = V layers have none: AttributeError), and builds config.num_attention_heads
+# heads (Laguna's per-layer count: refused by name, ValueError). Strict: they fail until the loader reads
+# the layer's own config and head count (the change is in the sizefam branch's report); then remove them.
+_PER_LAYER_CONFIG = "the loader reads global sizes of a per-layer config (RuntimeError) or v_proj of K = V"
+_LOADER_GAPS: dict[tuple[str, int], tuple[str, tuple[type[BaseException], ...]]] = {
+    ("gemma4_text", 0): (_PER_LAYER_CONFIG, (RuntimeError,)),
+    ("gemma4_text", 1): (_PER_LAYER_CONFIG, (AttributeError,)),
+    ("step3p5", 0): (_PER_LAYER_CONFIG, (RuntimeError,)),
+    ("step3p5", 1): (_PER_LAYER_CONFIG, (RuntimeError,)),
+    ("laguna", 1): ("the loader builds config.num_attention_heads heads; refused by name", (ValueError,)),
+}
+
+
+def _case(model_type: str, layer_idx: int) -> Any:
+    gap = _LOADER_GAPS.get((model_type, layer_idx))
+    marks = () if gap is None else (pytest.mark.xfail(strict=True, reason=gap[0], raises=gap[1]),)
+    return pytest.param(model_type, layer_idx, id=f"{model_type}-{layer_idx}", marks=marks)
+
+
 CASES = [
-    pytest.param(model_type, layer_idx, id=f"{model_type}-{layer_idx}")
+    _case(model_type, layer_idx)
     for model_type in TABLE
     if model_type in hf.FAMILIES
     for layer_idx in hf.FAMILIES[model_type].layers
@@ -250,7 +273,15 @@ def test_config_round_trip(model_type: str, layer_idx: int) -> None:
     """to_transformers_config -> AutoConfig.for_model -> the layer, the weights copied, equals the module."""
     layer, _ = hf.build_layer(model_type, layer_idx, torch.float32)
     mha = MultiHeadAttention.from_transformers(layer)
-    fields = mha.to_transformers_config()
+    if not family_of_layer(layer).expresses:
+        # Not a target of the way back: the module is written as another family that expresses it, or refused.
+        try:
+            fields = mha.to_transformers_config()
+        except ValueError as error:
+            assert "no transformers attention layer has all of" in str(error)
+            return
+    else:
+        fields = mha.to_transformers_config()
     assert fields["model_type"] in hf.FAMILIES, f"{fields['model_type']} has no entry in tests/_hf_families.py"
     rebuilt_config = transformers.AutoConfig.for_model(**fields)
     rebuilt_config._attn_implementation = "eager"

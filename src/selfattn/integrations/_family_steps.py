@@ -34,6 +34,7 @@ __all__ = [
     "read_afmoe",
     "read_muse",
     "copy_gate",
+    "require_loaded_sizes",
 ]
 
 
@@ -153,23 +154,21 @@ def weight_of(norm: Any, name: str) -> tuple[torch.Tensor | None, float]:
 # ---------------------------------------------------------------- families whose sizes, values or gates differ
 
 
-def _require_own_keys(hf: Any) -> None:
-    """A Gemma 3n / Gemma 4 layer that reuses another layer's keys and values has no ``k_proj`` of its own."""
-    if getattr(hf, "is_kv_shared_layer", False) or getattr(hf, "k_proj", None) is None:
-        raise ValueError(
-            f"kv_sharing_modes[{hf.layer_idx}]='reuse': the layer reads the keys and values of an earlier layer "
-            "(it has no k_proj); one MultiHeadAttention cannot express it (build the model's shared-KV stack)"
-        )
-
-
-def _require_config_heads(hf: Any, config: Any) -> None:
-    """A per-layer head count other than ``config.num_attention_heads``: the loader builds that many heads."""
-    heads = hf.q_proj.out_features // int(hf.head_dim)
-    if heads != int(config.num_attention_heads):
-        raise ValueError(
-            f"layer {hf.layer_idx} has {heads} query heads (a per-layer head count), but the loader builds "
-            f"config.num_attention_heads={config.num_attention_heads}: not expressed here"
-        )
+def require_loaded_sizes(hf: Any, mha: Any) -> None:
+    """Every projection of the layer has the shape of the module's: a per-layer head count or head size the
+    loader did not read (Step-3.7's sliding layers, Laguna) is refused, not loaded as a layer of other sizes."""
+    pairs = (
+        ("W_q", "q_proj"), ("W_k", "k_proj"), ("W_v", "v_proj"), ("W_o", "o_proj"), ("W_g", "g_proj"),
+        ("W_g", "gate_proj"),
+    )  # fmt: skip
+    for name, hf_name in pairs:
+        ours, theirs = getattr(mha, name, None), getattr(hf, hf_name, None)
+        if ours is not None and theirs is not None and ours.weight.shape != theirs.weight.shape:
+            raise ValueError(
+                f"layer {hf.layer_idx}: {hf_name} is {tuple(theirs.weight.shape)} but the loader built {name} "
+                f"{tuple(ours.weight.shape)} ({mha.num_heads} heads of {mha.head_dim}): a per-layer head count "
+                "or size the loader does not read"
+            )
 
 
 def _layer_kv_heads(hf: Any, options: dict[str, Any]) -> None:
@@ -202,14 +201,12 @@ def _gate_per(hf: Any) -> str:
 
 
 def read_gemma3n(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """Gemma 3n: scale 1 and a weighted QK-norm (common reading), the value norm; shared-KV layers refused."""
-    _require_own_keys(hf)
+    """Gemma 3n: scale 1 and a weighted QK-norm (common reading), the value norm."""
     _value_norm(hf, options)
 
 
 def read_gemma4(hf: Any, config: Any, options: dict[str, Any]) -> None:
     """Gemma 4: as Gemma 3n, with the layer's own key/value heads and, on full layers, values from ``k_proj``."""
-    _require_own_keys(hf)
     if getattr(config, "use_bidirectional_attention", None):
         raise ValueError(
             f"use_bidirectional_attention={config.use_bidirectional_attention!r}: a bidirectional Gemma 4 layer "
@@ -230,7 +227,6 @@ def read_mimo_v2_flash(hf: Any, config: Any, options: dict[str, Any]) -> None:
 
 def read_step3p7(hf: Any, config: Any, options: dict[str, Any]) -> None:
     """Step-3.7: its sliding layers' head count, a sigmoid gate per head (or per feature) from ``g_proj``."""
-    _require_config_heads(hf, config)
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True: a bidirectional Step-3.7 layer is not expressed here")
     _output_gate(hf, options, _gate_per(hf), "sigmoid")
@@ -238,7 +234,6 @@ def read_step3p7(hf: Any, config: Any, options: dict[str, Any]) -> None:
 
 def read_laguna(hf: Any, config: Any, options: dict[str, Any]) -> None:
     """Laguna: its per-layer head count, a softplus gate per head (or per feature) from ``g_proj``."""
-    _require_config_heads(hf, config)
     _output_gate(hf, options, _gate_per(hf), "softplus")
 
 
@@ -266,7 +261,8 @@ def read_muse(hf: Any, config: Any, options: dict[str, Any]) -> None:
 
 
 def copy_gate(hf: Any, mha: Any) -> None:
-    """The gate's weights: ``g_proj`` or ``gate_proj`` into ``W_g``."""
+    """The gate's weights: ``g_proj`` or ``gate_proj`` into ``W_g`` (after checking every size was read)."""
+    require_loaded_sizes(hf, mha)
     source = hf.g_proj if hasattr(hf, "g_proj") else hf.gate_proj
     mha.W_g.weight.copy_(source.weight)
     if source.bias is not None:

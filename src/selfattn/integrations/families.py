@@ -92,9 +92,17 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("qwen2_5_vl_text", ("Qwen2_5_VLAttention",), rotary="mrope"),
     # Families whose sizes, values or gates differ (value norm, K = V, value head size, gates per head).
-    Family("gemma3n_text", ("Gemma3nTextAttention",), qk_norm="queries", read=steps.read_gemma3n),
-    Family("gemma4_text", ("Gemma4TextAttention",), qk_norm="queries", read=steps.read_gemma4),
-    Family("mimo_v2_flash", ("MiMoV2FlashAttention",), read=steps.read_mimo_v2_flash),
+    Family(
+        "gemma3n_text", ("Gemma3nTextAttention",), qk_norm="queries", read=steps.read_gemma3n,
+        copy=steps.require_loaded_sizes,
+    ),
+    Family(
+        "gemma4_text", ("Gemma4TextAttention",), qk_norm="queries", read=steps.read_gemma4,
+        copy=steps.require_loaded_sizes,
+    ),
+    Family(
+        "mimo_v2_flash", ("MiMoV2FlashAttention",), read=steps.read_mimo_v2_flash, copy=steps.require_loaded_sizes
+    ),
     Family(
         "step3p5", ("Step3p7Attention",), qk_norm="queries", norm_plus_one=True, read=steps.read_step3p7,
         copy=steps.copy_gate,

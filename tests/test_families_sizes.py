@@ -1,0 +1,76 @@
+"""Loading the families whose sizes, values or gates differ: what the loader must refuse, by name.
+
+The parity of these families with transformers is in tests/test_families.py (they are in the table);
+here are the layers and settings no one MultiHeadAttention computes: a Gemma 3n / Gemma 4 layer that
+reuses an earlier layer's keys and values, a layer whose head count the loader did not read, a
+bidirectional Gemma 4 or Step-3.7 layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import _hf_families as hf  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
+
+from selfattn import MultiHeadAttention  # noqa: E402
+from selfattn.integrations import _family_steps as steps  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+_THREE = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AttributeError,
+    reason="the generic loader reads k_proj before any family step; the check belongs there (sizefam report)",
+)
+@pytest.mark.parametrize(
+    ("model_type", "more"),
+    [("gemma3n_text", dict(activation_sparsity_pattern=[0.0] * 3)), ("gemma4_text", {})],
+    ids=["gemma3n", "gemma4"],
+)
+def test_a_layer_reusing_earlier_keys_and_values_is_refused(model_type: str, more: dict) -> None:
+    config = hf.build_config(model_type, num_kv_shared_layers=1, **_THREE, **more)
+    assert config.kv_sharing_modes[2] == "reuse"
+    layer, _ = hf.build_layer(model_type, 2, torch.float32, config=config)
+    with pytest.raises(ValueError, match="k_proj"):
+        MultiHeadAttention.from_transformers(layer)
+
+
+def test_a_head_count_the_loader_did_not_read_is_refused_by_name() -> None:
+    """Laguna's layer 1 has 2 heads, config.num_attention_heads 4: loaded with 4 heads, its weights would
+    not fit (and the common copy skips a weight whose shape differs): the family's step refuses it."""
+    layer, _ = hf.build_layer("laguna", 1, torch.float32)
+    mha = MultiHeadAttention(32, 4, num_kv_heads=2, qk_norm=True)  # what a loader reading the config builds
+    with pytest.raises(ValueError, match=r"q_proj is \(16, 32\).*per-layer head count"):
+        steps.require_loaded_sizes(layer, mha)
+    fitting = MultiHeadAttention(16, 2, num_kv_heads=2, query_size=32, key_size=32, value_size=32, output_size=32)
+    steps.require_loaded_sizes(layer, fitting)  # the sizes the layer has: no error
+
+
+def test_a_bidirectional_gemma4_layer_is_refused() -> None:
+    layer, config = hf.build_layer("gemma4_text", 0, torch.float32)
+    config.use_bidirectional_attention = "vision"
+    with pytest.raises(ValueError, match="use_bidirectional_attention='vision'"):
+        steps.read_gemma4(layer, config, {})
+
+
+def test_a_bidirectional_step3p7_layer_is_refused() -> None:
+    layer, config = hf.build_layer("step3p5", 1, torch.float32)
+    config.use_bidirectional_attention = True
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        steps.read_step3p7(layer, config, {})
+
+
+def test_mimo_values_are_scaled_and_sized_apart() -> None:
+    """MiMo-V2-Flash's sliding layer: value heads of 8 (queries 16), values times attention_value_scale,
+    twice the key/value heads, sinks: the module keeps each of them (parity is in test_families.py)."""
+    layer, config = hf.build_layer("mimo_v2_flash", 0, torch.float32)
+    mha = MultiHeadAttention.from_transformers(layer)
+    assert (mha.head_dim, mha.value_head_dim) == (16, 8)
+    assert mha.num_kv_heads == 2 * config.num_key_value_heads and mha.sinks is not None
+    assert [part.factor for part in mha.parts("values")] == [config.attention_value_scale]
