@@ -17,6 +17,8 @@ import _hf_families as hf  # noqa: E402  (tests/ is on sys.path: tests/conftest.
 
 from selfattn import MultiHeadAttention  # noqa: E402
 from selfattn.integrations import _family_steps as steps  # noqa: E402
+from selfattn.parts import HeadNorm  # noqa: E402
+from selfattn.positional import RotaryPositionalEncoding  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -74,3 +76,31 @@ def test_mimo_values_are_scaled_and_sized_apart() -> None:
     assert (mha.head_dim, mha.value_head_dim) == (16, 8)
     assert mha.num_kv_heads == 2 * config.num_key_value_heads and mha.sinks is not None
     assert [part.factor for part in mha.parts("values")] == [config.attention_value_scale]
+
+
+def _rotary() -> RotaryPositionalEncoding:
+    return RotaryPositionalEncoding(8, interleaved=False)  # half-split, as transformers rotates
+
+
+def test_the_way_back_writes_afmoe_and_muse_glimmer_or_refuses_by_name() -> None:
+    afmoe_sliding = MultiHeadAttention(
+        32, 4, num_kv_heads=2, qk_norm=True, gated_output=True, window=3, position=_rotary()
+    )
+    assert afmoe_sliding.to_transformers_config()["model_type"] == "afmoe"
+    window_without_rotary = MultiHeadAttention(32, 4, qk_norm=True, gated_output=True, window=3)
+    with pytest.raises(ValueError, match="AFMoE rotates its sliding layers and no others: window=3"):
+        window_without_rotary.to_transformers_config()
+    gate_with_bias = MultiHeadAttention(32, 4, bias=True, qk_norm=True, gated_output=True, window=3, position=_rotary())
+    with pytest.raises(ValueError, match="gate_proj, which has no bias: got a gate with a bias"):
+        gate_with_bias.to_transformers_config()
+    unweighted = {
+        "q_norm": HeadNorm(8, slot="queries", weighted=False, eps=1e-5),
+        "k_norm": HeadNorm(8, slot="keys", weighted=False, eps=1e-6),
+    }
+    two_epsilons = MultiHeadAttention(32, 4, scale=0.5, gated_output=True, parts=unweighted)
+    with pytest.raises(ValueError, match="one unweighted norm of the query and key heads"):
+        two_epsilons.to_transformers_config()
+    unweighted["k_norm"] = HeadNorm(8, slot="keys", weighted=False, eps=1e-5)
+    fields = MultiHeadAttention(32, 4, scale=0.5, gated_output=True, parts=unweighted).to_transformers_config()
+    assert fields["model_type"] == "muse_glimmer_text"
+    assert fields["layer_rope_theta"] == [0] and fields["qk_scale_factor"] == pytest.approx(0.5 * 8**0.5, rel=1e-12)

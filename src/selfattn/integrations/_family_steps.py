@@ -35,6 +35,8 @@ __all__ = [
     "read_muse",
     "copy_gate",
     "require_loaded_sizes",
+    "write_afmoe",
+    "write_muse_glimmer",
 ]
 
 
@@ -267,3 +269,34 @@ def copy_gate(hf: Any, mha: Any) -> None:
     mha.W_g.weight.copy_(source.weight)
     if source.bias is not None:
         mha.W_g.bias.copy_(source.bias)
+
+
+def _require_gate_without_bias(mha: Any, family: str) -> None:
+    if mha.W_g is None or mha.W_g.bias is not None:
+        raise ValueError(
+            f"{family}'s layer gates its output per feature with gate_proj, which has no bias: got "
+            f"{'no gate' if mha.W_g is None else 'a gate with a bias'}"
+        )
+
+
+def write_afmoe(mha: Any, fields: dict[str, Any]) -> None:
+    """AFMoE: a weighted QK-norm, a gate without bias, and a rotary exactly on sliding layers."""
+    _require_gate_without_bias(mha, "AFMoE")
+    if mha.q_norm is None or mha.k_norm is None or mha.q_norm.eps != mha.k_norm.eps:
+        raise ValueError("AFMoE's layer has a QK-norm with one epsilon for queries and keys")
+    if (mha.window is None) != (mha.position is None):
+        raise ValueError(
+            f"AFMoE rotates its sliding layers and no others: window={mha.window} with "
+            f"position={type(mha.position).__name__ if mha.position is not None else None}"
+        )
+
+
+def write_muse_glimmer(mha: Any, fields: dict[str, Any]) -> None:
+    """Muse Glimmer: one unweighted norm of queries and keys, the query multiplier, the gate, NoPE layers."""
+    _require_gate_without_bias(mha, "Muse Glimmer")
+    norms = (mha.q_norm, mha.k_norm)
+    if any(n is None or n.weight is not None for n in norms) or mha.q_norm.eps != mha.k_norm.eps:
+        raise ValueError("Muse Glimmer's layer has one unweighted norm of the query and key heads")
+    scale = mha.head_dim**-0.5 if mha.scale is None else mha.scale
+    rotary = fields.get("rope_parameters", {})
+    fields.update(qk_scale_factor=scale / mha.head_dim**-0.5, layer_rope_theta=[rotary.get("rope_theta", 0)])

@@ -108,10 +108,16 @@ FAMILIES: tuple[Family, ...] = (
         copy=steps.copy_gate,
     ),
     Family("laguna", ("LagunaAttention",), qk_norm="queries", read=steps.read_laguna, copy=steps.copy_gate),
-    Family("afmoe", ("AfmoeAttention",), qk_norm="queries", read=steps.read_afmoe, copy=steps.copy_gate),
+    Family(
+        "afmoe", ("AfmoeAttention",), qk_norm="queries", read=steps.read_afmoe, copy=steps.copy_gate,
+        expresses=frozenset({_HALF, "window", "qk_norm", _UNIT, "gated_output", "no rotary"}),
+        write=steps.write_afmoe,
+    ),
     Family(
         "muse_glimmer_text", ("MuseGlimmerTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
         read=steps.read_muse, copy=steps.copy_gate,
+        expresses=frozenset({_HALF, "window", "scale", "qk_norm at queries, unweighted", "gated_output", "no rotary"}),
+        write=steps.write_muse_glimmer,
     ),
     Family(
         "muse_spark_text", ("MuseSparkTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
