@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import _hf_families as hf  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
+import test_families as parity  # noqa: E402  (the parity harness's inputs and transformers runs)
 
 from selfattn import MultiHeadAttention  # noqa: E402
 from selfattn.integrations import _family_steps as steps  # noqa: E402
@@ -104,3 +105,35 @@ def test_the_way_back_writes_afmoe_and_muse_glimmer_or_refuses_by_name() -> None
     fields = MultiHeadAttention(32, 4, scale=0.5, gated_output=True, parts=unweighted).to_transformers_config()
     assert fields["model_type"] == "muse_glimmer_text"
     assert fields["layer_rope_theta"] == [0] and fields["qk_scale_factor"] == pytest.approx(0.5 * 8**0.5, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize(("model_type", "layer_idx"), [pytest.param("laguna", 0, id="laguna-softplus")])
+def test_a_gate_per_feature_equals_transformers(model_type: str, layer_idx: int, dtype: torch.dtype) -> None:
+    """``gating=False``: Laguna's gate per feature (the table's config gates per head)."""
+    config = hf.build_config(model_type, gating=False)
+    layer, _ = hf.build_layer(model_type, layer_idx, dtype, config=config)
+    assert not layer.gate_per_head
+    mha = MultiHeadAttention.from_transformers(layer)
+    assert mha.W_g is not None and mha.W_g.per == "feature"
+    x, attention_mask = parity._inputs(dtype)
+    rotary = hf.build_rotary(model_type, config)
+    exact = parity._exact_frequencies(mha, rotary, config, layer_idx) if dtype == torch.float64 else None
+    with torch.no_grad():
+        theirs = parity._run_transformers(model_type, layer, config, rotary, x, attention_mask, exact)
+        ours = mha(
+            x, x, x, causal=True, positions=hf.position_ids(attention_mask), key_padding_mask=attention_mask == 0
+        )
+    real = attention_mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=parity.TOLERANCE[dtype], rtol=0)
+
+
+def test_a_step3p7_gate_per_feature_is_refused() -> None:
+    """transformers' own Step-3.7 layer fails with ``gating=False`` (a per-feature gate broadcast per head)."""
+    config = hf.build_config("step3p5", gating=False)
+    layer, _ = hf.build_layer("step3p5", 1, torch.float32, config=config)
+    x, attention_mask = parity._inputs(torch.float32)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        parity._run_transformers("step3p5", layer, config, hf.build_rotary("step3p5", config), x, attention_mask, None)
+    with pytest.raises(ValueError, match=r"gating=False: Step-3\.7's gate per feature"):
+        steps.read_step3p7(layer, config.per_layer_config[1], {})

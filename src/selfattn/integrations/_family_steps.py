@@ -228,10 +228,16 @@ def read_mimo_v2_flash(hf: Any, config: Any, options: dict[str, Any]) -> None:
 
 
 def read_step3p7(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """Step-3.7: its sliding layers' head count, a sigmoid gate per head (or per feature) from ``g_proj``."""
+    """Step-3.7: a sigmoid gate per head from ``g_proj``."""
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True: a bidirectional Step-3.7 layer is not expressed here")
-    _output_gate(hf, options, _gate_per(hf), "sigmoid")
+    if not hf.gate_per_head:
+        # transformers 5.24 multiplies (b, l, h, dh) by the gate (b, l, h * dh, 1): its forward fails
+        raise ValueError(
+            f"gating={config.gating!r}: Step-3.7's gate per feature does not run in transformers (its forward "
+            "broadcasts the gate per head); only gating='per-head' / True loads"
+        )
+    _output_gate(hf, options, "head", "sigmoid")
 
 
 def read_laguna(hf: Any, config: Any, options: dict[str, Any]) -> None:
