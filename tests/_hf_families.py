@@ -590,7 +590,8 @@ def float64_kept() -> Iterator[None]:
     transformers' layers upcast to float32 in several places (eager's ``softmax(scores,
     dtype=torch.float32)`` llama L187, the RMSNorms' ``x.to(torch.float32)`` llama L64 or
     ``x.float()``, Cohere 2's, ERNIE 4.5's and Llama 4's rotations of ``q.float()``, Llama 4's
-    temperature from ``positions.float()``); for a float64 layer each of these rounds to float32
+    temperature from ``positions.float()``, Ministral 3's query scale from integer positions divided in the
+    default dtype); for a float64 layer each of these rounds to float32
     (3e-7 on these layers). The float64 comparison lifts exactly those casts: a float64 tensor
     asked for float32 stays float64, and ``.float()`` of an integer tensor gives float64; every step
     of the layer is still its own code. Only for float64 runs: below, it would change float32 ones.
@@ -616,7 +617,10 @@ def float64_kept() -> Iterator[None]:
         return original_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=kept(input, dtype))
 
     tensor.to, tensor.float, functional.softmax = to, to_float, softmax  # type: ignore[method-assign,assignment]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # Ministral 3's query scale: integer positions / L0 (ministral3 L106)
     try:
         yield
     finally:
         tensor.to, tensor.float, functional.softmax = original_to, original_float, original_softmax  # type: ignore[method-assign]
+        torch.set_default_dtype(default)

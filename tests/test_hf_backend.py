@@ -84,7 +84,50 @@ def test_matches_sdpa_function(lq: int, lk: int, is_causal: bool, mask: str | No
     expected, _ = sdpa_attention_forward(module, q, k, v, attention_mask, scaling=scaling)
     got, weights = attention_forward(module, q, k, v, attention_mask, scaling=scaling)
     assert weights is None and got.shape == (2, lq, 4, 8) and got.is_contiguous()
+    seen = torch.ones(2, lq, dtype=torch.bool) if mask != "bool" else attention_mask[:, 0].any(-1)  # (b, lq)
+    torch.testing.assert_close(got[seen], expected[seen], atol=ATOL, rtol=0)
+    # A query that sees no key: sdpa gives zeros, selfattn eager's answer (every key weighed evenly).
+    mean_value = v.mean(-2).repeat_interleave(2, 1)[:, None].expand(2, lq, 4, 8)
+    torch.testing.assert_close(got[~seen], mean_value[~seen], atol=ATOL, rtol=0)
+
+
+def test_a_query_that_sees_no_key_matches_eager() -> None:
+    """Left padding hides every key from the first queries of row 1: eager spreads them evenly over every key.
+
+    A padded query's output reaches the model's next layers: with zeros there Gemma 3n, which takes
+    ``mean(h ** 2) ** 0.5`` of each token's state (an infinite derivative at zero), had NaN gradients.
+    """
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    q, k, v = (tensor.requires_grad_() for tensor in _qkv(5, 5))
+    mask = _padding_mask(5, 5, causal=True)
+    assert not mask[1, 0, :2].any(-1).any()  # the premise: queries 0 and 1 of row 1 see no key
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)  # as eager gets it
+    module = _module(True, groups=2)
+    expected, expected_weights = eager_attention_forward(module, q, k, v, additive, scaling=0.3)
+    got, weights = attention_forward(module, q, k, v, mask, scaling=0.3, output_attentions=True)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(weights, expected_weights, atol=ATOL, rtol=0)
+    torch.testing.assert_close(weights[1, :, :2], torch.full((4, 2, 5), 0.2))
+    # The values' gradient too (the queries' and keys' of such a row are zeros here; eager's come
+    # from scores the lowest value swallowed).
+    (gradient,) = torch.autograd.grad(got.square().sum(), v)
+    (expected_gradient,) = torch.autograd.grad(expected.square().sum(), v)
+    torch.testing.assert_close(gradient, expected_gradient, atol=ATOL, rtol=0)
+
+
+def test_a_query_that_sees_no_key_with_sinks_or_shared_indices_is_zeros() -> None:
+    """Sinks take the whole weight of such a row in eager (gpt-oss); shared ``indices`` run the sparse route (zeros)."""
+    q, k, v = _qkv(5, 5)
+    mask = _padding_mask(5, 5, causal=True)
+    module = _module(True, groups=2)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    with_sinks, _ = attention_forward(module, q, k, v, mask, s_aux=sinks)
+    indices = torch.arange(3).expand(2, 5, 3)  # every query picks keys 0, 1, 2 (row 1's first two are padding)
+    picked, _ = attention_forward(module, q, k, v, mask, indices=indices)
+    for out in (with_sinks, picked):
+        assert torch.equal(out[1, :2], torch.zeros(2, 4, 8))
+        assert out[1, 2:].abs().amax() > 0.1  # the rows that see a key have an answer
 
 
 def test_no_mask_with_a_causal_module_is_causal() -> None:
@@ -123,7 +166,7 @@ def test_softcap_and_sinks_match_eager() -> None:
     q = q * 4  # scores of a few units, so a cap of 2 bites
     mask = _padding_mask(5, 5, causal=True)
     additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)  # as eager gets it
-    seen = mask[:, 0].any(-1)  # (b, lq): a query that sees no key is zeros here, a uniform average in eager
+    seen = mask[:, 0].any(-1)  # (b, lq): the queries that see a key
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2, training=False, head_dim=8)
     expected, _ = gemma2_eager(module, q, k, v, additive, scaling=0.3, softcap=2.0)
     got, _ = attention_forward(module, q, k, v, mask, scaling=0.3, softcap=2.0)

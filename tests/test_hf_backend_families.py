@@ -93,7 +93,7 @@ def _left_padded() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run(model: Any, implementation: str) -> dict[str, Any]:
-    """Logits at real tokens (a padded query sees no key: zeros here, uniform in eager), weights of real queries."""
+    """Logits at real tokens and weights of real queries (DeepSeek-V4's eager spreads a padded one over fewer keys)."""
     ids, attention_mask = _left_padded()
     real = attention_mask.bool()
     model.set_attn_implementation(implementation)

@@ -169,7 +169,7 @@ def _additive(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _seen(visible: torch.Tensor, heads: int = 4) -> torch.Tensor:
-    """``(b, lq, h)``: the queries that see some key (eager spreads one that sees none uniformly; selfattn gives zeros)."""
+    """``(b, lq, h)``: the queries that see some key (the others are compared in tests/test_hf_backend.py)."""
     seen = visible.any(-1).expand(-1, heads, -1).transpose(1, 2)
     assert seen.float().mean() > 0.7  # most rows are compared
     return seen
@@ -282,12 +282,12 @@ def test_per_head_sinks_under_either_name_match_gpt_oss_eager() -> None:
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """float64 softmax(q k^T scale) v over the visible keys; (b, h, lq, lk) weights, rows with no key are zeros."""
+    """float64 softmax(q k^T scale) over the visible keys: (b, h, lq, lk) weights; a row with no key weighs each 1 / lk (eager)."""
     groups = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    k = k.double().repeat_interleave(groups, 1)
     scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~visible, -math.inf)
-    weights = scores.softmax(-1).nan_to_num(0.0)
-    return weights
+    blind = ~visible.any(-1, keepdim=True)
+    return scores.masked_fill(blind, 0.0).softmax(-1)
 
 
 def test_head_mask_scales_each_heads_weights() -> None:
@@ -497,9 +497,9 @@ def _tiny_model(family: str) -> Any:
 def _outputs(model: Any, implementation: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Logits (or last hidden states) of real tokens of a right-padded batch and of an unpadded one, and the weights.
 
-    Right padding: a padded query still sees keys, so every row has an answer; a left-padded
-    row seeing no key is zeros here and a uniform average in eager, which MiniMax-M3's indexer
-    (it reads every key's hidden state) carries into the next layer's selection.
+    Right padding: a padded query still sees keys, so every row has an answer (a left-padded row
+    that sees no key gets eager's even spread, but MiniMax-M3's indexer reads every key's hidden
+    state, a padded one's too, into the next layer's selection).
     """
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones_like(ids)
@@ -524,6 +524,25 @@ def test_model_matches_eager(family: str) -> None:
     assert len(got[2]) == len(expected[2]) == _LAYERS  # output_attentions=True: every layer's weights
     for got_weights, expected_weights in zip(got[2], expected[2], strict=True):
         torch.testing.assert_close(got_weights, expected_weights, atol=ATOL, rtol=0)
+
+
+def test_left_padded_minimax_m3_matches_eager() -> None:
+    """Left padding: the first queries of row 1 see no key, and their outputs reach the next layer's indexer.
+
+    MiniMax-M3's indexer scores every token's hidden state, a padded one's too, so the blocks a
+    real query selects in layer 2 depend on what layer 1 gave the padded queries: eager's even
+    spread over the keys (selfattn gave zeros, and real tokens' logits differed by 0.12).
+    """
+    model = _tiny_model("minimax_m3_vl_text")
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0
+    logits = {}
+    for implementation in ("eager", "selfattn"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits["selfattn"], logits["eager"], atol=ATOL, rtol=0)  # padded positions too
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "minimax_m3_vl_text", "inkling2_text"])

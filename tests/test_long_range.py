@@ -118,3 +118,46 @@ def test_the_command_line_runs_the_exercises(tmp_path, monkeypatch, capsys):
     assert main(["study", "--exercises", "--tasks", "copy", "--seeds", "2", "--out", str(tmp_path)]) == 2
     assert "--tasks, --seeds apply to the grid only" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()  # the grid's results are not touched
+
+
+def test_the_cnn_sees_past_the_answer_by_default_so_it_is_not_at_the_edge_of_its_field():
+    cnn = long_range.train_at_distance("cnn", 4, **{**TINY, "budget": 50, "max_steps": 50})
+    assert cnn["layers"] == long_range.cnn_depth(8, 3) == 4 and cnn["receptive_field"] == 9 > 4 + 1
+    edge = long_range.train_at_distance("cnn", 4, cnn_reach=1, **{**TINY, "budget": 50, "max_steps": 50})
+    assert edge["receptive_field"] == 5  # the old design: the answer at the field's edge
+    with pytest.raises(ValueError, match="cnn_reach must be a positive integer, got 0"):
+        long_range.train_at_distance("cnn", 4, cnn_reach=0)
+
+
+def test_steps_interval_only_when_every_seed_reached_the_target():
+    runs = [_run("rnn", 6, 0, 100), _run("rnn", 6, 1, 150), _run("rnn", 6, 2, 125), _run("cnn", 6, 0, 250),
+            _run("cnn", 6, 1, None)]  # fmt: skip
+    summary = long_range.summarize_by_distance(runs)
+    interval = summary["rnn"]["6"]["steps_interval"]
+    assert interval["mean"] == 125 and interval["half_width"] == pytest.approx(4.303 * 25 / 3**0.5, rel=1e-3)
+    assert summary["cnn"]["6"]["steps_interval"] is None  # a seed never reached it: no interval
+
+
+def test_exercise_defaults_have_seeds_finer_checks_and_no_plateau_stop():
+    config = exercises.ExerciseConfig()
+    assert config.seeds == 5 and config.long_range["check_every"] == 25
+    assert config.depth_seeds == 3 and config.by_depth["patience"] is None
+    keys = [key for key, _ in exercises._by_depth_jobs(config)]
+    assert "by_depth/none-residual-d1-s2" in keys and len(keys) == 6 * 2 * 8 * 3
+
+
+def test_a_stack_on_a_plateau_trains_to_the_step_limit_without_patience(monkeypatch):
+    from selfattn.study import deep_stack
+
+    monkeypatch.setattr(deep_stack, "_held_out_accuracy", lambda *args: 0.2)  # a flat curve
+
+    def fit(patience):
+        sizes = {"num_hiddens": 8, "num_heads": 2, "ffn_hiddens": 8}
+        model = deep_stack._make_stack("none", "residual", 0, depth=1, sizes=sizes, vocab_size=4, causal=False,
+                                       num_steps=6)  # fmt: skip
+        return deep_stack.train_until_level(model, max_steps=12, num_steps=6, vocab_size=4, seed=0, batch_size=4,
+                                            check_every=2, patience=patience, target=1.01)  # fmt: skip
+
+    stopped, full = fit(2), fit(None)
+    assert stopped["steps"] == 6 and stopped["levelled_off"]  # the patience rule stops on the plateau
+    assert full["steps"] == 12 and not full["levelled_off"]

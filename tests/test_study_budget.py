@@ -48,11 +48,12 @@ def test_check_accuracy_of_an_always_right_and_an_always_wrong_model(task: str) 
 def test_run_stops_at_the_first_check_that_reaches_stop_at(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     scripted = iter([0.5, 0.995, 1.0])
     monkeypatch.setattr(training, "check_accuracy", lambda *args: next(scripted))
+    monkeypatch.setattr(training, "check_beyond", lambda *args: 0.25)
     spec, config = RunSpec("copy", "rotary", 0), replace(TINY, steps=50, check_every=5, stop_at=0.99)
     checkpoint = tmp_path / "run.pt"
     run = train_run(spec, config, checkpoint=checkpoint)
     assert (run["steps"], run["scheduled_steps"]) == (10, 50)
-    assert run["checks"] == [[5, 0.5], [10, 0.995]]
+    assert run["checks"] == [[5, 0.5, 0.25], [10, 0.995, 0.25]]
     assert len(run["loss_curve"]) == 10
 
     def never(step: int, loss: float) -> None:
@@ -62,19 +63,33 @@ def test_run_stops_at_the_first_check_that_reaches_stop_at(tmp_path: Path, monke
     assert again["steps"] == 10 and again["accuracy_by_length"] == run["accuracy_by_length"]
 
 
-def test_without_stop_at_every_step_runs_and_nothing_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(*args: Any) -> float:
-        raise AssertionError("checked although stop_at is None")
+def test_compute_matched_by_default_every_step_runs_and_checks_only_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No early stop by default: a run that learned at the first check still trains every step, and the
+    checks record accuracy in range and past L over training, with the early-stopping reading beside."""
+    assert StudyConfig().stop_at is None
+    scripted = iter([0.5, 0.995, 1.0])
+    monkeypatch.setattr(training, "check_accuracy", lambda *args: next(scripted))
+    monkeypatch.setattr(training, "check_beyond", lambda *args: 0.125)
+    run = train_run(RunSpec("copy", "none", 0), replace(TINY, steps=17, check_every=5))
+    assert run["steps"] == 17 and len(run["loss_curve"]) == 17
+    assert run["checks"] == [[5, 0.5, 0.125], [10, 0.995, 0.125], [15, 1.0, 0.125]]
+    assert run["steps_to_learn"] == 10  # what an early stop at 0.99 would have taken
 
-    monkeypatch.setattr(training, "check_accuracy", fail)
-    run = train_run(RunSpec("copy", "none", 0), replace(TINY, steps=12, stop_at=None))
-    assert run["steps"] == 12 and run["checks"] == []
+
+def test_check_beyond_measures_lengths_past_l_spread_to_eval_len() -> None:
+    config = replace(TINY, train_len=4, eval_factor=5, check_beyond_lengths=4)
+    assert training.check_lengths_beyond(config) == [5, 10, 15, 20]
+    assert training.check_lengths_beyond(replace(config, check_beyond_lengths=40)) == list(range(5, 21))
+    spec = RunSpec("copy", "none", 0)
+    assert training.check_beyond(_Oracle(0), get_task("copy"), spec, config) == 1.0
+    assert training.check_beyond(_Oracle(1), get_task("copy"), spec, config) == 0.0
+    assert training.check_beyond(_Oracle(0), get_task("copy"), spec, replace(config, eval_factor=1)) is None
 
 
 def test_no_check_on_the_last_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(training, "check_accuracy", lambda *args: 0.0)
     run = train_run(RunSpec("copy", "none", 0), replace(TINY, steps=10, check_every=5))
-    assert [step for step, _ in run["checks"]] == [5]
+    assert [check[0] for check in run["checks"]] == [5]
 
 
 def test_evaluated_model_is_the_exponential_average_of_the_trained_weights(
@@ -127,6 +142,8 @@ def test_a_checkpoint_from_another_averaging_setting_is_refused(tmp_path: Path) 
         ("ema_decay", -0.1, r"ema_decay must be in \[0, 1\) or None, got -0.1"),
         ("check_every", 0, "check_every must be a positive integer, got 0"),
         ("check_samples", 2.5, "check_samples must be a positive integer, got 2.5"),
+        ("learned_at", 1.5, r"learned_at must be in \(0, 1\], got 1.5"),
+        ("check_beyond_lengths", 0, "check_beyond_lengths must be a positive integer, got 0"),
     ],
 )
 def test_bad_budget_settings_are_errors(field: str, value: object, message: str) -> None:

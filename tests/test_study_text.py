@@ -160,7 +160,11 @@ def test_quick_cli_writes_perplexity_by_length_and_the_scalings(
     # The context-gain table: rotary past L, from its last 16 bytes only; learned has no row.
     assert "| encoding | 16-32 | 32-64 | 64-128 | 128-256 |" in table
     assert "| row | window | 0-16 | 16-32 | 32-64 | 64-128 | 128-256 |" in table and "| rotary | 256 |" in table
-    assert "| rotary |" in table.split("Context gain")[1] and "| learned |" not in table.split("Context gain")[1]
+    gains = table.split("Context gain")[1].split("Attention by query position")[0]
+    assert "| rotary |" in gains and "| learned |" not in gains
+    # Attention distance and entropy: every encoding, learned at L only (its table ends there).
+    attention = table.split("Attention by query position")[1]
+    assert "| rotary |" in attention and "| learned |" in attention
 
 
 def test_bad_settings_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

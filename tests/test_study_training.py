@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -259,3 +260,24 @@ def test_training_batch_with_one_length_per_step() -> None:
         assert len(lengths) == 1 and positions is None and (tokens != PAD).all()
         seen |= lengths
     assert len(seen) > 1  # the length changes from step to step
+
+
+def test_randomized_positions_are_drawn_per_evaluated_sample() -> None:
+    """Each evaluated sample gets its own positions: a length's accuracy does not hang on one shared draw."""
+    from selfattn.study.tasks import get_task
+    from selfattn.study.training import build_model, evaluate_lengths
+
+    spec = RunSpec("copy", "rotary", 0, randomized_positions=True)
+    model = build_model(spec, TINY)
+    seen: list[tuple[int, ...]] = []
+
+    def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append(tuple(kwargs["positions"].tolist()))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    evaluate_lengths(model, get_task("copy"), spec, replace(TINY, eval_samples=6, eval_factor=1, train_len=3))
+    by_length: dict[int, set[tuple[int, ...]]] = {}
+    for positions in seen:
+        by_length.setdefault(len(positions), set()).add(positions)
+    assert len(seen) == 3 * 6  # one forward pass per sample
+    assert all(len(draws) > 1 for draws in by_length.values())  # not one draw for every sample of a length

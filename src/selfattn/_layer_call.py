@@ -1,8 +1,9 @@
 """One call of :class:`~selfattn.MultiHeadAttention`, described for the dispatcher, and its output finished.
 
 :func:`describe` turns a checked request into an :class:`~selfattn.core.call.AttentionCall`: heads
-projected on first use (through the layer's parts), positions, the cache's keys, and what each
-query may see. :func:`finish` projects the route's output out, zeroes padded rows and commits the cache.
+projected on first use (through the layer's parts), positions, the cache's keys (or, for a
+``shared_kv`` layer, another layer's), and what each query may see. :func:`finish` projects the
+route's output out, zeroes padded rows and commits the cache.
 
 Shape legend:
     b: batch, lq: queries, lk: keys, h: heads, hk: key/value heads, dh: head size, dv: value head size.
@@ -17,12 +18,14 @@ import torch.nn.functional as F
 
 import selfattn._validation as _validation
 import selfattn.masks as masks
+from selfattn.cache import CachedKeys
 from selfattn.core.call import AttentionCall, ModuleInputs
 from selfattn.core.inputs import Request, zero_padding
 from selfattn.core.route import Output
 from selfattn.masks import Visibility
 from selfattn.positional.base import QueryKeyEncoding, ScoreEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
+from selfattn.shared_cache import SharedKVView
 
 __all__ = ["describe", "encoding_positions", "finish", "for_heads"]
 
@@ -125,7 +128,11 @@ def describe(module: Any, request: Request) -> AttentionCall:
 
     seen = _Seen.new_keys(request)
     make_kv = project_kv
-    if request.cache is not None:  # what the cache holds decides the visibility: gather it now
+    if module.shared_kv:  # another layer's keys: what it attended to, read from its cache
+        stored = _shared_keys(module, request)
+        seen = _Seen(stored.positions, stored.padding, stored.documents, stored.first_index, stored.keys.shape[-2])
+        make_kv = lambda: (stored.keys, stored.values)  # noqa: E731
+    elif request.cache is not None:  # what the cache holds decides the visibility: gather it now
         k, v = project_kv()
         stored = request.cache.update(
             k, v, positions=request.k_positions, padding=request.key_padding_mask,
@@ -161,6 +168,18 @@ def describe(module: Any, request: Request) -> AttentionCall:
             module.skip_padded_queries, request.cache is not None,
         ),
     )  # fmt: skip
+
+
+def _shared_keys(module: Any, request: Request) -> CachedKeys:
+    """What the source layer's latest call attended to, through the ``SharedKVView`` a ``shared_kv`` layer needs."""
+    cache = request.cache
+    if not isinstance(cache, SharedKVView):
+        got = "none" if cache is None else type(cache).__name__
+        raise ValueError(
+            "cache must be a SharedKVView (selfattn.models) of the source layer's SharedKVCache: a layer with "
+            f"shared_kv=True reads another layer's keys and values; got {got}"
+        )
+    return cache.read(request.keys.shape[1], module.num_kv_heads, module.head_dim, module.value_head_dim)
 
 
 def _update_cached_keys(module: Any, request: Request) -> None:

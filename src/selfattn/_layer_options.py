@@ -26,12 +26,15 @@ from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, Score
 
 __all__ = ["OPTION_NAMES", "LayerOptions", "build_projections", "layer_options", "shorthand_parts"]
 
+# The slots a layer reading another layer's keys and values (shared_kv) never runs.
+_KEY_VALUE_SLOTS = ("key_features", "keys", "rotated_keys", "values")
+
 
 DEFAULTS: dict[str, Any] = {
     "bias": False, "output_bias": None, "query_size": None, "key_size": None, "value_size": None,
     "output_size": None, "position": None, "num_kv_heads": None, "value_head_dim": None, "values_from_keys": False,
-    "window": None, "block_size": None, "skip_padded_queries": False, "scale": None, "softcap": None,
-    "sinks": False, "qk_norm": False, "qk_norm_eps": 1e-6, "gated_output": False, "chunk_size": None,
+    "shared_kv": False, "window": None, "block_size": None, "skip_padded_queries": False, "scale": None,
+    "softcap": None, "sinks": False, "qk_norm": False, "qk_norm_eps": 1e-6, "gated_output": False, "chunk_size": None,
     "temperature_tuning": None, "parts": None, "device": None, "dtype": None,
 }  # fmt: skip
 OPTION_NAMES = frozenset(DEFAULTS)
@@ -57,6 +60,7 @@ class LayerOptions(NamedTuple):
     skip_padded_queries: bool
     scale: float | None
     softcap: float | None
+    shared_kv: bool
     raw: dict[str, Any]
 
 
@@ -110,7 +114,7 @@ def layer_options(num_hiddens: int, num_heads: int, dropout: float, given: Mappi
     }
     output_size = num_hiddens if raw["output_size"] is None else require_positive_int("output_size", raw["output_size"])
     _check_position(raw["position"], num_heads, head_dim)
-    for name in ("bias", "sinks", "qk_norm", "gated_output", "skip_padded_queries", "values_from_keys"):
+    for name in ("bias", "sinks", "qk_norm", "gated_output", "skip_padded_queries", "values_from_keys", "shared_kv"):
         if not isinstance(raw[name], bool):
             raise ValueError(f"{name} must be True or False, got {raw[name]!r}")
     if raw["output_bias"] is not None and not isinstance(raw["output_bias"], bool):
@@ -120,6 +124,8 @@ def layer_options(num_hiddens: int, num_heads: int, dropout: float, given: Mappi
             f"values_from_keys=True: values are the keys' projection, so value_head_dim={value_head_dim} must be "
             f"the head size {head_dim} and value_size={sizes['value_size']} the key_size {sizes['key_size']}"
         )
+    if raw["shared_kv"] and raw["values_from_keys"]:
+        raise ValueError("values_from_keys=True needs W_k, and a layer with shared_kv=True projects no keys")
     if raw["temperature_tuning"] is not None:
         raw["temperature_tuning"] = require_temperature_tuning(raw["temperature_tuning"])
     return LayerOptions(
@@ -131,19 +137,23 @@ def layer_options(num_hiddens: int, num_heads: int, dropout: float, given: Mappi
         raw["skip_padded_queries"],
         _optional(require_positive_finite, "scale", raw["scale"]),
         _optional(require_positive_finite, "softcap", raw["softcap"]),
+        raw["shared_kv"],
         raw,
     )  # fmt: skip
 
 
 def build_projections(options: LayerOptions) -> dict[str, nn.Module | nn.Parameter | None]:
-    """``W_q, W_k, W_v, W_o`` and ``sinks``: the layer's own weights (``W_v`` None when values are the keys)."""
+    """``W_q, W_k, W_v, W_o`` and ``sinks``: the layer's own weights (``W_v`` None when values are the keys;
+    ``W_k`` and ``W_v`` None when both are another layer's, ``shared_kv``)."""
     raw, factory = options.raw, {"device": options.raw["device"], "dtype": options.raw["dtype"]}
     bias, output_bias = raw["bias"], raw["bias"] if raw["output_bias"] is None else raw["output_bias"]
     h, hk, dq, dv = options.num_heads, options.num_kv_heads, options.head_dim, options.value_head_dim
     return {
         "W_q": nn.Linear(options.query_size, h * dq, bias=bias, **factory),
-        "W_k": nn.Linear(options.key_size, hk * dq, bias=bias, **factory),
-        "W_v": None if raw["values_from_keys"] else nn.Linear(options.value_size, hk * dv, bias=bias, **factory),
+        "W_k": None if options.shared_kv else nn.Linear(options.key_size, hk * dq, bias=bias, **factory),
+        "W_v": None
+        if raw["values_from_keys"] or options.shared_kv
+        else nn.Linear(options.value_size, hk * dv, bias=bias, **factory),
         "W_o": nn.Linear(h * dv, options.output_size, bias=output_bias, **factory),
         "sinks": nn.Parameter(torch.zeros(h, **factory)) if raw["sinks"] else None,
     }
@@ -156,7 +166,8 @@ def shorthand_parts(options: LayerOptions) -> dict[str, Part]:
     if raw["qk_norm"]:
         eps = require_positive_finite("qk_norm_eps", raw["qk_norm_eps"])
         parts["q_norm"] = HeadNorm(options.head_dim, slot="queries", eps=eps, **factory)
-        parts["k_norm"] = HeadNorm(options.head_dim, slot="keys", eps=eps, **factory)
+        if not options.shared_kv:  # shared keys come normalized by the layer that projected them
+            parts["k_norm"] = HeadNorm(options.head_dim, slot="keys", eps=eps, **factory)
     if raw["temperature_tuning"] is not None:
         parts["query_scaling"] = TemperatureTuning(*raw["temperature_tuning"])
     if raw["gated_output"]:
@@ -170,6 +181,10 @@ def shorthand_parts(options: LayerOptions) -> dict[str, Part]:
             raise ValueError(f"parts[{name!r}] must be a selfattn.parts.Part with a slot in {SLOTS}, got {part!r}")
         if name in parts or not name.isidentifier():
             raise ValueError(f"parts[{name!r}]: the name is taken by a keyword's part or is not an identifier")
+        if options.shared_kv and part.slot in _KEY_VALUE_SLOTS:
+            raise ValueError(
+                f"parts[{name!r}] acts at {part.slot!r}, but a layer with shared_kv=True projects no keys or values"
+            )
         moves = {key: value for key, value in factory.items() if value is not None}
         parts[name] = part.to(**moves) if moves else part  # the layer's device and dtype, as its own weights
     return parts

@@ -38,7 +38,7 @@ __all__ = ["MultiHeadAttention", "cumulative_lengths_to_document_ids", "document
 
 _KEPT = ("num_hiddens", "num_heads", "num_kv_heads", "head_dim", "value_head_dim", "dropout", "query_size",
          "key_size", "value_size", "output_size", "position", "window", "chunk_size", "block_size",
-         "skip_padded_queries", "scale", "softcap")  # fmt: skip
+         "skip_padded_queries", "scale", "softcap", "shared_kv")  # fmt: skip
 
 
 class MultiHeadAttention(NotScriptable, nn.Module):
@@ -114,6 +114,10 @@ class MultiHeadAttention(NotScriptable, nn.Module):
             outputs and ``W_o`` ``h * dv`` inputs (MiMo-V2-Flash: ``dh`` 192, ``dv`` 128).
         values_from_keys: the values are ``W_k``'s output before the key parts and the rotation
             (Gemma 4's global layers); the layer has no ``W_v``.
+        shared_kv: the keys and values are another layer's (Gemma 3n's and Gemma 4's last layers): the
+            layer has no ``W_k``, ``W_v`` nor key or value parts (``qk_norm`` normalizes its queries
+            only), and each call reads what the source layer's latest call attended to from ``cache``,
+            a :class:`~selfattn.models.SharedKVView` of the source's cache.
         parts: more parts, ``{name: part}`` (:mod:`selfattn.parts`): each acts at its slot, after
             the keywords' parts of that slot, in the given order; ``name`` is its attribute and its
             state dict prefix.
@@ -147,22 +151,26 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     skip_padded_queries: bool
     scale: float | None
     softcap: float | None
+    shared_kv: bool
     W_q: nn.Linear
-    W_k: nn.Linear
+    W_k: nn.Linear | None
     W_v: nn.Linear | None
     W_o: nn.Linear
     sinks: nn.Parameter | None
     q_norm: HeadNorm | None
     k_norm: HeadNorm | None
     W_g: OutputGate | None
+    # The transformers family a layer was loaded from (from_transformers); to_transformers_config writes it first.
+    transformers_model_type: str | None = None
 
     def __init__(
         self, num_hiddens: int, num_heads: int, dropout: float = 0.0, *, bias: bool = False,
         output_bias: bool | None = None, query_size: int | None = None, key_size: int | None = None,
         value_size: int | None = None, output_size: int | None = None, position: PositionalEncoding | None = None,
         num_kv_heads: int | None = None, value_head_dim: int | None = None, values_from_keys: bool = False,
-        window: int | None = None, block_size: int | None = None, skip_padded_queries: bool = False,
-        scale: float | None = None, softcap: float | None = None, sinks: bool = False, qk_norm: bool = False,
+        shared_kv: bool = False, window: int | None = None, block_size: int | None = None,
+        skip_padded_queries: bool = False, scale: float | None = None, softcap: float | None = None,
+        sinks: bool = False, qk_norm: bool = False,
         qk_norm_eps: float = 1e-6, gated_output: bool = False, chunk_size: int | None = None,
         temperature_tuning: tuple[float, float] | None = None, parts: Mapping[str, Part] | None = None,
         device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -369,7 +377,9 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         lines = [f"{name} at {slot}: {part.describe()}" for slot in SLOTS for name, part in self._named_parts(slot)]
         if self.position is not None:
             lines.insert(0, f"position = {type(self.position).__name__} ({self.position.acts_on})")
-        if self.W_v is None:
+        if self.shared_kv:
+            lines.insert(0, "keys and values = another layer's, read from the cache (shared_kv)")
+        elif self.W_v is None:
             lines.insert(0, "values = W_k's projection (values_from_keys)")
         return tuple(lines)
 
@@ -422,7 +432,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     def project_keys(self, x: torch.Tensor, positions: torch.Tensor, first: int | None = None) -> torch.Tensor:
         """Key heads ``(b, hk, lk, dh)`` from ``(b, lk, dk)``: ``W_k``, the key parts around the rotation
         (``first`` as for :meth:`project_queries`)."""
-        k = self.split_heads(self._run_parts("key_features", self.W_k(x), positions), self.num_kv_heads)
+        k = self.split_heads(self._run_parts("key_features", self._key_projection()(x), positions), self.num_kv_heads)
         k = self._run_parts("keys", k, positions)  # (b, hk, lk, dh)
         if self.rotates:
             rotated = self._rotate_consecutive(k, first)
@@ -432,9 +442,15 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     def project_values(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         """Value heads ``(b, hk, lk, dv)`` from ``(b, lk, dv_in)``: ``W_v`` (or ``W_k`` of ``keys`` when values
         are the keys' projection), then the value parts."""
-        projected = self.W_k(x if keys is None else keys) if self.W_v is None else self.W_v(x)
+        projected = self._key_projection()(x if keys is None else keys) if self.W_v is None else self.W_v(x)
         v = self.split_heads(projected, self.num_kv_heads, self.value_head_dim)  # (b, hk, lk, dv)
         return self._run_parts("values", v, None)
+
+    def _key_projection(self) -> nn.Linear:
+        """``W_k``; a layer reading another layer's keys (``shared_kv``) has none."""
+        if self.W_k is None:
+            raise ValueError("shared_kv=True: this layer reads another layer's keys and values and projects none")
+        return self.W_k
 
     def _rotate_consecutive(self, x: torch.Tensor, first: int | None) -> torch.Tensor | None:
         """A plain rotary's rotation of ``x`` at positions counting up from ``first``, from its table; else None.
@@ -463,7 +479,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         extra += "" if self.chunk_size is None else f", chunk_size={self.chunk_size}"
         extra += "" if self.temperature_tuning is None else f", temperature_tuning={self.temperature_tuning}"
         extra += "" if self.value_head_dim == self.head_dim else f", value_head_dim={self.value_head_dim}"
-        extra += ", values_from_keys=True" if self.W_v is None else ""
+        extra += ", shared_kv=True" if self.shared_kv else ", values_from_keys=True" if self.W_v is None else ""
         extra += ", skip_padded_queries=True" if self.skip_padded_queries else ""
         extra += "" if self.scale is None else f", scale={self.scale}"
         extra += "" if self.softcap is None else f", softcap={self.softcap}"

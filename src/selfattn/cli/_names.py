@@ -30,9 +30,10 @@ PLOT_ENCODINGS = tuple(name for name in ENCODINGS if name != "mrope")
 TASKS = ("copy", "reverse", "sort", "addition", "flipflop")
 # selfattn.study.text.TEXT_ENCODINGS: the text study's encodings; the grid takes all but the text-only ones.
 TEXT_STUDY_ENCODINGS = (
-    "none", "sinusoidal", "learned", "rotary", "p-rope", "xpos", "alibi", "kerple", "fire", "t5", "shaw", "t5-short",
+    "none", "sinusoidal", "learned", "rotary", "p-rope", "p-rope-scaled", "xpos", "xpos-scaled", "alibi", "kerple",
+    "fire", "t5", "shaw", "t5-short", "alibi-8-heads",
 )  # fmt: skip
-TEXT_ONLY_ENCODINGS = ("t5-short",)
+TEXT_ONLY_ENCODINGS = ("t5-short", "alibi-8-heads")
 STUDY_ENCODINGS = tuple(name for name in TEXT_STUDY_ENCODINGS if name not in TEXT_ONLY_ENCODINGS)
 # The encodings that rotate each head's features in pairs (selfattn.positional.registry.acts_on(kind)
 # == "query_key"), and the axes each of the multi-axis ones splits a head into.

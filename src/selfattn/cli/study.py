@@ -49,9 +49,11 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         choices=TEXT_STUDY_ENCODINGS,
         default=None,
         metavar="ENCODING",
-        help=f"encodings (%(choices)s; default: all; {', '.join(TEXT_ONLY_ENCODINGS)} needs --text)",
+        help=f"encodings (%(choices)s; default: all; {'; '.join(f'{name} needs --text' for name in TEXT_ONLY_ENCODINGS)})",
     )
-    parser.add_argument("--seeds", type=positive_int, default=None, help="seeds per cell (default 3)")
+    parser.add_argument(
+        "--seeds", type=positive_int, default=None, help="seeds per cell (default 5; with --text 3; --quick 1)"
+    )
     parser.add_argument(
         "--steps",
         type=positive_int,
@@ -225,7 +227,7 @@ def _run_text(args: argparse.Namespace) -> int:
     if not finished:
         return 130
     if results is not None:
-        spread = f"mean ± sd over {seeds} seeds" if seeds > 1 else "one seed, so no spread"
+        spread = f"mean ± half-width of the 95% interval over {seeds} seeds" if seeds > 1 else "one seed, so no spread"
         print(f"perplexity per byte on held-out text, {spread} (beyond L in brackets):")
         print("\n".join(text_table(results)))
         print(

@@ -26,6 +26,15 @@ __all__ = [
     "write_llama4",
     "write_qwen2_vl",
     "write_qwen3",
+    "write_exaone4",
+    "write_glm4_moe",
+    "write_lfm2",
+    "write_minimax_m2",
+    "write_ministral3",
+    "write_model_window",
+    "write_qwen2",
+    "write_seed_oss",
+    "write_smollm3",
     "read_gemma3n",
     "read_gemma4",
     "read_mimo_v2_flash",
@@ -69,6 +78,7 @@ def read_no_softcap(hf: Any, config: Any, options: dict[str, Any]) -> None:
 def read_query_gate(hf: Any, config: Any, options: dict[str, Any]) -> None:
     """Qwen3-Next / Qwen3.5: ``q_proj`` emits each head's query and its gate side by side: a gate per feature."""
     options["gated_output"] = True
+    options["num_heads"] //= 2  # q_proj's rows: (h, query | gate, dh)
 
 
 def copy_query_gate(hf: Any, mha: Any) -> None:
@@ -90,6 +100,30 @@ def read_log_floor_scaling(hf: Any, config: Any, options: dict[str, Any]) -> Non
     if beta is not None:
         scaling = LogFloorScaling(float(beta), float(parameters["original_max_position_embeddings"]))
         options.setdefault("parts", {})["query_scaling"] = scaling
+
+
+def read_model_window(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Mistral, Phi-3: one sliding window for every layer, read from the config (the layer passes it on)."""
+    options["window"] = getattr(config, "sliding_window", None)
+
+
+def read_exaone4(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """EXAONE 4: the window acts on sliding layers only; with a window set, the full layers are NoPE."""
+    options["window"] = hf.sliding_window if hf.is_sliding else None
+    if hf.sliding_window is not None and not hf.is_sliding:
+        options["position"] = None
+
+
+def read_no_rope_layers(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """SmolLM3: ``no_rope_layers[i] == 0`` makes layer ``i`` NoPE (the layer's ``use_rope``)."""
+    if not getattr(hf, "use_rope", True):
+        options["position"] = None
+
+
+def read_ministral3(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Ministral 3: one window for every layer and Mistral's query scaling by position."""
+    read_model_window(hf, config, options)
+    read_log_floor_scaling(hf, config, options)
 
 
 # ---------------------------------------------------------------- the way back
@@ -151,6 +185,83 @@ def weight_of(norm: Any, name: str) -> tuple[torch.Tensor | None, float]:
     if not isinstance(eps, float):
         raise ValueError(f"{name} {type(norm).__name__} has no epsilon to read")
     return (weight if isinstance(weight, torch.Tensor) else None), eps
+
+
+def write_model_window(mha: Any, fields: dict[str, Any]) -> None:
+    """Mistral, Phi-3: one window for the model, no ``layer_types``; Phi-3 has no bias field nor ``head_dim``."""
+    fields.pop("layer_types", None)
+    fields["sliding_window"] = mha.window
+    if fields["model_type"] == "phi3":
+        if mha.head_dim * mha.num_heads != mha.query_size:
+            raise ValueError(
+                f"Phi-3's heads add up to the hidden size: num_hiddens={mha.num_hiddens}, query_size={mha.query_size}"
+            )
+        fields.pop("attention_bias"), fields.pop("head_dim")
+
+
+def write_qwen2(mha: Any, fields: dict[str, Any]) -> None:
+    """Qwen2: a bias on ``q, k, v`` always (no field); the window through ``use_sliding_window``."""
+    del fields["attention_bias"]
+    write_qwen3(mha, fields)
+
+
+def write_seed_oss(mha: Any, fields: dict[str, Any]) -> None:
+    fields["attention_out_bias"] = mha.W_o.bias is not None
+
+
+def write_glm4_moe(mha: Any, fields: dict[str, Any]) -> None:
+    """GLM-4.5: ``W_o`` has no bias; the QK-norm is optional (``use_qk_norm``)."""
+    fields["use_qk_norm"] = mha.q_norm is not None
+    fields.setdefault("partial_rotary_factor", 1.0)
+
+
+def write_exaone4(mha: Any, fields: dict[str, Any]) -> None:
+    """EXAONE 4: a full layer of a model with a window set is NoPE; one without a window rotates."""
+    if mha.position is None:
+        if mha.window is not None:
+            raise ValueError("EXAONE 4 rotates its sliding layers: a windowed layer without a rotary")
+        fields.update(sliding_window=4096, layer_types=["full_attention"])  # any window: full layers are NoPE
+    fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+
+
+def write_smollm3(mha: Any, fields: dict[str, Any]) -> None:
+    """SmolLM3: ``no_rope_layers`` marks NoPE layers; the window needs ``use_sliding_window``."""
+    fields["no_rope_layers"] = [int(mha.position is not None)]
+    fields["use_sliding_window"] = mha.window is not None
+    fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+
+
+def write_lfm2(mha: Any, fields: dict[str, Any]) -> None:
+    """LFM2: the norm's epsilon is ``norm_eps``; one attention layer."""
+    fields["norm_eps"] = fields.pop("rms_norm_eps")
+    fields["layer_types"] = ["full_attention"]
+    del fields["attention_bias"]
+
+
+def write_minimax_m2(mha: Any, fields: dict[str, Any]) -> None:
+    """MiniMax-M2: the rotated size as ``rotary_dim``."""
+    rotary = mha.position
+    fields["rotary_dim"] = rotary.rotary_dim
+    fields.pop("partial_rotary_factor", None)
+    del fields["attention_bias"]
+
+
+def write_ministral3(mha: Any, fields: dict[str, Any]) -> None:
+    """Ministral 3: the query scaling's ``beta`` and ``L0`` live in ``rope_parameters``."""
+    scaling = mha.query_scaling
+    parameters = dict(fields.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10000.0})
+    original = parameters.get("original_max_position_embeddings")
+    if original is not None and original != scaling.original_length:
+        raise ValueError(
+            f"Ministral 3 keeps one original_max_position_embeddings: the rotary's {original} and the query "
+            f"scaling's {scaling.original_length} differ"
+        )
+    parameters.update(
+        llama_4_scaling_beta=scaling.beta,
+        original_max_position_embeddings=integer_field("original_length", scaling.original_length),
+    )
+    fields["rope_parameters"] = parameters
+    write_model_window(mha, fields)
 
 
 # ---------------------------------------------------------------- families whose sizes, values or gates differ

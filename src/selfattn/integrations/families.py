@@ -36,11 +36,15 @@ class Family:
             ``"rotated_queries"``: after the rotation), or None.
         norm_names: the layer's attributes of the query and key norms.
         norm_plus_one: whether the norm multiplies by ``1 + w`` (Gemma's RMSNorm).
+        projections: the layer's attributes of ``W_q, W_k, W_v, W_o``; a fused ``qkv_proj`` (Phi-3)
+            is named three times and split by rows ``[q | k | v]``.
         layer_types: the ``layer_types`` entries a layer may have.
         read: more options from the layer and its config: ``read(hf, config, options)``.
         copy: more weights into the module: ``copy(hf, mha)`` (under ``no_grad``).
         expresses: options :func:`~selfattn.integrations.from_transformers.to_transformers_config`
             may write as this family (empty: not a target).
+        requires: options the family's layer always has, as alternatives: a module must use one
+            option of each set to be written as this family (Qwen3's layer always normalises).
         write: more config fields for the way back: ``write(mha, fields)``.
     """
 
@@ -50,47 +54,125 @@ class Family:
     qk_norm: str | None = None
     norm_names: tuple[str, str] = ("q_norm", "k_norm")
     norm_plus_one: bool = False
+    projections: tuple[str, str, str, str] = ("q_proj", "k_proj", "v_proj", "o_proj")
     layer_types: frozenset[str | None] = _PLAIN_TYPES
     read: Callable[[Any, Any, dict[str, Any]], None] | None = None
     copy: Callable[[Any, Any], None] | None = None
     expresses: frozenset[str] = field(default_factory=frozenset)
+    requires: tuple[frozenset[str], ...] = ()
     write: Callable[[Any, dict[str, Any]], None] | None = None
 
 
 _HALF = "half-split rotary"
 _UNIT = "qk_norm with unit weights"
+_BIAS = "a bias on W_q, W_k, W_v and W_o"
+_QKV = "a bias on W_q, W_k, W_v only"
+_NORMED = (frozenset({"qk_norm", _UNIT}),)  # the layer always has a QK-norm per head
+_PROJECTION_NORM = "qk_norm at query_features"
+_UNWEIGHTED = "qk_norm at queries, unweighted"
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", ("LlamaAttention",), expresses=frozenset({_HALF})),
+    Family("llama", ("LlamaAttention",), expresses=frozenset({_HALF, _BIAS})),
     Family(
         "qwen3", ("Qwen3Attention",), qk_norm="queries",
-        expresses=frozenset({_HALF, "window", "qk_norm", _UNIT}), write=steps.write_qwen3,
+        expresses=frozenset({_HALF, _BIAS, "window", "qk_norm", _UNIT}), requires=_NORMED, write=steps.write_qwen3,
     ),
     Family(
         "gemma2", ("Gemma2Attention",),
-        expresses=frozenset({_HALF, "window", "scale", "softcap"}), write=steps.write_gemma,
+        expresses=frozenset({_HALF, _BIAS, "window", "scale", "softcap"}), write=steps.write_gemma,
     ),
     Family(
         "gemma3_text", ("Gemma3Attention",), qk_norm="queries", norm_plus_one=True, read=steps.read_no_softcap,
-        expresses=frozenset({_HALF, "window", "scale", "qk_norm", _UNIT}), write=steps.write_gemma,
+        expresses=frozenset({_HALF, _BIAS, "window", "scale", "qk_norm", _UNIT}), requires=_NORMED,
+        write=steps.write_gemma,
     ),
-    Family("gpt_oss", ("GptOssAttention",), expresses=frozenset({_HALF, "window", "sinks"})),
+    Family("gpt_oss", ("GptOssAttention",), expresses=frozenset({_HALF, _BIAS, "window", "sinks"})),
     Family(
         "llama4_text", ("Llama4TextAttention",), rotary="interleaved",
         layer_types=frozenset({None, "full_attention", "chunked_attention"}), read=steps.read_llama4,
-        expresses=frozenset({"interleaved rotary", "chunk_size", _UNIT, "no rotary", "temperature_tuning"}),
+        expresses=frozenset({"interleaved rotary", _BIAS, "chunk_size", _UNIT, "no rotary", "temperature_tuning"}),
         write=steps.write_llama4,
     ),
     Family(
         "qwen3_next", ("Qwen3NextAttention",), qk_norm="queries", norm_plus_one=True,
         layer_types=frozenset({None, "full_attention"}), read=steps.read_query_gate, copy=steps.copy_query_gate,
-        expresses=frozenset({_HALF, "qk_norm", _UNIT, "gated_output", "partial rotary"}),
+        expresses=frozenset({_HALF, _BIAS, "qk_norm", _UNIT, "gated_output", "partial rotary"}),
+        requires=(*_NORMED, frozenset({"gated_output"})),
     ),
     Family(
         "qwen2_vl_text", ("Qwen2VLAttention",), rotary="mrope",
-        expresses=frozenset({"M-RoPE", "a bias on W_q, W_k, W_v only"}), write=steps.write_qwen2_vl,
+        expresses=frozenset({"M-RoPE", _QKV}), write=steps.write_qwen2_vl,
     ),
     Family("qwen2_5_vl_text", ("Qwen2_5_VLAttention",), rotary="mrope"),
+    # Llama plus options the common reading sees: biases, windows, QK-norm per head.
+    Family(
+        "mistral", ("MistralAttention",), read=steps.read_model_window,
+        expresses=frozenset({_HALF, "window"}), write=steps.write_model_window,
+    ),
+    Family("ministral", ("MinistralAttention",), expresses=frozenset({_HALF, "window"})),
+    Family(
+        "qwen2", ("Qwen2Attention",), expresses=frozenset({_HALF, _QKV, "window"}), requires=(frozenset({_QKV}),),
+        write=steps.write_qwen2,
+    ),
+    Family(
+        "hy_v3", ("HYV3Attention",), qk_norm="queries", expresses=frozenset({_HALF, _BIAS, "qk_norm", _UNIT}),
+        requires=_NORMED,
+    ),
+    Family(
+        "dots1", ("Dots1Attention",), qk_norm="queries",
+        expresses=frozenset({_HALF, _BIAS, "window", "qk_norm", _UNIT}), requires=_NORMED, write=steps.write_qwen3,
+    ),
+    Family(
+        "apertus", ("ApertusAttention",), qk_norm="queries", expresses=frozenset({_HALF, _BIAS, "qk_norm", _UNIT}),
+        requires=_NORMED,
+    ),
+    Family(
+        "seed_oss", ("SeedOssAttention",), expresses=frozenset({_HALF, _BIAS, _QKV}), write=steps.write_seed_oss,
+    ),
+    Family(
+        "glm4_moe", ("Glm4MoeAttention",), qk_norm="queries",
+        expresses=frozenset({_HALF, "partial rotary", _QKV, "qk_norm", _UNIT}), write=steps.write_glm4_moe,
+    ),
+    Family(
+        "exaone4", ("Exaone4Attention",), qk_norm="queries", read=steps.read_exaone4,
+        expresses=frozenset({_HALF, "window", "no rotary", "qk_norm", _UNIT}), requires=_NORMED,
+        write=steps.write_exaone4,
+    ),
+    Family(
+        "smollm3", ("SmolLM3Attention",), read=steps.read_no_rope_layers,
+        expresses=frozenset({_HALF, _BIAS, "window", "no rotary"}), write=steps.write_smollm3,
+    ),
+    Family(
+        "lfm2", ("Lfm2Attention",), qk_norm="queries", norm_names=("q_layernorm", "k_layernorm"),
+        projections=("q_proj", "k_proj", "v_proj", "out_proj"), expresses=frozenset({_HALF, "qk_norm", _UNIT}),
+        requires=_NORMED, write=steps.write_lfm2,
+    ),
+    Family(
+        "phi3", ("Phi3Attention",), projections=("qkv_proj", "qkv_proj", "qkv_proj", "o_proj"),
+        read=steps.read_model_window, expresses=frozenset({_HALF, "partial rotary", "window"}),
+        write=steps.write_model_window,
+    ),
+    # QK-norm over the whole projection, before the head split.
+    Family(
+        "olmo2", ("Olmo2Attention",), qk_norm="query_features", expresses=frozenset({_HALF, _BIAS, _PROJECTION_NORM}),
+        requires=(frozenset({_PROJECTION_NORM}),),
+    ),
+    Family(
+        "olmo3", ("Olmo3Attention",), qk_norm="query_features",
+        expresses=frozenset({_HALF, _BIAS, "window", _PROJECTION_NORM}), requires=(frozenset({_PROJECTION_NORM}),),
+    ),
+    Family("flex_olmo", ("FlexOlmoAttention",), qk_norm="query_features"),
+    Family(
+        "minimax_m2", ("MiniMaxM2Attention",), qk_norm="query_features",
+        expresses=frozenset({_HALF, "partial rotary", _PROJECTION_NORM}), requires=(frozenset({_PROJECTION_NORM}),),
+        write=steps.write_minimax_m2,
+    ),
+    # Query scaling by position.
+    Family(
+        "ministral3", ("Ministral3Attention",), read=steps.read_ministral3,
+        expresses=frozenset({_HALF, "window", "part LogFloorScaling"}),
+        requires=(frozenset({"part LogFloorScaling"}),), write=steps.write_ministral3,
+    ),
     # Families whose sizes, values or gates differ (value norm, K = V, value head size, gates per head).
     Family(
         "gemma3n_text", ("Gemma3nTextAttention",), qk_norm="queries", read=steps.read_gemma3n,
@@ -110,14 +192,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("laguna", ("LagunaAttention",), qk_norm="queries", read=steps.read_laguna, copy=steps.copy_gate),
     Family(
         "afmoe", ("AfmoeAttention",), qk_norm="queries", read=steps.read_afmoe, copy=steps.copy_gate,
-        expresses=frozenset({_HALF, "window", "qk_norm", _UNIT, "gated_output", "no rotary"}),
-        write=steps.write_afmoe,
+        expresses=frozenset({_HALF, _BIAS, "window", "qk_norm", _UNIT, "gated_output", "no rotary"}),
+        requires=(*_NORMED, frozenset({"gated_output"})), write=steps.write_afmoe,
     ),
     Family(
         "muse_glimmer_text", ("MuseGlimmerTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
         read=steps.read_muse, copy=steps.copy_gate,
-        expresses=frozenset({_HALF, "window", "scale", "qk_norm at queries, unweighted", "gated_output", "no rotary"}),
-        write=steps.write_muse_glimmer,
+        expresses=frozenset({_HALF, _BIAS, "window", "scale", _UNWEIGHTED, "gated_output", "no rotary"}),
+        requires=(frozenset({_UNWEIGHTED}), frozenset({"gated_output"})), write=steps.write_muse_glimmer,
     ),
     Family(
         "muse_spark_text", ("MuseSparkTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),

@@ -31,7 +31,9 @@ from selfattn.positional.rotary import RotaryPositionalEncoding
 # selfattn.attention here would make the two modules import each other.
 Module = TypeVar("Module", bound=nn.Module)
 
-__all__ = ["LAYERS", "from_transformers", "layer_family", "rope_parameters_of", "to_transformers_config"]
+__all__ = [
+    "LAYERS", "from_transformers", "layer_family", "projection_weights", "rope_parameters_of", "to_transformers_config",
+]  # fmt: skip
 
 # Attention layer class -> model family (the config's model_type), from the family table.
 LAYERS: dict[str, str] = {name: family.model_type for name, family in BY_CLASS.items()}
@@ -50,6 +52,8 @@ def _rotary(config: Any, layer_type: str | None, *, interleaved: bool) -> Rotary
     parameters = getattr(config, "rope_parameters", None)
     if isinstance(parameters, Mapping) and isinstance(parameters.get(layer_type), Mapping):
         parameters = parameters[layer_type]
+    if isinstance(parameters, Mapping) and "llama_4_scaling_beta" in parameters:  # a query scaling, read apart
+        parameters = {name: value for name, value in parameters.items() if name != "llama_4_scaling_beta"}
     fields = {
         name: getattr(config, name, None)
         for name in (
@@ -100,18 +104,40 @@ def _layer_type(hf: Any, family: Family) -> str | None:
     return layer_type
 
 
-def _common_options(hf: Any, layer_type: str | None) -> dict[str, Any]:
-    """What every family's layer says the same way: sizes, biases, dropout, window, softcap, sinks, scale."""
+def projection_weights(hf: Any, family: Family) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """``W_q, W_k, W_v, W_o``'s weight and bias as the layer holds them (a fused ``qkv_proj`` split by rows)."""
+    names = dict(zip(("W_q", "W_k", "W_v", "W_o"), family.projections, strict=True))
+    linears = {ours: getattr(hf, theirs) for ours, theirs in names.items()}
+    if linears["W_q"] is not linears["W_k"]:
+        return {ours: (linear.weight, linear.bias) for ours, linear in linears.items()}
+    fused, head_dim = linears["W_q"], int(hf.head_dim)
+    query_rows = int(hf.config.num_attention_heads) * head_dim
+    kv_rows = (fused.out_features - query_rows) // 2  # (h * dh | hk * dh | hk * dh) rows
+    sizes = (query_rows, kv_rows, kv_rows)
+    weights = fused.weight.split(sizes)
+    biases = (None, None, None) if fused.bias is None else fused.bias.split(sizes)
+    split = {ours: (w, b) for ours, w, b in zip(("W_q", "W_k", "W_v"), weights, biases, strict=True)}
+    return split | {"W_o": (linears["W_o"].weight, linears["W_o"].bias)}
+
+
+def _common_options(hf: Any, layer_type: str | None, weights: dict[str, Any]) -> dict[str, Any]:
+    """What every family's layer says the same way: sizes, biases, dropout, window, softcap, sinks, scale.
+
+    Head counts come from the projections' rows (per-layer counts included); a family whose
+    ``q_proj`` holds more than the queries corrects ``num_heads`` in its ``read`` step.
+    """
     config, head_dim = hf.config, int(hf.head_dim)
-    with_bias = {p.bias is not None for p in (hf.q_proj, hf.k_proj, hf.v_proj)}
+    with_bias = {weights[name][1] is not None for name in ("W_q", "W_k", "W_v")}
     if len(with_bias) > 1:
         raise ValueError("the layer has a bias on only some of q_proj, k_proj, v_proj; selfattn has all or none")
+    (q_weight, _), (k_weight, _), (o_weight, o_bias) = weights["W_q"], weights["W_k"], weights["W_o"]
     options: dict[str, Any] = {
+        "num_heads": q_weight.shape[0] // head_dim,
         "bias": with_bias.pop(),
-        "output_bias": hf.o_proj.bias is not None,
-        "query_size": hf.q_proj.in_features,
-        "output_size": hf.o_proj.out_features,
-        "num_kv_heads": int(config.num_key_value_heads),
+        "output_bias": o_bias is not None,
+        "query_size": q_weight.shape[1],
+        "output_size": o_weight.shape[0],
+        "num_kv_heads": k_weight.shape[0] // head_dim,
         "dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
         "window": getattr(hf, "sliding_window", None),
         "softcap": getattr(hf, "attn_logit_softcapping", None),
@@ -155,29 +181,32 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
     family = family_of_layer(layer)
     hf: Any = layer  # read by attribute names: projections, norms, sinks, the config
     layer_type = _layer_type(hf, family)
-    heads, head_dim = int(hf.config.num_attention_heads), int(hf.head_dim)
-    options = _common_options(hf, layer_type)
-    options["position"] = _position(family, hf.config, layer_type, heads, head_dim)
+    head_dim = int(hf.head_dim)
+    weights = projection_weights(hf, family)
+    options = _common_options(hf, layer_type, weights)
+    options["position"] = _position(family, hf.config, layer_type, options["num_heads"], head_dim)
     norm_weights = _norm_parts(hf, family, options)
     if family.read is not None:
         family.read(hf, hf.config, options)
-    weight = hf.o_proj.weight
-    mha: Any = cls(heads * head_dim, heads, device=weight.device, dtype=weight.dtype, **options)
+    heads = options.pop("num_heads")
+    device, dtype = weights["W_o"][0].device, weights["W_o"][0].dtype
+    mha: Any = cls(heads * head_dim, heads, device=device, dtype=dtype, **options)
     if mha.position is not None:
-        mha.position.to(weight.device)
+        mha.position.to(device)
     with torch.no_grad():
-        for name, hf_name in (("W_q", "q_proj"), ("W_k", "k_proj"), ("W_v", "v_proj"), ("W_o", "o_proj")):
-            ours, theirs = getattr(mha, name), getattr(hf, hf_name, None)
-            if ours is not None and theirs is not None and ours.weight.shape == theirs.weight.shape:
-                ours.weight.copy_(theirs.weight)
-                if theirs.bias is not None:
-                    ours.bias.copy_(theirs.bias)
+        for name, (weight, bias) in weights.items():
+            ours = getattr(mha, name)
+            if ours is not None and ours.weight.shape == weight.shape:
+                ours.weight.copy_(weight)
+                if bias is not None:
+                    ours.bias.copy_(bias)
         if mha.sinks is not None:
             mha.sinks.copy_(hf.sinks)
         for name, norm_weight in norm_weights.items():
             getattr(mha, name).weight.copy_(norm_weight)
         if family.copy is not None:
             family.copy(hf, mha)
+    mha.transformers_model_type = family.model_type  # the way back writes this family first
     return cast(Module, mha.train(hf.training))
 
 
@@ -185,6 +214,7 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
 _HALF_SPLIT = "half-split rotary"
 _UNIT_NORM = "qk_norm with unit weights"  # what Llama 4 has; a weighted QK-norm with weights 1 too
 _QKV_BIAS = "a bias on W_q, W_k, W_v only"
+BIAS = "a bias on W_q, W_k, W_v and W_o"
 _MROPE_OPTION = "M-RoPE"
 
 
@@ -197,19 +227,20 @@ def _options(mha: Any) -> set[str]:
         )
     used = {name for name in ("window", "scale", "softcap", "chunk_size", "temperature_tuning") if getattr(mha, name)}
     used |= {name for name, part in (("sinks", mha.sinks), ("gated_output", mha.W_g)) if part is not None}
-    if mha.q_norm is not None and mha.k_norm is not None:
-        if (mha.q_norm.slot, mha.q_norm.weight is None) != ("queries", False):
+    if mha.q_norm is not None:
+        weights = [norm.weight for norm in (mha.q_norm, mha.k_norm) if norm is not None]
+        if (mha.q_norm.slot, len(weights), mha.k_norm is None) != ("queries", 2, False):
             used.add(f"qk_norm at {mha.q_norm.slot}" + (", unweighted" if mha.q_norm.weight is None else ""))
         else:
-            unit = bool((mha.q_norm.weight == 1).all()) and bool((mha.k_norm.weight == 1).all())
+            unit = all(bool((weight == 1).all()) for weight in weights)
             used.add(_UNIT_NORM if unit and mha.position is not None else "qk_norm")
-    used |= {f"part {name}: {part.describe()}" for name, part in mha.named_children() if _unlisted(name, part)}
+    used |= {f"part {type(part).__name__}" for name, part in mha.named_children() if _unlisted(name, part)}
     used |= {"value_head_dim"} if mha.value_head_dim != mha.head_dim else set()
-    used |= {"values_from_keys"} if mha.W_v is None else set()
+    used |= {"shared_kv"} if mha.shared_kv else {"values_from_keys"} if mha.W_v is None else set()
     if mha.W_o.bias is not None and mha.W_q.bias is None:
         raise ValueError("a bias on W_o only: no transformers attention layer has it")
-    if mha.W_q.bias is not None and mha.W_o.bias is None:
-        used.add(_QKV_BIAS)
+    if mha.W_q.bias is not None:
+        used.add(_QKV_BIAS if mha.W_o.bias is None else BIAS)
     rotary = mha.position
     if rotary is None:
         used.add("no rotary")
@@ -221,6 +252,11 @@ def _options(mha: Any) -> set[str]:
         used.add("interleaved rotary" if rotary.interleaved else _HALF_SPLIT)
         used |= {"partial rotary"} if rotary.rotary_dim != rotary.head_dim else set()
     return used
+
+
+def _required(family: Family, used: set[str]) -> bool:
+    """Whether ``used`` holds one option of each of ``family.requires`` (a layer that always has them)."""
+    return all(used & alternatives for alternatives in family.requires)
 
 
 def _unlisted(name: str, part: nn.Module) -> bool:
@@ -243,8 +279,9 @@ def rope_parameters_of(rotary: RotaryPositionalEncoding) -> dict[str, Any]:
 def to_transformers_config(module: nn.Module) -> dict[str, Any]:
     """Config fields that rebuild ``module`` (a MultiHeadAttention) as one transformers attention layer.
 
-    ``model_type`` names the first family of the table whose layer expresses every option
-    ``module`` uses (a model of one layer); build the config with
+    ``model_type`` names the family the module was loaded from (``module.transformers_model_type``)
+    if its layer expresses every option ``module`` uses, else the first family of the table that
+    does (a model of one layer); build the config with
     ``transformers.AutoConfig.for_model(**fields)`` and the layer with ``layer_idx=0``. Weights
     are not part of a config: copy them as :func:`from_transformers` reads them (Gemma 3 and
     Qwen3-Next store ``w - 1`` for a QK-norm weight ``w``).
@@ -255,7 +292,8 @@ def to_transformers_config(module: nn.Module) -> dict[str, Any]:
     """
     mha: Any = module  # a MultiHeadAttention
     used = _options(mha)
-    family = next((f for f in FAMILIES if f.expresses and used <= f.expresses), None)
+    loaded = [f for f in FAMILIES if f.model_type == getattr(mha, "transformers_model_type", None)]
+    family = next((f for f in (*loaded, *FAMILIES) if f.expresses and used <= f.expresses and _required(f, used)), None)
     if family is None or ("temperature_tuning" in used and mha.position is not None):
         raise ValueError(f"no transformers attention layer has all of {sorted(used)}")
     rotary = mha.position if isinstance(mha.position, RotaryPositionalEncoding) else None

@@ -5,6 +5,12 @@ function would honour it, or known not to change the answer, or refused with a `
 naming it (:mod:`selfattn.integrations._hf_keywords` keeps the tables; a test re-scans the
 installed transformers for keywords in none of them).
 
+Refused combinations (eager computes them otherwise): ``softcap`` with a float ``attention_mask``
+(other than one of only 0 and the dtype's lowest, read as a bool mask), a ``position_bias`` or
+per-query ``sinks`` (transformers adds those after the capping, selfattn would cap them too);
+``s_aux`` with ``sinks``; ``indices`` with ``topk_indices``; ``output_attentions`` with dropout
+(eager returns the weights after dropout, selfattn before).
+
 Shape legend:
     b: batch, h: query heads, hk: key/value heads, lq: queries, lk: keys, d: head size, dv: value size.
 """
@@ -58,104 +64,145 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention function signature over :func:`selfattn.functional.attention`.
 
-    ``attention_mask`` is the mask transformers builds for ``sdpa`` (bool ``(b, 1, lq, lk)``,
-    True = attend; it already holds causality, padding, packing and sliding windows), eager's
-    float form of one (only 0 and ``-inf`` or the dtype's lowest: read as the bool mask
-    ``entry == 0``), another float mask added to the scores, or None. None means no padding: the module's ``is_causal`` (or the
-    ``is_causal`` passed) then decides, as for ``sdpa``: with more than one query, query ``i``
-    sees keys ``0 .. i`` (and the last ``sliding_window`` of them); a single query sees every key.
-    Every other restriction below is "and"-ed with it.
-
     Args:
-        module: the model's attention layer (read: ``is_causal``; ``indexer.block_size`` with
-            ``block_indices``).
+        module: the model's attention layer (read: ``is_causal``; ``indexer.block_size``).
         query: ``(b, h, lq, d)``.
         key: ``(b, hk, lk, d)``; ``hk`` may divide ``h`` (grouped-query attention).
         value: ``(b, hk, lk, dv)``.
-        attention_mask: see above.
+        attention_mask: ``sdpa``'s bool ``(b, 1, lq, lk)`` (True = attend; it holds causality, padding,
+            packing, windows), eager's float form of one (0 and ``-inf`` or the dtype's lowest: read as
+            ``== 0``), another float mask added to the scores, or None: the layer's ``is_causal`` decides as
+            for ``sdpa`` (query ``i`` of several sees keys ``0 .. i`` and the last ``sliding_window``; one
+            query sees every key). The restrictions below are "and"-ed with it. A query it lets see no key
+            weighs every key evenly, as in eager (zeros in ``sdpa``, with sinks, with shared ``indices``).
         dropout: dropout on the weights (the model passes 0 in evaluation).
         scaling: score scale (default ``1 / sqrt(d)``).
         is_causal: overrides ``module.is_causal``.
         sliding_window: window of a local layer (applied here only when there is no mask).
-        softcap: attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``): each
-            scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` before the mask.
-        s_aux: attention sinks (gpt-oss passes its ``sinks`` parameter, ``(h,)``): one logit per
-            query head that joins the softmax's denominator and adds no value.
+        softcap: each scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` before the mask (Gemma 2).
+        s_aux: sinks ``(h,)`` (gpt-oss): a logit per query head in the softmax's denominator, no value.
         position_bias: float ``(b or 1, h, lq, lk)`` added to the scores (T5-style models).
-        sinks: sinks per query (Inkling 2: ``(b, h, lq, 1)``), or ``(h,)`` as ``s_aux``. Per-query
-            sinks run as one more key (zero key and value, the sink as its bias) on a route that
-            takes a dense bias; ``(h,)`` sinks keep the fused routes.
-        indices: sparse attention's selected keys (DeepSeek-V3.2, GLM-MoE-DSA, Mistral Large 4,
-            ...): ``(b, lq, t)`` key indices, ``-1`` for an unused slot; a query sees only the
-            keys it selected.
+        sinks: ``(h,)`` as ``s_aux``, or per query ``(b, h, lq, 1)`` (Inkling 2: run as one more key).
+        indices: sparse attention's selected keys ``(b, lq, t)``, ``-1`` unused (DeepSeek-V3.2 ...).
         topk_indices: the same, under that name.
-        block_indices: selected blocks of keys (MiniMax-M3): ``(b, hs, lq, t)`` block indices per
-            key/value head (``-1`` unused) of ``module.indexer.block_size`` keys each.
+        block_indices: selected blocks of ``module.indexer.block_size`` keys ``(b, hk, lq, t)`` (MiniMax-M3).
         head_mask: factor of the weights per head, ``(h,)`` or broadcastable to ``(b, h, lq, 1)``.
-        cu_seq_lens_q: packed sequences (flash attention's varlen form; batch 1): cumulative
-            query lengths ``(n + 1,)``; a query sees its own sequence only (causal in it when
-            the layer is).
+        cu_seq_lens_q: cumulative lengths ``(n + 1,)`` of the queries of sequences packed in a batch of 1.
         cu_seq_lens_k: cumulative key lengths; may be omitted when ``lk == lq``.
         seq_idx: ``(b, l)`` sequence ids of the tokens of packed rows; a query sees keys of its id.
-        output_attentions: also return the ``(b, h, lq, lk)`` weights, as eager does (a query
-            that sees no key has zero weights here, a uniform row in eager). They are returned
-            too when transformers records them without passing this (GPT-2, OPT ...).
-        **kwargs: what else the model passes: keywords known not to change the answer
-            (``position_ids``, ``use_cache``, ``max_length_q`` ...) are not read, any other
-            that is not None is refused.
+        output_attentions: also return the weights, as eager does; also when transformers records them
+            without passing this (GPT-2 ...).
+        **kwargs: keywords known not to change the answer are not read; any other not None is refused.
 
     Returns:
         ``((b, lq, h, dv) output, (b, h, lq, lk) weights or None)``.
 
     Raises:
-        ValueError: an unknown keyword, or a bad value of a known one; ``softcap`` with a float
-            ``attention_mask``, a ``position_bias`` or per-query ``sinks`` (transformers adds
-            those after the capping, selfattn would cap them too); ``s_aux`` with ``sinks``;
-            ``indices`` with ``topk_indices``; ``output_attentions`` with dropout (eager returns
-            the weights after dropout, selfattn before).
+        ValueError: an unknown keyword, a bad value of a known one, or a combination the module's docstring refuses.
     """
     check_keywords(kwargs)
     output_attentions = bool(output_attentions) or _recording_attentions()
-    if attention_mask is not None and attention_mask.is_floating_point() and _only_visibility(attention_mask):
-        attention_mask = attention_mask == 0  # eager's form of a bool mask: the fast routes, and softcap allowed
+    attention_mask = _bool_if_only_visibility(attention_mask)
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
     _check_combinations(query, attention_mask, dropout, softcap, position_bias, per_query_sinks, output_attentions)
-    picks = _shared_picks(query, key.shape[-2], indices, topk_indices)
-    if picks is not None:  # the sparse route gathers them; not a dense mask
-        indices = topk_indices = None
-    selections = _selections(module, query, key.shape[-2], indices, topk_indices, block_indices, seq_idx)
+    picks, selections = _selected(module, query, key.shape[-2], indices, topk_indices, block_indices, seq_idx)
     key, value, mask, bias, causal = _visibility(
         module, query, key, value, attention_mask, is_causal, sliding_window, cu_seq_lens_q, cu_seq_lens_k
     )
-    if picks is not None:  # made over the keys passed; a static-cache prefill keeps the first lk
+    query, key, value, mask, bias, picks = _restricted(
+        query, key, value, mask, bias, picks, selections, position_bias, sinks, per_query_sinks
+    )
+    options: dict[str, Any] = dict(
+        mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling, softcap=softcap, sinks=sinks,
+        return_weights=bool(output_attentions),
+    )  # fmt: skip
+    out, weights = _attend(query, key, value, picks, options, per_query_sinks is not None, head_mask)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _restricted(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    picks: torch.Tensor | None,
+    selections: list[torch.Tensor],
+    position_bias: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    per_query_sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(query, key, value, mask, bias, picks)`` for the route, from :func:`_visibility`'s.
+
+    The selections are "and"-ed into the mask, the position bias is added to the bias, a query that
+    the mask lets see no key is given eager's answer (:func:`_uniform_where_blind`; not with sinks,
+    where eager's answer is zeros, as selfattn's, nor with shared picks, whose sparse route gives
+    zeros), and per-query sinks become a first key. The selections and picks were made over the keys
+    passed; :func:`_visibility` keeps the first ``lq`` of them in a static cache's prefill, so they
+    are cut to the keys kept.
+    """
+    if picks is not None:
         picks = picks.masked_fill(picks >= key.shape[-2], -1)
-    for selection in selections:  # made over the keys passed; a static-cache prefill keeps the first lk
+    for selection in selections:
         selection = selection[..., : key.shape[-2]]
         mask = selection if mask is None else mask & selection
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
+    if mask is not None and sinks is None and per_query_sinks is None and picks is None:
+        query, mask, bias = _uniform_where_blind(query, mask, bias)
     if per_query_sinks is not None:
         key, value, mask, bias = prepend_sink_key(per_query_sinks, query, key, value, mask, bias)
         if picks is not None:  # the sink went first: every pick moves one on, and every query sees the sink
             moved = torch.where(picks >= 0, picks + 1, -1)
             picks = torch.cat([moved.new_zeros(*moved.shape[:-1], 1), moved], dim=-1)
-    options: dict[str, Any] = dict(
-        mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling, softcap=softcap, sinks=sinks,
-        return_weights=bool(output_attentions),
-    )  # fmt: skip
+    return query, key, value, mask, bias, picks
+
+
+def _uniform_where_blind(
+    query: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(query, mask, bias)`` with which a query that ``mask`` lets see no key weighs every key ``1 / lk``, as in eager.
+
+    Eager adds the dtype's lowest value to each hidden score: in a row that hides every key the
+    scores vanish beside it, and the softmax spreads the row evenly over all ``lk`` keys (their
+    mean value). selfattn would give zeros there, and a model may break on those: Gemma 3n's
+    ``mean(h ** 2) ** 0.5`` of a padded token whose every input is zero has an infinite
+    derivative (NaN gradients). Here such a row sees every key with a zero query and no bias, so
+    every score is 0; rows that see a key are untouched. No host sync: all of it is masking.
+    """
+    blind = ~mask.any(dim=-1, keepdim=True)  # (b or 1, 1 or h, lq, 1)
+    query = query.masked_fill(blind, 0)
+    bias = None if bias is None else bias.masked_fill(blind, 0)
+    return query, mask | blind, bias
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    picks: torch.Tensor | None,
+    options: dict[str, Any],
+    sink_key: bool,
+    head_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``((b, h, lq, dv) output, weights or None)``: the dense route, or the sparse one over ``picks`` ``(b, lq, t)``.
+
+    ``sink_key``: the first key is per-query sinks' (:func:`prepend_sink_key`), whose weights are no
+    key's and are dropped. ``head_mask`` scales the output and the weights per head.
+    """
     result = (
         attention(query, key, value, **options)
         if picks is None
         else sparse_attention(query, key, value, picks, **options)
     )
     out, weights = result if isinstance(result, tuple) else (result, None)
-    if weights is not None and per_query_sinks is not None:
-        weights = weights[..., 1:]  # the sink's own column is no key's
+    if weights is not None and sink_key:
+        weights = weights[..., 1:]
     if head_mask is not None:
         factor = head_scale(head_mask, query).to(out.dtype)
         out = out * factor
         weights = None if weights is None else weights * factor
-    return out.transpose(1, 2).contiguous(), weights  # (b, lq, h, dv)
+    return out, weights
 
 
 def _split_sinks(
@@ -187,6 +234,7 @@ def _check_combinations(
     per_query_sinks: torch.Tensor | None,
     output_attentions: bool | None,
 ) -> None:
+    """Refuse the combinations that eager computes otherwise (see the module's docstring)."""
     float_mask = attention_mask is not None and attention_mask.is_floating_point()
     if softcap is not None and (position_bias is not None or float_mask):
         raise ValueError(
@@ -240,15 +288,18 @@ def _visibility(
     return key, value, mask, bias, causal
 
 
-def _only_visibility(attention_mask: torch.Tensor) -> bool:
-    """Whether a float mask only says which keys are seen: every entry 0 or at most the dtype's lowest (or -inf).
+def _bool_if_only_visibility(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A float mask that only says which keys are seen as the bool mask ``entry == 0``; any other as it is.
 
     transformers' eager masks put ``finfo.min`` where a key is hidden, and models add ``-inf``
     blocks to them (DeepSeek-V4's compressed keys); such a score gets no weight in the softmax, so
-    the mask is exactly the bool mask ``entry == 0`` (up to rows that see no key, uniform in eager).
+    a mask of only 0 and entries at most the dtype's lowest is exactly the bool mask (a row that sees no
+    key: :func:`_uniform_where_blind`). The bool form takes the fast routes, and allows ``softcap``.
     """
-    lowest = torch.finfo(attention_mask.dtype).min
-    return bool(((attention_mask == 0) | (attention_mask <= lowest)).all())
+    if attention_mask is None or not attention_mask.is_floating_point():
+        return attention_mask
+    hidden = attention_mask <= torch.finfo(attention_mask.dtype).min
+    return attention_mask == 0 if bool(((attention_mask == 0) | hidden).all()) else attention_mask
 
 
 def _recording_attentions() -> bool:
@@ -266,20 +317,7 @@ def _recording_attentions() -> bool:
     return isinstance(collected, dict) and "attentions" in collected
 
 
-def _shared_picks(
-    query: torch.Tensor, num_keys: int, indices: torch.Tensor | None, topk_indices: torch.Tensor | None
-) -> torch.Tensor | None:
-    """A ``(b, lq, t)`` selection every head shares (DeepSeek-V3.2's ``indices``), checked, for the sparse route; else None."""
-    if indices is not None and topk_indices is not None:
-        raise ValueError("indices and topk_indices both given: they name the same selection of keys")
-    name, given = ("indices", indices) if indices is not None else ("topk_indices", topk_indices)
-    if given is None:
-        return None
-    selection = checked_selection(name, given, query, num_keys)
-    return selection[:, 0] if selection.shape[1] == 1 else None
-
-
-def _selections(
+def _selected(
     module: torch.nn.Module,
     query: torch.Tensor,
     num_keys: int,
@@ -287,24 +325,34 @@ def _selections(
     topk_indices: torch.Tensor | None,
     block_indices: torch.Tensor | None,
     seq_idx: torch.Tensor | None,
-) -> list[torch.Tensor]:
-    """Bool masks ``(b or 1, 1 or h, lq, lk)`` of the sparse selections and packed ids, to "and" together."""
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """``(picks, masks)``: the sparse selections and packed ids, checked.
+
+    ``picks`` is a ``(b, lq, t)`` selection every head shares (DeepSeek-V3.2's ``indices``), for the
+    sparse route to gather, or None; ``masks`` are bool ``(b or 1, 1 or h, lq, lk)``, to "and" together:
+    a selection per head, the blocks of ``block_indices``, the sequences of ``seq_idx``.
+    """
     if indices is not None and topk_indices is not None:
         raise ValueError("indices and topk_indices both given: they name the same selection of keys")
-    chosen: list[torch.Tensor] = []
-    for name, selection in (("indices", indices), ("topk_indices", topk_indices)):
-        if selection is not None:
-            chosen.append(selected_keys(name, selection, query, num_keys))
+    name, given = ("indices", indices) if indices is not None else ("topk_indices", topk_indices)
+    picks = None
+    masks: list[torch.Tensor] = []
+    if given is not None:
+        selection = checked_selection(name, given, query, num_keys)
+        if selection.shape[1] == 1:
+            picks = selection[:, 0]
+        else:
+            masks.append(selected_keys(name, selection, query, num_keys))
     if block_indices is not None:
         block_size = getattr(getattr(module, "indexer", None), "block_size", None)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(
                 f"block_indices needs the size of a key block: selfattn reads module.indexer.block_size, got {block_size!r}"
             )
-        chosen.append(selected_keys("block_indices", block_indices, query, num_keys, block_size))
+        masks.append(selected_keys("block_indices", block_indices, query, num_keys, block_size))
     if seq_idx is not None:
-        chosen.append(sequence_documents(seq_idx, query, num_keys))
-    return chosen
+        masks.append(sequence_documents(seq_idx, query, num_keys))
+    return picks, masks
 
 
 def register(name: str = NAME) -> str:
@@ -336,6 +384,8 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
 
     config = kwargs.get("config")
     model_type = getattr(config, "model_type", None)
+    if model_type in CUT_QUERIES and kwargs.get("q_length") != 1:  # one query (decoding) is never cut
+        kwargs["allow_is_causal_skip"] = False  # a mask, cut with the queries, rather than None
     build = sdpa_mask if model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type) else eager_mask
     return build(*args, **kwargs)
 
@@ -345,6 +395,14 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
 #: causality decides, rather than a float mask per layer and per decoded token (checked in their
 #: modeling code: Gemma 2, gpt-oss).
 PASS_MASKS_THROUGH = frozenset({"gemma2", "gpt_oss"})
+
+#: Models whose code keeps only the last queries after the masks are built, cutting the masks with
+#: them, and trusts a missing mask there only under the name ``sdpa`` (Gemma 4 runs its layers that
+#: reuse earlier keys and values on the tokens whose logits are kept: ``_maybe_slice_kv_shared_inputs``).
+#: A missing mask would leave the last of 8 queries facing a static cache's empty slots, or 3 of 8
+#: queries read as the first 3, so they get a mask for more than one query (a test re-scans transformers
+#: for such models).
+CUT_QUERIES = frozenset({"gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"})
 
 
 @functools.cache

@@ -47,8 +47,11 @@ class TransformerBlock(NotScriptable, nn.Module):
         mlp: keep the MLP half of the block.
         bias: biases in the attention projections and the MLP.
         recipe: the attention's options (window, chunks, softcap, sinks, QK-norm, gate,
-            temperature, scale) as a :class:`~selfattn.models.LayerRecipe`; its ``position``
-            and ``rotary_base`` are for the model, which passes this block its ``position``.
+            temperature, scale, its own head counts and head size) as a
+            :class:`~selfattn.models.LayerRecipe`; its ``position`` and ``rotary_base`` are for the
+            model, which passes this block its ``position``. With ``shares_kv_with``, the attention
+            reads another layer's keys and values (``shared_kv=True``) and every call needs
+            ``cache``, a :class:`~selfattn.models.SharedKVView` of that layer's cache.
 
     Shape:
         x ``(b, l, d)`` -> ``(b, l, d)``.
@@ -73,8 +76,15 @@ class TransformerBlock(NotScriptable, nn.Module):
         self.ffn_hiddens = require_positive_int("ffn_hiddens", ffn_hiddens)
         self.dropout_p = require_probability("dropout", dropout)
         self.norm_first, self.residual, self.has_mlp = bool(norm_first), bool(residual), bool(mlp)
-        options = {} if recipe is None else check_recipe(recipe, "recipe").attention_options()
-        self.attention = MultiHeadAttention(num_hiddens, num_heads, dropout, bias=bias, position=position, **options)
+        recipe = LayerRecipe() if recipe is None else check_recipe(recipe, "recipe")
+        heads, kv_heads, head_dim = recipe.sizes(num_hiddens, require_positive_int("num_heads", num_heads))
+        options = recipe.attention_options()
+        if kv_heads != heads:
+            options["num_kv_heads"] = kv_heads
+        if heads * head_dim != num_hiddens:  # heads of their own size: project from and back to d
+            options |= dict.fromkeys(("query_size", "key_size", "value_size", "output_size"), num_hiddens)
+        inner = heads * head_dim
+        self.attention = MultiHeadAttention(inner, heads, dropout, bias=bias, position=position, **options)
         self.norm_1 = nn.LayerNorm(num_hiddens)
         self.mlp: nn.Sequential | None = None
         self.norm_2: nn.LayerNorm | None = None

@@ -16,10 +16,11 @@ from selfattn._scripting import NotScriptable
 from selfattn._validation import require_non_negative_int, require_positive_int, require_probability
 from selfattn.cache import KVCache
 from selfattn.models.block import TransformerBlock
-from selfattn.models.recipe import LayerRecipe, check_recipes
+from selfattn.models.recipe import LayerRecipe, LayerSizes, check_recipes, check_stack
 from selfattn.positional.base import InputEncoding, PositionalEncoding, QueryKeyEncoding
 from selfattn.positional.registry import NAMES, build
 from selfattn.positional.rotary import RotaryPositionalEncoding
+from selfattn.shared_cache import SharedKVCache, SharedKVView
 
 __all__ = ["TransformerLM"]
 
@@ -52,7 +53,13 @@ class TransformerLM(NotScriptable, nn.Module):
         position_options: extra constructor options for the encoding (e.g. ``{"max_distance": 8}``).
         layers: one :class:`~selfattn.models.LayerRecipe` per layer (default: the plain recipe
             for every layer): NoPE layers, per-layer rotary bases, windows, chunks, softcap,
-            sinks, QK-norm, gates (see :func:`~selfattn.models.repeat_pattern`).
+            sinks, QK-norm, gates, head counts and sizes, layers reading an earlier layer's keys
+            and values (see :func:`~selfattn.models.repeat_pattern`).
+
+    A layer with ``shares_kv_with=i`` reads what layer ``i`` attended to: in a full pass the
+    model hands it layer ``i``'s keys and values (through a cache of this pass), and when decoding
+    its cache (:meth:`make_caches`) is a :class:`~selfattn.models.SharedKVView` of layer
+    ``i``'s :class:`~selfattn.models.SharedKVCache`, so the keys are stored once.
 
     Shape:
         tokens ``(b, l)`` int64 -> logits ``(b, l, v)``.
@@ -92,35 +99,21 @@ class TransformerLM(NotScriptable, nn.Module):
         self.position: PositionalEncoding | None = None if self.input_encoding is not None else encoding
         self.embedding = nn.Embedding(vocab_size, num_hiddens)
         self.layers = check_recipes(layers, self.num_layers) if layers is not None else [LayerRecipe()] * num_layers
-        own_bases: dict[float, PositionalEncoding] = {}  # one rotary per distinct per-layer base
-
-        def layer_position(recipe: LayerRecipe) -> PositionalEncoding | None:
-            if not recipe.position:
-                return None
-            if recipe.rotary_base is None:
-                return self.position
-            if not isinstance(self.position, RotaryPositionalEncoding):
-                raise ValueError(
-                    f"a layer has rotary_base={recipe.rotary_base}, but position={position!r} is not rotary"
-                )
-            if recipe.rotary_base not in own_bases:
-                own = {**options, "base": recipe.rotary_base}
-                own_bases[recipe.rotary_base] = build("rotary", num_hiddens=num_hiddens, num_heads=num_heads, **own)
-            return own_bases[recipe.rotary_base]
-
+        check_stack(self.layers, num_hiddens, num_heads)
+        positions = _layer_positions(self.layers, self.position, position, options, num_hiddens, num_heads)
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 num_hiddens,
                 num_heads,
                 4 * num_hiddens if ffn_hiddens is None else ffn_hiddens,
                 dropout,
-                position=layer_position(recipe),
+                position=layer_position,
                 norm_first=norm_first,
                 residual=residual,
                 mlp=mlp,
                 recipe=recipe,
             )
-            for recipe in self.layers
+            for recipe, layer_position in zip(self.layers, positions, strict=True)
         )
         self.norm = nn.LayerNorm(num_hiddens)
         nn.init.normal_(self.embedding.weight, std=num_hiddens**-0.5)
@@ -133,8 +126,40 @@ class TransformerLM(NotScriptable, nn.Module):
         return encoding
 
     def make_caches(self, max_len: int | None = None) -> list[KVCache]:
-        """One empty :class:`~selfattn.KVCache` per block, for ``max_len`` positions (default ``self.max_len``)."""
-        return [KVCache(self.max_len if max_len is None else max_len) for _ in self.blocks]
+        """One empty :class:`~selfattn.KVCache` per block, for ``max_len`` positions (default ``self.max_len``).
+
+        A layer whose keys and values later layers read gets a :class:`~selfattn.models.SharedKVCache`,
+        and each of those layers a :class:`~selfattn.models.SharedKVView` of it, which stores nothing.
+        """
+        max_len = self.max_len if max_len is None else require_positive_int("max_len", max_len)
+        return [cache for cache in self._caches(max_len, every_layer=True) if cache is not None]
+
+    def _caches(self, max_len: int, every_layer: bool) -> list[KVCache | None]:
+        """Caches of ``max_len`` for every layer, or (``every_layer=False``) only for those that share keys."""
+        read = {recipe.shares_kv_with for recipe in self.layers}
+        caches: list[KVCache | None] = []
+        for index, recipe in enumerate(self.layers):
+            source = None if recipe.shares_kv_with is None else caches[recipe.shares_kv_with]
+            if isinstance(source, SharedKVCache):
+                caches.append(SharedKVView(source))
+            elif index in read:
+                caches.append(SharedKVCache(max_len))
+            else:
+                caches.append(KVCache(max_len) if every_layer else None)
+        return caches
+
+    def _check_shared_caches(self, caches: Sequence[KVCache]) -> None:
+        """Each sharing layer's cache is a view of its source's (else it would read another layer's keys, or none)."""
+        for index, recipe in enumerate(self.layers):
+            source = recipe.shares_kv_with
+            if source is None:
+                continue
+            cache = caches[index]
+            if not isinstance(cache, SharedKVView) or cache.source is not caches[source]:
+                raise ValueError(
+                    f"caches[{index}] must be a SharedKVView of caches[{source}] (layer {index} reads layer "
+                    f"{source}'s keys and values), got {type(cache).__name__}: make the caches with make_caches()"
+                )
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
@@ -190,6 +215,8 @@ class TransformerLM(NotScriptable, nn.Module):
         length = tokens.shape[1]
         if caches is not None and len(caches) != self.num_layers:
             raise ValueError(f"caches must hold one KVCache per block ({self.num_layers}), got {len(caches)}")
+        if caches is not None:
+            self._check_shared_caches(caches)
         if positions is not None:
             if offset is not None:
                 raise ValueError("give either offset or positions, not both")
@@ -224,8 +251,12 @@ class TransformerLM(NotScriptable, nn.Module):
         # Token i sits at positions[i]; the attention's encoding transforms queries and keys there itself.
         block_offset = offset if positions is None else None
         hidden = [x]
+        # A full pass hands each shared layer's keys and values to its readers through caches of this pass.
+        layer_caches: Sequence[KVCache | None] = (
+            self._caches(tokens.shape[1], every_layer=False) if caches is None else caches
+        )
         for index, block in enumerate(self.blocks):
-            cache = None if caches is None else caches[index]
+            cache = layer_caches[index]
             x = block(x, valid_lens, causal=True, offset=block_offset, cache=cache, positions=positions)
             hidden.append(x)
         logits = self.norm(x) @ self.embedding.weight.T  # (b, l, v)
@@ -268,3 +299,47 @@ class TransformerLM(NotScriptable, nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, position={self.position_name!r}, max_len={self.max_len}"
+
+
+def _layer_positions(
+    layers: Sequence[LayerRecipe],
+    model_position: PositionalEncoding | None,
+    name: str,
+    options: Mapping[str, Any],
+    num_hiddens: int,
+    num_heads: int,
+) -> list[PositionalEncoding | None]:
+    """Each layer's encoding inside attention: the model's, or one built for the layer's rotary base or sizes.
+
+    One encoding per distinct rotary base and size it is built for (the heads a score encoding biases,
+    the head size a rotary turns), shared by the layers that have them: a layer that reads another
+    layer's keys then encodes its queries with the very module that encoded those keys.
+    """
+    own: dict[tuple[int, int, float | None], PositionalEncoding] = {}
+    by_heads = isinstance(getattr(model_position, "num_heads", None), int)
+    by_size = isinstance(getattr(model_position, "head_dim", None), int)
+    positions: list[PositionalEncoding | None] = []
+    for recipe in layers:
+        if recipe.rotary_base is not None and not isinstance(model_position, RotaryPositionalEncoding):
+            raise ValueError(f"a layer has rotary_base={recipe.rotary_base}, but position={name!r} is not rotary")
+        sizes = recipe.sizes(num_hiddens, num_heads)
+        if not recipe.position or model_position is None:
+            positions.append(None)
+        elif recipe.rotary_base is None and _fits(model_position, sizes):
+            positions.append(model_position)
+        else:
+            key = (sizes.num_heads if by_heads else 0, sizes.head_dim if by_size else 0, recipe.rotary_base)
+            if key not in own:
+                given = options if recipe.rotary_base is None else {**options, "base": recipe.rotary_base}
+                inner = sizes.num_heads * sizes.head_dim
+                own[key] = build(name, num_hiddens=inner, num_heads=sizes.num_heads, **given)
+            positions.append(own[key])
+    return positions
+
+
+def _fits(encoding: PositionalEncoding, sizes: LayerSizes) -> bool:
+    """Whether ``encoding`` was built for a layer of these sizes (the heads it biases, the head size it rotates)."""
+    built_heads, built_size = getattr(encoding, "num_heads", None), getattr(encoding, "head_dim", None)
+    return (not isinstance(built_heads, int) or built_heads == sizes.num_heads) and (
+        not isinstance(built_size, int) or built_size == sizes.head_dim
+    )

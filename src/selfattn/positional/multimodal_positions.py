@@ -107,76 +107,18 @@ def multimodal_positions(
         ValueError: a bad shape or grid, or tokens and grids that disagree (more or fewer
             image tokens than the grids describe), named.
     """
-    if (
-        not isinstance(input_ids, torch.Tensor)
-        or input_ids.dim() != 2
-        or input_ids.is_floating_point()
-        or input_ids.dtype == torch.bool
-    ):
-        got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else repr(input_ids)
-        raise ValueError(f"input_ids must be integer token ids of shape (batch, length), got {got}")
+    _check_ids(input_ids)
     merge = require_positive_int("spatial_merge_size", spatial_merge_size)
-    batch, length = input_ids.shape
-    if attention_mask is None:
-        valid = torch.ones(batch, length, dtype=torch.bool)
-    elif isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
-        valid = attention_mask.cpu() != 0
-    else:
-        got_mask = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else repr(attention_mask)
-        raise ValueError(f"attention_mask must have the shape of input_ids, {(batch, length)}, got {got_mask}")
-    ids = input_ids.cpu()
-    kinds = torch.zeros_like(ids)
+    valid = _valid_tokens(input_ids, attention_mask)
     grids = {_IMAGE: _grids("image_grids", image_grids, merge), _VIDEO: _grids("video_grids", video_grids, merge)}
-    for kind, token_id in ((_IMAGE, image_token_id), (_VIDEO, video_token_id)):
-        name = _KIND_NAMES[kind]
-        if token_id is None:
-            if grids[kind]:
-                raise ValueError(f"{name}_grids are given without {name}_token_id")
-            continue
-        kinds[ids == token_id] = kind
-    if image_token_id is not None and image_token_id == video_token_id:
-        raise ValueError(f"image_token_id and video_token_id must differ, both are {image_token_id}")
-    if video_time_steps is None:
-        time_steps = [1.0] * len(grids[_VIDEO])
-    else:
-        time_steps = [
-            float(s)
-            for s in (video_time_steps.tolist() if isinstance(video_time_steps, torch.Tensor) else video_time_steps)
-        ]
-        if len(time_steps) != len(grids[_VIDEO]) or not all(math.isfinite(s) and s >= 0 for s in time_steps):
-            raise ValueError(
-                f"video_time_steps must be one finite step >= 0 per video ({len(grids[_VIDEO])}), got {time_steps!r}"
-            )
-
+    kinds = _token_kinds(input_ids.cpu(), grids, image_token_id, video_token_id)
+    time_steps = _time_steps(video_time_steps, len(grids[_VIDEO]))
+    batch, length = input_ids.shape
     positions = torch.zeros(3, batch, length, dtype=torch.long)
     deltas = torch.zeros(batch, 1, dtype=torch.long)
     used = {_IMAGE: 0, _VIDEO: 0}  # grids consumed so far, across the batch
     for row in range(batch):
-        row_kinds = kinds[row, valid[row]].tolist()
-        pieces: list[torch.Tensor] = []
-        start, i = 0, 0
-        while i < len(row_kinds):
-            kind = row_kinds[i]
-            if kind == _TEXT:
-                end = i
-                while end < len(row_kinds) and row_kinds[end] == _TEXT:
-                    end += 1
-                pieces.append(torch.arange(start, start + end - i).expand(3, -1))
-                start, i = start + end - i, end
-                continue
-            name, index = _KIND_NAMES[kind], used[kind]
-            if index == len(grids[kind]):
-                raise ValueError(f"input_ids hold more {name} tokens than {name}_grids describe ({len(grids[kind])})")
-            grid = grids[kind][index]
-            count = grid[0] * grid[1] * grid[2]
-            if row_kinds[i : i + count] != [kind] * count:
-                raise ValueError(
-                    f"{name} {index} with grid {grid} (merged) needs {count} consecutive {name} tokens; "
-                    f"row {row} has fewer at token {i} (padding not counted)"
-                )
-            pieces.append(_grid_positions(start, grid, time_steps[index] if kind == _VIDEO else 1.0))
-            start, i = start + max(grid[1], grid[2]), i + count
-            used[kind] += 1
+        pieces = _row_pieces(kinds[row, valid[row]].tolist(), row, grids, used, time_steps)
         if pieces:
             row_positions = torch.cat(pieces, dim=1)  # (3, valid tokens)
             positions[:, row, valid[row]] = row_positions
@@ -187,3 +129,85 @@ def multimodal_positions(
                 f"{name}_grids describe {len(grids[kind])} {name}s but input_ids hold the tokens of {used[kind]}"
             )
     return MultimodalPositions(positions.to(input_ids.device), deltas.to(input_ids.device))
+
+
+def _check_ids(input_ids: object) -> None:
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.is_floating_point()
+        or input_ids.dtype == torch.bool
+    ):
+        got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else repr(input_ids)
+        raise ValueError(f"input_ids must be integer token ids of shape (batch, length), got {got}")
+
+
+def _valid_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``(b, l)`` bool on the CPU: True for tokens, False for padding."""
+    batch, length = input_ids.shape
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
+        return attention_mask.cpu() != 0
+    got_mask = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else repr(attention_mask)
+    raise ValueError(f"attention_mask must have the shape of input_ids, {(batch, length)}, got {got_mask}")
+
+
+def _token_kinds(
+    ids: torch.Tensor, grids: dict[int, list[tuple[int, int, int]]], image_token_id: int | None,
+    video_token_id: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """``(b, l)``: text, image or video for each token."""
+    kinds = torch.zeros_like(ids)
+    for kind, token_id in ((_IMAGE, image_token_id), (_VIDEO, video_token_id)):
+        name = _KIND_NAMES[kind]
+        if token_id is None:
+            if grids[kind]:
+                raise ValueError(f"{name}_grids are given without {name}_token_id")
+            continue
+        kinds[ids == token_id] = kind
+    if image_token_id is not None and image_token_id == video_token_id:
+        raise ValueError(f"image_token_id and video_token_id must differ, both are {image_token_id}")
+    return kinds
+
+
+def _time_steps(video_time_steps: torch.Tensor | Sequence[float] | None, videos: int) -> list[float]:
+    if video_time_steps is None:
+        return [1.0] * videos
+    given = video_time_steps.tolist() if isinstance(video_time_steps, torch.Tensor) else video_time_steps
+    time_steps = [float(step) for step in given]
+    if len(time_steps) != videos or not all(math.isfinite(step) and step >= 0 for step in time_steps):
+        raise ValueError(f"video_time_steps must be one finite step >= 0 per video ({videos}), got {time_steps!r}")
+    return time_steps
+
+
+def _row_pieces(
+    row_kinds: list[int], row: int, grids: dict[int, list[tuple[int, int, int]]], used: dict[int, int],
+    time_steps: list[float],
+) -> list[torch.Tensor]:  # fmt: skip
+    """One sequence's positions, ``(3, tokens)`` per run of text or per grid, walking with a running start."""
+    pieces: list[torch.Tensor] = []
+    start, i = 0, 0
+    while i < len(row_kinds):
+        kind = row_kinds[i]
+        if kind == _TEXT:
+            end = i
+            while end < len(row_kinds) and row_kinds[end] == _TEXT:
+                end += 1
+            pieces.append(torch.arange(start, start + end - i).expand(3, -1))
+            start, i = start + end - i, end
+            continue
+        name, index = _KIND_NAMES[kind], used[kind]
+        if index == len(grids[kind]):
+            raise ValueError(f"input_ids hold more {name} tokens than {name}_grids describe ({len(grids[kind])})")
+        grid = grids[kind][index]
+        count = grid[0] * grid[1] * grid[2]
+        if row_kinds[i : i + count] != [kind] * count:
+            raise ValueError(
+                f"{name} {index} with grid {grid} (merged) needs {count} consecutive {name} tokens; "
+                f"row {row} has fewer at token {i} (padding not counted)"
+            )
+        pieces.append(_grid_positions(start, grid, time_steps[index] if kind == _VIDEO else 1.0))
+        start, i = start + max(grid[1], grid[2]), i + count
+        used[kind] += 1
+    return pieces

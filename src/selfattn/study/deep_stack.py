@@ -431,7 +431,7 @@ def train_until_level(
     batch_size: int = 32,
     lr: float = 3e-3,
     check_every: int | None = None,
-    patience: int = 4,
+    patience: int | None = 4,
     min_gain: float = 0.01,
     target: float = 0.99,
 ) -> dict[str, Any]:
@@ -439,7 +439,8 @@ def train_until_level(
 
     With ``check_every``, the held-out accuracy is measured every ``check_every`` steps and
     training stops once it reaches ``target``, or once it has not risen by ``min_gain`` over the
-    best so far for ``patience`` checks in a row (it has levelled off), or at ``max_steps``;
+    best so far for ``patience`` checks in a row (it has levelled off; None: never, so a stack on a
+    plateau trains to ``max_steps`` before it is judged), or at ``max_steps``;
     ``levelled_off`` says whether it stopped before ``max_steps``. Without, it trains exactly
     ``max_steps`` steps.
     """
@@ -462,7 +463,7 @@ def train_until_level(
             curve.append([step, accuracy])
             stale = 0 if accuracy >= best + min_gain else stale + 1
             best = max(best, accuracy)
-            if accuracy >= target or stale >= patience:
+            if accuracy >= target or (patience is not None and stale >= patience):
                 break
     accuracy = _held_out_accuracy(model, num_steps, vocab_size, seed)
     model.eval()
@@ -714,7 +715,7 @@ def trained_by_depth(
     seed: int = 0,
     max_steps: int = 3000,
     check_every: int = 100,
-    patience: int = 4,
+    patience: int | None = 4,
     num_hiddens: int = 32,
     num_heads: int = 4,
     ffn_hiddens: int = 64,
@@ -774,6 +775,7 @@ def trained_by_depth(
                 entries.append(
                     {
                         "depth": depth,
+                        "seed": seed,
                         **fit,
                         "trains": fit["task_accuracy"] >= chance + 0.05,
                         "learnt": fit["task_accuracy"] >= 0.9,

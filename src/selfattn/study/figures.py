@@ -13,7 +13,15 @@ import numpy as np
 from selfattn._atomic import atomic_write_path
 from selfattn.study.training import encoding_label
 
-__all__ = ["accuracy_figure", "cosine_similarity", "learned_table_figure", "save_figure"]
+__all__ = [
+    "accuracy_figure",
+    "context_gain_figure",
+    "cosine_similarity",
+    "learned_table_figure",
+    "perplexity_by_position_figure",
+    "save_figure",
+    "training_checks_figure",
+]
 
 
 def save_figure(fig: Any, folder: Path, stem: str) -> list[str]:
@@ -69,6 +77,37 @@ def accuracy_figure(results: dict[str, Any], task: str, folder: Path) -> list[st
     return save_figure(fig, folder, f"accuracy_{task}")
 
 
+def training_checks_figure(results: dict[str, Any], task: str, folder: Path) -> list[str]:
+    """Exact match past the training lengths at each check during training, one curve per encoding (mean over
+    seeds); empty when the runs hold no checks with a reading past ``L`` (runs made before it was recorded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def tracked(run: dict[str, Any]) -> bool:  # checks of the form [step, in range, beyond]
+        checks = run.get("checks") or []
+        return bool(checks) and all(len(check) > 2 and check[2] is not None for check in checks)
+
+    groups = {
+        label: members
+        for label, members in _by_label(results["runs"], task).items()
+        if all(tracked(run) for run in members)
+    }
+    if not groups:
+        return []
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for index, (label, members) in enumerate(groups.items()):
+        shortest = min(len(run["checks"]) for run in members)  # early-stopped runs have fewer checks
+        steps = [check[0] for check in members[0]["checks"][:shortest]]
+        past = np.array([[c[2] for c in run["checks"][:shortest]] for run in members])  # (seeds, checks)
+        ax.plot(steps, past.mean(axis=0), color=f"C{index % 10}", label=f"{label} ({len(members)} seeds)")
+    ax.set(xlabel="training step", ylabel="exact match past the training lengths", ylim=(-0.02, 1.02),
+           title=f"{task}: accuracy past L during training (mean over seeds)")  # fmt: skip
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
+    return save_figure(fig, folder, f"training_{task}")
+
+
 def cosine_similarity(table: np.ndarray) -> np.ndarray:
     """``(n, n)`` cosine similarity of the rows of an ``(n, d)`` table."""
     rows = table / np.maximum(np.linalg.norm(table, axis=1, keepdims=True), 1e-12)
@@ -104,3 +143,64 @@ def learned_table_figure(
         ylabel="|P_trained - P_init| / |P_init|",
     )
     return save_figure(fig, folder, "learned_vs_sinusoidal")
+
+
+def _band_centres(bands: list[dict[str, Any]]) -> np.ndarray:
+    """Geometric centre of each band ``[a, b)`` of positions (``a = 0`` counts as 1): where it sits on a log axis."""
+    return np.array([np.sqrt(max(band["start"], 1) * band["stop"]) for band in bands])
+
+
+def perplexity_by_position_figure(
+    summary: dict[str, dict[str, dict[str, Any]]], train_len: int, folder: Path
+) -> list[str]:
+    """Text study: perplexity against position at each row's longest evaluated length, log scales, one line per row
+    (mean over seeds; bars: the 95% interval where there are seeds to give one). Empty when no row has it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = []
+    for row, by_length in summary.items():
+        longest = max((n for n, cell in by_length.items() if cell.get("by_position")), key=int, default=None)
+        if longest is not None:
+            curves.append((row, by_length[longest]["by_position"]))
+    if not curves:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for index, (row, bands) in enumerate(curves):
+        means = np.array([band["perplexity"]["mean"] for band in bands])
+        halves = np.array([band["perplexity"].get("half_width") or 0.0 for band in bands])
+        style = "--" if row.startswith("rotary+") else "-"
+        ax.errorbar(_band_centres(bands), means, yerr=halves, fmt=style, marker="o", markersize=3, capsize=2,
+                    color=f"C{index % 10}", label=row)  # fmt: skip
+    ax.axvline(train_len, color="black", linewidth=0.8)
+    ax.text(train_len, ax.get_ylim()[1], " L", va="top", fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="position in the window (band centre)", ylabel="perplexity per byte",
+           title="Perplexity by position (longest window of each row; mean over seeds)")  # fmt: skip
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: the curves fill the axes
+    return save_figure(fig, folder, "perplexity_by_position")
+
+
+def context_gain_figure(gains: dict[str, list[dict[str, Any]]], train_len: int, folder: Path) -> list[str]:
+    """Text study: the gain from the bytes past ``L`` (last-``L``-bytes loss minus whole-window loss, nats per byte)
+    against position, one line per encoding, bars the 95% interval over seeds. Empty without gains."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not gains:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for index, (encoding, bands) in enumerate(gains.items()):
+        means = np.array([band["gain"]["mean"] for band in bands])
+        halves = np.array([band["gain"].get("half_width") or 0.0 for band in bands])
+        ax.errorbar(_band_centres(bands), means, yerr=halves, marker="o", markersize=3, capsize=2,
+                    color=f"C{index % 10}", label=encoding)  # fmt: skip
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set(xscale="log", xlabel=f"position in the window (band centre; context past L = {train_len} bytes)",
+           ylabel="gain from context past L (nats per byte)",
+           title="Does the model use the bytes past L? (> 0: yes)")  # fmt: skip
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return save_figure(fig, folder, "context_gain")

@@ -2,16 +2,26 @@
 
 Kazemnejad et al. (2023) trained decoder-only models on lengths 1..20 and tested to 40 (2L) by
 exact match, finding NoPE and T5 best and ALiBi in the middle. The study's default grid
-evaluates to 4L. This module trains copy (the task of theirs the study trains to >= 95%) with
-the study's settings except ``eval_factor=2``, and variants that isolate two suspected causes:
+evaluates to 4L. This module trains copy and reverse (the tasks of theirs the study trains to
+>= 95%; their ranking aggregates several tasks), 3 seeds each, with the study's settings except
+``eval_factor=2``, every run for the whole schedule (compute-matched), and variants that each
+change one suspected cause:
 
-* ``t5`` vs ``t5-trained-buckets``: with causal T5 buckets up to distance 128, the distances of
-  lengths 21..40 fall in buckets no training sample reaches, whose biases stay at their N(0, 1)
-  initial values; ``max_distance=40`` sends every distance past 40 to the last bucket, which
-  training reaches (as T5's 128 did in Press et al.'s training at 512).
+* ``t5`` vs ``t5-trained-buckets``: with causal T5 buckets up to distance 128, training (lengths
+  1..20, distances up to 41) reaches buckets 0-23, and the distances 46..81 of lengths up to 40
+  fall in buckets 24-28 (:func:`t5_bucket_starts`), which get no gradient: their N(0, 1) initial
+  biases only shrink under AdamW's weight decay
+  (:func:`~selfattn.study.training.decay_without_gradient`); ``max_distance=40`` sends every
+  distance past 38 to the last bucket, which training reaches (as T5's 128 did in Press et
+  al.'s training at 512).
 * ``shaw-clip-40`` (the study's) vs ``shaw-clip-16`` (Shaw et al.'s): the distance past which
   one vector serves every offset.
 * ``rotary+rand``: randomized positions (Ruoss et al. 2023) beside plain ``rotary``.
+* ``rotary-partial-25``: their rotary (25% of each head rotates), beside full ``rotary`` and
+  ``p-rope-scaled`` (the fastest pairs rotate, :mod:`selfattn.study.encodings`).
+* ``t5-init``: their T5 initialisation (std ``d ** -0.5``) beside ``nn.Embedding``'s N(0, 1).
+
+Their depth (larger models) is not reproduced: the study's 3 layers of width 64 stay.
 
 Run ``python -m selfattn.study.literature --out DIR``; it resumes (one file per run, written
 atomically; checkpoints as the study's) and writes ``DIR/literature.json``.
@@ -29,25 +39,62 @@ import torch
 
 from selfattn._atomic import write_json
 from selfattn.functional import t5_relative_bucket
+from selfattn.study.provenance import code_version, code_versions, mixed_versions_warning
+from selfattn.study.spread import best_and_ties, interval95
 from selfattn.study.tasks import get_task
 from selfattn.study.training import RunSpec, StudyConfig, shaw_max_distance, train_run
 
-__all__ = ["CAUSE_VARIANTS", "KAZEMNEJAD", "run_literature", "t5_buckets_reached"]
+__all__ = [
+    "CAUSE_VARIANTS",
+    "KAZEMNEJAD",
+    "LITERATURE_SEEDS",
+    "LITERATURE_TASKS",
+    "literature_lines",
+    "run_literature",
+    "t5_bucket_starts",
+    "t5_buckets_reached",
+]
 
-#: The study's settings, evaluated to 2L as Kazemnejad et al. did.
+#: The study's settings, evaluated to 2L as Kazemnejad et al. did (compute-matched: no early stop).
 KAZEMNEJAD = StudyConfig(eval_factor=2)
+_HEAD_DIM = KAZEMNEJAD.num_hiddens // KAZEMNEJAD.num_heads
 
-#: name: (encoding, randomized positions, options replacing the study's).
+#: name: (encoding, randomized positions, options replacing the study's). The faithful ones:
+#: ``rotary-partial-25`` is their "rotary" (GPT-NeoX style, ``rotary_dim = int(0.25 * d_head)``:
+#: the first quarter of each head rotates, with frequencies over that quarter), ``t5-init`` their
+#: T5 (bias table drawn from N(0, d^-1), as Hugging Face's T5 initialises it, instead of N(0, 1)).
 CAUSE_VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
     "t5": ("t5", False, {}),
+    "t5-init": ("t5", False, {"bias_init_std": KAZEMNEJAD.num_hiddens**-0.5}),
     "t5-trained-buckets": ("t5", False, {"max_distance": 40}),
     "none": ("none", False, {}),
     "alibi": ("alibi", False, {}),
     "shaw-clip-40": ("shaw", False, {}),
     "shaw-clip-16": ("shaw", False, {"max_distance": 16}),
     "rotary": ("rotary", False, {}),
+    "rotary-partial-25": ("rotary", False, {"rotary_dim": int(0.25 * _HEAD_DIM)}),
+    "p-rope-scaled": ("p-rope-scaled", False, {}),
     "rotary+rand": ("rotary", True, {}),
 }
+#: More than one task, as their ranking aggregates several (the two the study's budget trains).
+LITERATURE_TASKS = ("copy", "reverse")
+LITERATURE_SEEDS = 3
+
+
+def t5_bucket_starts(num_buckets: int = 32, max_distance: int = 128, farthest: int = 4096) -> list[int]:
+    """The first distance of each causal T5 bucket (index: the bucket), as the study's models assign them.
+
+    Read off :func:`~selfattn.functional.t5_relative_bucket` for the distances ``0 .. farthest``
+    (a bucket no distance up to ``farthest`` reaches is left out). The log-spaced buckets do
+    not start at round numbers: with 32 buckets to 128, bucket 24 starts at 46 and the last at
+    113, so ``max_distance`` is not where the last bucket begins.
+    """
+    distances = torch.arange(farthest + 1)
+    buckets = t5_relative_bucket(-distances, bidirectional=False, num_buckets=num_buckets, max_distance=max_distance)
+    starts: dict[int, int] = {}
+    for distance, bucket in zip(distances.tolist(), buckets.tolist(), strict=True):
+        starts.setdefault(int(bucket), int(distance))
+    return [starts[bucket] for bucket in sorted(starts)]
 
 
 def t5_buckets_reached(task: str, config: StudyConfig, max_distance: int = 128) -> dict[str, list[int]]:
@@ -64,55 +111,82 @@ def t5_buckets_reached(task: str, config: StudyConfig, max_distance: int = 128) 
     return {"trained": sorted(seen), "only_in_evaluation": sorted(buckets(tested) - seen)}
 
 
-def _mean(values: list[float]) -> float:
-    return statistics.fmean(values)
+def _variant_row(members: list[dict[str, Any]], config: StudyConfig) -> dict[str, Any]:
+    """A variant's row over seeds: mean and 95% interval of exact match in range and to 2L, tokens to 2L, steps."""
+    lengths = range(1, config.eval_len + 1)
+    inside = [n for n in lengths if n <= config.train_len]
+    beyond = [n for n in lengths if n > config.train_len]
+
+    def per_seed(key: str, which: list[int]) -> list[float]:
+        return [statistics.fmean(m[key][str(n)] for n in which) for m in members]
+
+    return {
+        "steps": [m["steps"] for m in members],
+        "steps_to_learn": [m.get("steps_to_learn") for m in members],
+        "exact_match_in_range": interval95(per_seed("accuracy_by_length", inside)),
+        "exact_match_to_2L": interval95(per_seed("accuracy_by_length", beyond)),
+        "exact_match_to_2L_per_seed": per_seed("accuracy_by_length", beyond),
+        "token_accuracy_to_2L": interval95(per_seed("token_accuracy_by_length", beyond)),
+        "exact_match_by_length": {
+            str(n): statistics.fmean(m["accuracy_by_length"][str(n)] for m in members) for n in lengths
+        },
+    }
+
+
+def _train_variant(out: Path, task: str, name: str, seed: int, config: StudyConfig, version: str) -> dict[str, Any]:
+    """One run of a variant, trained unless ``out`` holds it (a run file per run, written atomically)."""
+    encoding, randomized, options = CAUSE_VARIANTS[name]
+    path = out / "runs" / f"{task}-{name}-s{seed}.json"
+    if not path.exists():
+        run = train_run(
+            RunSpec(task, encoding, seed, randomized),
+            config,
+            checkpoint=out / "checkpoints" / f"{task}-{name}-s{seed}.pt",
+            position_options=options,
+        )
+        write_json(path, {**{k: v for k, v in run.items() if k != "loss_curve"}, "code_version": version})
+    return dict(json.loads(path.read_text()))
 
 
 def run_literature(
-    out: Path, *, task: str = "copy", seeds: int = 1, variants: list[str] | None = None
+    out: Path,
+    *,
+    tasks: tuple[str, ...] = LITERATURE_TASKS,
+    seeds: int = LITERATURE_SEEDS,
+    variants: list[str] | None = None,
+    config: StudyConfig = KAZEMNEJAD,
 ) -> dict[str, Any]:
-    """Train the variants on ``task`` (resuming what ``out`` holds); write and return ``literature.json``."""
-    config = KAZEMNEJAD
+    """Train the variants on ``tasks`` x ``seeds`` (resuming what ``out`` holds); write and return ``literature.json``.
+
+    Each variant's cells are the mean over seeds with a 95% interval
+    (:func:`~selfattn.study.spread.interval95`); ``code_versions`` lists the code the runs came from.
+    """
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "checkpoints").mkdir(exist_ok=True)
-    rows: dict[str, Any] = {}
-    for name in variants or list(CAUSE_VARIANTS):
-        encoding, randomized, options = CAUSE_VARIANTS[name]
-        members = []
-        for seed in range(seeds):
-            path = out / "runs" / f"{task}-{name}-s{seed}.json"
-            if not path.exists():
-                run = train_run(
-                    RunSpec(task, encoding, seed, randomized),
-                    config,
-                    checkpoint=out / "checkpoints" / f"{task}-{name}-s{seed}.pt",
-                    position_options=options,
-                )
-                write_json(path, {k: v for k, v in run.items() if k != "loss_curve"})
-            members.append(json.loads(path.read_text()))
-        lengths = range(1, config.eval_len + 1)
-        inside = [n for n in lengths if n <= config.train_len]
-        beyond = [n for n in lengths if n > config.train_len]
-        rows[name] = {
-            "encoding": encoding,
-            "randomized_positions": randomized,
-            "options": options,
-            "steps": [m["steps"] for m in members],
-            "exact_match_in_range": _mean([m["accuracy_by_length"][str(n)] for m in members for n in inside]),
-            "exact_match_to_2L": _mean([m["accuracy_by_length"][str(n)] for m in members for n in beyond]),
-            "token_accuracy_to_2L": _mean([m["token_accuracy_by_length"][str(n)] for m in members for n in beyond]),
-            "exact_match_by_length": {
-                str(n): _mean([m["accuracy_by_length"][str(n)] for m in members]) for n in lengths
-            },
-        }
+    version = code_version()
+    rows: dict[str, dict[str, Any]] = {}
+    every: list[dict[str, Any]] = []
+    for task in tasks:
+        for name in variants or list(CAUSE_VARIANTS):
+            encoding, randomized, options = CAUSE_VARIANTS[name]
+            members = [_train_variant(out, task, name, seed, config, version) for seed in range(seeds)]
+            every += members
+            rows.setdefault(task, {})[name] = {
+                "encoding": encoding, "randomized_positions": randomized, "options": options,
+                **_variant_row(members, config),
+            }  # fmt: skip
     results = {
-        "task": task,
+        "tasks": list(tasks),
         "seeds": seeds,
         "config": config.as_dict(),
-        "shaw_clip_in_study": shaw_max_distance(task, config),
+        "code_versions": code_versions(every),
+        "shaw_clip_in_study": {task: shaw_max_distance(task, config) for task in tasks},
         "t5_buckets": {
-            "max_distance_128": t5_buckets_reached(task, config),
-            "max_distance_40": t5_buckets_reached(task, config, 40),
+            task: {
+                "max_distance_128": t5_buckets_reached(task, config),
+                "max_distance_40": t5_buckets_reached(task, config, 40),
+            }
+            for task in tasks
         },
         "variants": rows,
     }
@@ -120,20 +194,40 @@ def run_literature(
     return results
 
 
+def literature_lines(results: dict[str, Any]) -> list[str]:
+    """Per task and variant: exact match in range and to 2L, tokens to 2L (mean ± 95% half-width), and the
+    variants not told apart from the best to 2L (:func:`~selfattn.study.spread.best_and_ties`)."""
+    from selfattn.study.summary import _percent
+
+    lines = []
+    for task, by in results["variants"].items():
+        lines.append(f"{task} (mean ± half-width of the 95% interval over {results['seeds']} seeds):")
+        for name, row in by.items():
+            lines.append(
+                f"  {name:20s} in range {_percent(row['exact_match_in_range'])}  21..40 exact "
+                f"{_percent(row['exact_match_to_2L'])}  tokens {_percent(row['token_accuracy_to_2L'])}"
+            )
+        best, ties = best_and_ties({name: row["exact_match_to_2L_per_seed"] for name, row in by.items()},
+                                   higher_is_better=True)  # fmt: skip
+        lines.append(
+            f"  best to 2L: {best}" + (f"; not told apart from it by the seeds: {', '.join(ties)}" if ties else "")
+        )
+    warning = mixed_versions_warning(list(results.get("code_versions", [])))
+    return lines + ([warning] if warning else [])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("selfattn-literature"))
-    parser.add_argument("--task", default="copy")
-    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--tasks", nargs="+", default=list(LITERATURE_TASKS))
+    parser.add_argument("--seeds", type=int, default=LITERATURE_SEEDS)
     parser.add_argument("--variants", nargs="+", choices=list(CAUSE_VARIANTS), default=None)
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds must be a positive integer, got {args.seeds}")
     torch.set_num_threads(1)
-    results = run_literature(args.out, task=args.task, seeds=args.seeds, variants=args.variants)
-    for name, row in results["variants"].items():
-        print(
-            f"{name:20s} in range {row['exact_match_in_range']:.3f}  21..40 exact {row['exact_match_to_2L']:.3f}"
-            f"  tokens {row['token_accuracy_to_2L']:.3f}  steps {row['steps']}"
-        )
+    results = run_literature(args.out, tasks=tuple(args.tasks), seeds=args.seeds, variants=args.variants)
+    print("\n".join(literature_lines(results)))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ nothing else in the sequence says anything about it. Three models of one width `
 tokens' embeddings and are trained on the same batches:
 
 * ``cnn``: residual causal convolutions of width ``k`` (``x + gelu(conv(norm(x)))``); by default
-  ``ceil(n / (k - 1))`` layers, the fewest whose receptive field reaches distance ``n``: its
-  path, and so its parameter count, grow with ``n`` (a CNN of fixed depth cannot see that far);
+  ``ceil(2 n / (k - 1))`` layers (``cnn_reach=2``): a receptive field of twice the distance, so
+  the answer sits inside it, reached by many paths, not at its edge by the one path of the
+  fewest layers that reach ``n`` (``cnn_reach=1``); its path, and so its parameter count, grow
+  with ``n`` (a CNN of fixed depth cannot see that far);
 * ``rnn``: a two-layer tanh RNN (``nn.RNN``): path ``n`` steps;
 * ``self_attention``: one attention layer (``x + attention(norm(x))``) on ``E[x] + P`` with the
   chapter's sinusoidal P: path one layer.
@@ -144,6 +146,7 @@ def train_at_distance(
     vocab_size: int = 10,
     kernel_size: int = 3,
     cnn_layers: int | None = None,
+    cnn_reach: int = 2,
     batch_size: int = 64,
     lr: float = 3e-3,
     budget: int = 1000,
@@ -156,7 +159,8 @@ def train_at_distance(
 
     Training stops once the held-out accuracy (``eval_samples`` sequences of their own generator,
     checked every ``check_every`` steps) has reached ``target`` and ``budget`` steps are done,
-    or at ``max_steps``.
+    or at ``max_steps``. The CNN has ``cnn_layers`` convolutions, or by default the fewest whose
+    receptive field reaches ``cnn_reach * distance``.
 
     Returns:
         ``{"kind", "distance", "seed", "layers" (the CNN's convolutions, else 1), "parameters"
@@ -181,7 +185,12 @@ def train_at_distance(
         raise ValueError(
             f"budget={budget} must be a multiple of check_every={check_every} and at most max_steps={max_steps}"
         )
-    layers = cnn_depth(distance, kernel_size) if cnn_layers is None else require_positive_int("cnn_layers", cnn_layers)
+    cnn_reach = require_positive_int("cnn_reach", cnn_reach)
+    layers = (
+        cnn_depth(cnn_reach * distance, kernel_size)
+        if cnn_layers is None
+        else require_positive_int("cnn_layers", cnn_layers)
+    )
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -237,8 +246,13 @@ def train_at_distance(
 def summarize_by_distance(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """``{kind: {str(distance): {...}}}``: over seeds, the mean accuracy at the budget and the steps to target.
 
-    ``steps_to_target`` is the mean over the seeds that reached it, ``reached`` how many did.
+    ``steps_to_target`` is the mean over the seeds that reached it, ``reached`` how many did;
+    ``steps_interval`` its 95% interval over the seeds when every seed reached it (else None):
+    a claim that one model learns sooner than another needs the two intervals apart
+    (:func:`~selfattn.study.spread.differs`).
     """
+    from selfattn.study.spread import interval95
+
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault((run["kind"], int(run["distance"])), []).append(run)
@@ -249,6 +263,7 @@ def summarize_by_distance(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str,
             "accuracy_at_budget": sum(r["accuracy_at_budget"] for r in members) / len(members),
             "accuracy_at_budget_by_seed": [r["accuracy_at_budget"] for r in members],
             "steps_to_target": sum(steps) / len(steps) if steps else None,
+            "steps_interval": interval95(steps) if steps and len(steps) == len(members) else None,
             "steps_to_target_by_seed": [r["steps_to_target"] for r in members],
             "reached": len(steps),
             "seeds": len(members),

@@ -15,7 +15,7 @@ import torch
 
 from selfattn._atomic import write_text
 from selfattn.positional.learned import LearnedPositionalEncoding
-from selfattn.study.figures import accuracy_figure, learned_table_figure
+from selfattn.study.figures import accuracy_figure, learned_table_figure, training_checks_figure
 from selfattn.study.tasks import get_task
 from selfattn.study.training import QUICK, RunSpec, StudyConfig, build_model, encoding_label, evaluated_weights
 
@@ -56,6 +56,31 @@ def _shortfall(results: dict[str, Any], task: str, label: str, inside: float, tr
         "loss_before": sum(t[-2] for t in tenths) / len(tenths) if tenths else None,
         "loss_after": sum(t[-1] for t in tenths) / len(tenths) if tenths else None,
     }
+
+
+def _cell_texts(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Per task and encoding, the table's texts (mean ± 95% half-width), and per task the best-and-ties line."""
+    from selfattn.study.spread import best_and_ties
+    from selfattn.study.summary import _percent
+
+    cells: dict[str, Any] = {}
+    ties: dict[str, str] = {}
+    for task, by in summary.items():
+        for label, s in by.items():
+            interval = s.get("interval") or {}
+            learned = s.get("steps_to_learn") or []
+            cells.setdefault(task, {})[label] = {
+                "inside": _percent(interval.get("in_distribution") or {"mean": s["in_distribution"]}),
+                "beyond": _percent(interval.get("beyond") or (None if s["beyond"] is None else {"mean": s["beyond"]})),
+                "learned": ", ".join("-" if step is None else str(step) for step in learned) or "n/a",
+            }
+        seeds = {label: s["per_seed"]["beyond"] for label, s in by.items() if (s.get("per_seed") or {}).get("beyond")}
+        if len(seeds) > 1:
+            best, tied = best_and_ties(seeds, higher_is_better=True)
+            ties[task] = f"Best beyond the training lengths: {best}" + (
+                f"; not told apart from it by the seeds: {', '.join(tied)}." if tied else "; every other differs."
+            )
+    return cells, ties
 
 
 def learned_table_analysis(out: Path, results: dict[str, Any], figures: Path) -> dict[str, Any] | None:
@@ -122,6 +147,8 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     )
     summary = results["summary"]
     figure_names = {task: accuracy_figure(results, task, figures) for task in summary}
+    training_figures = {task: training_checks_figure(results, task, figures) for task in summary}
+    cells, ties = _cell_texts(summary)
     shortfalls = [
         _shortfall(results, task, label, s["in_distribution"], int(config["train_len"]))
         for task in ("copy", "reverse")
@@ -160,6 +187,9 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
         checked_budget=bool({"copy", "reverse"} & set(summary)),
         tables=summary,
         figures=figure_names,
+        training_figures=training_figures,
+        cells=cells,
+        ties=ties,
         learned=learned,
         deep_stack=results.get("deep_stack"),
         pct=_pct,

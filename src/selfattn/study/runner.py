@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from selfattn._atomic import check_folder, write_json
+from selfattn.study.provenance import code_version, code_versions
+from selfattn.study.spread import interval95
 from selfattn.study.tasks import get_task
 from selfattn.study.training import (
     ABSOLUTE_OR_ROTARY,
@@ -92,7 +94,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
 
     ``in_distribution`` is the mean accuracy over lengths 1..L (the training lengths),
     ``beyond`` over lengths > L; ``spread`` holds the standard deviations of those two over
-    seeds; ``below_half_at`` is the first length where the mean over seeds falls below 50%
+    seeds, ``interval`` their 95% intervals (:func:`~selfattn.study.spread.interval95`) and
+    ``per_seed`` the values themselves (for :func:`~selfattn.study.spread.differs`); ``below_half_at`` is the first length where the mean over seeds falls below 50%
     (None if it never does); ``steps`` the mean steps the runs took (None if a run does not say).
     """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -114,10 +117,14 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
             "in_distribution": statistics.fmean(inside),
             "beyond": statistics.fmean(outside) if outside else None,
             "spread": {"in_distribution": _sd(inside), "beyond": _sd(outside) if outside else None},
+            "interval": {"in_distribution": interval95(inside), "beyond": interval95(outside) if outside else None},
+            "per_seed": {"in_distribution": inside, "beyond": outside or None},
             "below_half_at": below,
             "seeds": len(members),
             # Steps taken, mean over seeds: with early stops, how fast the encoding learns the task.
             "steps": statistics.fmean(int(r["steps"]) for r in members) if all("steps" in r for r in members) else None,
+            # The early-stopping reading, per seed: the first check at learned_at in range (None: never reached).
+            "steps_to_learn": [r.get("steps_to_learn") for r in members],
         }
     return summary
 
@@ -130,6 +137,7 @@ def merge_results(
     for spec in specs:
         run = json.loads((runs_dir / f"{spec.key}.json").read_text())
         runs.append({k: v for k, v in run.items() if k != "loss_curve"})
+    config = {**config, "code_versions": code_versions(runs)}
     return {"config": config, "runs": runs, "summary": summarize(runs), "deep_stack": deep_stack}
 
 
@@ -337,6 +345,7 @@ def train_pending(
     rank trained it.
     """
     context = progress(pending, steps_of) if env.rank == 0 and progress is not None else nullcontext(None)
+    version = code_version()  # recorded with every run: a folder's runs compare only if they share it
     with context as bars:
         for spec in mine:
             checkpoint = checkpoints / f"{spec.key}.pt"
@@ -350,6 +359,7 @@ def train_pending(
                 device=env.device,
                 data_parallel=data_parallel,
             )
+            run["code_version"] = version
             if env.rank == 0 or not data_parallel:
                 write_json(runs_dir / f"{spec.key}.json", run)
             if bars is not None:

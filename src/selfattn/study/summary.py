@@ -52,16 +52,45 @@ def load_study(folder: Path) -> StudySummary | None:
     return StudySummary(folder, report if report.exists() else None, rows, figures, train_len, runs)
 
 
+def _percent(cell: dict[str, Any] | None) -> str:
+    """``"99.1 ± 0.4%"``: the mean and the half-width of its 95% interval over seeds (the mean alone for one seed)."""
+    if cell is None:
+        return "n/a"
+    half = cell.get("half_width")
+    return f"{100 * cell['mean']:.1f}%" if half is None else f"{100 * cell['mean']:.1f} ± {100 * half:.1f}%"
+
+
 def summary_lines(results: dict[str, Any], folder: Path) -> list[str]:
-    """The terminal summary: per task, each encoding's accuracy inside and beyond the training lengths."""
+    """The terminal summary: per task, each encoding's accuracy inside and beyond the training lengths.
+
+    Each cell is the mean over seeds ± the half-width of its 95% interval; under each task, the
+    encoding best beyond the training lengths and those whose interval overlaps its (no
+    difference is claimed between them, :func:`~selfattn.study.spread.best_and_ties`).
+    """
+    from selfattn.study.provenance import mixed_versions_warning
+    from selfattn.study.spread import best_and_ties
+
     limit = int(results["config"]["train_len"])
-    lines = [f"study: {len(results['runs'])} runs, trained on lengths 1..{limit}; exact match in / beyond:"]
+    lines = [
+        f"study: {len(results['runs'])} runs, trained on lengths 1..{limit}; exact match in / beyond "
+        "(mean ± half-width of the 95% interval over seeds):"
+    ]
     for task, by in results["summary"].items():
         cells = []
         for label, s in by.items():
-            beyond = "n/a" if s["beyond"] is None else f"{100 * s['beyond']:.0f}%"
-            cells.append(f"{label} {100 * s['in_distribution']:.0f}%/{beyond}")
+            interval = s.get("interval") or {}
+            inside = interval.get("in_distribution") or {"mean": s["in_distribution"]}
+            beyond = interval.get("beyond") or (None if s["beyond"] is None else {"mean": s["beyond"]})
+            cells.append(f"{label} {_percent(inside)} / {_percent(beyond)}")
         lines.append(f"  {task}: " + ", ".join(cells))
+        seeds = {label: s["per_seed"]["beyond"] for label, s in by.items() if (s.get("per_seed") or {}).get("beyond")}
+        if len(seeds) > 1:
+            best, ties = best_and_ties(seeds, higher_is_better=True)
+            tied = f"; not told apart from it by the seeds: {', '.join(ties)}" if ties else ""
+            lines.append(f"    best beyond the training lengths: {best}{tied}")
+    warning = mixed_versions_warning(list(results["config"].get("code_versions", [])))
+    if warning:
+        lines.append(warning)
     report = folder / "study.html"
     lines.append(f"report: {report}" if report.exists() else f"results: {folder / 'results.json'}")
     return lines
@@ -87,7 +116,7 @@ def study_section_html(folder: Path | None = None) -> str:
             f"{head}<p>No study grid found in <code>{html.escape(str(folder))}</code> (no <code>results.json</code>"
             f"{shown}). The exercises are answered with "
             "trained models by <code>selfattn study</code> (the earlier default grid of 84 runs took 45 minutes on "
-            "2 CPU cores; the present one, 66 runs, has not been timed: "
+            "2 CPU cores; the present one, 130 compute-matched runs, has not been timed: "
             "<code>torchrun --standalone --nproc_per_node 2 -m selfattn study</code>; <code>selfattn study --quick</code> "
             "for a smoke test); rerun the tour afterwards, or point <code>SELFATTN_STUDY</code> at its folder.</p>"
         )

@@ -38,6 +38,7 @@ from torch import nn
 from selfattn._atomic import check_folder, write_json, write_text
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
+from selfattn.study.attention_use import attention_on_text
 from selfattn.study.context_use import (
     context_gain,
     nll_by_position,
@@ -46,8 +47,16 @@ from selfattn.study.context_use import (
     truncated_context_nll,
 )
 from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
+from selfattn.study.encodings import encoding_setting
+from selfattn.study.provenance import code_versions
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
-from selfattn.study.text_tables import summarize_context_gain, summarize_text, text_table
+from selfattn.study.text_tables import (
+    summarize_attention,
+    summarize_context_gain,
+    summarize_text,
+    text_figures,
+    text_table,
+)
 from selfattn.study.training import (
     ENCODINGS,
     P_ROPE,
@@ -76,9 +85,10 @@ __all__ = [
     "train_text_run",
 ]
 
-#: The synthetic study's encodings (``p-rope`` is rotary with ``p``), and ``t5-short``: T5 with
-#: 16 buckets, the last from distance L / 2 on (see :func:`build_text_model`).
-TEXT_ENCODINGS = (*ENCODINGS, "t5-short")
+#: The synthetic study's encodings (``p-rope`` is rotary with ``p``), ``t5-short``: T5 with
+#: 16 buckets and ``max_distance`` L / 2 (see :func:`build_text_model`), and ``alibi-8-heads``
+#: (ALiBi's slopes for the paper's 8 heads, :mod:`selfattn.study.encodings`).
+TEXT_ENCODINGS = (*ENCODINGS, "t5-short", "alibi-8-heads")
 #: Rotary scalings applied at evaluation time only.
 SCALINGS = ("linear", "ntk", "yarn", "dynamic")
 
@@ -160,21 +170,21 @@ def build_text_model(encoding: str, config: TextConfig, *, scaling: dict[str, An
 
     Learned absolute positions get a table of ``train_len`` rows: what training fills. Shaw
     clips at ``L - 1``, the farthest distance training sees. ``t5`` keeps T5's defaults (32
-    causal buckets, the last from distance 128 on), so with ``L = 64`` the buckets of distances
-    ``L .. 128`` and beyond are never trained and keep their N(0, 1) initial biases;
-    ``t5-short`` (16 buckets, the last from distance ``L / 2`` on) puts every distance in a
-    bucket training reaches, as T5's 128 did in Press et al.'s training at 512.
+    causal buckets, ``max_distance`` 128: the last bucket starts at 113), so with ``L = 64``
+    training (distances up to 63) reaches buckets 0-26 (26 covers 59..66) and the distances
+    from 67 on fall in buckets 27-31, which get no gradient: their N(0, 1) initial biases only
+    shrink under AdamW's weight decay (:func:`~selfattn.study.training.decay_without_gradient`).
+    ``t5-short`` (16 buckets, ``max_distance`` ``L / 2``: at ``L = 64`` the last bucket starts
+    at 27) puts every distance in a bucket training reaches, as T5's 128 did in Press et al.'s
+    training at 512.
     """
     if encoding not in TEXT_ENCODINGS:
         raise ValueError(f"encoding must be one of {', '.join(TEXT_ENCODINGS)}; got {encoding!r}")
     if scaling is not None and encoding != "rotary":
         raise ValueError(f"scaling applies to rotary, not {encoding!r}")
-    options: dict[str, Any] = {}
-    position = encoding
+    position, options, heads = encoding_setting(encoding, config.train_len, config.num_hiddens // config.num_heads)
     if encoding == "p-rope":
-        position, options["p"] = "rotary", config.p_rope
-    elif encoding == "t5":
-        options["bidirectional"] = False
+        options["p"] = config.p_rope
     elif encoding == "t5-short":
         position = "t5"
         options.update(bidirectional=False, num_buckets=16, max_distance=max(config.train_len // 2, 16))
@@ -185,7 +195,7 @@ def build_text_model(encoding: str, config: TextConfig, *, scaling: dict[str, An
     return TransformerLM(
         VOCAB_SIZE,
         config.num_hiddens,
-        config.num_heads,
+        heads or config.num_heads,
         config.num_layers,
         position=position,
         max_len=config.train_len,
@@ -402,6 +412,9 @@ def train_text_run(
     scores, skipped = evaluate_text(model, spec.encoding, held_out, config)
     scalings = evaluate_scalings(model, held_out, config) if spec.encoding == "rotary" else {}
     gain = [] if spec.encoding == "learned" else evaluate_context_gain(model, held_out, config)
+    # Where the model attends at the longest length it serves: distance and entropy by band of positions.
+    longest = config.train_len if spec.encoding == "learned" else max(config.eval_lengths)
+    attention = attention_on_text(model, held_out, longest, config.train_len)
     return {
         **spec.as_dict(),
         "steps": state.step,
@@ -410,6 +423,7 @@ def train_text_run(
         "skipped": skipped,
         "scalings": scalings,
         "context_gain": gain,
+        "attention": attention,
         "train_seconds": state.train_seconds,
         "train_cpu_seconds": state.cpu_seconds,
         "eval_cpu_seconds": time.process_time() - eval_started,
@@ -472,6 +486,7 @@ def run_text_study(
             runs.append({k: v for k, v in run.items() if k != "loss_curve"})
         full_config = {
             **config.as_dict(),
+            "code_versions": code_versions(runs),
             "encodings": list(encodings),
             "seeds": seeds,
             "world_size": env.world,
@@ -487,9 +502,10 @@ def run_text_study(
             "runs": runs,
             "summary": summarize_text(runs),
             "context_gain": summarize_context_gain(runs),
+            "attention": summarize_attention(runs),
         }
         write_json(out / "results.json", results)
-        write_text(out / "text.md", "\n".join(text_table(results)) + "\n")
+        write_text(out / "text.md", "\n".join(text_table(results) + text_figures(results, out / "figures")) + "\n")
         return results
     finally:
         env.close()

@@ -1,20 +1,44 @@
 """The text study's tables: perplexity by length, by position, and the gain from context past ``L``.
 
 Each function reads the runs of :func:`selfattn.study.text.train_text_run` (or the merged
-``results.json``) and writes mean and sd over seeds; one seed shows the mean alone.
+``results.json``) and writes the mean over seeds ± the half-width of its 95% interval
+(:func:`~selfattn.study.spread.interval95`); one seed shows the mean alone. Under the
+perplexity table, the best row at each length and the rows whose intervals overlap its: no
+difference among those is claimed.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["by_position_table", "context_gain_table", "summarize_context_gain", "summarize_text", "text_table"]
+from selfattn.study.provenance import mixed_versions_warning
+from selfattn.study.spread import best_and_ties, interval95
+
+__all__ = [
+    "attention_table",
+    "by_position_table",
+    "context_gain_table",
+    "summarize_attention",
+    "summarize_context_gain",
+    "summarize_text",
+    "text_figures",
+    "text_table",
+]
 
 
-def _mean_sd(values: Sequence[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
+    """Mean, sd, the 95% interval's half-width (None for one seed) and the per-seed values."""
+    interval = interval95(values)
+    return {"mean": interval["mean"], "sd": interval["sd"], "half_width": interval["half_width"],
+            "per_seed": list(values)}  # fmt: skip
+
+
+def _plus_minus(cell: dict[str, Any], digits: int) -> str:
+    """`` ± h`` with the 95% interval's half-width; `` ± sd`` for results written before intervals; empty for one seed."""
+    half = cell.get("half_width", cell.get("sd") or None)
+    return "" if half is None else f" ± {half:.{digits}f}"
 
 
 def _bands_over_seeds(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -44,8 +68,7 @@ def by_position_table(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str
         f"|---|---|{'---|' * len(bands)}",
     ]
     for row, longest, cells in rows:
-        texts = [f"{c['perplexity']['mean']:.2f}" + (f" ± {c['perplexity']['sd']:.2f}" if c["perplexity"]["sd"] else "")
-                 for c in cells]  # fmt: skip
+        texts = [f"{c['perplexity']['mean']:.2f}{_plus_minus(c['perplexity'], 2)}" for c in cells]
         lines.append(f"| {row} | {longest} | {' | '.join(texts + [''] * (len(bands) - len(texts)))} |")
     return lines
 
@@ -112,15 +135,62 @@ def context_gain_table(gains: dict[str, list[dict[str, Any]]], train_len: int) -
         f"|---|{'---|' * len(bands)}",
     ]
     for encoding, rows in gains.items():
-        cells = [
-            f"{row['gain']['mean']:+.4f}" + (f" ± {row['gain']['sd']:.4f}" if row["seeds"] > 1 else "") for row in rows
-        ]
+        cells = [f"{row['gain']['mean']:+.4f}{_plus_minus(row['gain'], 4)}" for row in rows]
         lines.append(f"| {encoding} | {' | '.join(cells)} |")
     return lines
 
 
+def _best_lines(summary: dict[str, dict[str, dict[str, Any]]], lengths: Sequence[str]) -> list[str]:
+    """Per length, the row of lowest mean perplexity and the rows not told apart from it by the seeds."""
+    lines = []
+    for n in lengths:
+        seeds = {row: by[n]["perplexity"]["per_seed"] for row, by in summary.items()
+                 if "per_seed" in by.get(n, {}).get("perplexity", {})}  # fmt: skip
+        if len(seeds) > 1:
+            best, ties = best_and_ties(seeds, higher_is_better=False)
+            tied = f"; its 95% interval overlaps {', '.join(ties)} (no difference claimed)" if ties else ""
+            lines.append(f"Lowest at {n}: {best}{tied}.")
+    return ["", *lines] if lines else []
+
+
+def summarize_attention(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``{encoding: [{"start", "stop", "distance", "entropy", "uniform_entropy"}]}``: per band of query positions,
+    the mean attended distance and attention entropy (mean over layers, then over seeds; :mod:`~selfattn.study.attention_use`)."""
+    by_encoding: dict[str, list[list[dict[str, Any]]]] = {}
+    for run in runs:
+        if run.get("attention"):  # absent in runs from before this reading
+            by_encoding.setdefault(run["encoding"], []).append(run["attention"])
+    summary: dict[str, list[dict[str, Any]]] = {}
+    for encoding, members in by_encoding.items():
+        summary[encoding] = [
+            {"start": band[0]["start"], "stop": band[0]["stop"], "uniform_entropy": band[0]["uniform_entropy"],
+             "distance": _mean_sd([sum(b["distance"]) / len(b["distance"]) for b in band]),
+             "entropy": _mean_sd([sum(b["entropy"]) / len(b["entropy"]) for b in band])}
+            for band in zip(*members, strict=True)
+        ]  # fmt: skip
+    return summary
+
+
+def attention_table(attention: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Markdown lines: per encoding and band of query positions, mean attended distance / entropy (uniform's in the header)."""
+    if not attention:
+        return []
+    widest = max(attention.values(), key=len)
+    lines = [
+        "Attention by query position (mean over layers, heads and seeds): mean distance back / entropy in nats; "
+        "uniform attention over every earlier key has the entropy in the header:",
+        "",
+        "| encoding | " + " | ".join(f"{b['start']}-{b['stop']} ({b['uniform_entropy']:.2f})" for b in widest) + " |",
+        f"|---|{'---|' * len(widest)}",
+    ]
+    for encoding, bands in attention.items():
+        cells = [f"{b['distance']['mean']:.1f} / {b['entropy']['mean']:.2f}" for b in bands]
+        lines.append(f"| {encoding} | {' | '.join(cells + [''] * (len(widest) - len(cells)))} |")
+    return lines
+
+
 def text_table(results: dict[str, Any]) -> list[str]:
-    """The perplexity table as Markdown lines: mean ± sd over seeds, the mean alone with one seed (beyond-L perplexity in brackets)."""
+    """The perplexity table as Markdown lines: mean ± the 95% interval's half-width over seeds, the mean alone with one seed (beyond-L perplexity in brackets)."""
     config, summary = results["config"], results["summary"]
     lengths = [str(f * config["train_len"]) for f in config["eval_factors"]]
     lines = [
@@ -136,15 +206,37 @@ def text_table(results: dict[str, Any]) -> list[str]:
             elif "skipped" in cell:
                 cells.append("n/a")
             else:
-                text = f"{cell['perplexity']['mean']:.3f}"
-                if cell.get("seeds", 1) > 1:  # one seed has no spread to show
-                    text += f" ± {cell['perplexity']['sd']:.3f}"
+                text = f"{cell['perplexity']['mean']:.3f}{_plus_minus(cell['perplexity'], 3)}"
                 if cell["beyond"] is not None:
                     text += f" ({cell['beyond']['mean']:.2f})"
                 cells.append(text)
         lines.append(f"| {row} | {' | '.join(cells)} |")
     notes = {cell["skipped"] for by_length in summary.values() for cell in by_length.values() if "skipped" in cell}
     lines += [""] + [f"n/a: {note}." for note in sorted(notes)]
-    for extra in (by_position_table(summary), context_gain_table(results.get("context_gain", {}), config["train_len"])):
+    lines += _best_lines(summary, lengths)
+    warning = mixed_versions_warning(list(config.get("code_versions", [])))
+    lines += [warning] if warning else []
+    for extra in (
+        by_position_table(summary),
+        context_gain_table(results.get("context_gain", {}), config["train_len"]),
+        attention_table(results.get("attention", {})),
+    ):
         lines += ["", *extra] if extra else []
     return lines
+
+
+def text_figures(results: dict[str, Any], folder: Path) -> list[str]:
+    """Draw the text study's figures into ``folder`` (perplexity by position, context gain by position) and
+    return the Markdown lines that show them in ``text.md`` (paths relative to the study folder)."""
+    from selfattn.study.figures import context_gain_figure, perplexity_by_position_figure
+
+    folder.mkdir(parents=True, exist_ok=True)
+    train_len = int(results["config"]["train_len"])
+    drawn = [
+        ("Perplexity by position, log scales", perplexity_by_position_figure(results["summary"], train_len, folder)),
+        (
+            "Gain from context past L, by position",
+            context_gain_figure(results.get("context_gain", {}), train_len, folder),
+        ),
+    ]
+    return [line for title, names in drawn if names for line in ("", f"![{title}]({folder.name}/{names[0]})")]

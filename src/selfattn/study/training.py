@@ -13,7 +13,7 @@ import itertools
 import math
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from selfattn._atomic import atomic_write_path
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
+from selfattn.study.encodings import P_ROPE, encoding_setting
 from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
 
 __all__ = [
@@ -39,25 +40,33 @@ __all__ = [
     "StudyConfig",
     "build_model",
     "check_accuracy",
+    "check_beyond",
+    "check_lengths_beyond",
+    "decay_without_gradient",
     "evaluate",
     "evaluate_lengths",
     "evaluated_weights",
     "exact_match",
     "make_optimizer",
+    "parameter_count",
     "shaw_max_distance",
+    "steps_to_learn",
     "token_accuracy",
     "train_run",
     "training_batch",
 ]
 
-ENCODINGS = ("none", "sinusoidal", "learned", "rotary", "p-rope", "xpos", "alibi", "kerple", "fire", "t5", "shaw")
-#: p-RoPE's fraction of rotating pairs (Barbero et al. 2024, "Round and round we go!"; ``p-rope``).
-P_ROPE = 0.75
+#: The grid's encodings: the papers' settings, and ``p-rope-scaled`` and ``xpos-scaled`` with
+#: settings scaled to the training length beside them (:mod:`selfattn.study.encodings`).
+ENCODINGS = (
+    "none", "sinusoidal", "learned", "rotary", "p-rope", "p-rope-scaled", "xpos", "xpos-scaled", "alibi", "kerple",
+    "fire", "t5", "shaw",
+)  # fmt: skip
 ABSOLUTE_OR_ROTARY = ("sinusoidal", "learned", "rotary")
 
 
-#: Default optimizer steps per task: the schedule's length, and the most a run takes (it stops
-#: sooner once a check finds it has learned the task: :attr:`StudyConfig.stop_at`). The grid's hour on
+#: Default optimizer steps per task: every run of the task takes all of them (compute-matched:
+#: no encoding stops sooner, unless :attr:`StudyConfig.stop_at` asks for it). The grid's hour on
 #: 2 cores goes mostly to copy and reverse, where the default budget must train every encoding to
 #: >= 95% exact match at the training lengths. In one-seed trials at 2700 steps NoPE reached 67-71%
 #: on copy and sinusoidal 88% on reverse, at 5000 steps 99.9% and 97.0%. With early stops, runs of
@@ -84,10 +93,18 @@ class StudyConfig:
         lr: peak AdamW learning rate (linear warm-up, then cosine decay to a tenth).
         warmup: warm-up steps.
         stop_at: a run stops before its last step once its exact match at the training lengths
-            (checked every ``check_every`` steps on ``check_samples`` samples per length, drawn
-            apart from the training and evaluation samples) reaches this; None never checks.
-        check_every: steps between two checks.
+            (on a check) reaches this; None (the default) never stops: every encoding trains
+            for the same steps, so the comparison is compute-matched. Runs that stop early
+            compare snapshots at different points of training (a separate reading).
+        learned_at: the exact match at the training lengths whose first check is recorded as
+            the run's ``steps_to_learn`` (the early-stopping reading, without stopping).
+        check_every: steps between two checks. A check measures exact match at the training
+            lengths and beyond them (``check_beyond_lengths`` lengths spread over ``L+1 ..
+            eval_len``) on ``check_samples`` samples per length, drawn apart from the training
+            and evaluation samples; the run records ``[step, in range, beyond]`` per check:
+            accuracy past L over training.
         check_samples: samples per length in a check.
+        check_beyond_lengths: lengths past ``train_len`` a check measures (evenly spread).
         ema_decay: the evaluated model is an exponential moving average of the trained weights
             with this decay (None: the trained weights themselves). With one length per step
             the last steps pull the weights toward the last lengths drawn; the average lifted
@@ -109,9 +126,11 @@ class StudyConfig:
     mixed_lengths: bool = False
     lr: float = 3e-3
     warmup: int = 100
-    stop_at: float | None = 0.99
+    stop_at: float | None = None
+    learned_at: float = 0.99
     check_every: int = 250
     check_samples: int = 16
+    check_beyond_lengths: int = 12
     ema_decay: float | None = 0.995
     weight_decay: float = 0.1
     train_len: int = 20
@@ -128,8 +147,11 @@ class StudyConfig:
             raise ValueError(f"stop_at must be in (0, 1] or None, got {self.stop_at!r}")
         if self.ema_decay is not None and not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) or None, got {self.ema_decay!r}")
+        if not 0.0 < self.learned_at <= 1.0:
+            raise ValueError(f"learned_at must be in (0, 1], got {self.learned_at!r}")
         require_positive_int("check_every", self.check_every)
         require_positive_int("check_samples", self.check_samples)
+        require_positive_int("check_beyond_lengths", self.check_beyond_lengths)
 
     def steps_for(self, task: str) -> int:
         """Optimizer steps of a run of ``task``."""
@@ -194,28 +216,35 @@ def encoding_label(run: dict[str, Any] | RunSpec) -> str:
 
 
 def build_model(spec: RunSpec, config: StudyConfig, position_options: dict[str, Any] | None = None) -> TransformerLM:
-    """The run's model, initialised from its seed; ``position_options`` override the encoding's (variants)."""
+    """The run's model, initialised from its seed; ``position_options`` override the encoding's (variants).
+
+    ``position_options["bias_init_std"]`` (T5 only) redraws the bias table from N(0, std^2),
+    as Hugging Face's T5 does with ``d_model ** -0.5``, instead of ``nn.Embedding``'s N(0, 1).
+    """
     torch.manual_seed(spec.seed)
     max_len = config.longest_sequence() * (config.position_range if spec.randomized_positions else 1)
-    options: dict[str, Any] = {}
-    position = spec.encoding
-    if spec.encoding == "p-rope":
-        position, options["p"] = "rotary", P_ROPE
-    if spec.encoding == "t5":
-        options["bidirectional"] = False
+    trained_len = get_task(spec.task).sequence_len(config.train_len)
+    position, options, heads = encoding_setting(spec.encoding, trained_len, config.num_hiddens // config.num_heads)
     if spec.encoding == "shaw":
         options["max_distance"] = shaw_max_distance(spec.task, config)
     options.update(position_options or {})
-    return TransformerLM(
+    init_std = options.pop("bias_init_std", None)
+    model = TransformerLM(
         VOCAB_SIZE,
         config.num_hiddens,
-        config.num_heads,
+        heads or config.num_heads,
         config.num_layers,
         position=position,
         max_len=max_len,
         ffn_hiddens=config.ffn_hiddens,
         position_options=options,
     )
+    if init_std is not None:
+        table = getattr(model.encoding, "relative_attention_bias", None)
+        if not isinstance(table, nn.Embedding):
+            raise ValueError(f"bias_init_std applies to T5's bias table, not to {position!r}")
+        nn.init.normal_(table.weight, std=float(init_std))
+    return model
 
 
 def shaw_max_distance(task: str, config: StudyConfig) -> int:
@@ -264,6 +293,29 @@ def _learning_rate(step: int, steps: int, config: StudyConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
+def decay_without_gradient(config: StudyConfig, steps_taken: int, scheduled: int) -> float:
+    """The factor left on a weight whose gradient is zero at every step of a run (e.g. an untrained T5 bucket).
+
+    Adam's update of such a weight is zero (its moments stay zero), but AdamW's decoupled weight
+    decay still multiplies it by ``1 - lr_t * weight_decay`` at every step ``t``: an untrained
+    bucket does not keep its initial value, it shrinks toward zero by this product.
+
+    Args:
+        config: the schedule (``lr``, ``warmup``) and ``weight_decay``.
+        steps_taken: optimizer steps the run took.
+        scheduled: the schedule's length (:meth:`StudyConfig.steps_for`).
+    """
+    factor = 1.0
+    for step in range(steps_taken):
+        factor *= 1.0 - _learning_rate(step, scheduled, config) * config.weight_decay
+    return factor
+
+
+def parameter_count(spec: RunSpec, config: StudyConfig) -> int:
+    """Trainable parameters of the run's model (:func:`build_model`): the model's size, stated in the docs."""
+    return sum(p.numel() for p in build_model(spec, config).parameters())
+
+
 def _answer_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(argmax right, scored)``, both bool ``(b, l)``; scored marks the answer positions."""
     if logits.shape[:2] != targets.shape:
@@ -301,9 +353,19 @@ def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _score_lengths(
-    model: nn.Module, task: Task, spec: RunSpec, lengths: range, samples: int, stream: str, chunk_tokens: int = 16384
+    model: nn.Module,
+    task: Task,
+    spec: RunSpec,
+    lengths: Sequence[int],
+    samples: int,
+    stream: str,
+    chunk_tokens: int = 16384,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Exact match and token accuracy at each length, on ``samples`` samples drawn from ``stream``."""
+    """Exact match and token accuracy at each length, on ``samples`` samples drawn from ``stream``.
+
+    With randomized positions each sample draws its own positions (one forward pass per sample),
+    so a length's accuracy does not hang on one draw shared by all its samples.
+    """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -313,16 +375,25 @@ def _score_lengths(
         generator = _generator(stream, spec.seed, spec.task, n)
         tokens, targets, _ = make_batch(task, [n] * samples, generator)
         tokens, targets = tokens.to(device), targets.to(device)
-        positions = None
+        batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
         if spec.randomized_positions:
             assert isinstance(model, TransformerLM)
-            positions = _random_positions(tokens.shape[1], model.max_len, generator).to(device)
-        per_chunk = max(1, chunk_tokens // tokens.shape[1])
+            draw = _random_positions  # one draw per sample
+            batches = [
+                (tokens[i : i + 1], targets[i : i + 1], draw(tokens.shape[1], model.max_len, generator).to(device))
+                for i in range(tokens.shape[0])
+            ]
+        else:
+            per_chunk = max(1, chunk_tokens // tokens.shape[1])
+            batches = [
+                (tokens[i : i + per_chunk], targets[i : i + per_chunk], None)
+                for i in range(0, tokens.shape[0], per_chunk)
+            ]
         hits, fractions = [], []
-        for start in range(0, tokens.shape[0], per_chunk):
-            logits = model(tokens[start : start + per_chunk], positions=positions)
-            hits.append(exact_match(logits, targets[start : start + per_chunk]))
-            fractions.append(token_accuracy(logits, targets[start : start + per_chunk]))
+        for inputs, answers, positions in batches:
+            logits = model(inputs, positions=positions)
+            hits.append(exact_match(logits, answers))
+            fractions.append(token_accuracy(logits, answers))
         accuracy[str(n)] = float(torch.cat(hits).mean())
         tokens_right[str(n)] = float(torch.cat(fractions).mean())
     model.train(was_training)
@@ -348,6 +419,25 @@ def check_accuracy(model: nn.Module, task: Task, spec: RunSpec, config: StudyCon
     return sum(accuracy.values()) / len(accuracy)
 
 
+def check_lengths_beyond(config: StudyConfig) -> list[int]:
+    """The lengths past ``train_len`` a check measures: ``check_beyond_lengths`` of them, evenly spread to ``eval_len``."""
+    beyond = list(range(config.train_len + 1, config.eval_len + 1))
+    if len(beyond) <= config.check_beyond_lengths:
+        return beyond
+    last = len(beyond) - 1
+    picks = sorted({round(i * last / (config.check_beyond_lengths - 1)) for i in range(config.check_beyond_lengths)})
+    return [beyond[i] for i in picks]
+
+
+def check_beyond(model: nn.Module, task: Task, spec: RunSpec, config: StudyConfig) -> float | None:
+    """Mean exact match over :func:`check_lengths_beyond` on the check's samples (None if ``eval_len == train_len``)."""
+    lengths = check_lengths_beyond(config)
+    if not lengths:
+        return None
+    accuracy, _ = _score_lengths(model, task, spec, lengths, config.check_samples, "check")
+    return sum(accuracy.values()) / len(accuracy)
+
+
 def evaluate(
     model: nn.Module, task: Task, spec: RunSpec, config: StudyConfig, *, chunk_tokens: int = 16384
 ) -> dict[str, float]:
@@ -361,7 +451,7 @@ class _State:
     train_seconds: float = 0.0
     cpu_seconds: float = 0.0
     losses: list[float] = field(default_factory=list)
-    checks: list[list[float]] = field(default_factory=list)  # [step, accuracy] of each check
+    checks: list[list[float | None]] = field(default_factory=list)  # [step, in range, beyond] of each check
     stopped: bool = False  # a check reached stop_at
 
 
@@ -456,6 +546,41 @@ def over_ranks(model: nn.Module, world: int) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+def _run_check(
+    evaluated: nn.Module,
+    task: Task,
+    spec: RunSpec,
+    config: StudyConfig,
+    state: _State,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device | str,
+) -> None:
+    """Append ``[step, in range, beyond]`` to ``state.checks``; stop the run if ``config.stop_at`` is reached."""
+    import torch.distributed as dist
+
+    checked = torch.full((2,), float("nan"), dtype=torch.float64, device=device)
+    if rank == 0:
+        beyond = check_beyond(evaluated, task, spec, config)
+        checked[0] = check_accuracy(evaluated, task, spec, config)
+        checked[1] = float("nan") if beyond is None else beyond
+    if world > 1:
+        dist.broadcast(checked, 0)  # one decision for every rank, or DDP would wait forever
+    inside, past = float(checked[0]), float(checked[1])
+    state.checks.append([state.step, inside, None if math.isnan(past) else past])
+    state.stopped = config.stop_at is not None and inside >= config.stop_at
+
+
+def steps_to_learn(checks: Sequence[Sequence[float | None]], learned_at: float) -> int | None:
+    """The step of the first check whose exact match at the training lengths reaches ``learned_at`` (None: none did)."""
+    for check in checks:
+        step, inside = check[0], check[1]
+        if step is not None and inside is not None and inside >= learned_at:
+            return int(step)
+    return None
+
+
 def train_run(
     spec: RunSpec,
     config: StudyConfig,
@@ -528,14 +653,8 @@ def train_run(
         loss = float(total) / count
         state.losses.append(loss)
         state.step += 1
-        if config.stop_at is not None and state.step % config.check_every == 0 and state.step < steps:
-            checked = torch.zeros((), dtype=torch.float64, device=device)
-            if rank == 0:
-                checked.fill_(check_accuracy(evaluated, task, spec, config))
-            if world > 1:
-                dist.broadcast(checked, 0)  # one decision for every rank, or DDP would wait forever
-            state.checks.append([state.step, float(checked)])
-            state.stopped = float(checked) >= config.stop_at
+        if state.step % config.check_every == 0 and state.step < steps:
+            _run_check(evaluated, task, spec, config, state, rank=rank, world=world, device=device)
         state.train_seconds += time.perf_counter() - started
         state.cpu_seconds += time.process_time() - cpu_started
         if on_step is not None:
@@ -554,7 +673,10 @@ def train_run(
         **spec.as_dict(),
         "steps": state.step,
         "scheduled_steps": steps,
+        # [step, exact match in range, beyond] every check_every steps: accuracy past L over training.
         "checks": state.checks,
+        # The early-stopping reading, without stopping: when the run first reached learned_at in range.
+        "steps_to_learn": steps_to_learn(state.checks, config.learned_at),
         "train_max_len": config.train_len,
         "accuracy_by_length": accuracy,
         "token_accuracy_by_length": tokens_right,

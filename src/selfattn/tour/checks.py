@@ -54,7 +54,7 @@ def self_attention_shape(
     with torch.no_grad():
         shape = tuple(mha(X, X, X, valid_lens).shape)
     expected = (batch_size, num_queries, num_hiddens)
-    assert mha.W_v is not None  # a plain layer projects its values
+    assert mha.W_k is not None and mha.W_v is not None  # a plain layer projects its keys and values
     projections = {
         name: [layer.in_features, layer.out_features, layer.bias is not None]
         for name, layer in (("W_q", mha.W_q), ("W_k", mha.W_k), ("W_v", mha.W_v), ("W_o", mha.W_o))

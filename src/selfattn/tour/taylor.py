@@ -71,6 +71,7 @@ def score_terms(
         P = encoding(num_steps + shift, num_hiddens).to(torch.float64)
     P, shifted = P[:num_steps], P[shift:]  # the same sentence, every position moved by s
     W_q = mha.W_q.weight[:dh]  # (dh, d): the first head's rows
+    assert mha.W_k is not None  # a plain layer projects its keys
     W_k = mha.W_k.weight[:dh]
     A = W_q.T @ W_k / math.sqrt(dh)  # (d, d)
     scales: list[dict[str, float]] = []
