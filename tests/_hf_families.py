@@ -337,6 +337,7 @@ FAMILIES: dict[str, Family] = {
         kwargs=dict(
             head_dim=16,
             v_head_dim=8,
+            attention_value_scale=0.5,
             n_routed_experts=2,
             num_experts_per_tok=1,
             rope_parameters=_per_type(

@@ -18,7 +18,7 @@ import test_families as parity  # noqa: E402  (the parity harness's inputs and t
 
 from selfattn import MultiHeadAttention  # noqa: E402
 from selfattn.integrations import _family_steps as steps  # noqa: E402
-from selfattn.parts import HeadNorm  # noqa: E402
+from selfattn.parts import HeadNorm, ValueScale  # noqa: E402
 from selfattn.positional import RotaryPositionalEncoding  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -79,8 +79,8 @@ def test_mimo_values_are_scaled_and_sized_apart() -> None:
     assert [part.factor for part in mha.parts("values")] == [config.attention_value_scale]
 
 
-def _rotary() -> RotaryPositionalEncoding:
-    return RotaryPositionalEncoding(8, interleaved=False)  # half-split, as transformers rotates
+def _rotary(head_dim: int = 8) -> RotaryPositionalEncoding:
+    return RotaryPositionalEncoding(head_dim, interleaved=False)  # half-split, as transformers rotates
 
 
 def test_the_way_back_writes_afmoe_or_refuses_by_name() -> None:
@@ -145,3 +145,19 @@ def test_a_step3p7_gate_per_feature_is_refused() -> None:
         parity._run_transformers("step3p5", layer, config, hf.build_rotary("step3p5", config), x, attention_mask, None)
     with pytest.raises(ValueError, match=r"gating=False: Step-3\.7's gate per feature"):
         steps.read_step3p7(layer, config.per_layer_config[1], {})
+
+
+def test_the_way_back_writes_mimo_v2_flash_or_refuses_by_name() -> None:
+    scaled = {"v_scale": ValueScale(0.5)}
+    sliding = MultiHeadAttention(
+        32, 2, num_kv_heads=2, value_head_dim=8, window=3, sinks=True, position=_rotary(16), parts=scaled
+    )
+    fields = sliding.to_transformers_config()
+    assert fields["model_type"] == "mimo_v2_flash"
+    assert (fields["num_key_value_heads"], fields["v_head_dim"], fields["attention_value_scale"]) == (1, 8, 0.5)
+    no_sinks = MultiHeadAttention(32, 2, value_head_dim=8, window=3, position=_rotary(16))
+    with pytest.raises(ValueError, match=r"sliding layers have sinks.*window=3, sinks=False"):
+        no_sinks.to_transformers_config()
+    odd = MultiHeadAttention(32, 1, value_head_dim=8, window=3, sinks=True, position=_rotary(32))
+    with pytest.raises(ValueError, match="twice its key/value heads, got 1"):
+        odd.to_transformers_config()

@@ -46,6 +46,7 @@ __all__ = [
     "require_loaded_sizes",
     "write_afmoe",
     "write_muse_glimmer",
+    "write_mimo_v2_flash",
 ]
 
 
@@ -417,3 +418,24 @@ def write_muse_glimmer(mha: Any, fields: dict[str, Any]) -> None:
     scale = mha.head_dim**-0.5 if mha.scale is None else mha.scale
     rotary = fields.get("rope_parameters", {})
     fields.update(qk_scale_factor=scale / mha.head_dim**-0.5, layer_rope_theta=[rotary.get("rope_theta", 0)])
+
+
+def write_mimo_v2_flash(mha: Any, fields: dict[str, Any]) -> None:
+    """MiMo-V2-Flash: the value head size and scale; sliding layers have sinks and twice the key/value heads;
+    a rotary per layer type, its partial factor inside."""
+    if (mha.window is None) != (mha.sinks is None) or mha.position is None:
+        raise ValueError(
+            "MiMo-V2-Flash's sliding layers have sinks and its full layers none, and every layer rotates: got "
+            f"window={mha.window}, sinks={mha.sinks is not None}, position={mha.position is not None}"
+        )
+    if mha.window is not None:
+        if mha.num_kv_heads % 2:
+            raise ValueError(f"MiMo-V2-Flash's sliding layers have twice its key/value heads, got {mha.num_kv_heads}")
+        fields["num_key_value_heads"] = mha.num_kv_heads // 2
+    scales = [part.factor for part in mha.parts("values") if isinstance(part, ValueScale)]
+    parameters = dict(fields.pop("rope_parameters"), partial_rotary_factor=fields.pop("partial_rotary_factor", 1.0))
+    fields.update(
+        v_head_dim=mha.value_head_dim,
+        attention_value_scale=scales[0] if len(scales) == 1 else 1.0,
+        rope_parameters={"sliding_attention": parameters, "full_attention": dict(parameters)},
+    )

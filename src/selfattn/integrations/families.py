@@ -183,7 +183,9 @@ FAMILIES: tuple[Family, ...] = (
         copy=steps.require_loaded_sizes,
     ),
     Family(
-        "mimo_v2_flash", ("MiMoV2FlashAttention",), read=steps.read_mimo_v2_flash, copy=steps.require_loaded_sizes
+        "mimo_v2_flash", ("MiMoV2FlashAttention",), read=steps.read_mimo_v2_flash, copy=steps.require_loaded_sizes,
+        expresses=frozenset({_HALF, _QKV, "window", "sinks", "value_head_dim", "part ValueScale", "partial rotary"}),
+        requires=(frozenset({"value_head_dim", "part ValueScale"}),), write=steps.write_mimo_v2_flash,
     ),
     Family(
         "step3p5", ("Step3p7Attention",), qk_norm="queries", norm_plus_one=True, read=steps.read_step3p7,
