@@ -527,7 +527,10 @@ def embeddings(
     if family.mrope is not None:
         cos, sin = (rotary.recomposition_frequencies(part * scaling) for part in (freqs.cos(), freqs.sin()))
         return cos.to(x.dtype), sin.to(x.dtype)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    if name == "Cohere2RotaryEmbedding":  # pairs (2j, 2j + 1): each frequency twice in a row
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 

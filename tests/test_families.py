@@ -282,8 +282,7 @@ def test_config_round_trip(model_type: str, layer_idx: int) -> None:
         # Not a target of the way back: the module is written as another family that expresses it, or refused.
         try:
             fields = mha.to_transformers_config()
-        except ValueError as error:
-            assert "no transformers attention layer has all of" in str(error)
+        except ValueError:  # no family has all its options, or the one that does refuses a detail by name
             return
     else:
         fields = mha.to_transformers_config()

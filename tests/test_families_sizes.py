@@ -17,7 +17,7 @@ import _hf_families as hf  # noqa: E402  (tests/ is on sys.path: tests/conftest.
 import test_families as parity  # noqa: E402  (the parity harness's inputs and transformers runs)
 
 from selfattn import MultiHeadAttention  # noqa: E402
-from selfattn.integrations import _family_steps as steps  # noqa: E402
+from selfattn.integrations import _size_steps as steps  # noqa: E402
 from selfattn.parts import HeadNorm, ValueScale  # noqa: E402
 from selfattn.positional import RotaryPositionalEncoding  # noqa: E402
 

@@ -232,16 +232,12 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     def from_transformers(cls, layer: nn.Module) -> MultiHeadAttention:
         """The same attention as a Hugging Face transformers (5.x) attention layer, with its weights copied.
 
-        Reads the layer and the config it carries (``layer.config``, ``layer.layer_idx``): Llama,
-        Qwen3 (QK-norm), Gemma 2 (softcap, ``query_pre_attn_scalar``, sliding or global by
-        ``layer_types``), Gemma 3 (QK-norm with Gemma's ``(1 + weight)`` RMSNorm, whose ``1 + w``
-        is copied; a rotary base per layer type), gpt-oss (sinks, sliding or full, bias), Llama 4
-        text (chunked layers; NoPE layers with temperature tuning; the L2 QK-norm of its rotary
-        layers, an RMSNorm with unit weights; interleaved rotary) and Qwen3-Next full attention
-        (gated output from the gate half of each head's ``q_proj`` rows, QK-norm with
-        ``(1 + w)``, partial rotary). Then ``mha(x, x, x, causal=True, positions=position_ids)``
-        equals the layer run with its model's rotary embedding and its causal mask; pass the
-        attention mask's padding as ``key_padding_mask``.
+        Reads the layer and the config it carries (``layer.config``, ``layer.layer_idx``); the
+        families it knows, and how each becomes parts, are the table
+        :data:`selfattn.integrations.families.FAMILIES`. Then
+        ``mha(x, x, x, causal=True, positions=position_ids)`` equals the layer run with its model's
+        rotary embedding and its causal (sliding, chunked) mask; pass the attention mask's padding
+        as ``key_padding_mask`` (M-RoPE families take ``(3, b, l)`` positions).
 
         Two Llama 4 details differ with left padding: transformers tunes a NoPE layer's
         temperature by each token's index in the padded batch (pass those indices as

@@ -9,11 +9,12 @@ Shape legend: h heads, dh head size, d hidden size.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from selfattn.parts import HeadNorm, LogFloorScaling, OutputGate, ValueScale
+from selfattn.parts import LogFloorScaling
 
 __all__ = [
     "integer_field",
@@ -35,18 +36,20 @@ __all__ = [
     "write_qwen2",
     "write_seed_oss",
     "write_smollm3",
-    "read_gemma3n",
-    "read_gemma4",
-    "read_mimo_v2_flash",
-    "read_step3p7",
-    "read_laguna",
-    "read_afmoe",
-    "read_muse",
-    "copy_gate",
-    "require_loaded_sizes",
-    "write_afmoe",
-    "write_muse_glimmer",
-    "write_mimo_v2_flash",
+    # rotary variants
+    "copy_head_gate",
+    "proportional_rope_parameters",
+    "read_head_gate",
+    "read_mrope",
+    "read_ntk_alpha",
+    "read_qwen3_5",
+    "read_rotary_on_sliding_layers",
+    "write_ernie4_5",
+    "write_glm4",
+    "write_hunyuan",
+    "write_lfm3",
+    "write_qwen3_5",
+    "write_qwen3_vl",
 ]
 
 
@@ -156,6 +159,11 @@ def write_qwen2_vl(mha: Any, fields: dict[str, Any]) -> None:
             f"num_hiddens={mha.num_hiddens}, query_size={mha.query_size}"
         )
     mrope = mha.position
+    if (mrope.layout, mrope.rotary_dim) != ("sectioned", mrope.head_dim):
+        raise ValueError(
+            f"Qwen2-VL's M-RoPE has contiguous sections over the whole head; got layout={mrope.layout!r}, "
+            f"rotary_dim={mrope.rotary_dim} of head_dim={mrope.head_dim}"
+        )
     fields["rope_parameters"] = {
         "rope_type": "default",
         "mrope_section": list(mrope.sections),
@@ -265,177 +273,181 @@ def write_ministral3(mha: Any, fields: dict[str, Any]) -> None:
     write_model_window(mha, fields)
 
 
-# ---------------------------------------------------------------- families whose sizes, values or gates differ
+# ---------------------------------------------------------------- rotary variants (interleaved M-RoPE, ...)
 
 
-def require_loaded_sizes(hf: Any, mha: Any) -> None:
-    """Every projection of the layer has the shape of the module's: a per-layer head count or head size the
-    loader did not read (Step-3.7's sliding layers, Laguna) is refused, not loaded as a layer of other sizes."""
-    pairs = (
-        ("W_q", "q_proj"), ("W_k", "k_proj"), ("W_v", "v_proj"), ("W_o", "o_proj"), ("W_g", "g_proj"),
-        ("W_g", "gate_proj"),
-    )  # fmt: skip
-    for name, hf_name in pairs:
-        ours, theirs = getattr(mha, name, None), getattr(hf, hf_name, None)
-        if ours is not None and theirs is not None and ours.weight.shape != theirs.weight.shape:
+def read_mrope(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Qwen3-VL / Qwen3.5: the config's M-RoPE in its own layout (interleaved) and rotated size (partial)."""
+    from selfattn.positional.mrope import MultimodalRotaryPositionalEncoding
+
+    mrope = MultimodalRotaryPositionalEncoding.from_config(config)
+    if mrope.head_dim != int(hf.head_dim):
+        raise ValueError(f"config head_dim={mrope.head_dim} but the layer's head_dim={hf.head_dim}")
+    options["position"] = mrope
+
+
+def _write_interleaved_mrope(mha: Any, fields: dict[str, Any], *, partial: bool) -> None:
+    mrope = mha.position
+    if mrope.layout != "interleaved" or (not partial and mrope.rotary_dim != mrope.head_dim):
+        raise ValueError(
+            f"{fields['model_type']}'s M-RoPE is interleaved{'' if partial else ' over the whole head'}; got "
+            f"layout={mrope.layout!r}, rotary_dim={mrope.rotary_dim} of head_dim={mrope.head_dim}"
+        )
+    fields["rope_parameters"] = {
+        "rope_type": "default",
+        "mrope_section": list(mrope.sections),
+        "mrope_interleaved": True,
+        "rope_theta": mrope.base,
+        "partial_rotary_factor": mrope.rotary_dim / mrope.head_dim,
+    }
+
+
+def read_qwen3_5(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Qwen3.5 / Qwen3.5-MoE: Qwen3-Next's layer (query gate) with interleaved M-RoPE."""
+    read_query_gate(hf, config, options)
+    read_mrope(hf, config, options)
+
+
+def write_qwen3_vl(mha: Any, fields: dict[str, Any]) -> None:
+    """Qwen3-VL's text layer: interleaved M-RoPE over the whole head."""
+    _write_interleaved_mrope(mha, fields, partial=False)
+    del fields["rope_parameters"]["partial_rotary_factor"]
+
+
+def write_qwen3_5(mha: Any, fields: dict[str, Any]) -> None:
+    """Qwen3.5's attention layer: interleaved M-RoPE on the leading ``partial_rotary_factor`` of each head."""
+    _write_interleaved_mrope(mha, fields, partial=True)
+
+
+def _config_rotary(config: Any, head_dim: int, parameters: Any) -> Any:
+    """:meth:`RotaryPositionalEncoding.from_config` of ``config`` with ``parameters`` as its ``rope_parameters``."""
+    from selfattn.positional.rotary import RotaryPositionalEncoding
+
+    fields = {
+        name: getattr(config, name, None)
+        for name in ("max_position_embeddings", "original_max_position_embeddings", "partial_rotary_factor")
+    }
+    return RotaryPositionalEncoding.from_config({**fields, "head_dim": head_dim, "rope_parameters": parameters})
+
+
+def read_ntk_alpha(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Hunyuan V1: ``rope_type="dynamic"`` with ``alpha`` is static NTK, ``base * alpha^(dh / (dh - 2))``.
+
+    transformers' Hunyuan rotary turns that pair into its own ``ntk_alpha`` (over the whole head,
+    ``factor`` unread): selfattn's ``ntk`` scaling with factor ``alpha``. Without ``alpha`` the
+    rotary is the common reading of ``rope_parameters``.
+    """
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    alpha = parameters.get("alpha")
+    if parameters.get("rope_type") == "dynamic" and alpha:
+        head_dim = int(hf.head_dim)
+        rotary = _config_rotary(
+            config, head_dim, {"rope_type": "ntk", "factor": alpha, "rope_theta": parameters["rope_theta"]}
+        )
+        if rotary.rotary_dim != head_dim:
             raise ValueError(
-                f"layer {hf.layer_idx}: {hf_name} is {tuple(theirs.weight.shape)} but the loader built {name} "
-                f"{tuple(ours.weight.shape)} ({mha.num_heads} heads of {mha.head_dim}): a per-layer head count "
-                "or size the loader does not read"
+                f"partial_rotary_factor={config.partial_rotary_factor!r} with alpha: Hunyuan's ntk_alpha rotary "
+                "spans the whole head"
             )
+    else:
+        rotary = _config_rotary(config, int(hf.head_dim), parameters or None)
+    options["position"] = rotary
 
 
-def _layer_kv_heads(hf: Any, options: dict[str, Any]) -> None:
-    """The layer's own key/value heads (Gemma 4's full layers, MiMo-V2-Flash's sliding ones), from ``k_proj``."""
-    options["num_kv_heads"] = hf.k_proj.out_features // int(hf.head_dim)
+def write_hunyuan(mha: Any, fields: dict[str, Any]) -> None:
+    """Hunyuan V1: static NTK as ``dynamic`` with ``alpha``; its QK-norm acts after the rotation, weighted."""
+    if mha.q_norm is None or mha.q_norm.weight is None or (mha.W_o.bias is None and mha.W_q.bias is not None):
+        raise ValueError("Hunyuan's layer has a weighted QK-norm after the rotation, and biases on all four or none")
+    rotary = mha.position
+    parameters = fields["rope_parameters"]
+    if parameters.get("rope_type") == "ntk":
+        if rotary.rotary_dim != rotary.head_dim:
+            raise ValueError("Hunyuan's ntk_alpha rotary spans the whole head: partial rotary with ntk scaling")
+        fields["rope_parameters"] = {
+            "rope_type": "dynamic",
+            "alpha": parameters["factor"],
+            "factor": 1.0,
+            "rope_theta": parameters["rope_theta"],
+        }
+    del fields["layer_types"]
 
 
-def _value_norm(hf: Any, options: dict[str, Any]) -> None:
-    """Gemma 3n / Gemma 4: ``v_norm``, an RMSNorm of each value head without a weight."""
-    weight, eps = weight_of(hf.v_norm, "v_norm")
-    if weight is not None:
-        raise ValueError("v_norm has a weight: Gemma's value norm has none (with_scale=False)")
-    options.setdefault("parts", {})["v_norm"] = HeadNorm(int(hf.head_dim), slot="values", eps=eps, weighted=False)
+def read_rotary_on_sliding_layers(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """Cohere 2: only the sliding-window layers rotate; the full layers have no position encoding (NoPE)."""
+    if hf.sliding_window is None:
+        options["position"] = None
 
 
-def _output_gate(hf: Any, options: dict[str, Any], per: str, activation: str) -> None:
-    """A gate ``W_g`` from the layer's ``g_proj`` (Step-3.7, Laguna) or ``gate_proj`` (AFMoE, Muse)."""
-    source = hf.g_proj if hasattr(hf, "g_proj") else hf.gate_proj
-    heads, head_dim = hf.o_proj.in_features // int(hf.head_dim), int(hf.head_dim)
-    gate = OutputGate(
-        source.in_features, heads, head_dim, per=per, activation=activation, bias=source.bias is not None
-    )  # fmt: skip
-    if gate.out_features != source.out_features:
-        raise ValueError(f"the gate has {source.out_features} outputs: neither per head ({heads}) nor per feature")
+def write_glm4(mha: Any, fields: dict[str, Any]) -> None:
+    """GLM-4: a bias on ``W_q, W_k, W_v`` (``attention_bias``) or none, never on ``W_o``."""
+    if mha.W_o.bias is not None:
+        raise ValueError("GLM-4's layer has no bias on W_o (o_proj); got output_bias=True")
+    del fields["layer_types"]
+
+
+def read_head_gate(hf: Any, config: Any, options: dict[str, Any]) -> None:
+    """LFM3: ``g_proj`` (d -> h, no bias), a sigmoid gate per head on the attention output: part ``W_g``."""
+    from selfattn.parts import OutputGate
+
+    if getattr(hf, "g_proj", None) is None:
+        return
+    heads = int(hf.q_proj.out_features) // int(hf.head_dim)
+    if hf.g_proj.out_features != heads:
+        raise ValueError(f"g_proj has {hf.g_proj.out_features} outputs; a gate per head has num_heads={heads}")
+    gate = OutputGate(hf.g_proj.in_features, heads, int(hf.head_dim), per="head", bias=hf.g_proj.bias is not None)
     options.setdefault("parts", {})["W_g"] = gate
 
 
-def _gate_per(hf: Any) -> str:
-    return "head" if getattr(hf, "gate_per_head", False) else "feature"
+def copy_head_gate(hf: Any, mha: Any) -> None:
+    if getattr(hf, "g_proj", None) is not None:
+        mha.W_g.weight.copy_(hf.g_proj.weight)
+        if hf.g_proj.bias is not None:
+            mha.W_g.bias.copy_(hf.g_proj.bias)
 
 
-def read_gemma3n(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """Gemma 3n: scale 1 and a weighted QK-norm (common reading), the value norm."""
-    _value_norm(hf, options)
+def proportional_rope_parameters(rotary: Any) -> dict[str, Any]:
+    """transformers' ``rope_type="proportional"`` parameters of a half-split p-RoPE over the whole head.
 
-
-def read_gemma4(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """Gemma 4: as Gemma 3n, with the layer's own key/value heads and, on full layers, values from ``k_proj``."""
-    if getattr(config, "use_bidirectional_attention", None):
+    The inverse of :meth:`RotaryPositionalEncoding.from_config`'s reading: ``partial_rotary_factor``
+    is chosen so transformers' ``int(partial_rotary_factor * dh // 2)`` gives back the rotated pairs.
+    """
+    config = rotary.scaling_config
+    if rotary.interleaved or rotary.rotary_dim != rotary.head_dim or (config and config.rope_type != "linear"):
         raise ValueError(
-            f"use_bidirectional_attention={config.use_bidirectional_attention!r}: a bidirectional Gemma 4 layer "
-            "is not expressed here"
+            "rope_type 'proportional' is half-split p-RoPE over the whole head with at most a linear factor; got "
+            f"{rotary!r}"
         )
-    _layer_kv_heads(hf, options)
-    options["values_from_keys"] = hf.v_proj is None
-    _value_norm(hf, options)
+    half = rotary.head_dim // 2
+    partial = rotary.rotated_pairs / half
+    if int(partial * rotary.head_dim // 2) != rotary.rotated_pairs:  # the product rounded below the integer
+        partial = math.nextafter(partial, 1.0)
+    return {
+        "rope_type": "proportional",
+        "rope_theta": rotary.base,
+        "partial_rotary_factor": partial,
+        "factor": 1.0 if config is None else config.factor,
+    }
 
 
-def read_mimo_v2_flash(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """MiMo-V2-Flash: value heads of their own size, scaled values, the sliding layers' own key/value heads."""
-    _layer_kv_heads(hf, options)
-    options["value_head_dim"] = int(hf.v_head_dim)
-    if float(hf.v_scale) != 1.0:
-        options.setdefault("parts", {})["v_scale"] = ValueScale(float(hf.v_scale))
-
-
-def read_step3p7(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """Step-3.7: a sigmoid gate per head from ``g_proj``."""
-    if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError("use_bidirectional_attention=True: a bidirectional Step-3.7 layer is not expressed here")
-    if not hf.gate_per_head:
-        # transformers 5.24 multiplies (b, l, h, dh) by the gate (b, l, h * dh, 1): its forward fails
-        raise ValueError(
-            f"gating={config.gating!r}: Step-3.7's gate per feature does not run in transformers (its forward "
-            "broadcasts the gate per head); only gating='per-head' / True loads"
-        )
-    _output_gate(hf, options, "head", "sigmoid")
-
-
-def read_laguna(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """Laguna: its per-layer head count, a softplus gate per head (or per feature) from ``g_proj``."""
-    _output_gate(hf, options, _gate_per(hf), "softplus")
-
-
-def read_afmoe(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """AFMoE: a sigmoid gate per feature from ``gate_proj``; only sliding layers rotate (full layers are NoPE)."""
-    _output_gate(hf, options, "feature", "sigmoid")
-    if not hf.is_local_attention:
-        options["position"] = None
-
-
-def read_muse(hf: Any, config: Any, options: dict[str, Any]) -> None:
-    """Muse Glimmer / Spark: ``q *= qk_scale_factor`` as the scale, a sigmoid gate per feature, NoPE layers
-    (``layer_rope_theta[i] == 0``) and Spark's output norm per head, without a weight."""
-    options["scale"] = float(hf.scaling) * float(hf.qk_scale_factor)
-    _output_gate(hf, options, "feature", "sigmoid")
-    if not config.layer_rope_theta[hf.layer_idx]:
-        options["position"] = None
-    if getattr(hf, "o_norm", None) is not None:
-        weight, eps = weight_of(hf.o_norm, "o_norm")
-        if weight is not None:
-            raise ValueError("o_norm has a weight: Muse Spark's output norm has none (with_scale=False)")
-        options.setdefault("parts", {})["o_norm"] = HeadNorm(
-            int(hf.head_dim), slot="output_heads", eps=eps, weighted=False
-        )  # fmt: skip
-
-
-def copy_gate(hf: Any, mha: Any) -> None:
-    """The gate's weights: ``g_proj`` or ``gate_proj`` into ``W_g`` (after checking every size was read)."""
-    require_loaded_sizes(hf, mha)
-    source = hf.g_proj if hasattr(hf, "g_proj") else hf.gate_proj
-    mha.W_g.weight.copy_(source.weight)
-    if source.bias is not None:
-        mha.W_g.bias.copy_(source.bias)
-
-
-def _require_gate_without_bias(mha: Any, family: str) -> None:
-    if mha.W_g is None or mha.W_g.bias is not None:
-        raise ValueError(
-            f"{family}'s layer gates its output per feature with gate_proj, which has no bias: got "
-            f"{'no gate' if mha.W_g is None else 'a gate with a bias'}"
-        )
-
-
-def write_afmoe(mha: Any, fields: dict[str, Any]) -> None:
-    """AFMoE: a weighted QK-norm, a gate without bias, and a rotary exactly on sliding layers."""
-    _require_gate_without_bias(mha, "AFMoE")
-    if mha.q_norm is None or mha.k_norm is None or mha.q_norm.eps != mha.k_norm.eps:
-        raise ValueError("AFMoE's layer has a QK-norm with one epsilon for queries and keys")
-    if (mha.window is None) != (mha.position is None):
-        raise ValueError(
-            f"AFMoE rotates its sliding layers and no others: window={mha.window} with "
-            f"position={type(mha.position).__name__ if mha.position is not None else None}"
-        )
-
-
-def write_muse_glimmer(mha: Any, fields: dict[str, Any]) -> None:
-    """Muse Glimmer: one unweighted norm of queries and keys, the query multiplier, the gate, NoPE layers."""
-    _require_gate_without_bias(mha, "Muse Glimmer")
-    norms = (mha.q_norm, mha.k_norm)
-    if any(n is None or n.weight is not None for n in norms) or mha.q_norm.eps != mha.k_norm.eps:
-        raise ValueError("Muse Glimmer's layer has one unweighted norm of the query and key heads")
-    scale = mha.head_dim**-0.5 if mha.scale is None else mha.scale
-    rotary = fields.get("rope_parameters", {})
-    fields.update(qk_scale_factor=scale / mha.head_dim**-0.5, layer_rope_theta=[rotary.get("rope_theta", 0)])
-
-
-def write_mimo_v2_flash(mha: Any, fields: dict[str, Any]) -> None:
-    """MiMo-V2-Flash: the value head size and scale; sliding layers have sinks and twice the key/value heads;
-    a rotary per layer type, its partial factor inside."""
-    if (mha.window is None) != (mha.sinks is None) or mha.position is None:
-        raise ValueError(
-            "MiMo-V2-Flash's sliding layers have sinks and its full layers none, and every layer rotates: got "
-            f"window={mha.window}, sinks={mha.sinks is not None}, position={mha.position is not None}"
-        )
-    if mha.window is not None:
-        if mha.num_kv_heads % 2:
-            raise ValueError(f"MiMo-V2-Flash's sliding layers have twice its key/value heads, got {mha.num_kv_heads}")
-        fields["num_key_value_heads"] = mha.num_kv_heads // 2
-    scales = [part.factor for part in mha.parts("values") if isinstance(part, ValueScale)]
-    parameters = dict(fields.pop("rope_parameters"), partial_rotary_factor=fields.pop("partial_rotary_factor", 1.0))
+def write_lfm3(mha: Any, fields: dict[str, Any]) -> None:
+    """LFM3: a sigmoid gate per head (``use_attention_gate``), a rotary per layer type (p-RoPE as proportional)."""
+    gate = mha.W_g
+    if gate is None or (gate.per, gate.activation, gate.bias is None) != ("head", "sigmoid", True):
+        raise ValueError(f"LFM3's layer has a sigmoid gate per head without bias (g_proj); got W_g={gate!r}")
+    rotary = mha.position
+    parameters = fields["rope_parameters"] if rotary.p == 1.0 else proportional_rope_parameters(rotary)
+    layer_type = fields["layer_types"][0]
+    other = "full_attention" if layer_type == "sliding_attention" else "sliding_attention"
     fields.update(
-        v_head_dim=mha.value_head_dim,
-        attention_value_scale=scales[0] if len(scales) == 1 else 1.0,
-        rope_parameters={"sliding_attention": parameters, "full_attention": dict(parameters)},
+        use_attention_gate=True,
+        rope_parameters={layer_type: parameters, other: {"rope_type": "default", "rope_theta": rotary.base}},
     )
+    fields.pop("partial_rotary_factor", None)
+
+
+def write_ernie4_5(mha: Any, fields: dict[str, Any]) -> None:
+    """ERNIE 4.5: one ``use_bias`` for all four projections (``attention_bias`` is not its field)."""
+    if (mha.W_q.bias is None) != (mha.W_o.bias is None):
+        raise ValueError("ERNIE 4.5's layer has a bias on all four projections or none (use_bias)")
+    fields["use_bias"] = fields.pop("attention_bias")
+    del fields["layer_types"]

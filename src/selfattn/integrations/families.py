@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import selfattn.integrations._family_steps as steps
+import selfattn.integrations._size_steps as size_steps
 
 __all__ = ["FAMILIES", "Family", "family_of_layer"]
 
@@ -173,39 +174,87 @@ FAMILIES: tuple[Family, ...] = (
         expresses=frozenset({_HALF, "window", "part LogFloorScaling"}),
         requires=(frozenset({"part LogFloorScaling"}),), write=steps.write_ministral3,
     ),
+    # Rotary variants: interleaved M-RoPE (read by read_mrope: the loader's "mrope" is Qwen2-VL's sections).
+    Family(
+        "qwen3_vl_text", ("Qwen3VLTextAttention",), rotary="none", qk_norm="queries", read=steps.read_mrope,
+        layer_types=frozenset({None, "full_attention"}),
+        expresses=frozenset({"M-RoPE", _BIAS, "qk_norm", _UNIT}), requires=_NORMED, write=steps.write_qwen3_vl,
+    ),
+    Family(
+        "qwen3_5_text", ("Qwen3_5Attention",), rotary="none", qk_norm="queries", norm_plus_one=True,
+        layer_types=frozenset({None, "full_attention"}), read=steps.read_qwen3_5, copy=steps.copy_query_gate,
+        expresses=frozenset({"M-RoPE", _BIAS, "qk_norm", _UNIT, "gated_output"}),
+        requires=(*_NORMED, frozenset({"gated_output"})), write=steps.write_qwen3_5,
+    ),
+    Family(
+        "qwen3_5_moe_text", ("Qwen3_5MoeAttention",), rotary="none", qk_norm="queries", norm_plus_one=True,
+        layer_types=frozenset({None, "full_attention"}), read=steps.read_qwen3_5, copy=steps.copy_query_gate,
+    ),
+    # Hunyuan V1: QK-norm after the rotation, static NTK from rope_parameters "alpha" (read_ntk_alpha).
+    Family(
+        "hunyuan_v1_dense", ("HunYuanDenseV1Attention",), rotary="none", qk_norm="rotated_queries",
+        norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
+        expresses=frozenset({_HALF, _BIAS, "qk_norm at rotated_queries"}),
+        requires=(frozenset({"qk_norm at rotated_queries"}),), write=steps.write_hunyuan,
+    ),
+    Family(
+        "hunyuan_v1_moe", ("HunYuanMoEV1Attention",), rotary="none", qk_norm="rotated_queries",
+        norm_names=("query_layernorm", "key_layernorm"), read=steps.read_ntk_alpha,
+    ),
+    # Interleaved rotary (pairs 2j, 2j + 1): on a partial slice (GLM-4), the whole head (ERNIE 4.5, Cohere 2's
+    # sliding layers; its full layers are NoPE).
+    Family(
+        "glm4", ("Glm4Attention",), rotary="interleaved",
+        expresses=frozenset({"interleaved rotary", "partial rotary", _QKV}),
+        write=steps.write_glm4,
+    ),
+    Family(
+        "ernie4_5", ("Ernie4_5Attention",), rotary="interleaved",
+        expresses=frozenset({"interleaved rotary", _BIAS}), write=steps.write_ernie4_5,
+    ),
+    Family(
+        "cohere2", ("Cohere2Attention",), rotary="interleaved", read=steps.read_rotary_on_sliding_layers,
+        expresses=frozenset({"interleaved rotary", _BIAS, "window"}),
+    ),
+    Family(
+        "lfm3", ("Lfm3Attention",), qk_norm="queries", read=steps.read_head_gate, copy=steps.copy_head_gate,
+        expresses=frozenset({_HALF, "proportional rotary", _BIAS, "window", "qk_norm", _UNIT, "gated_output",
+                             "part OutputGate"}),
+        requires=(*_NORMED, frozenset({"part OutputGate"})), write=steps.write_lfm3,
+    ),
     # Families whose sizes, values or gates differ (value norm, K = V, value head size, gates per head).
     Family(
-        "gemma3n_text", ("Gemma3nTextAttention",), qk_norm="queries", read=steps.read_gemma3n,
-        copy=steps.require_loaded_sizes,
+        "gemma3n_text", ("Gemma3nTextAttention",), qk_norm="queries", read=size_steps.read_gemma3n,
+        copy=size_steps.require_loaded_sizes,
     ),
     Family(
-        "gemma4_text", ("Gemma4TextAttention",), qk_norm="queries", read=steps.read_gemma4,
-        copy=steps.require_loaded_sizes,
+        "gemma4_text", ("Gemma4TextAttention",), qk_norm="queries", read=size_steps.read_gemma4,
+        copy=size_steps.require_loaded_sizes,
     ),
     Family(
-        "mimo_v2_flash", ("MiMoV2FlashAttention",), read=steps.read_mimo_v2_flash, copy=steps.require_loaded_sizes,
+        "mimo_v2_flash", ("MiMoV2FlashAttention",), read=size_steps.read_mimo_v2_flash, copy=size_steps.require_loaded_sizes,
         expresses=frozenset({_HALF, _QKV, "window", "sinks", "value_head_dim", "part ValueScale", "partial rotary"}),
-        requires=(frozenset({"value_head_dim", "part ValueScale"}),), write=steps.write_mimo_v2_flash,
+        requires=(frozenset({"value_head_dim", "part ValueScale"}),), write=size_steps.write_mimo_v2_flash,
     ),
     Family(
-        "step3p5", ("Step3p7Attention",), qk_norm="queries", norm_plus_one=True, read=steps.read_step3p7,
-        copy=steps.copy_gate,
+        "step3p5", ("Step3p7Attention",), qk_norm="queries", norm_plus_one=True, read=size_steps.read_step3p7,
+        copy=size_steps.copy_gate,
     ),
-    Family("laguna", ("LagunaAttention",), qk_norm="queries", read=steps.read_laguna, copy=steps.copy_gate),
+    Family("laguna", ("LagunaAttention",), qk_norm="queries", read=size_steps.read_laguna, copy=size_steps.copy_gate),
     Family(
-        "afmoe", ("AfmoeAttention",), qk_norm="queries", read=steps.read_afmoe, copy=steps.copy_gate,
+        "afmoe", ("AfmoeAttention",), qk_norm="queries", read=size_steps.read_afmoe, copy=size_steps.copy_gate,
         expresses=frozenset({_HALF, _BIAS, "window", "qk_norm", _UNIT, "gated_output", "no rotary"}),
-        requires=(*_NORMED, frozenset({"gated_output"})), write=steps.write_afmoe,
+        requires=(*_NORMED, frozenset({"gated_output"})), write=size_steps.write_afmoe,
     ),
     Family(
         "muse_glimmer_text", ("MuseGlimmerTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
-        read=steps.read_muse, copy=steps.copy_gate,
+        read=size_steps.read_muse, copy=size_steps.copy_gate,
         expresses=frozenset({_HALF, _BIAS, "window", "scale", _UNWEIGHTED, "gated_output", "no rotary"}),
-        requires=(frozenset({_UNWEIGHTED}), frozenset({"gated_output"})), write=steps.write_muse_glimmer,
+        requires=(frozenset({_UNWEIGHTED}), frozenset({"gated_output"})), write=size_steps.write_muse_glimmer,
     ),
     Family(
         "muse_spark_text", ("MuseSparkTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
-        read=steps.read_muse, copy=steps.copy_gate,
+        read=size_steps.read_muse, copy=size_steps.copy_gate,
     ),
 )  # fmt: skip
 

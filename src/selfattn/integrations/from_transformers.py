@@ -246,6 +246,11 @@ def _options(mha: Any) -> set[str]:
         used.add("no rotary")
     elif getattr(rotary, "position_axes", 1) == 3:  # M-RoPE
         used.add(_MROPE_OPTION)
+    elif (
+        isinstance(rotary, RotaryPositionalEncoding) and rotary.p != 1.0 and not rotary.interleaved
+        and rotary.rotary_dim == rotary.head_dim
+    ):  # fmt: skip
+        used.add("proportional rotary")  # transformers' rope_type "proportional": the first pairs of each half
     elif not isinstance(rotary, RotaryPositionalEncoding) or rotary.p != 1.0:
         raise ValueError(f"position={rotary!r}: transformers layers rotate queries and keys (full rotary) or nothing")
     else:

@@ -4,8 +4,9 @@
   :class:`SinusoidalPositionalEncoding2D` / ``3D`` / ``ND``, :class:`NoPositionalEncoding`;
 * rotating queries and keys: :class:`RotaryPositionalEncoding`, :class:`XPosEncoding`,
   :class:`RotaryPositionalEncoding2D` / ``3D`` / ``ND`` (axial, for images and video),
-  :class:`MultimodalRotaryPositionalEncoding` (M-RoPE, Qwen2-VL: a (time, height, width)
-  position per token, built by :func:`multimodal_positions`);
+  :class:`MultimodalRotaryPositionalEncoding` (M-RoPE, Qwen2-VL's sections or Qwen3-VL's
+  interleaved layout: a (time, height, width) position per token, built by
+  :func:`multimodal_positions`);
 * terms in the attention scores: :class:`ALiBiPositionalBias`, :class:`T5RelativePositionBias`,
   :class:`ShawRelativePositionEncoding` (which also adds a term to the values),
   :class:`KerplePositionalBias`, :class:`FIREPositionalBias`.

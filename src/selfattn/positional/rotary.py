@@ -294,7 +294,8 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         to ``max_position_embeddings``; ``yarn`` and ``longrope`` without ``factor`` use
         ``max_position_embeddings / original_max_position_embeddings``. The rotation then
         equals Hugging Face's ``apply_rotary_pos_emb`` with that model's cos/sin (checked against
-        transformers 5.23 for every type).
+        transformers 5.23 for every type). ``rope_type="proportional"`` (Gemma 4, LFM3) is p-RoPE
+        over the whole head, see :meth:`_proportional`.
 
         Args:
             config: a dict (e.g. a parsed ``config.json``) or an object with those attributes.
@@ -321,6 +322,8 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
                 raise ValueError("config needs head_dim, or hidden_size and num_attention_heads")
             head_dim = require_positive_int("hidden_size", hidden) // require_positive_int("num_attention_heads", heads)
         head_dim = require_positive_int("head_dim", head_dim)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "proportional":
+            return cls._proportional(head_dim, float(base), scaling, read("partial_rotary_factor", 1.0), **options)
         if isinstance(partial, bool) or not isinstance(partial, numbers.Real) or not 0 < float(partial) <= 1:
             raise ValueError(f"config partial_rotary_factor must be in (0, 1], got {partial!r}")
         rotary_dim = int(head_dim * float(partial))
@@ -349,6 +352,38 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             if kind == "default" or (kind is None and not scaling):
                 scaling = None
         return cls(head_dim, float(base), False, rotary_dim=rotary_dim, scaling=scaling, **options)
+
+    @classmethod
+    def _proportional(
+        cls, head_dim: int, base: float, parameters: Mapping[str, Any], top_level_partial: Any, **options: Any
+    ) -> RotaryPositionalEncoding:
+        """transformers' ``rope_type="proportional"`` (Gemma 4, LFM3) as p-RoPE over the whole head.
+
+        Its frequencies are ``base^(-2j / dh) / factor`` for the first ``k = int(partial_rotary_factor
+        * dh // 2)`` pairs and 0 (no turn) for the rest, half-split over the whole head: so the
+        rotated features are the first ``k`` of each half. That is half-split rotary of size ``dh``
+        with p-RoPE keeping ``k`` of its ``dh / 2`` pairs (``p = k / (dh / 2)``), and ``linear``
+        scaling for a ``factor`` other than 1. ``partial_rotary_factor`` is read from the dict
+        (the rotary's own), else from the config.
+        """
+        known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"}
+        unknown = sorted(key for key in parameters if key not in known)
+        if unknown:
+            raise ValueError(f"config rope_type 'proportional' does not take {', '.join(unknown)}")
+        partial = parameters.get("partial_rotary_factor", top_level_partial)
+        if isinstance(partial, bool) or not isinstance(partial, numbers.Real) or not 0 <= float(partial) <= 1:
+            raise ValueError(
+                f"config partial_rotary_factor must be in [0, 1] for rope_type 'proportional', got {partial!r}"
+            )
+        if head_dim % 2:
+            raise ValueError(
+                f"config head_dim={head_dim}: rope_type 'proportional' rotates the whole head, need it even"
+            )
+        rotated_pairs = int(float(partial) * head_dim // 2)  # transformers' rope_angles
+        factor = parameters.get("factor", 1.0)
+        scaling = None if factor == 1 else {"rope_type": "linear", "factor": factor}
+        p = rotated_pairs / (head_dim // 2)
+        return cls(head_dim, base, False, rotary_dim=head_dim, scaling=scaling, p=p, **options)
 
     def extra_repr(self) -> str:
         if self.scaling_config is None:
