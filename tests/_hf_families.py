@@ -240,9 +240,9 @@ FAMILIES: dict[str, Family] = {
             num_global_key_value_heads=1,
             attention_k_eq_v=True,
             hidden_size_per_layer_input=8,
-            # Gemma 4's full layers default to the "proportional" rope, which selfattn does not have yet
-            # (another branch adds it): the full layer here rotates with the default rope.
-            rope_parameters=_per_type(_DEFAULT, dict(rope_type="default", rope_theta=1000.0)),
+            rope_parameters=_per_type(
+                _DEFAULT, dict(rope_type="proportional", partial_rotary_factor=0.5, rope_theta=1000.0)
+            ),
             **TWO_TYPES,
         ),
     ),
