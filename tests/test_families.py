@@ -273,6 +273,15 @@ def test_cached_decoding(model_type: str, layer_idx: int) -> None:
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
 
 
+def _weights_for(layer: Any, rebuilt: Any) -> dict[str, torch.Tensor]:
+    """``layer``'s state dict for ``rebuilt``, which may be another family's layer: a QK-norm stored as ``w``
+    for a ``(1 + w)`` RMSNorm (Gemma, Step-3.7) is stored as ``1 + w`` for a ``w`` one (LFM3), and back."""
+    source, target = family_of_layer(layer), family_of_layer(rebuilt)
+    shift = float(source.norm_plus_one) - float(target.norm_plus_one)
+    names = {f"{name}.weight" for name in source.norm_names} if source.qk_norm is not None else set()
+    return {key: value + shift if key in names else value for key, value in layer.state_dict().items()}
+
+
 @pytest.mark.parametrize(("model_type", "layer_idx"), ROUND_TRIP_CASES)
 def test_config_round_trip(model_type: str, layer_idx: int) -> None:
     """to_transformers_config -> AutoConfig.for_model -> the layer, the weights copied, equals the module."""
@@ -290,7 +299,7 @@ def test_config_round_trip(model_type: str, layer_idx: int) -> None:
     rebuilt_config = transformers.AutoConfig.for_model(**fields)
     rebuilt_config._attn_implementation = "eager"
     rebuilt, _ = hf.build_layer(fields["model_type"], 0, torch.float32, config=rebuilt_config)
-    rebuilt.load_state_dict(layer.state_dict())
+    rebuilt.load_state_dict(_weights_for(layer, rebuilt))
     x, attention_mask = _inputs(torch.float32)
     rotary = hf.build_rotary(fields["model_type"], rebuilt_config)
     with torch.no_grad():
