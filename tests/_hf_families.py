@@ -337,6 +337,7 @@ FAMILIES: dict[str, Family] = {
         kwargs=dict(
             head_dim=16,
             v_head_dim=8,
+            attention_value_scale=0.5,
             n_routed_experts=2,
             num_experts_per_tok=1,
             rope_parameters=_per_type(
@@ -368,14 +369,14 @@ FAMILIES: dict[str, Family] = {
         "muse_glimmer",
         "MuseGlimmerText",
         config="MuseGlimmerTextConfig",
-        kwargs=dict(head_dim=8, **TWO_TYPES),
+        kwargs=dict(head_dim=8, qk_scale_factor=2.5, **TWO_TYPES),
         no_rope=lambda config, layer_idx: not config.layer_rope_theta[layer_idx],
     ),
     "muse_spark_text": _family(
         "muse_spark",
         "MuseSparkText",
         config="MuseSparkTextConfig",
-        kwargs=dict(head_dim=8, mlp_layer_types=["dense", "dense"], **TWO_TYPES),
+        kwargs=dict(head_dim=8, qk_scale_factor=4.5, mlp_layer_types=["dense", "dense"], **TWO_TYPES),
         no_rope=lambda config, layer_idx: not config.layer_rope_theta[layer_idx],
     ),
     "phi3": _family(

@@ -34,17 +34,45 @@ transformers = pytest.importorskip("transformers")
 import _hf_families as hf  # noqa: E402  (tests/ is on sys.path: tests/conftest.py)
 
 from selfattn import KVCache, MultiHeadAttention  # noqa: E402
+from selfattn.integrations.families import family_of_layer  # noqa: E402
 from selfattn.integrations.from_transformers import LAYERS  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 TABLE = sorted(set(LAYERS.values()))  # the model_types selfattn loads
-CASES = [
-    pytest.param(model_type, layer_idx, id=f"{model_type}-{layer_idx}")
-    for model_type in TABLE
-    if model_type in hf.FAMILIES
-    for layer_idx in hf.FAMILIES[model_type].layers
-]
+# Layers whose recipe is in the table but which the generic loader (from_transformers.py) cannot read yet:
+# it reads config.head_dim / num_key_value_heads for the rotary and the options, which transformers refuses
+# on a per-layer config (Gemma 4, Step-3.7: AmbiguousGlobalPerLayerAttributeError, a RuntimeError), and
+# v_proj of Gemma 4's K = V layers, which have none (AttributeError). Strict: they fail until the loader
+# reads the layer's own config (the change is in the sizefam branch's report); then remove them.
+_PER_LAYER_CONFIG = "the loader reads global sizes of a per-layer config (RuntimeError) or v_proj of K = V"
+_LOADER_GAPS: dict[tuple[str, int], tuple[str, tuple[type[BaseException], ...]]] = {
+    ("gemma4_text", 0): (_PER_LAYER_CONFIG, (RuntimeError,)),
+    ("gemma4_text", 1): (_PER_LAYER_CONFIG, (AttributeError,)),
+    ("step3p5", 0): (_PER_LAYER_CONFIG, (RuntimeError,)),
+    ("step3p5", 1): (_PER_LAYER_CONFIG, (RuntimeError,)),
+}
+# The way back reads an unweighted QK-norm's weight (None == 1 is a bool, no .all()): Muse's modules fail
+# in to_transformers_config (_options) until it skips norms without a weight (sizefam report).
+_UNWEIGHTED_NORM = "to_transformers_config compares an unweighted norm's weight (None) with 1"
+_WAY_BACK_GAPS = {
+    (model_type, layer_idx): (_UNWEIGHTED_NORM, (AttributeError,))
+    for model_type in ("muse_glimmer_text", "muse_spark_text")
+    for layer_idx in (0, 1)
+}
+
+
+def _case(
+    model_type: str, layer_idx: int, gaps: dict[tuple[str, int], tuple[str, tuple[type[BaseException], ...]]]
+) -> Any:
+    gap = gaps.get((model_type, layer_idx))
+    marks = () if gap is None else (pytest.mark.xfail(strict=True, reason=gap[0], raises=gap[1]),)
+    return pytest.param(model_type, layer_idx, id=f"{model_type}-{layer_idx}", marks=marks)
+
+
+_LAYERS = [(t, i) for t in TABLE if t in hf.FAMILIES for i in hf.FAMILIES[t].layers]
+CASES = [_case(model_type, layer_idx, _LOADER_GAPS) for model_type, layer_idx in _LAYERS]
+ROUND_TRIP_CASES = [_case(model_type, layer_idx, _LOADER_GAPS | _WAY_BACK_GAPS) for model_type, layer_idx in _LAYERS]
 PADS, LENGTH = (0, 3, 1), 7
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 _TAG_START, _TAG_STEP = 8.0, 4.0  # tags 8 + 4k: a copy keeps the remainder 0, a (1 + w) weight makes it 1
@@ -245,17 +273,33 @@ def test_cached_decoding(model_type: str, layer_idx: int) -> None:
     torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(("model_type", "layer_idx"), CASES)
+def _weights_for(layer: Any, rebuilt: Any) -> dict[str, torch.Tensor]:
+    """``layer``'s state dict for ``rebuilt``, which may be another family's layer: a QK-norm stored as ``w``
+    for a ``(1 + w)`` RMSNorm (Gemma, Step-3.7) is stored as ``1 + w`` for a ``w`` one (LFM3), and back."""
+    source, target = family_of_layer(layer), family_of_layer(rebuilt)
+    shift = float(source.norm_plus_one) - float(target.norm_plus_one)
+    names = {f"{name}.weight" for name in source.norm_names} if source.qk_norm is not None else set()
+    return {key: value + shift if key in names else value for key, value in layer.state_dict().items()}
+
+
+@pytest.mark.parametrize(("model_type", "layer_idx"), ROUND_TRIP_CASES)
 def test_config_round_trip(model_type: str, layer_idx: int) -> None:
     """to_transformers_config -> AutoConfig.for_model -> the layer, the weights copied, equals the module."""
     layer, _ = hf.build_layer(model_type, layer_idx, torch.float32)
     mha = MultiHeadAttention.from_transformers(layer)
-    fields = mha.to_transformers_config()
+    if not family_of_layer(layer).expresses:
+        # Not a target of the way back: the module is written as another family that expresses it, or refused.
+        try:
+            fields = mha.to_transformers_config()
+        except ValueError:  # no family has all its options, or the one that does refuses a detail by name
+            return
+    else:
+        fields = mha.to_transformers_config()
     assert fields["model_type"] in hf.FAMILIES, f"{fields['model_type']} has no entry in tests/_hf_families.py"
     rebuilt_config = transformers.AutoConfig.for_model(**fields)
     rebuilt_config._attn_implementation = "eager"
     rebuilt, _ = hf.build_layer(fields["model_type"], 0, torch.float32, config=rebuilt_config)
-    rebuilt.load_state_dict(layer.state_dict())
+    rebuilt.load_state_dict(_weights_for(layer, rebuilt))
     x, attention_mask = _inputs(torch.float32)
     rotary = hf.build_rotary(fields["model_type"], rebuilt_config)
     with torch.no_grad():

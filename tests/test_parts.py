@@ -11,7 +11,7 @@ import torch
 from reference_mha import _rotate
 
 from selfattn import KVCache, MultiHeadAttention
-from selfattn.parts import HeadLogScaling, HeadNorm, LogFloorScaling, OutputGate, TemperatureTuning
+from selfattn.parts import HeadLogScaling, HeadNorm, LogFloorScaling, OutputGate, TemperatureTuning, ValueScale
 from selfattn.positional import RotaryPositionalEncoding
 
 DATA = Path(__file__).parent / "data"
@@ -35,6 +35,8 @@ def _part(x, part, positions):
     """One part applied to x (..., features) of a single sequence, from the part's formula."""
     if isinstance(part, HeadNorm):
         return _rms(x, _np(part.weight), part.eps)
+    if isinstance(part, ValueScale):
+        return x * part.factor
     p = positions.astype(np.float64)  # (l,); x is (h, l, dq)
     if isinstance(part, TemperatureTuning):
         factor = 1 + part.attn_scale * np.log(1 + np.floor((p + 1) / part.floor_scale))
@@ -126,6 +128,9 @@ LAYERS = {
     "value head size 6 (MiMo), output norm per head": dict(
         value_head_dim=6, num_kv_heads=2, parts={"o_norm": HeadNorm(6, slot="output_heads")}
     ),
+    "value head size 6 scaled by 0.707 (MiMo-V2-Flash)": dict(
+        value_head_dim=6, num_kv_heads=2, parts={"v_scale": ValueScale(0.707)}, rotary=True
+    ),
     "gate per head, softplus (Step-3.7)": dict(
         parts={"g_proj": OutputGate(16, 4, 4, per="head", activation="softplus", bias=True)}, rotary=True
     ),
@@ -151,6 +156,12 @@ def test_layer_with_parts_equals_the_formulas(name: str) -> None:
     for start, stop in ((0, 2), (2, 3), (3, 4), (4, 6)):
         steps.append(mha(x[:, start:stop], x[:, start:stop], x[:, start:stop], causal=True, cache=cache))
     torch.testing.assert_close(torch.cat(steps, 1), got, rtol=1e-10, atol=1e-11)
+
+
+@pytest.mark.parametrize("factor", [0, 0.0, float("nan"), float("inf"), True, "0.7"])
+def test_value_scale_refuses_a_factor_that_is_not_a_finite_nonzero_number(factor: object) -> None:
+    with pytest.raises(ValueError, match="factor"):
+        ValueScale(factor)  # type: ignore[arg-type]
 
 
 def test_gradients_reach_every_part() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import selfattn.integrations._family_steps as steps
+import selfattn.integrations._size_steps as size_steps
 
 __all__ = ["FAMILIES", "Family", "family_of_layer"]
 
@@ -69,6 +70,7 @@ _BIAS = "a bias on W_q, W_k, W_v and W_o"
 _QKV = "a bias on W_q, W_k, W_v only"
 _NORMED = (frozenset({"qk_norm", _UNIT}),)  # the layer always has a QK-norm per head
 _PROJECTION_NORM = "qk_norm at query_features"
+_UNWEIGHTED = "qk_norm at queries, unweighted"
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaAttention",), expresses=frozenset({_HALF, _BIAS})),
@@ -219,6 +221,40 @@ FAMILIES: tuple[Family, ...] = (
         expresses=frozenset({_HALF, "proportional rotary", _BIAS, "window", "qk_norm", _UNIT, "gated_output",
                              "part OutputGate"}),
         requires=(*_NORMED, frozenset({"part OutputGate"})), write=steps.write_lfm3,
+    ),
+    # Families whose sizes, values or gates differ (value norm, K = V, value head size, gates per head).
+    Family(
+        "gemma3n_text", ("Gemma3nTextAttention",), qk_norm="queries", read=size_steps.read_gemma3n,
+        copy=size_steps.require_loaded_sizes,
+    ),
+    Family(
+        "gemma4_text", ("Gemma4TextAttention",), qk_norm="queries", read=size_steps.read_gemma4,
+        copy=size_steps.require_loaded_sizes,
+    ),
+    Family(
+        "mimo_v2_flash", ("MiMoV2FlashAttention",), read=size_steps.read_mimo_v2_flash, copy=size_steps.require_loaded_sizes,
+        expresses=frozenset({_HALF, _QKV, "window", "sinks", "value_head_dim", "part ValueScale", "partial rotary"}),
+        requires=(frozenset({"value_head_dim", "part ValueScale"}),), write=size_steps.write_mimo_v2_flash,
+    ),
+    Family(
+        "step3p5", ("Step3p7Attention",), qk_norm="queries", norm_plus_one=True, read=size_steps.read_step3p7,
+        copy=size_steps.copy_gate,
+    ),
+    Family("laguna", ("LagunaAttention",), qk_norm="queries", read=size_steps.read_laguna, copy=size_steps.copy_gate),
+    Family(
+        "afmoe", ("AfmoeAttention",), qk_norm="queries", read=size_steps.read_afmoe, copy=size_steps.copy_gate,
+        expresses=frozenset({_HALF, _BIAS, "window", "qk_norm", _UNIT, "gated_output", "no rotary"}),
+        requires=(*_NORMED, frozenset({"gated_output"})), write=size_steps.write_afmoe,
+    ),
+    Family(
+        "muse_glimmer_text", ("MuseGlimmerTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
+        read=size_steps.read_muse, copy=size_steps.copy_gate,
+        expresses=frozenset({_HALF, _BIAS, "window", "scale", _UNWEIGHTED, "gated_output", "no rotary"}),
+        requires=(frozenset({_UNWEIGHTED}), frozenset({"gated_output"})), write=size_steps.write_muse_glimmer,
+    ),
+    Family(
+        "muse_spark_text", ("MuseSparkTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
+        read=size_steps.read_muse, copy=size_steps.copy_gate,
     ),
 )  # fmt: skip
 

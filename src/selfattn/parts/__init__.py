@@ -11,6 +11,7 @@ from selfattn.parts.base import HEAD_SLOTS, SLOTS, Part
 from selfattn.parts.head_norm import HeadNorm
 from selfattn.parts.output_gate import OutputGate
 from selfattn.parts.query_scaling import HeadLogScaling, LogFloorScaling, TemperatureTuning
+from selfattn.parts.value_scale import ValueScale
 
 __all__ = [
     "HEAD_SLOTS",
@@ -21,4 +22,5 @@ __all__ = [
     "OutputGate",
     "Part",
     "TemperatureTuning",
+    "ValueScale",
 ]
