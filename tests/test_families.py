@@ -40,39 +40,15 @@ from selfattn.integrations.from_transformers import LAYERS  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 TABLE = sorted(set(LAYERS.values()))  # the model_types selfattn loads
-# Layers whose recipe is in the table but which the generic loader (from_transformers.py) cannot read yet:
-# it reads config.head_dim / num_key_value_heads for the rotary and the options, which transformers refuses
-# on a per-layer config (Gemma 4, Step-3.7: AmbiguousGlobalPerLayerAttributeError, a RuntimeError), and
-# v_proj of Gemma 4's K = V layers, which have none (AttributeError). Strict: they fail until the loader
-# reads the layer's own config (the change is in the sizefam branch's report); then remove them.
-_PER_LAYER_CONFIG = "the loader reads global sizes of a per-layer config (RuntimeError) or v_proj of K = V"
-_LOADER_GAPS: dict[tuple[str, int], tuple[str, tuple[type[BaseException], ...]]] = {
-    ("gemma4_text", 0): (_PER_LAYER_CONFIG, (RuntimeError,)),
-    ("gemma4_text", 1): (_PER_LAYER_CONFIG, (AttributeError,)),
-    ("step3p5", 0): (_PER_LAYER_CONFIG, (RuntimeError,)),
-    ("step3p5", 1): (_PER_LAYER_CONFIG, (RuntimeError,)),
-}
-# The way back reads an unweighted QK-norm's weight (None == 1 is a bool, no .all()): Muse's modules fail
-# in to_transformers_config (_options) until it skips norms without a weight (sizefam report).
-_UNWEIGHTED_NORM = "to_transformers_config compares an unweighted norm's weight (None) with 1"
-_WAY_BACK_GAPS = {
-    (model_type, layer_idx): (_UNWEIGHTED_NORM, (AttributeError,))
-    for model_type in ("muse_glimmer_text", "muse_spark_text")
-    for layer_idx in (0, 1)
-}
 
 
-def _case(
-    model_type: str, layer_idx: int, gaps: dict[tuple[str, int], tuple[str, tuple[type[BaseException], ...]]]
-) -> Any:
-    gap = gaps.get((model_type, layer_idx))
-    marks = () if gap is None else (pytest.mark.xfail(strict=True, reason=gap[0], raises=gap[1]),)
-    return pytest.param(model_type, layer_idx, id=f"{model_type}-{layer_idx}", marks=marks)
+def _case(model_type: str, layer_idx: int) -> Any:
+    return pytest.param(model_type, layer_idx, id=f"{model_type}-{layer_idx}")
 
 
 _LAYERS = [(t, i) for t in TABLE if t in hf.FAMILIES for i in hf.FAMILIES[t].layers]
-CASES = [_case(model_type, layer_idx, _LOADER_GAPS) for model_type, layer_idx in _LAYERS]
-ROUND_TRIP_CASES = [_case(model_type, layer_idx, _LOADER_GAPS | _WAY_BACK_GAPS) for model_type, layer_idx in _LAYERS]
+CASES = [_case(model_type, layer_idx) for model_type, layer_idx in _LAYERS]
+ROUND_TRIP_CASES = CASES
 PADS, LENGTH = (0, 3, 1), 7
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 _TAG_START, _TAG_STEP = 8.0, 4.0  # tags 8 + 4k: a copy keeps the remainder 0, a (1 + w) weight makes it 1

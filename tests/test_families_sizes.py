@@ -26,11 +26,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 _THREE = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="the generic loader reads k_proj before any family step; the check belongs there (sizefam report)",
-)
 @pytest.mark.parametrize(
     ("model_type", "more"),
     [("gemma3n_text", dict(activation_sparsity_pattern=[0.0] * 3)), ("gemma4_text", {})],
@@ -96,11 +91,6 @@ def test_the_way_back_writes_afmoe_or_refuses_by_name() -> None:
         gate_with_bias.to_transformers_config()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="to_transformers_config compares an unweighted norm's weight (None) with 1 (sizefam report)",
-)
 def test_the_way_back_writes_muse_glimmer_or_refuses_by_name() -> None:
     unweighted = {
         "q_norm": HeadNorm(8, slot="queries", weighted=False, eps=1e-5),

@@ -107,9 +107,15 @@ def _layer_type(hf: Any, family: Family) -> str | None:
 def projection_weights(hf: Any, family: Family) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """``W_q, W_k, W_v, W_o``'s weight and bias as the layer holds them (a fused ``qkv_proj`` split by rows)."""
     names = dict(zip(("W_q", "W_k", "W_v", "W_o"), family.projections, strict=True))
-    linears = {ours: getattr(hf, theirs) for ours, theirs in names.items()}
-    if linears["W_q"] is not linears["W_k"]:
-        return {ours: (linear.weight, linear.bias) for ours, linear in linears.items()}
+    linears: dict[str, Any] = {ours: getattr(hf, theirs, None) for ours, theirs in names.items()}
+    if linears["W_k"] is None:
+        raise ValueError(
+            f"layer {hf.layer_idx} has no {names['W_k']}: it reuses the keys and values of an earlier layer "
+            "(Gemma 3n / Gemma 4 kv_sharing_modes 'reuse'): it has no keys of its own to load (a selfattn stack "
+            "expresses it with LayerRecipe(shares_kv_with=...); a whole model runs with attn_implementation='selfattn')"
+        )
+    if linears["W_q"] is not linears["W_k"]:  # Gemma 4's K = V layers have no v_proj
+        return {ours: (linear.weight, linear.bias) for ours, linear in linears.items() if linear is not None}
     fused, head_dim = linears["W_q"], int(hf.head_dim)
     query_rows = int(hf.config.num_attention_heads) * head_dim
     kv_rows = (fused.out_features - query_rows) // 2  # (h * dh | hk * dh | hk * dh) rows
@@ -120,14 +126,20 @@ def projection_weights(hf: Any, family: Family) -> dict[str, tuple[torch.Tensor,
     return split | {"W_o": (linears["W_o"].weight, linears["W_o"].bias)}
 
 
-def _common_options(hf: Any, layer_type: str | None, weights: dict[str, Any]) -> dict[str, Any]:
+def _layer_config(hf: Any) -> Any:
+    """The layer's own config where sizes vary per layer (Gemma 4, Step-3.7: ``config.per_layer_config[i]``)."""
+    per_layer = getattr(hf.config, "per_layer_config", None)
+    return hf.config if per_layer is None else per_layer[hf.layer_idx]
+
+
+def _common_options(hf: Any, config: Any, layer_type: str | None, weights: dict[str, Any]) -> dict[str, Any]:
     """What every family's layer says the same way: sizes, biases, dropout, window, softcap, sinks, scale.
 
     Head counts come from the projections' rows (per-layer counts included); a family whose
     ``q_proj`` holds more than the queries corrects ``num_heads`` in its ``read`` step.
     """
-    config, head_dim = hf.config, int(hf.head_dim)
-    with_bias = {weights[name][1] is not None for name in ("W_q", "W_k", "W_v")}
+    head_dim = int(hf.head_dim)
+    with_bias = {weights[name][1] is not None for name in ("W_q", "W_k", "W_v") if name in weights}
     if len(with_bias) > 1:
         raise ValueError("the layer has a bias on only some of q_proj, k_proj, v_proj; selfattn has all or none")
     (q_weight, _), (k_weight, _), (o_weight, o_bias) = weights["W_q"], weights["W_k"], weights["W_o"]
@@ -183,11 +195,12 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
     layer_type = _layer_type(hf, family)
     head_dim = int(hf.head_dim)
     weights = projection_weights(hf, family)
-    options = _common_options(hf, layer_type, weights)
-    options["position"] = _position(family, hf.config, layer_type, options["num_heads"], head_dim)
+    config = _layer_config(hf)
+    options = _common_options(hf, config, layer_type, weights)
+    options["position"] = _position(family, config, layer_type, options["num_heads"], head_dim)
     norm_weights = _norm_parts(hf, family, options)
     if family.read is not None:
-        family.read(hf, hf.config, options)
+        family.read(hf, config, options)
     heads = options.pop("num_heads")
     device, dtype = weights["W_o"][0].device, weights["W_o"][0].dtype
     mha: Any = cls(heads * head_dim, heads, device=device, dtype=dtype, **options)
@@ -228,7 +241,7 @@ def _options(mha: Any) -> set[str]:
     used = {name for name in ("window", "scale", "softcap", "chunk_size", "temperature_tuning") if getattr(mha, name)}
     used |= {name for name, part in (("sinks", mha.sinks), ("gated_output", mha.W_g)) if part is not None}
     if mha.q_norm is not None:
-        weights = [norm.weight for norm in (mha.q_norm, mha.k_norm) if norm is not None]
+        weights = [norm.weight for norm in (mha.q_norm, mha.k_norm) if norm is not None and norm.weight is not None]
         if (mha.q_norm.slot, len(weights), mha.k_norm is None) != ("queries", 2, False):
             used.add(f"qk_norm at {mha.q_norm.slot}" + (", unweighted" if mha.q_norm.weight is None else ""))
         else:
