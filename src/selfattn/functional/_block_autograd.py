@@ -78,23 +78,9 @@ class _BlockwiseAttention(torch.autograd.Function):
         for index, start, end, keys in plan.blocks():
             qb, kb, vb = q[..., start:end, :], k[..., keys, :], v[..., keys, :]
             visible, empty = _settle_empty_rows(plan.visible(start, end, keys, q.device))
-            if plan.flash_forward and plan.key_bias is not None:
-                mask: torch.Tensor | None = plan.key_mask(end - start, keys)
-            elif plan.flash_forward:
-                bias = (
-                    plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
-                )
-                mask = _float_mask(bias, visible, compute)
+            block_lse: torch.Tensor | None
             if plan.flash_forward:
-                block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
-                block_lse = block_lse.to(compute)
-                if sink_logits is not None:  # the sink joins the denominator: rescale, and keep the whole lse
-                    with_sink = torch.logaddexp(block_lse, sink_logits[:, None])  # (b, h, block)
-                    block_out = block_out * torch.exp(block_lse - with_sink).unsqueeze(-1).to(block_out.dtype)
-                    block_lse = with_sink
-                # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
-                query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
-                block_out = block_out + query_sums.mul(0).to(block_out.dtype)
+                block_out, block_lse = _flash_block(plan, qb, kb, vb, visible, band, sink_logits, start, end, keys)
             else:  # the explicit backward recomputes the probabilities with the fused softmax: no lse
                 qc, kc, vc = qb.to(compute), kb.to(compute), vb.to(compute)
                 clipped = plan.clipped
@@ -392,3 +378,25 @@ class _Backward:
                 self.dq[..., start:end, :] += grads[0]
             grads = grads[1:]
         self.accumulate(grads)
+
+
+def _flash_block(
+    plan: _Plan, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, visible: Any, band: Any,
+    sink_logits: torch.Tensor | None, start: int, end: int, keys: slice,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One block on the flash kernel: ``(b, h, block, dv)`` and its log-sum-exp ``(b, h, block)`` (sinks included)."""
+    compute = _compute_dtype(qb.dtype)
+    if plan.key_bias is not None:
+        mask: torch.Tensor | None = plan.key_mask(end - start, keys)
+    else:
+        bias = plan.bias(qb.to(compute), start, end, keys) if band is None else plan.window(band, start, end, keys)
+        mask = _float_mask(bias, visible, compute)
+    block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
+    block_lse = block_lse.to(compute)
+    if sink_logits is not None:  # the sink joins the denominator: rescale, and keep the whole lse
+        with_sink = torch.logaddexp(block_lse, sink_logits[:, None])  # (b, h, block)
+        block_out = block_out * torch.exp(block_lse - with_sink).unsqueeze(-1).to(block_out.dtype)
+        block_lse = with_sink
+    # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
+    query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
+    return block_out + query_sums.mul(0).to(block_out.dtype), block_lse
