@@ -139,6 +139,9 @@ FAMILIES: dict[str, Family] = {
     "ministral": _family("ministral", "Ministral", kwargs=dict(head_dim=8, **TWO_TYPES)),
     "qwen2": _family("qwen2", "Qwen2", kwargs=dict(use_sliding_window=True, **TWO_TYPES)),
     "qwen3": _family("qwen3", "Qwen3", kwargs=dict(head_dim=16, use_sliding_window=True, **TWO_TYPES)),
+    "qwen3_moe": _family(
+        "qwen3_moe", "Qwen3Moe", kwargs=dict(head_dim=16, use_sliding_window=True, sliding_window=3, **MOE), layers=(0,)
+    ),
     "qwen3_next": _family(
         "qwen3_next",
         "Qwen3Next",

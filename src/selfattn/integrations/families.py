@@ -256,6 +256,10 @@ FAMILIES: tuple[Family, ...] = (
         "muse_spark_text", ("MuseSparkTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
         read=size_steps.read_muse, copy=size_steps.copy_gate,
     ),
+    Family(
+        "qwen3_moe", ("Qwen3MoeAttention",), qk_norm="queries", read=steps.read_model_window,
+        expresses=frozenset({_HALF, _BIAS, "window", "qk_norm", _UNIT}), requires=_NORMED, write=steps.write_qwen3,
+    ),
 )  # fmt: skip
 
 
