@@ -29,6 +29,9 @@ __all__ = [
     "write_afmoe",
     "write_muse_glimmer",
     "write_mimo_v2_flash",
+    "write_laguna",
+    "write_step3p7",
+    "write_muse_spark",
 ]
 
 
@@ -203,3 +206,92 @@ def write_mimo_v2_flash(mha: Any, fields: dict[str, Any]) -> None:
         attention_value_scale=scales[0] if len(scales) == 1 else 1.0,
         rope_parameters={"sliding_attention": parameters, "full_attention": dict(parameters)},
     )
+
+
+# ---------------------------------------------------------------- the way back: gates per head, output norm
+
+
+def _require_gate(mha: Any, family: str, pers: tuple[str, ...], activation: str) -> None:
+    """The layer's ``g_proj``: a gate without bias, ``per`` one of ``pers``, of ``activation``."""
+    gate = mha.W_g
+    if (
+        not isinstance(gate, OutputGate)
+        or gate.bias is not None
+        or gate.per not in pers
+        or gate.activation != activation
+    ):
+        raise ValueError(
+            f"{family}'s layer gates its output with g_proj, a {activation} gate per {' or per '.join(pers)} without "
+            f"bias; got W_g={gate!r}"
+        )
+
+
+def _require_weighted_qk_norm(mha: Any, family: str) -> None:
+    norms = (mha.q_norm, mha.k_norm)
+    if any(n is None or n.weight is None or n.slot not in ("queries", "keys") for n in norms) or (
+        mha.q_norm.eps != mha.k_norm.eps
+    ):
+        raise ValueError(f"{family}'s layer has a weighted QK-norm per head, before the rotation, with one epsilon")
+
+
+def _extra_head_norms(mha: Any) -> dict[str, Any]:
+    """The module's head norms besides the QK-norm (a value norm, an output norm), by name."""
+    return {
+        name: part
+        for name, part in mha.named_children()
+        if isinstance(part, HeadNorm) and name not in ("q_norm", "k_norm")
+    }
+
+
+def _rotary_per_layer_type(fields: dict[str, Any]) -> None:
+    """``rope_parameters`` keyed by layer type, the partial factor inside (Laguna, Step-3.7): the layer's own
+    type gets the module's rotary, the other type the same (a one-layer model never reads it)."""
+    parameters = dict(fields.pop("rope_parameters"), partial_rotary_factor=fields.pop("partial_rotary_factor", 1.0))
+    fields["rope_parameters"] = {"sliding_attention": parameters, "full_attention": dict(parameters)}
+
+
+def write_laguna(mha: Any, fields: dict[str, Any]) -> None:
+    """Laguna: its head count as ``num_attention_heads_per_layer``, a softplus gate per head (``gating=True``) or
+    per feature (``gating=False``), a weighted QK-norm, biases on all four projections or none, a rotary per type."""
+    _require_gate(mha, "Laguna", ("head", "feature"), "softplus")
+    _require_weighted_qk_norm(mha, "Laguna")
+    if (mha.W_q.bias is None) != (mha.W_o.bias is None):
+        raise ValueError("Laguna's layer has a bias on all four projections or none (attention_bias)")
+    _rotary_per_layer_type(fields)
+    fields.update(
+        num_attention_heads_per_layer=[mha.num_heads], gating=mha.W_g.per == "head", mlp_layer_types=["dense"]
+    )
+
+
+def write_step3p7(mha: Any, fields: dict[str, Any]) -> None:
+    """Step-3.7: a sigmoid gate per head (its gate per feature does not run in transformers), the scale as
+    ``query_pre_attn_scalar``, a ``(1 + w)`` QK-norm, biases on all four or none; a sliding layer's heads are
+    ``num_sliding_attention_heads``."""
+    _require_gate(mha, "Step-3.7", ("head",), "sigmoid")
+    _require_weighted_qk_norm(mha, "Step-3.7")
+    if (mha.W_q.bias is None) != (mha.W_o.bias is None):
+        raise ValueError("Step-3.7's layer has a bias on all four projections or none (attention_bias)")
+    scale = mha.head_dim**-0.5 if mha.scale is None else mha.scale
+    _rotary_per_layer_type(fields)
+    fields.update(
+        query_pre_attn_scalar=scale**-2, gating="per-head", mlp_layer_types=["dense"],
+        num_sliding_attention_heads=mha.num_heads,
+    )  # fmt: skip
+
+
+def write_muse_spark(mha: Any, fields: dict[str, Any]) -> None:
+    """Muse Spark: Muse Glimmer's layer with an unweighted output norm per head (``o_norm``, the norms' epsilon)."""
+    norms = _extra_head_norms(mha)
+    o_norm = norms.get("o_norm")
+    if (
+        set(norms) != {"o_norm"} or o_norm.slot != "output_heads" or o_norm.weight is not None
+        or mha.q_norm is None or o_norm.eps != mha.q_norm.eps
+    ):  # fmt: skip
+        raise ValueError(
+            "Muse Spark's layer has one more norm, o_norm: unweighted, per output head, with the QK-norm's "
+            f"epsilon; got {sorted(norms)} ({', '.join(p.describe() for p in norms.values())})"
+        )
+    if mha.query_size % mha.num_heads:
+        raise ValueError(f"Muse Spark's config needs hidden_size={mha.query_size} divisible by {mha.num_heads} heads")
+    write_muse_glimmer(mha, fields)
+    fields["mlp_layer_types"] = ["dense"]

@@ -71,6 +71,10 @@ _QKV = "a bias on W_q, W_k, W_v only"
 _NORMED = (frozenset({"qk_norm", _UNIT}),)  # the layer always has a QK-norm per head
 _PROJECTION_NORM = "qk_norm at query_features"
 _UNWEIGHTED = "qk_norm at queries, unweighted"
+# Laguna, Step-3.7: a gate per head (or Laguna's softplus per feature) from g_proj, a weighted QK-norm, a rotary.
+_GATED_PER_HEAD = frozenset(
+    {_HALF, "partial rotary", _BIAS, "window", "qk_norm", _UNIT, "gated_output", "part OutputGate"}
+)
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaAttention",), expresses=frozenset({_HALF, _BIAS})),
@@ -238,9 +242,13 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "step3p5", ("Step3p7Attention",), qk_norm="queries", norm_plus_one=True, read=size_steps.read_step3p7,
-        copy=size_steps.copy_gate,
+        copy=size_steps.copy_gate, expresses=frozenset({*_GATED_PER_HEAD, "scale"}),
+        requires=(*_NORMED, frozenset({"part OutputGate"})), write=size_steps.write_step3p7,
     ),
-    Family("laguna", ("LagunaAttention",), qk_norm="queries", read=size_steps.read_laguna, copy=size_steps.copy_gate),
+    Family(
+        "laguna", ("LagunaAttention",), qk_norm="queries", read=size_steps.read_laguna, copy=size_steps.copy_gate,
+        expresses=_GATED_PER_HEAD, requires=(*_NORMED, frozenset({"part OutputGate"})), write=size_steps.write_laguna,
+    ),
     Family(
         "afmoe", ("AfmoeAttention",), qk_norm="queries", read=size_steps.read_afmoe, copy=size_steps.copy_gate,
         expresses=frozenset({_HALF, _BIAS, "window", "qk_norm", _UNIT, "gated_output", "no rotary"}),
@@ -255,6 +263,9 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "muse_spark_text", ("MuseSparkTextAttention",), qk_norm="queries", norm_names=("qk_norm", "qk_norm"),
         read=size_steps.read_muse, copy=size_steps.copy_gate,
+        expresses=frozenset({_HALF, _BIAS, "window", "scale", _UNWEIGHTED, "gated_output", "no rotary", "part HeadNorm"}),
+        requires=(frozenset({_UNWEIGHTED}), frozenset({"gated_output"}), frozenset({"part HeadNorm"})),
+        write=size_steps.write_muse_spark,
     ),
     Family(
         "qwen3_moe", ("Qwen3MoeAttention",), qk_norm="queries", read=steps.read_model_window,
