@@ -8,6 +8,8 @@ bidirectional Gemma 4 or Step-3.7 layer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ import test_families as parity  # noqa: E402  (the parity harness's inputs and t
 
 from selfattn import MultiHeadAttention  # noqa: E402
 from selfattn.integrations import _size_steps as steps  # noqa: E402
-from selfattn.parts import HeadNorm, ValueScale  # noqa: E402
+from selfattn.parts import HeadNorm, OutputGate, ValueScale  # noqa: E402
 from selfattn.positional import RotaryPositionalEncoding  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -151,3 +153,83 @@ def test_the_way_back_writes_mimo_v2_flash_or_refuses_by_name() -> None:
     odd = MultiHeadAttention(32, 1, value_head_dim=8, window=3, sinks=True, position=_rotary(32))
     with pytest.raises(ValueError, match="twice its key/value heads, got 1"):
         odd.to_transformers_config()
+
+
+def _gemma_parts(eps: float = 1e-6, **v_norm: Any) -> dict[str, HeadNorm]:
+    return {
+        "q_norm": HeadNorm(8, slot="queries", eps=eps),
+        "k_norm": HeadNorm(8, slot="keys", eps=eps),
+        "v_norm": HeadNorm(8, slot="values", eps=eps, **({"weighted": False} | v_norm)),
+    }
+
+
+def test_the_way_back_writes_gemma3n_and_gemma4_or_refuses_by_name() -> None:
+    """Scale exactly 1, one unweighted value norm; Gemma 4's sliding layer is the first of two (its last layer
+    is always full), its values from keys only on a full layer."""
+    gemma3n = MultiHeadAttention(32, 4, num_kv_heads=2, scale=1.0, window=3, position=_rotary(), parts=_gemma_parts())
+    gemma3n.transformers_model_type = "gemma3n_text"
+    assert gemma3n.to_transformers_config()["model_type"] == "gemma3n_text"
+    gemma4 = MultiHeadAttention(32, 4, num_kv_heads=2, scale=1.0, window=3, position=_rotary(), parts=_gemma_parts())
+    gemma4.transformers_model_type = "gemma4_text"
+    fields = gemma4.to_transformers_config()
+    assert (fields["model_type"], fields["layer_types"]) == ("gemma4_text", ["sliding_attention", "full_attention"])
+    half = MultiHeadAttention(32, 4, scale=0.5, position=_rotary(), parts=_gemma_parts())
+    with pytest.raises(ValueError, match=r"scale 1\.0 \(scaling = 1\.0\); got scale=0\.5"):
+        half.to_transformers_config()
+    weighted = MultiHeadAttention(32, 4, scale=1.0, position=_rotary(), parts=_gemma_parts(weighted=True))
+    with pytest.raises(ValueError, match="one more norm, v_norm: unweighted"):
+        weighted.to_transformers_config()
+    sliding_k_eq_v = MultiHeadAttention(
+        32, 4, scale=1.0, values_from_keys=True, window=3, position=_rotary(), parts=_gemma_parts()
+    )
+    with pytest.raises(ValueError, match="values_from_keys with a window"):
+        sliding_k_eq_v.to_transformers_config()
+
+
+def _gate(per: str, activation: str, bias: bool = False) -> OutputGate:
+    return OutputGate(32, 4, 8, per=per, activation=activation, bias=bias)
+
+
+def test_the_way_back_writes_laguna_and_step3p7_or_refuses_by_name() -> None:
+    """Laguna: a softplus gate per head or per feature; Step-3.7: a sigmoid gate per head; both without bias,
+    their head count in the per-layer fields."""
+    laguna = MultiHeadAttention(32, 4, qk_norm=True, position=_rotary(), parts={"W_g": _gate("feature", "softplus")})
+    laguna.transformers_model_type = "laguna"
+    fields = laguna.to_transformers_config()
+    assert (fields["model_type"], fields["gating"], fields["num_attention_heads_per_layer"]) == ("laguna", False, [4])
+    gate_with_bias = MultiHeadAttention(
+        32, 4, qk_norm=True, position=_rotary(), parts={"W_g": _gate("feature", "softplus", True)}
+    )
+    gate_with_bias.transformers_model_type = "laguna"
+    with pytest.raises(ValueError, match="Laguna's layer gates its output with g_proj, a softplus gate"):
+        gate_with_bias.to_transformers_config()
+    step = MultiHeadAttention(
+        32, 4, qk_norm=True, scale=0.5, window=3, position=_rotary(), parts={"W_g": _gate("head", "sigmoid")}
+    )
+    step.transformers_model_type = "step3p5"
+    fields = step.to_transformers_config()
+    assert (fields["model_type"], fields["query_pre_attn_scalar"], fields["num_sliding_attention_heads"]) == (
+        "step3p5",
+        4.0,
+        4,
+    )
+    softplus = MultiHeadAttention(32, 4, qk_norm=True, position=_rotary(), parts={"W_g": _gate("head", "softplus")})
+    softplus.transformers_model_type = "step3p5"
+    with pytest.raises(ValueError, match=r"Step-3\.7's layer gates its output with g_proj, a sigmoid gate per head"):
+        softplus.to_transformers_config()
+
+
+def test_the_way_back_writes_muse_spark_or_refuses_by_name() -> None:
+    def spark(o_norm: HeadNorm) -> MultiHeadAttention:
+        norms = {
+            name: HeadNorm(8, slot=slot, weighted=False, eps=1e-5)
+            for name, slot in (("q_norm", "queries"), ("k_norm", "keys"))
+        }
+        return MultiHeadAttention(32, 4, scale=0.5, gated_output=True, parts={**norms, "o_norm": o_norm})
+
+    fields = spark(HeadNorm(8, slot="output_heads", weighted=False, eps=1e-5)).to_transformers_config()
+    assert fields["model_type"] == "muse_spark_text"
+    with pytest.raises(ValueError, match="one more norm, o_norm: unweighted, at output_heads"):
+        spark(HeadNorm(8, slot="output_heads", weighted=True, eps=1e-5)).to_transformers_config()
+    with pytest.raises(ValueError, match="one more norm, o_norm"):
+        spark(HeadNorm(8, slot="output_heads", weighted=False, eps=1e-6)).to_transformers_config()

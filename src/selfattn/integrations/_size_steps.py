@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from selfattn.integrations._family_steps import weight_of
+from selfattn.integrations._family_steps import proportional_rope_parameters, weight_of
 from selfattn.parts import HeadNorm, OutputGate, ValueScale
 
 __all__ = [
@@ -32,6 +32,8 @@ __all__ = [
     "write_laguna",
     "write_step3p7",
     "write_muse_spark",
+    "write_gemma3n",
+    "write_gemma4",
 ]
 
 
@@ -234,13 +236,19 @@ def _require_weighted_qk_norm(mha: Any, family: str) -> None:
         raise ValueError(f"{family}'s layer has a weighted QK-norm per head, before the rotation, with one epsilon")
 
 
-def _extra_head_norms(mha: Any) -> dict[str, Any]:
-    """The module's head norms besides the QK-norm (a value norm, an output norm), by name."""
-    return {
-        name: part
-        for name, part in mha.named_children()
-        if isinstance(part, HeadNorm) and name not in ("q_norm", "k_norm")
-    }
+def _require_one_more_norm(mha: Any, family: str, name: str, slot: str) -> None:
+    """Besides the QK-norm, the module has exactly one head norm: ``name`` at ``slot``, unweighted, with the
+    QK-norm's epsilon (Gemma's ``v_norm``, Muse Spark's ``o_norm``: one ``rms_norm_eps``, ``with_scale=False``)."""
+    norms = {
+        child: part for child, part in mha.named_children()
+        if isinstance(part, HeadNorm) and child not in ("q_norm", "k_norm")
+    }  # fmt: skip
+    norm = norms.get(name)
+    if norm is None or len(norms) != 1 or norm.weight is not None or (norm.slot, norm.eps) != (slot, mha.q_norm.eps):
+        raise ValueError(
+            f"{family}'s layer has one more norm, {name}: unweighted, at {slot}, with the QK-norm's epsilon; got "
+            f"{', '.join(f'{child} at {part.slot}: {part.describe()}' for child, part in norms.items()) or 'none'}"
+        )
 
 
 def _rotary_per_layer_type(fields: dict[str, Any]) -> None:
@@ -281,17 +289,54 @@ def write_step3p7(mha: Any, fields: dict[str, Any]) -> None:
 
 def write_muse_spark(mha: Any, fields: dict[str, Any]) -> None:
     """Muse Spark: Muse Glimmer's layer with an unweighted output norm per head (``o_norm``, the norms' epsilon)."""
-    norms = _extra_head_norms(mha)
-    o_norm = norms.get("o_norm")
-    if (
-        set(norms) != {"o_norm"} or o_norm.slot != "output_heads" or o_norm.weight is not None
-        or mha.q_norm is None or o_norm.eps != mha.q_norm.eps
-    ):  # fmt: skip
-        raise ValueError(
-            "Muse Spark's layer has one more norm, o_norm: unweighted, per output head, with the QK-norm's "
-            f"epsilon; got {sorted(norms)} ({', '.join(p.describe() for p in norms.values())})"
-        )
+    write_muse_glimmer(mha, fields)  # first: it checks the QK-norm the output norm is compared with
+    _require_one_more_norm(mha, "Muse Spark", "o_norm", "output_heads")
     if mha.query_size % mha.num_heads:
         raise ValueError(f"Muse Spark's config needs hidden_size={mha.query_size} divisible by {mha.num_heads} heads")
-    write_muse_glimmer(mha, fields)
     fields["mlp_layer_types"] = ["dense"]
+
+
+# ---------------------------------------------------------------- the way back: Gemma 3n and Gemma 4
+
+
+def _require_gemma_values(mha: Any, family: str) -> None:
+    """Gemma 3n / Gemma 4: scale exactly 1, a weighted QK-norm, an unweighted value norm with its epsilon,
+    biases on all four projections or none."""
+    if mha.scale != 1.0:
+        raise ValueError(f"{family}'s layer has scale 1.0 (scaling = 1.0); got scale={mha.scale}")
+    _require_weighted_qk_norm(mha, family)
+    _require_one_more_norm(mha, family, "v_norm", "values")
+    if (mha.W_q.bias is None) != (mha.W_o.bias is None):
+        raise ValueError(f"{family}'s layer has a bias on all four projections or none (attention_bias)")
+    if mha.query_size % mha.num_heads:
+        raise ValueError(f"{family}'s config needs hidden_size={mha.query_size} divisible by {mha.num_heads} heads")
+
+
+def write_gemma3n(mha: Any, fields: dict[str, Any]) -> None:
+    """Gemma 3n: one layer that keeps its own keys and values, a rotary per layer type."""
+    _require_gemma_values(mha, "Gemma 3n")
+    parameters = fields.pop("rope_parameters")
+    fields.update(
+        num_kv_shared_layers=0, activation_sparsity_pattern=[0.0],
+        rope_parameters={"sliding_attention": parameters, "full_attention": dict(parameters)},
+    )  # fmt: skip
+
+
+def write_gemma4(mha: Any, fields: dict[str, Any]) -> None:
+    """Gemma 4: a full layer is a model of one layer (its sizes as ``global_head_dim`` and
+    ``num_global_key_value_heads``, ``attention_k_eq_v`` for values from keys); a sliding layer is the first of
+    two, since Gemma 4's last layer is always full; a rotary per layer type (p-RoPE as ``proportional``)."""
+    _require_gemma_values(mha, "Gemma 4")
+    if mha.W_v is None and mha.window is not None:
+        raise ValueError("Gemma 4's sliding layers project their values (v_proj): values_from_keys with a window")
+    rotary = mha.position
+    parameters = fields.pop("rope_parameters")
+    if rotary.p != 1.0:
+        parameters = proportional_rope_parameters(rotary)
+    sliding = mha.window is not None
+    fields.update(
+        global_head_dim=mha.head_dim, num_global_key_value_heads=mha.num_kv_heads, attention_k_eq_v=mha.W_v is None,
+        num_kv_shared_layers=0, rope_parameters={"sliding_attention": parameters, "full_attention": dict(parameters)},
+        num_hidden_layers=2 if sliding else 1,
+        layer_types=["sliding_attention", "full_attention"] if sliding else ["full_attention"],
+    )  # fmt: skip

@@ -75,6 +75,9 @@ _UNWEIGHTED = "qk_norm at queries, unweighted"
 _GATED_PER_HEAD = frozenset(
     {_HALF, "partial rotary", _BIAS, "window", "qk_norm", _UNIT, "gated_output", "part OutputGate"}
 )
+# Gemma 3n, Gemma 4: scale 1 (always unlike dh ** -0.5), a weighted QK-norm and a value norm (a HeadNorm part).
+_GEMMA_VALUES = frozenset({_BIAS, "window", "scale", "qk_norm", _UNIT, "part HeadNorm"})
+_GEMMA_REQUIRES = (*_NORMED, frozenset({"scale"}), frozenset({"part HeadNorm"}))
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaAttention",), expresses=frozenset({_HALF, _BIAS})),
@@ -229,11 +232,14 @@ FAMILIES: tuple[Family, ...] = (
     # Families whose sizes, values or gates differ (value norm, K = V, value head size, gates per head).
     Family(
         "gemma3n_text", ("Gemma3nTextAttention",), qk_norm="queries", read=size_steps.read_gemma3n,
-        copy=size_steps.require_loaded_sizes,
+        copy=size_steps.require_loaded_sizes, expresses=frozenset({*_GEMMA_VALUES, _HALF}), requires=_GEMMA_REQUIRES,
+        write=size_steps.write_gemma3n,
     ),
     Family(
         "gemma4_text", ("Gemma4TextAttention",), qk_norm="queries", read=size_steps.read_gemma4,
         copy=size_steps.require_loaded_sizes,
+        expresses=frozenset({*_GEMMA_VALUES, _HALF, "proportional rotary", "values_from_keys"}),
+        requires=_GEMMA_REQUIRES, write=size_steps.write_gemma4,
     ),
     Family(
         "mimo_v2_flash", ("MiMoV2FlashAttention",), read=size_steps.read_mimo_v2_flash, copy=size_steps.require_loaded_sizes,
