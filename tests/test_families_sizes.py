@@ -233,3 +233,25 @@ def test_the_way_back_writes_muse_spark_or_refuses_by_name() -> None:
         spark(HeadNorm(8, slot="output_heads", weighted=True, eps=1e-5)).to_transformers_config()
     with pytest.raises(ValueError, match="one more norm, o_norm"):
         spark(HeadNorm(8, slot="output_heads", weighted=False, eps=1e-6)).to_transformers_config()
+
+
+def test_a_laguna_gate_per_feature_goes_back_as_laguna() -> None:
+    """``gating=False`` (the table's config gates per head): written back with ``gating=False``, rebuilt equal."""
+    layer, _ = hf.build_layer("laguna", 1, torch.float32, config=hf.build_config("laguna", gating=False))
+    mha = MultiHeadAttention.from_transformers(layer)
+    fields = mha.to_transformers_config()
+    assert (fields["model_type"], fields["gating"]) == ("laguna", False)
+    config = transformers.AutoConfig.for_model(**fields)
+    config._attn_implementation = "eager"
+    rebuilt, _ = hf.build_layer("laguna", 0, torch.float32, config=config)
+    rebuilt.load_state_dict(layer.state_dict())
+    x, attention_mask = parity._inputs(torch.float32)
+    with torch.no_grad():
+        theirs = parity._run_transformers(
+            "laguna", rebuilt, config, hf.build_rotary("laguna", config), x, attention_mask, None
+        )
+        ours = mha(
+            x, x, x, causal=True, positions=hf.position_ids(attention_mask), key_padding_mask=attention_mask == 0
+        )
+    real = attention_mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], atol=1e-5, rtol=0)
