@@ -75,7 +75,7 @@ _UNWEIGHTED = "qk_norm at queries, unweighted"
 _GATED_PER_HEAD = frozenset(
     {_HALF, "partial rotary", _BIAS, "window", "qk_norm", _UNIT, "gated_output", "part OutputGate"}
 )
-# Gemma 3n, Gemma 4: scale 1 (always unlike dh ** -0.5), a weighted QK-norm and a value norm (a HeadNorm part).
+# Gemma 3n, Gemma 4: scale 1 (never dh ** -0.5, so "scale" is always used), a weighted QK-norm, a value norm.
 _GEMMA_VALUES = frozenset({_BIAS, "window", "scale", "qk_norm", _UNIT, "part HeadNorm"})
 _GEMMA_REQUIRES = (*_NORMED, frozenset({"scale"}), frozenset({"part HeadNorm"}))
 
