@@ -27,6 +27,7 @@ __all__ = [
     "write_llama4",
     "write_qwen2_vl",
     "write_qwen3",
+    "write_cohere2",
     "write_exaone4",
     "write_glm4_moe",
     "write_lfm2",
@@ -451,3 +452,15 @@ def write_ernie4_5(mha: Any, fields: dict[str, Any]) -> None:
         raise ValueError("ERNIE 4.5's layer has a bias on all four projections or none (use_bias)")
     fields["use_bias"] = fields.pop("attention_bias")
     del fields["layer_types"]
+
+
+def write_cohere2(mha: Any, fields: dict[str, Any]) -> None:
+    """Cohere 2: its sliding layers rotate (interleaved), its full layers are NoPE; nothing else."""
+    if (mha.position is None) != (mha.window is None):
+        raise ValueError(
+            "Cohere 2 rotates exactly its sliding layers: a window needs the rotary and a full layer has none, got "
+            f"window={mha.window}, position={type(mha.position).__name__ if mha.position is not None else None}"
+        )
+    if mha.position is None:
+        fields.update(sliding_window=4096, layer_types=["full_attention"])  # any window: the full layer is NoPE
+        fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})

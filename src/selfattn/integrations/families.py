@@ -221,7 +221,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "cohere2", ("Cohere2Attention",), rotary="interleaved", read=steps.read_rotary_on_sliding_layers,
-        expresses=frozenset({"interleaved rotary", _BIAS, "window"}),
+        expresses=frozenset({"interleaved rotary", _BIAS, "window", "no rotary"}), write=steps.write_cohere2,
     ),
     Family(
         "lfm3", ("Lfm3Attention",), qk_norm="queries", read=steps.read_head_gate, copy=steps.copy_head_gate,
