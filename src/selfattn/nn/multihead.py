@@ -119,14 +119,7 @@ class MultiheadAttention(NotScriptable, nn.Module):
         num_kv_heads: int | None = None,
     ) -> None:
         super().__init__()
-        self.embed_dim = require_positive_int("embed_dim", embed_dim)
-        self.num_heads = require_positive_int("num_heads", num_heads)
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
-        self.head_dim = embed_dim // num_heads
-        self.kdim = embed_dim if kdim is None else require_positive_int("kdim", kdim)
-        self.vdim = embed_dim if vdim is None else require_positive_int("vdim", vdim)
-        self.dropout = require_probability("dropout", dropout)
+        self._check_sizes(embed_dim, num_heads, kdim, vdim, dropout)
         for name, flag in (
             ("bias", bias),
             ("add_bias_kv", add_bias_kv),
@@ -143,13 +136,39 @@ class MultiheadAttention(NotScriptable, nn.Module):
         extras = position is not None or window is not None or self.num_kv_heads != num_heads
         if extras and (add_bias_kv or add_zero_attn):
             raise ValueError("add_bias_kv and add_zero_attn do not combine with position, window or num_kv_heads")
-        # The core validates position, window and num_kv_heads; it runs on this module's
-        # parameters (torch.func.functional_call), so its own are placeholders on "meta". It is
-        # kept out of the module tree: state_dict and .to() see torch's names only.
+        self._build_core(bias, position, window, dtype)
+        self._extras = extras
+        self._packed = self.kdim == embed_dim and self.vdim == embed_dim
+        # nn.TransformerEncoderLayer's fast path reads in_proj_weight and skips forward (and so
+        # position, window and GQA); this flag is one of its conditions.
+        self._qkv_same_embed_dim = self._packed and not extras
+        self._make_parameters(bias, add_bias_kv, {"device": device, "dtype": dtype})
+        self._reset_parameters()
+        self.register_forward_pre_hook(_always_run_forward)
+
+    def _check_sizes(self, embed_dim: int, num_heads: int, kdim: int | None, vdim: int | None, dropout: float) -> None:
+        """Set ``embed_dim``, ``num_heads``, ``head_dim``, ``kdim``, ``vdim`` and ``dropout``, each checked."""
+        self.embed_dim = require_positive_int("embed_dim", embed_dim)
+        self.num_heads = require_positive_int("num_heads", num_heads)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+        self.head_dim = embed_dim // num_heads
+        self.kdim = embed_dim if kdim is None else require_positive_int("kdim", kdim)
+        self.vdim = embed_dim if vdim is None else require_positive_int("vdim", vdim)
+        self.dropout = require_probability("dropout", dropout)
+
+    def _build_core(
+        self, bias: bool, position: PositionalEncoding | None, window: int | None, dtype: torch.dtype | None
+    ) -> None:
+        """selfattn's layer that runs with selfattn's options; it validates position, window and num_kv_heads.
+
+        It runs on this module's parameters (``torch.func.functional_call``), so its own are
+        placeholders on "meta". It is kept out of the module tree: state_dict and .to() see torch's names only.
+        """
         core = _CoreAttention(
-            embed_dim,
-            num_heads,
-            dropout,
+            self.embed_dim,
+            self.num_heads,
+            self.dropout,
             bias=bias,
             key_size=self.kdim,
             value_size=self.vdim,
@@ -162,13 +181,10 @@ class MultiheadAttention(NotScriptable, nn.Module):
         object.__setattr__(self, "_core", core)
         self.position = position
         self.window = core.window
-        self._extras = extras
-        self._packed = self.kdim == embed_dim and self.vdim == embed_dim
-        # nn.TransformerEncoderLayer's fast path reads in_proj_weight and skips forward (and so
-        # position, window and GQA); this flag is one of its conditions.
-        self._qkv_same_embed_dim = self._packed and not extras
 
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+    def _make_parameters(self, bias: bool, add_bias_kv: bool, factory: dict[str, Any]) -> None:
+        """torch's parameters, under torch's names: packed or separate input projections, biases, ``out_proj``."""
+        embed_dim = self.embed_dim
         kv_dim = self.num_kv_heads * self.head_dim
         self._split = (embed_dim, kv_dim, kv_dim)
         if self._packed:
@@ -191,8 +207,6 @@ class MultiheadAttention(NotScriptable, nn.Module):
             self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
         else:
             self.bias_k = self.bias_v = None
-        self._reset_parameters()
-        self.register_forward_pre_hook(_always_run_forward)
 
     def _reset_parameters(self) -> None:
         """Torch's initialization, in torch's order (same seed, same weights)."""
@@ -278,7 +292,6 @@ class MultiheadAttention(NotScriptable, nn.Module):
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
         if is_causal and attn_mask is None:
             raise ValueError(
                 "is_causal=True is a hint that attn_mask is the causal mask and needs attn_mask "
@@ -286,39 +299,73 @@ class MultiheadAttention(NotScriptable, nn.Module):
             )
         selfattn_options = self._extras or cache is not None or positions is not None or document_ids is not None
         if selfattn_options or causal:
-            if self.bias_k is not None or self.add_zero_attn:
-                raise ValueError(
-                    "causal, cache, positions and document_ids do not combine with add_bias_kv or add_zero_attn"
-                )
-            padding = None
-            if (
-                cache is not None
-                and isinstance(key_padding_mask, torch.Tensor)
-                and key_padding_mask.dtype == torch.bool
-            ):
-                # the cache remembers the padding of the new keys: the core takes it as it is
-                padding, key_padding_mask = key_padding_mask, None
-            elif cache is not None and key_padding_mask is not None:
-                raise ValueError(f"with a cache, key_padding_mask must be bool, got {_dims(key_padding_mask)}")
-            total = num_keys + (0 if cache is None else cache.length)
-            mask, bias = self._scores_terms(attn_mask, key_padding_mask, batched, batch, num_queries, total)
-            out, weights = self._core_forward(
-                query, key, value, mask, bias, padding, causal, need_weights, cache, positions, document_ids
-            )
+            out, weights = self._forward_with_options(
+                query, key, value, key_padding_mask, need_weights, attn_mask, batched, causal, cache, positions,
+                document_ids,
+            )  # fmt: skip
         else:
-            mask, bias = self._scores_terms(attn_mask, key_padding_mask, batched, batch, num_queries, num_keys)
-            if is_causal and key_padding_mask is None and not need_weights:
-                # torch trusts the hint: causal (aligned top-left, as its kernel, over the appended keys too)
-                keys_after = num_keys + (self.bias_k is not None) + self.add_zero_attn
-                mask = torch.ones(num_queries, keys_after, dtype=torch.bool, device=query.device).tril()
-                bias = None
-            out, weights = self._attend(query, key, value, mask, bias, need_weights)
+            out, weights = self._forward_as_torch(
+                query, key, value, key_padding_mask, need_weights, attn_mask, batched, is_causal
+            )
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)  # (b, l, s)
         if not batched:
             return out[0], None if weights is None else weights[0]
         # torch's (l, b, e) output is contiguous: callers .view() it
         return (out if self.batch_first else out.transpose(0, 1).contiguous()), weights
+
+    def _forward_as_torch(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        need_weights: bool,
+        attn_mask: torch.Tensor | None,
+        batched: bool,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` without selfattn's options, on batch-first ``(b, l, e)`` inputs: torch's semantics."""
+        batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
+        mask, bias = self._scores_terms(attn_mask, key_padding_mask, batched, batch, num_queries, num_keys)
+        if is_causal and key_padding_mask is None and not need_weights:
+            # torch trusts the hint: causal (aligned top-left, as its kernel, over the appended keys too)
+            keys_after = num_keys + (self.bias_k is not None) + self.add_zero_attn
+            mask = torch.ones(num_queries, keys_after, dtype=torch.bool, device=query.device).tril()
+            bias = None
+        return self._attend(query, key, value, mask, bias, need_weights)
+
+    def _forward_with_options(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        need_weights: bool,
+        attn_mask: torch.Tensor | None,
+        batched: bool,
+        causal: bool,
+        cache: KVCache | None,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` with selfattn's options, on batch-first ``(b, l, e)`` inputs: torch's masks, then the core."""
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError(
+                "causal, cache, positions and document_ids do not combine with add_bias_kv or add_zero_attn"
+            )
+        padding = None
+        if cache is not None and isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dtype == torch.bool:
+            # the cache remembers the padding of the new keys: the core takes it as it is
+            padding, key_padding_mask = key_padding_mask, None
+        elif cache is not None and key_padding_mask is not None:
+            raise ValueError(f"with a cache, key_padding_mask must be bool, got {_dims(key_padding_mask)}")
+        batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
+        total = num_keys + (0 if cache is None else cache.length)
+        mask, bias = self._scores_terms(attn_mask, key_padding_mask, batched, batch, num_queries, total)
+        return self._core_forward(
+            query, key, value, mask, bias, padding, causal, need_weights, cache, positions, document_ids
+        )
 
     def _nested_self_attention(
         self,
