@@ -18,17 +18,14 @@ from selfattn._validation import require_positive_int, require_probability
 from selfattn.attention import MultiHeadAttention as _CoreAttention
 from selfattn.cache import KVCache
 from selfattn.functional import attention
+from selfattn.nn._torch_masks import check_torch_inputs, describe_tensor, torch_masks
 from selfattn.positional import PositionalEncoding, build
 
 __all__ = ["MultiheadAttention"]
 
 
-def _dims(t: torch.Tensor) -> str:
-    return f"{t.dtype} {tuple(t.shape)}"
-
-
 def _none_or_dims(t: torch.Tensor | None) -> str:
-    return "None" if t is None else _dims(t)
+    return "None" if t is None else describe_tensor(t)
 
 
 def _always_run_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -286,7 +283,7 @@ class MultiheadAttention(NotScriptable, nn.Module):
         """
         if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
             return self._nested_self_attention(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
-        batched = self._check_inputs(query, key, value)
+        batched = check_torch_inputs(self, query, key, value)
         if not batched:
             query, key, value = query[None], key[None], value[None]
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
@@ -327,7 +324,7 @@ class MultiheadAttention(NotScriptable, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward` without selfattn's options, on batch-first ``(b, l, e)`` inputs: torch's semantics."""
         batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
-        mask, bias = self._scores_terms(attn_mask, key_padding_mask, batched, batch, num_queries, num_keys)
+        mask, bias = torch_masks(self, attn_mask, key_padding_mask, batched, batch, num_queries, num_keys)
         if is_causal and key_padding_mask is None and not need_weights:
             # torch trusts the hint: causal (aligned top-left, as its kernel, over the appended keys too)
             keys_after = num_keys + (self.bias_k is not None) + self.add_zero_attn
@@ -359,10 +356,10 @@ class MultiheadAttention(NotScriptable, nn.Module):
             # the cache remembers the padding of the new keys: the core takes it as it is
             padding, key_padding_mask = key_padding_mask, None
         elif cache is not None and key_padding_mask is not None:
-            raise ValueError(f"with a cache, key_padding_mask must be bool, got {_dims(key_padding_mask)}")
+            raise ValueError(f"with a cache, key_padding_mask must be bool, got {describe_tensor(key_padding_mask)}")
         batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
         total = num_keys + (0 if cache is None else cache.length)
-        mask, bias = self._scores_terms(attn_mask, key_padding_mask, batched, batch, num_queries, total)
+        mask, bias = torch_masks(self, attn_mask, key_padding_mask, batched, batch, num_queries, total)
         return self._core_forward(
             query, key, value, mask, bias, padding, causal, need_weights, cache, positions, document_ids
         )
@@ -403,74 +400,6 @@ class MultiheadAttention(NotScriptable, nn.Module):
         out = out if self.batch_first else out.transpose(0, 1)
         rows = [row[:length] for row, length in zip(out, lengths, strict=True)]
         return torch.nested.as_nested_tensor(rows, layout=query.layout), None
-
-    def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-        """Whether the inputs are batched; raise for ranks or sizes that do not fit."""
-        for name, t, size in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
-            if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or t.shape[-1] != size:
-                got = _dims(t) if isinstance(t, torch.Tensor) else repr(t)
-                raise ValueError(f"{name} must have shape (l, {size}) or (l, b, {size}) / (b, l, {size}), got {got}")
-        if not query.dim() == key.dim() == value.dim():
-            raise ValueError(
-                f"query, key and value must all be batched (3-D) or all unbatched (2-D), got "
-                f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
-            )
-        batched = query.dim() == 3
-        batch_dim, length_dim = (0, 1) if self.batch_first or not batched else (1, 0)
-        if batched and not query.shape[batch_dim] == key.shape[batch_dim] == value.shape[batch_dim]:
-            raise ValueError(
-                f"query, key and value must share the batch size (dimension {batch_dim}), got "
-                f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
-            )
-        length_dim = length_dim if batched else 0
-        if key.shape[length_dim] != value.shape[length_dim]:
-            raise ValueError(
-                f"key and value must have the same length, got {tuple(key.shape)} and {tuple(value.shape)}"
-            )
-        return batched
-
-    def _scores_terms(
-        self,
-        attn_mask: torch.Tensor | None,
-        key_padding_mask: torch.Tensor | None,
-        batched: bool,
-        batch: int,
-        num_queries: int,
-        num_keys: int,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Torch's masks as selfattn's: a bool ``mask`` (True = attend) and a float ``bias``, ``(b or 1, h or 1, l, s)``."""
-        mask: torch.Tensor | None = None
-        bias: torch.Tensor | None = None
-        if attn_mask is not None:
-            heads = (self.num_heads,) if not batched else (batch * self.num_heads,)
-            shapes = ((num_queries, num_keys), (*heads, num_queries, num_keys))
-            if not isinstance(attn_mask, torch.Tensor) or tuple(attn_mask.shape) not in shapes:
-                got = _dims(attn_mask) if isinstance(attn_mask, torch.Tensor) else repr(attn_mask)
-                raise ValueError(f"attn_mask must have shape {' or '.join(map(str, shapes))}, got {got}")
-            term = attn_mask.reshape(-1, self.num_heads, num_queries, num_keys) if attn_mask.dim() == 3 else attn_mask
-            if term.dtype == torch.bool:
-                mask = ~term
-            elif term.is_floating_point():
-                bias = term
-            else:
-                raise ValueError(
-                    f"attn_mask must be bool (True = not allowed) or floating point, got {attn_mask.dtype}"
-                )
-        if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, torch.Tensor) or tuple(key_padding_mask.shape) != (batch, num_keys):
-                want = (batch, num_keys) if batched else (num_keys,)
-                got = _dims(key_padding_mask) if isinstance(key_padding_mask, torch.Tensor) else repr(key_padding_mask)
-                raise ValueError(f"key_padding_mask must have shape {want}, got {got}")
-            padding = key_padding_mask[:, None, None, :]  # (b, 1, 1, s)
-            if padding.dtype == torch.bool:
-                mask = ~padding if mask is None else mask & ~padding
-            elif padding.is_floating_point():
-                bias = padding if bias is None else bias + padding
-            else:
-                raise ValueError(
-                    f"key_padding_mask must be bool (True = ignore) or floating point, got {key_padding_mask.dtype}"
-                )
-        return mask, bias
 
     def _attend(
         self,
