@@ -25,10 +25,11 @@ DECODE_MAX_QUERIES = 8
 
 
 def takes_decode_step(call: AttentionCall) -> bool:
-    """Whether :func:`decode_step` computes ``call``: a few queries, no dropout, no value term, eager, and
-    nothing that wants a gradient (training keeps the routes' own autograd Functions)."""
+    """Whether :func:`decode_step` computes ``call``: a few queries after more keys (a cache's), no dropout, no
+    value term, eager, and nothing that wants a gradient (training keeps the routes' own autograd Functions)."""
     if (
         call.num_queries > DECODE_MAX_QUERIES
+        or call.num_keys <= call.num_queries  # a short prompt's own pass stays on the route's blocks
         or call.dropout_p > 0
         or call.value_term
         or not call.four_d
