@@ -212,7 +212,10 @@ class KVCache:
                 raise ValueError("this cache holds document ids: give documents for the new keys too, or reset() it")
             raise ValueError("this cache holds keys without document ids: give none for the new keys, or reset() it")
         self._pending_shared = self._shared_positions and positions.dim() == 1
-        positions = positions.to(keys.device, torch.long).expand(batch, new)  # (b, l)
+        if positions.dtype != torch.long or positions.device != keys.device:
+            positions = positions.to(keys.device, torch.long)
+        if self.window is not None or documents is not None:
+            positions = positions.expand(batch, new)  # (b, l); a decoding step's (l,) broadcasts as it is written
         if documents is not None:
             documents = documents.to(keys.device, torch.long)
             self._pending_last = (documents[:, -1], positions[:, -1]) if new else self._last
@@ -220,34 +223,50 @@ class KVCache:
             self._pending_last = None
         if self.window is not None:
             return self._update_window(keys, values, positions, padding, documents, commit)
+        return self._update_stored(keys, values, positions, padding, documents, commit)
+
+    def _update_stored(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        padding: torch.Tensor | None,
+        documents: torch.Tensor | None,
+        commit: bool,
+    ) -> CachedKeys:
+        """:meth:`update` of a cache without a window: writes into the storage, then returns views of it.
+
+        ``positions``: int64 ``(l,)`` or ``(b, l)`` on the keys' device; ``documents`` int64 ``(b, l)``.
+        """
+        batch, new = keys.shape[0], keys.shape[-2]
         if self.length == 0 and not self._fits(keys, values):
             # Nothing stored yet (or only the entries of a call that failed): size the storage now.
             assert self.max_len is not None
             self._keys = keys.new_empty(*keys.shape[:-2], self.max_len, keys.shape[-1])
             self._values = values.new_empty(*values.shape[:-2], self.max_len, values.shape[-1])
             self._positions = positions.new_empty(batch, self.max_len)
-            self._padding = None
-        assert self._keys is not None and self._values is not None and self._positions is not None
+        stored_keys, stored_values, stored_positions = self._keys, self._values, self._positions
+        assert stored_keys is not None and stored_values is not None and stored_positions is not None
         if self.length == 0:
             self._padding = None  # padding of a call that failed, or of a reset cache, is forgotten
             self._documents = None
         if padding is not None and self._padding is None:
-            self._padding = torch.zeros(self._positions.shape, dtype=torch.bool, device=keys.device)
+            self._padding = torch.zeros(stored_positions.shape, dtype=torch.bool, device=keys.device)
         if documents is not None and self._documents is None:
-            self._documents = torch.zeros(self._positions.shape, dtype=torch.long, device=keys.device)
-        end = self.length + new
-        self._keys[..., self.length : end, :] = keys
-        self._values[..., self.length : end, :] = values
-        self._positions[:, self.length : end] = positions
+            self._documents = torch.zeros(stored_positions.shape, dtype=torch.long, device=keys.device)
+        start, end = self.length, self.length + new
+        stored_keys[..., start:end, :] = keys
+        stored_values[..., start:end, :] = values
+        stored_positions[:, start:end] = positions
         if self._padding is not None:
-            self._padding[:, self.length : end] = False if padding is None else padding
+            self._padding[:, start:end] = False if padding is None else padding
         if self._documents is not None and documents is not None:
-            self._documents[:, self.length : end] = documents
+            self._documents[:, start:end] = documents
         self._pending = new
-        seen = self._seen(
-            self._keys[..., :end, :],
-            self._values[..., :end, :],
-            self._positions[:, :end],
+        seen = CachedKeys(
+            stored_keys[..., :end, :],
+            stored_values[..., :end, :],
+            stored_positions[0, :end] if self._pending_shared else stored_positions[:, :end],
             None if self._padding is None else self._padding[:, :end],
             0,
             None if documents is None or self._documents is None else self._documents[:, :end],

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -222,14 +222,18 @@ class Visibility:
 
     def with_rules(self, *rules: Rule | None) -> Visibility:
         parts = [part for rule in rules if rule is not None for part in _parts(rule, All)]
-        return replace(self, rules=(*self.rules, *parts))
+        return self._with((*self.rules, *parts)) if parts else self
+
+    def _with(self, rules: tuple[Rule, ...]) -> Visibility:
+        """This placement with ``rules`` instead (the constructor: ``dataclasses.replace`` costs a decoding step more)."""
+        return Visibility(self.num_queries, self.num_keys, self.q_first, self.k_first, rules)
 
     def __and__(self, other: Rule | Visibility) -> Visibility:
         return self.with_rules(*(other.rules if isinstance(other, Visibility) else (other,)))
 
     def __or__(self, other: Rule) -> Visibility:
         joined = All(self.rules) | other if self.rules else None
-        return replace(self, rules=()) if joined is None else replace(self, rules=(joined,))
+        return self._with(()) if joined is None else self._with((joined,))
 
     def check(self, batch: int | None, heads: int | None) -> Visibility:
         """Raise ``ValueError`` unless every rule's tensors fit this call (``batch``/``heads`` None: not known).
@@ -266,7 +270,8 @@ class Visibility:
         return all(isinstance(rule, kinds) for rule in self.rules)
 
     def without(self, *kinds: type[Rule]) -> Visibility:
-        return replace(self, rules=tuple(rule for rule in self.rules if not isinstance(rule, kinds)))
+        kept = tuple(rule for rule in self.rules if not isinstance(rule, kinds))
+        return self if len(kept) == len(self.rules) else self._with(kept)
 
     @property
     def square(self) -> bool:

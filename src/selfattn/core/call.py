@@ -137,9 +137,10 @@ class AttentionCall:
         # Inside torch.func.grad / vmap: custom autograd Functions without functorch rules cannot run.
         self.transformed = _validation.in_func_transform()
         self._facts: dict[str, Any] = {}
-        self.four_d = all(t is None or t.dim() == 4 for t in (q, k, v))
-        # Where the rules meet the call: their tensors must fit its sizes (heads of other ranks: only lq, lk).
-        visibility.check(self.batch if self.four_d else None, self.heads if self.four_d else None)
+        self.four_d = (q is None or q.dim() == 4) and (k is None or k.dim() == 4) and (v is None or v.dim() == 4)
+        if visibility.rules:
+            # Where the rules meet the call: their tensors must fit its sizes (heads of other ranks: only lq, lk).
+            visibility.check(self.batch if self.four_d else None, self.heads if self.four_d else None)
 
     @classmethod
     def of_heads(

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+import selfattn.functional._block_sliced as _block_sliced
 from selfattn.core.call import AttentionCall
 from selfattn.core.explanation import Explanation
 from selfattn.core.route import Output, Route
@@ -87,6 +88,63 @@ def _choose(call: AttentionCall, routes: Sequence[Route]) -> tuple[Route, tuple[
     raise AssertionError(f"no route took the call: {declined}")  # the last route of each list takes any call
 
 
+#: The route each kind of call took (:func:`_kind`), per list of routes: ``id(routes) -> (routes, {kind: route})``.
+_CHOSEN: dict[int, tuple[Sequence[Route], dict[tuple[object, ...], Route]]] = {}
+
+_MAX_ROUTE_LISTS = 16
+
+#: Tests set this: every call whose kind was seen before is also chosen in full, and the two must agree.
+VERIFY_REMEMBERED_CHOICES = False
+
+
+def _kind(call: AttentionCall) -> tuple[object, ...] | None:
+    """The facts that decide the route of a call with no score term and no rule but a causal one on a square.
+
+    Such a call is what decoding makes at every step (one query after the keys sees them all, and
+    :class:`AttentionCall` drops a causal rule that hides nothing). For it every route's test reads
+    only these facts: each route that looks further declines first for the missing rule or term
+    (a window, chunks, a prefix, a selection, valid lengths, a score term), the blockwise routes find
+    no key range to skip, and of the sizes only the sliced route's least number of scores matters.
+    None for any other call (chosen in full each time), and while compiling (a graph has no memory).
+    """
+    if call.term is not None or call.compiling:
+        return None
+    visibility = call.visibility
+    if visibility.rules and not visibility.kernel_causal:
+        return None
+    return (
+        bool(visibility.rules),
+        call.softcap is None,
+        call.sinks is None,
+        call.dropout_p > 0,
+        call.return_weights,
+        call.bias is None,
+        call.transformed,
+        call.four_d,
+        call.device.type,
+        call.num_queries * call.num_keys < _block_sliced.SLICED_MIN_SCORES,  # read now: tests lower it
+    )
+
+
+def _route_for(call: AttentionCall, routes: Sequence[Route]) -> Route:
+    """:func:`_choose`'s route, remembered per kind of call (:func:`_kind`): a decoding step asks no route again."""
+    kind = _kind(call)
+    if kind is None:
+        return _choose(call, routes)[0]
+    held = _CHOSEN.get(id(routes))
+    if held is None or held[0] is not routes:  # a list of routes met for the first time (or a new one at its id)
+        if len(_CHOSEN) >= _MAX_ROUTE_LISTS:
+            _CHOSEN.clear()  # lists made on the fly (tests leave routes out): keep the memory bounded
+        held = _CHOSEN[id(routes)] = (routes, {})
+    route = held[1].get(kind)
+    if route is None:
+        route = held[1][kind] = _choose(call, routes)[0]
+    elif VERIFY_REMEMBERED_CHOICES:
+        chosen = _choose(call, routes)[0]
+        assert chosen is route, f"remembered route {route.name!r} for a call that takes {chosen.name!r}: {kind}"
+    return route
+
+
 def _size(count: int, dtype: torch.dtype) -> str:
     """``count`` elements of ``dtype`` in bytes, KiB, MiB or GiB."""
     size, unit = float(count * dtype.itemsize), "bytes"
@@ -127,7 +185,7 @@ def explain(call: AttentionCall, routes: Sequence[Route] | None = None, *, verbo
 
 def run(call: AttentionCall, routes: Sequence[Route] | None = None) -> Output:
     """Compute ``call`` by the first route of ``routes`` (default :data:`ROUTES`) that takes it."""
-    route, _ = _choose(call, ROUTES if routes is None else routes)
+    route = _route_for(call, ROUTES if routes is None else routes)
     if call.compiling or not torch.autograd.profiler._is_profiler_enabled:
         return route.run(call)  # a range costs a dispatcher call or two even when no profiler listens
     # The profiler ranges keep the names benchmarks read (blockwise_attention for every blocks route).

@@ -62,8 +62,8 @@ def check_inputs(module: Any, queries: torch.Tensor, keys: torch.Tensor, values:
             raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
-        mixed_ok = torch.is_autocast_enabled(t.device.type)  # autocast casts inside the projections
-        if (t.dtype != weight.dtype and not mixed_ok) or t.device != weight.device:
+        # autocast casts inside the projections (asked only when the dtypes differ: a decoding step's time)
+        if t.device != weight.device or (t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type)):
             raise ValueError(
                 f"{name} must be {weight.dtype} on {weight.device} like this layer's weights, "
                 f"got {t.dtype} on {t.device} (convert the input or call .to() on the layer)"
@@ -242,6 +242,8 @@ def resolve_positions(
     if positions is None:
         # Queries are the last lq of all keys: new key j sits at offset + lq - lk_new + j.
         start = first + num_queries - num_new_keys if cache is not None else first + num_queries - total
+        if start == first and num_new_keys == num_queries:
+            return q_positions, q_positions, first, start  # self-attention: the same positions, made once
         return q_positions, torch.arange(start, start + num_new_keys, device=device), first, start
     if num_new_keys != num_queries:
         raise ValueError(

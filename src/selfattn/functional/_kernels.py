@@ -235,8 +235,11 @@ def _prepare(
     if not checked:
         _check_shapes(q, k, v)
         mask, bias = check_mask_and_bias(mask, bias, q, k)
+    # A route's call holds its scale checked (AttentionCall's float): checking it again costs a decoding step.
+    scale = scale if checked and scale is not None else _scale(scale, q.shape[-1])
+    if mask is None and bias is None and not causal:
+        return None, None, None, False, scale  # nothing to fold in, no row without keys
     num_queries, num_keys = q.shape[-2], k.shape[-2]
-    scale = _scale(scale, q.shape[-1])
 
     # An if, not an expression: under dynamic shapes the comparison is symbolic, a branch makes it a
     # guard, and the kernel's is_causal takes a Python bool only.
@@ -316,8 +319,11 @@ def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, options: dict[str, Any]
 ) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
-    plain_ops_only = torch.compiler.is_compiling() or _validation.in_func_transform()
-    if needs_grad and options["dropout_p"] == 0.0 and not plain_ops_only:
+    if (
+        needs_grad
+        and options["dropout_p"] == 0.0
+        and not (torch.compiler.is_compiling() or _validation.in_func_transform())  # plain ops only there
+    ):
         out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)  # type: ignore[no-untyped-call]
         return out
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)

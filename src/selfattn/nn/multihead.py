@@ -18,17 +18,14 @@ from selfattn._validation import require_positive_int, require_probability
 from selfattn.attention import MultiHeadAttention as _CoreAttention
 from selfattn.cache import KVCache
 from selfattn.functional import attention
+from selfattn.nn._torch_masks import check_torch_inputs, describe_tensor, torch_masks
 from selfattn.positional import PositionalEncoding, build
 
 __all__ = ["MultiheadAttention"]
 
 
-def _dims(t: torch.Tensor) -> str:
-    return f"{t.dtype} {tuple(t.shape)}"
-
-
 def _none_or_dims(t: torch.Tensor | None) -> str:
-    return "None" if t is None else _dims(t)
+    return "None" if t is None else describe_tensor(t)
 
 
 def _always_run_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -119,14 +116,7 @@ class MultiheadAttention(NotScriptable, nn.Module):
         num_kv_heads: int | None = None,
     ) -> None:
         super().__init__()
-        self.embed_dim = require_positive_int("embed_dim", embed_dim)
-        self.num_heads = require_positive_int("num_heads", num_heads)
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
-        self.head_dim = embed_dim // num_heads
-        self.kdim = embed_dim if kdim is None else require_positive_int("kdim", kdim)
-        self.vdim = embed_dim if vdim is None else require_positive_int("vdim", vdim)
-        self.dropout = require_probability("dropout", dropout)
+        self._check_sizes(embed_dim, num_heads, kdim, vdim, dropout)
         for name, flag in (
             ("bias", bias),
             ("add_bias_kv", add_bias_kv),
@@ -143,13 +133,39 @@ class MultiheadAttention(NotScriptable, nn.Module):
         extras = position is not None or window is not None or self.num_kv_heads != num_heads
         if extras and (add_bias_kv or add_zero_attn):
             raise ValueError("add_bias_kv and add_zero_attn do not combine with position, window or num_kv_heads")
-        # The core validates position, window and num_kv_heads; it runs on this module's
-        # parameters (torch.func.functional_call), so its own are placeholders on "meta". It is
-        # kept out of the module tree: state_dict and .to() see torch's names only.
+        self._build_core(bias, position, window, dtype)
+        self._extras = extras
+        self._packed = self.kdim == embed_dim and self.vdim == embed_dim
+        # nn.TransformerEncoderLayer's fast path reads in_proj_weight and skips forward (and so
+        # position, window and GQA); this flag is one of its conditions.
+        self._qkv_same_embed_dim = self._packed and not extras
+        self._make_parameters(bias, add_bias_kv, {"device": device, "dtype": dtype})
+        self._reset_parameters()
+        self.register_forward_pre_hook(_always_run_forward)
+
+    def _check_sizes(self, embed_dim: int, num_heads: int, kdim: int | None, vdim: int | None, dropout: float) -> None:
+        """Set ``embed_dim``, ``num_heads``, ``head_dim``, ``kdim``, ``vdim`` and ``dropout``, each checked."""
+        self.embed_dim = require_positive_int("embed_dim", embed_dim)
+        self.num_heads = require_positive_int("num_heads", num_heads)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+        self.head_dim = embed_dim // num_heads
+        self.kdim = embed_dim if kdim is None else require_positive_int("kdim", kdim)
+        self.vdim = embed_dim if vdim is None else require_positive_int("vdim", vdim)
+        self.dropout = require_probability("dropout", dropout)
+
+    def _build_core(
+        self, bias: bool, position: PositionalEncoding | None, window: int | None, dtype: torch.dtype | None
+    ) -> None:
+        """selfattn's layer that runs with selfattn's options; it validates position, window and num_kv_heads.
+
+        It runs on this module's parameters (``torch.func.functional_call``), so its own are
+        placeholders on "meta". It is kept out of the module tree: state_dict and .to() see torch's names only.
+        """
         core = _CoreAttention(
-            embed_dim,
-            num_heads,
-            dropout,
+            self.embed_dim,
+            self.num_heads,
+            self.dropout,
             bias=bias,
             key_size=self.kdim,
             value_size=self.vdim,
@@ -162,13 +178,10 @@ class MultiheadAttention(NotScriptable, nn.Module):
         object.__setattr__(self, "_core", core)
         self.position = position
         self.window = core.window
-        self._extras = extras
-        self._packed = self.kdim == embed_dim and self.vdim == embed_dim
-        # nn.TransformerEncoderLayer's fast path reads in_proj_weight and skips forward (and so
-        # position, window and GQA); this flag is one of its conditions.
-        self._qkv_same_embed_dim = self._packed and not extras
 
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+    def _make_parameters(self, bias: bool, add_bias_kv: bool, factory: dict[str, Any]) -> None:
+        """torch's parameters, under torch's names: packed or separate input projections, biases, ``out_proj``."""
+        embed_dim = self.embed_dim
         kv_dim = self.num_kv_heads * self.head_dim
         self._split = (embed_dim, kv_dim, kv_dim)
         if self._packed:
@@ -191,8 +204,6 @@ class MultiheadAttention(NotScriptable, nn.Module):
             self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
         else:
             self.bias_k = self.bias_v = None
-        self._reset_parameters()
-        self.register_forward_pre_hook(_always_run_forward)
 
     def _reset_parameters(self) -> None:
         """Torch's initialization, in torch's order (same seed, same weights)."""
@@ -272,13 +283,12 @@ class MultiheadAttention(NotScriptable, nn.Module):
         """
         if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
             return self._nested_self_attention(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
-        batched = self._check_inputs(query, key, value)
+        batched = check_torch_inputs(self, query, key, value)
         if not batched:
             query, key, value = query[None], key[None], value[None]
             key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
         if is_causal and attn_mask is None:
             raise ValueError(
                 "is_causal=True is a hint that attn_mask is the causal mask and needs attn_mask "
@@ -286,39 +296,73 @@ class MultiheadAttention(NotScriptable, nn.Module):
             )
         selfattn_options = self._extras or cache is not None or positions is not None or document_ids is not None
         if selfattn_options or causal:
-            if self.bias_k is not None or self.add_zero_attn:
-                raise ValueError(
-                    "causal, cache, positions and document_ids do not combine with add_bias_kv or add_zero_attn"
-                )
-            padding = None
-            if (
-                cache is not None
-                and isinstance(key_padding_mask, torch.Tensor)
-                and key_padding_mask.dtype == torch.bool
-            ):
-                # the cache remembers the padding of the new keys: the core takes it as it is
-                padding, key_padding_mask = key_padding_mask, None
-            elif cache is not None and key_padding_mask is not None:
-                raise ValueError(f"with a cache, key_padding_mask must be bool, got {_dims(key_padding_mask)}")
-            total = num_keys + (0 if cache is None else cache.length)
-            mask, bias = self._scores_terms(attn_mask, key_padding_mask, batched, batch, num_queries, total)
-            out, weights = self._core_forward(
-                query, key, value, mask, bias, padding, causal, need_weights, cache, positions, document_ids
-            )
+            out, weights = self._forward_with_options(
+                query, key, value, key_padding_mask, need_weights, attn_mask, batched, causal, cache, positions,
+                document_ids,
+            )  # fmt: skip
         else:
-            mask, bias = self._scores_terms(attn_mask, key_padding_mask, batched, batch, num_queries, num_keys)
-            if is_causal and key_padding_mask is None and not need_weights:
-                # torch trusts the hint: causal (aligned top-left, as its kernel, over the appended keys too)
-                keys_after = num_keys + (self.bias_k is not None) + self.add_zero_attn
-                mask = torch.ones(num_queries, keys_after, dtype=torch.bool, device=query.device).tril()
-                bias = None
-            out, weights = self._attend(query, key, value, mask, bias, need_weights)
+            out, weights = self._forward_as_torch(
+                query, key, value, key_padding_mask, need_weights, attn_mask, batched, is_causal
+            )
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)  # (b, l, s)
         if not batched:
             return out[0], None if weights is None else weights[0]
         # torch's (l, b, e) output is contiguous: callers .view() it
         return (out if self.batch_first else out.transpose(0, 1).contiguous()), weights
+
+    def _forward_as_torch(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        need_weights: bool,
+        attn_mask: torch.Tensor | None,
+        batched: bool,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` without selfattn's options, on batch-first ``(b, l, e)`` inputs: torch's semantics."""
+        batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
+        mask, bias = torch_masks(self, attn_mask, key_padding_mask, batched, batch, num_queries, num_keys)
+        if is_causal and key_padding_mask is None and not need_weights:
+            # torch trusts the hint: causal (aligned top-left, as its kernel, over the appended keys too)
+            keys_after = num_keys + (self.bias_k is not None) + self.add_zero_attn
+            mask = torch.ones(num_queries, keys_after, dtype=torch.bool, device=query.device).tril()
+            bias = None
+        return self._attend(query, key, value, mask, bias, need_weights)
+
+    def _forward_with_options(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        need_weights: bool,
+        attn_mask: torch.Tensor | None,
+        batched: bool,
+        causal: bool,
+        cache: KVCache | None,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` with selfattn's options, on batch-first ``(b, l, e)`` inputs: torch's masks, then the core."""
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError(
+                "causal, cache, positions and document_ids do not combine with add_bias_kv or add_zero_attn"
+            )
+        padding = None
+        if cache is not None and isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dtype == torch.bool:
+            # the cache remembers the padding of the new keys: the core takes it as it is
+            padding, key_padding_mask = key_padding_mask, None
+        elif cache is not None and key_padding_mask is not None:
+            raise ValueError(f"with a cache, key_padding_mask must be bool, got {describe_tensor(key_padding_mask)}")
+        batch, num_queries, num_keys = query.shape[0], query.shape[1], key.shape[1]
+        total = num_keys + (0 if cache is None else cache.length)
+        mask, bias = torch_masks(self, attn_mask, key_padding_mask, batched, batch, num_queries, total)
+        return self._core_forward(
+            query, key, value, mask, bias, padding, causal, need_weights, cache, positions, document_ids
+        )
 
     def _nested_self_attention(
         self,
@@ -356,74 +400,6 @@ class MultiheadAttention(NotScriptable, nn.Module):
         out = out if self.batch_first else out.transpose(0, 1)
         rows = [row[:length] for row, length in zip(out, lengths, strict=True)]
         return torch.nested.as_nested_tensor(rows, layout=query.layout), None
-
-    def _check_inputs(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-        """Whether the inputs are batched; raise for ranks or sizes that do not fit."""
-        for name, t, size in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
-            if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or t.shape[-1] != size:
-                got = _dims(t) if isinstance(t, torch.Tensor) else repr(t)
-                raise ValueError(f"{name} must have shape (l, {size}) or (l, b, {size}) / (b, l, {size}), got {got}")
-        if not query.dim() == key.dim() == value.dim():
-            raise ValueError(
-                f"query, key and value must all be batched (3-D) or all unbatched (2-D), got "
-                f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
-            )
-        batched = query.dim() == 3
-        batch_dim, length_dim = (0, 1) if self.batch_first or not batched else (1, 0)
-        if batched and not query.shape[batch_dim] == key.shape[batch_dim] == value.shape[batch_dim]:
-            raise ValueError(
-                f"query, key and value must share the batch size (dimension {batch_dim}), got "
-                f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
-            )
-        length_dim = length_dim if batched else 0
-        if key.shape[length_dim] != value.shape[length_dim]:
-            raise ValueError(
-                f"key and value must have the same length, got {tuple(key.shape)} and {tuple(value.shape)}"
-            )
-        return batched
-
-    def _scores_terms(
-        self,
-        attn_mask: torch.Tensor | None,
-        key_padding_mask: torch.Tensor | None,
-        batched: bool,
-        batch: int,
-        num_queries: int,
-        num_keys: int,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Torch's masks as selfattn's: a bool ``mask`` (True = attend) and a float ``bias``, ``(b or 1, h or 1, l, s)``."""
-        mask: torch.Tensor | None = None
-        bias: torch.Tensor | None = None
-        if attn_mask is not None:
-            heads = (self.num_heads,) if not batched else (batch * self.num_heads,)
-            shapes = ((num_queries, num_keys), (*heads, num_queries, num_keys))
-            if not isinstance(attn_mask, torch.Tensor) or tuple(attn_mask.shape) not in shapes:
-                got = _dims(attn_mask) if isinstance(attn_mask, torch.Tensor) else repr(attn_mask)
-                raise ValueError(f"attn_mask must have shape {' or '.join(map(str, shapes))}, got {got}")
-            term = attn_mask.reshape(-1, self.num_heads, num_queries, num_keys) if attn_mask.dim() == 3 else attn_mask
-            if term.dtype == torch.bool:
-                mask = ~term
-            elif term.is_floating_point():
-                bias = term
-            else:
-                raise ValueError(
-                    f"attn_mask must be bool (True = not allowed) or floating point, got {attn_mask.dtype}"
-                )
-        if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, torch.Tensor) or tuple(key_padding_mask.shape) != (batch, num_keys):
-                want = (batch, num_keys) if batched else (num_keys,)
-                got = _dims(key_padding_mask) if isinstance(key_padding_mask, torch.Tensor) else repr(key_padding_mask)
-                raise ValueError(f"key_padding_mask must have shape {want}, got {got}")
-            padding = key_padding_mask[:, None, None, :]  # (b, 1, 1, s)
-            if padding.dtype == torch.bool:
-                mask = ~padding if mask is None else mask & ~padding
-            elif padding.is_floating_point():
-                bias = padding if bias is None else bias + padding
-            else:
-                raise ValueError(
-                    f"key_padding_mask must be bool (True = ignore) or floating point, got {key_padding_mask.dtype}"
-                )
-        return mask, bias
 
     def _attend(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import block_for, blocks_decline, clipped_for, plan_for, reached_share, run_plan
+from selfattn.core.routes._decode import decode_step, takes_decode_step
 from selfattn.masks import Causal, Dense, Documents, KeyPadding, ValidLengths
 
 __all__ = ["BLOCKWISE", "BLOCKWISE_ANY", "BLOCKWISE_BAND", "BLOCKWISE_CLIPPED"]
@@ -79,12 +80,16 @@ def _declines_band(call: AttentionCall) -> str | None:
 
 
 def _run_band(call: AttentionCall) -> Output:
+    if takes_decode_step(call):
+        return Output(decode_step(call, call.full_bias()))  # a few queries' bias is small, and no key is copied
     plan = plan_for(call, skip_leading_keys=True)
     plan.band_base = _band_base(call, plan.block)
     return Output(run_plan(call, plan))
 
 
 def _run_any(call: AttentionCall) -> Output:
+    if takes_decode_step(call):
+        return Output(decode_step(call, call.full_bias()))
     return Output(run_plan(call, plan_for(call, skip_leading_keys=True)))
 
 

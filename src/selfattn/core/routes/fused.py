@@ -18,8 +18,9 @@ def _declines(call: AttentionCall) -> str | None:
 
 def _run(call: AttentionCall) -> Output:
     bias = call.full_bias()
-    kernel_causal = call.visibility.kernel_causal and bias is None
-    mask = None if kernel_causal else call.dense_mask()
+    rules = call.visibility.rules
+    kernel_causal = bool(rules) and bias is None and call.visibility.kernel_causal
+    mask = None if kernel_causal or not rules else call.dense_mask()  # no rule (decoding): no mask to render
     out = fused_attention(
         call.q, call.k, call.v, mask=mask, bias=bias, causal=kernel_causal, dropout_p=call.dropout_p,
         scale=call.scale, checked=True,

@@ -18,6 +18,7 @@ import torch
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import blocks_decline, heads
+from selfattn.core.routes._decode import decode_step, takes_decode_step
 from selfattn.core.routes._reasons import holding
 from selfattn.functional._block_common import _compute_dtype, _flash_backward, _flash_forward
 from selfattn.functional._kernels import attention_weights
@@ -77,6 +78,8 @@ def _declines(call: AttentionCall) -> str | None:
 
 
 def _run(call: AttentionCall) -> Output:
+    if takes_decode_step(call):
+        return Output(decode_step(call))  # no copy of the keys per query head
     q, k, v = heads(call)
     assert call.sinks is not None
     out: torch.Tensor = _FlashWithSinks.apply(q, k, v, call.sinks, call.visibility.causal, call.scale)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped

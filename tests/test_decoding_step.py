@@ -1,0 +1,133 @@
+"""A decoding step of the sinks, softcap and score-term routes: the formula, without a copy of the keys per query head."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import selfattn.core.routes._blocks as blocks
+from selfattn import KVCache, MultiHeadAttention
+from selfattn.core import dispatch
+from selfattn.functional import attention
+from selfattn.functional._attention import describe_attention
+from selfattn.positional import build
+
+H, HK, D = 4, 2, 8
+
+
+def _formula(q, k, v, softcap=None, sinks=None, bias=None, visible=None):
+    """float64 per (batch, head, query): query head i reads key/value head i // (h / hk); hidden keys
+    (``visible`` bool ``(b, lq, lk)`` False) take no weight, and a query that sees none gets zeros."""
+    q, k, v = (t.double().numpy() for t in (q, k, v))
+    batch, heads, num_queries, dim = q.shape
+    group = heads // k.shape[1]
+    out = np.zeros((batch, heads, num_queries, v.shape[-1]))
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(num_queries):
+                scores = k[b, h // group] @ q[b, h, i] / math.sqrt(dim)
+                if bias is not None:
+                    scores = scores + bias[b if bias.shape[0] > 1 else 0, h, 0]
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
+                seen = np.ones_like(scores, dtype=bool) if visible is None else visible[b, i].numpy()
+                if not seen.any():
+                    continue
+                scores = np.where(seen, scores, -np.inf)
+                top = scores.max() if sinks is None else max(scores.max(), float(sinks[h]))
+                weights = np.exp(scores - top)
+                total = weights.sum() + (0.0 if sinks is None else math.exp(float(sinks[h]) - top))
+                out[b, h, i] = (weights / total) @ v[b, h // group]
+    return torch.from_numpy(out)
+
+
+def _refuse_copies(monkeypatch):
+    """From now on, repeating the keys and values per query head (what the blockwise routes feed their blocks) fails."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the keys were repeated per query head")
+
+    monkeypatch.setattr(blocks, "_repeat_kv", refuse)
+
+
+@pytest.fixture
+def no_copy_of_the_keys(monkeypatch):
+    _refuse_copies(monkeypatch)
+
+
+@pytest.mark.parametrize("num_queries", [1, 3])
+@pytest.mark.parametrize(
+    ("softcap", "with_sinks", "route"),
+    [(5.0, False, "blockwise"), (None, True, "fused sinks"), (5.0, True, "blockwise")],
+    ids=["softcap", "sinks", "softcap and sinks"],
+)
+def test_a_grouped_decoding_step_is_the_formula(no_copy_of_the_keys, num_queries, softcap, with_sinks, route):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, H, num_queries, D, generator=gen)
+    k, v = torch.randn(2, HK, 40, D, generator=gen), torch.randn(2, HK, 40, D, generator=gen)
+    sinks = torch.randn(H, generator=gen) if with_sinks else None
+    options = {"softcap": softcap, "sinks": sinks, "causal": num_queries == 1}  # one query after the keys sees all
+    assert dispatch.explain(describe_attention(q, k, v, **options)).route == route
+    with torch.no_grad():
+        out = attention(q, k, v, **options)
+    torch.testing.assert_close(out.double(), _formula(q, k, v, softcap, sinks), rtol=1e-5, atol=1e-6)
+
+
+def test_an_alibi_decoding_step_is_the_formula(monkeypatch):
+    """The key-row route's step: ALiBi's key-only row (a constant per query apart from the bias, so the same softmax)."""
+    mha = MultiHeadAttention(16, H, num_kv_heads=HK, position=build("alibi", num_hiddens=16, num_heads=H)).eval()
+    cache = KVCache(max_len=32)
+    x = torch.randn(1, 21, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = mha(x, x, x, causal=True)
+        mha(x[:, :20], x[:, :20], x[:, :20], cache=cache, causal=True)
+        step = x[:, 20:]
+        _refuse_copies(monkeypatch)  # the prompt's blocks repeat them; the step does not
+        assert mha.explain(step, step, step, cache=cache, causal=True).route == "blockwise key row"
+        last = mha(step, step, step, cache=cache, causal=True)
+    torch.testing.assert_close(last, full[:, 20:], rtol=1e-5, atol=1e-6)
+
+
+def test_training_keeps_the_routes_own_functions():
+    """With a gradient wanted the step goes through the route's autograd Function (the keys repeated), as before."""
+    q = torch.randn(1, H, 1, D, requires_grad=True)
+    k, v = torch.randn(1, HK, 12, D), torch.randn(1, HK, 12, D)
+    out = attention(q, k, v, softcap=5.0)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    reference = q.detach().clone().requires_grad_(True)
+    expected = _formula(reference.detach(), k, v, softcap=5.0)
+    torch.testing.assert_close(out.detach().double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{"softcap": 5.0}, {"sinks": torch.zeros(H)}], ids=["softcap", "sinks"])
+def test_a_nan_query_gives_nan_in_a_decoding_step(no_copy_of_the_keys, options):
+    q = torch.randn(1, H, 1, D)
+    q[0, 1, 0, 0] = float("nan")
+    k, v = torch.randn(1, HK, 12, D), torch.randn(1, HK, 12, D)
+    with torch.no_grad():
+        out = attention(q, k, v, **options)
+    assert out[0, 1].isnan().all()
+    assert not out[0, [0, 2, 3]].isnan().any()
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["softcap", "softcap and sinks"])
+def test_a_masked_decoding_step_hides_its_keys(no_copy_of_the_keys, with_sinks):
+    """A mask at a decoding step (transformers passes one; a sliding window hides old keys) is applied, and a
+    query that sees no key gets zeros, as the blockwise routes give."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, H, 1, D, generator=gen)
+    k, v = torch.randn(3, HK, 30, D, generator=gen), torch.randn(3, HK, 30, D, generator=gen)
+    visible = torch.rand(3, 1, 30, generator=gen) > 0.5
+    visible[2] = False  # this sequence's query sees nothing
+    sinks = torch.randn(H, generator=gen) if with_sinks else None
+    options = {"softcap": 5.0, "sinks": sinks, "mask": visible[:, None]}
+    assert dispatch.explain(describe_attention(q, k, v, **options)).route == "blockwise"
+    with torch.no_grad():
+        out = attention(q, k, v, **options)
+    expected = _formula(q, k, v, 5.0, sinks, visible=visible)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
