@@ -386,3 +386,11 @@ def test_a_module_written_as_a_config_loads_back_with_the_same_recipe(name: str)
     assert back.describe_parts() == mha.describe_parts(), fields["model_type"]
     assert back.extra_repr() == mha.extra_repr(), fields["model_type"]
     assert repr(back.position) == repr(mha.position)
+
+
+def test_a_projection_of_another_size_is_refused_not_left_random() -> None:
+    """A layer whose o_proj reads more features than its heads give: the loader must not skip the copy."""
+    layer, _ = hf.build_layer("llama", 0, torch.float32)
+    layer.o_proj = torch.nn.Linear(layer.o_proj.in_features + 8, layer.o_proj.out_features, bias=False)
+    with pytest.raises(ValueError, match=r"layer 0: W_o is \(32, 32\) but the layer's is \(32, 40\)"):
+        MultiHeadAttention.from_transformers(layer)

@@ -213,6 +213,11 @@ def from_transformers(layer: nn.Module, cls: type[Module]) -> Module:
                 ours.weight.copy_(weight)
                 if bias is not None:
                     ours.bias.copy_(bias)
+            elif ours is not None and family.copy is None:  # no step of the family copies it: never leave it random
+                raise ValueError(
+                    f"layer {hf.layer_idx}: {name} is {tuple(ours.weight.shape)} but the layer's is "
+                    f"{tuple(weight.shape)}: a size the loader does not read"
+                )
         if mha.sinks is not None:
             mha.sinks.copy_(hf.sinks)
         for name, norm_weight in norm_weights.items():
