@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from selfattn._validation import (
-    ArgumentTypeError,
     require_positive_finite,
     require_positive_int,
+    require_probability,
     require_temperature_tuning,
 )
 from selfattn.parts import SLOTS, HeadNorm, OutputGate, Part, TemperatureTuning
@@ -91,11 +91,6 @@ def _check_position(position: PositionalEncoding | None, num_heads: int, head_di
 
 def layer_options(num_hiddens: int, num_heads: int, dropout: float, given: Mapping[str, Any]) -> LayerOptions:
     """Validate the constructor's arguments; ``ValueError`` names the first bad one and its value."""
-    from selfattn._validation import require_probability
-
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ArgumentTypeError(f"MultiHeadAttention got unexpected keyword arguments {unknown}")
     raw = DEFAULTS | dict(given)
     num_hiddens, num_heads = (
         require_positive_int("num_hiddens", num_hiddens),
