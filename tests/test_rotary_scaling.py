@@ -603,3 +603,25 @@ def test_a_failed_call_after_re_rotation_leaves_decoding_consistent():
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     cache.reset()
     assert cache.encoding_state == {}
+
+
+@pytest.mark.parametrize("name", sorted(LENGTH_DEPENDENT))
+def test_rerotate_refuses_a_call_whose_positions_restart_below_the_cached_ones(name):
+    # Packed documents: the second one's positions restart at 0. A full pass rotates every token at the
+    # whole sequence's length; a decoding step would rotate at its own document's: refused, not different.
+    mha = _mha(LENGTH_DEPENDENT[name], "rerotate")
+    x = torch.randn(1, 14, 16, dtype=torch.float64)
+    ids = torch.tensor([[0] * 10 + [1] * 4])
+    with torch.no_grad():
+        full = mha(x, x, x, causal=True, document_ids=ids)
+        cache = KVCache(14)
+        first = mha(x[:, :10], x[:, :10], x[:, :10], causal=True, cache=cache, document_ids=ids[:, :10])
+        torch.testing.assert_close(first, full[:, :10], rtol=0, atol=1e-12)  # one document: equal
+        with pytest.raises(ValueError, match="positions reach 0 but the cache holds position 9"):
+            mha(x[:, 10:11], x[:, 10:11], x[:, 10:11], causal=True, cache=cache, document_ids=ids[:, 10:11])
+        assert cache.length == 10  # the refused call stored nothing
+        kept = _mha(LENGTH_DEPENDENT[name], "keep")  # Hugging Face's behaviour decodes, as documented
+        kept.load_state_dict(mha.state_dict())
+        cache = KVCache(14)
+        kept(x[:, :10], x[:, :10], x[:, :10], causal=True, cache=cache, document_ids=ids[:, :10])
+        kept(x[:, 10:11], x[:, 10:11], x[:, 10:11], causal=True, cache=cache, document_ids=ids[:, 10:11])

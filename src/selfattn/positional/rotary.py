@@ -63,7 +63,9 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
 
     * ``cached_keys="rerotate"`` (default): before new keys are appended, the cached keys are
       turned by ``position * (w_new - w_old)`` (rotations of one plane add up), so every step
-      of one attention layer equals a full pass over the sequence so far (in a deeper stack the
+      of one attention layer equals a full pass over the sequence so far (a call whose positions
+      stay below the cached ones, as packed ``document_ids`` restarting at 0, raises
+      ``ValueError``: the full pass would rotate it at the longer length) (in a deeper stack the
       later layers' cached keys come from hidden states made at earlier frequencies, which no
       rotation undoes). It costs one rotation of the cache per step
       while the frequencies keep changing (every step past ``L0`` for ``dynamic``, once for
@@ -265,6 +267,18 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         noted = cache.encoding_state.get("rotary_length")
         old_length = noted if isinstance(noted, int) else max(int(cached_positions.max()) + 1, 1)
         new_length = max(int(positions.max()) + 1, 1)
+        call_length = max(int(positions[..., past:].max()) + 1, 1) if positions.shape[-1] > past else new_length
+        if call_length < new_length:
+            # The queries and new keys rotate at their own call's length (the full pass's rule); a cached
+            # key further on (an earlier packed document, positions given going back) makes the full pass
+            # use a longer one, which this call cannot: refuse rather than differ from it.
+            raise ValueError(
+                f"cached_keys='rerotate' with a {config.rope_type!r} rotary: the new tokens' positions reach "
+                f"{call_length - 1} but the cache holds position {new_length - 1}; a full pass would rotate "
+                "them at its whole length. Positions that restart (packed document_ids) or go back cannot "
+                "be decoded equal to a full pass; use cached_keys='keep' (Hugging Face's behaviour) or one "
+                "document per cache"
+            )
         old, old_factor = self.frequencies_at(old_length)
         old = old.clone()  # frequencies_at keeps only the latest length
         new, new_factor = self.frequencies_at(new_length)
