@@ -7,7 +7,9 @@ commit (each with its own ``src`` first on ``PYTHONPATH``), each writing a JSON 
 
     PYTHONPATH=/path/to/old/src .venv/bin/python benchmarks/op_counts.py --output before.json
     .venv/bin/python benchmarks/op_counts.py --output after.json
-    .venv/bin/python benchmarks/op_counts.py --compare before.json after.json
+    .venv/bin/python benchmarks/op_counts.py --compare before.json after.json [--section]
+
+With ``--section`` the comparison is also written as the section ``op-counts-cpu`` of BENCHMARKS.md.
 
 The rows are ``benchmarks/positional.py``'s own (its ``contender``: ``MultiHeadAttention`` with
 the encoding in place, training mode), at b=2, d=512, 8 heads and a small n (the operators do not
@@ -27,6 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import positional
+from _common import BENCHMARKS_MD, emit, machine_lines
+
+SECTION = "op-counts-cpu"
 
 DEFAULT_ROWS = "(no encoding),rotary,alibi,t5,kerple,fire,shaw (keys only)"
 
@@ -66,10 +71,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=512, help="sequence length (default 512)")
     parser.add_argument("--output", help="JSON file to write (default: print)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two files written before")
+    parser.add_argument(
+        "--section", action="store_true", help=f"with --compare: write section {SECTION} of {BENCHMARKS_MD.name}"
+    )
     args = parser.parse_args(argv)
     if args.compare:
         files = [json.loads(Path(path).read_text()) for path in args.compare]
-        print(compare(*files))
+        report = "\n".join(
+            [
+                "## Operators of one forward+backward per positional row, two commits (cpu)",
+                "",
+                *machine_lines(torch.device("cpu")),
+                f"- files: `{args.compare[0]}` (before) and `{args.compare[1]}` (after), each written by this script",
+                "",
+                "Per row: operator calls before -> after, and every operator whose count changed "
+                "(the rows of `benchmarks/positional.py`, b=2, d=512, 8 heads, training mode):",
+                "",
+                *(f"- {line}" for line in compare(*files).splitlines()),
+                "",
+            ]
+        )
+        emit(report, output=str(BENCHMARKS_MD) if args.section else None, section=SECTION)
         return 0
     wanted = args.rows.split(",")
     counts = {
