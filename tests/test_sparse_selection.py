@@ -93,24 +93,36 @@ def test_route_equals_the_dense_masked_formula(name: str, dtype: torch.dtype, la
     assert out.dtype == dtype and torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))  # picked only -1
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own values", "values are the keys"])
-def test_without_autograd_the_reused_storage_gives_the_formula(shared: bool) -> None:
-    """No autograd: the gathered rows go into storage reused block after block (and once when ``v is k``).
+@pytest.mark.parametrize("values", ["own", "the keys", "the keys' first features"])
+def test_without_autograd_the_reused_storage_gives_the_formula(values: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No autograd: the gathered rows go into storage reused block after block (once when the values are the keys).
 
-    Blocks of 3 queries over 2 sequences and 2 kv heads, so each block's rows overwrite the last's;
-    the absorbed latent call's shape (values = keys) gathers the rows once.
+    Blocks of 3 queries over 2 sequences and 2 kv heads, so each block's rows overwrite the last's.
+    The absorbed latent call's shape (values ``k[..., :dv]``, the latent without its rotated key)
+    gathers the rows once: one ``index_select`` per block, sequence and kv head, not two.
     """
-    b, h, hk, lq, lk, d, t = 2, 4, 2, 10, 30, 6, 5
+    b, h, hk, lq, lk, d, t, block = 2, 4, 2, 10, 30, 6, 5, 3
     generator = torch.Generator().manual_seed(4)
     q, k = torch.randn(b, h, lq, d, generator=generator), torch.randn(b, hk, lk, d, generator=generator)
-    v = k if shared else torch.randn(b, hk, lk, 3, generator=generator)
+    v = {"own": torch.randn(b, hk, lk, 3, generator=generator), "the keys": k, "the keys' first features": k[..., :4]}
+    v = v[values]
     picks = _picks(b, lq, lk, t, seed=2)
     call = AttentionCall.of_heads(
-        q, k, v, Visibility.lower_right(lq, lk, masks.causal(), masks.selected(picks)), scale=0.6, block_size=3
+        q, k, v, Visibility.lower_right(lq, lk, masks.causal(), masks.selected(picks)), scale=0.6, block_size=block
     )
     assert dispatch.explain(call).route == "sparse selection"
+    gathers = []
+    index_select = torch.index_select
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        gathers.append(1)
+        return index_select(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(torch, "index_select", counted)
     with torch.no_grad():
         out = dispatch.run(call).out
+    blocks = -(-lq // block) * b * hk
+    assert len(gathers) == (2 * blocks if values == "own" else blocks)
     seen = _folded(picks, lk) & (torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None])
     expected = reference_attention(q.double(), k.double(), v.double(), seen, scale=0.6)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)

@@ -264,9 +264,12 @@ def _absorbed_call(
 ) -> tuple[AttentionCall, bool]:
     """Queries ``[q_nope W_uk_h, q_rope]`` over the one latent key ``[c, k_rope]`` and value ``c`` (MQA).
 
-    The value is the whole latent key (its last ``dr`` output features are dropped): with equal
-    head sizes PyTorch's CPU flash kernel takes the call (3x faster than its math fallback on a
-    16,384-token latent, which also copies the keys to scale them).
+    A dense pass takes the whole latent key as the value (its last ``dr`` output features are
+    dropped): with equal head sizes PyTorch's CPU flash kernel takes the call (3x faster than its
+    math fallback on a 16,384-token latent, which also copies the keys to scale them). The
+    "sparse selection" route instead takes the value as it is, ``c``, a view of the key's first
+    ``r`` features: it gathers the key rows once and reads the values from them, so the weighted
+    sum is ``r`` wide, not ``r + dr`` (512 of 576 in DeepSeek's sizes).
 
     Returns the call and whether its heads are folded into one (its output is then ``(b, 1, h lq, r + dr)``).
     """
@@ -274,6 +277,8 @@ def _absorbed_call(
     num_keys, rank, rope = latent_key.shape[-2], w_uk.shape[-1], q_rope.shape[-1]
     folded = _folded_visibility(visibility, heads, q_nope.device) if num_queries <= FOLD_MAX_QUERIES else None
     query_heads, query_rows = (heads, num_queries) if folded is None else (1, heads * num_queries)
+    sparse = folded is None and dropout_p == 0.0 and _sparse_picks(visibility, heads) is not None
+    value_width = rank if sparse else rank + rope
 
     def make_q() -> torch.Tensor:
         q_latent = torch.einsum("bhqn,hnr->bhqr", q_nope, w_uk)  # (b, h, lq, r)
@@ -281,10 +286,10 @@ def _absorbed_call(
         return q.reshape(batch, query_heads, query_rows, rank + rope)
 
     call = AttentionCall(
-        shape=(batch, query_heads, 1, query_rows, num_keys, rank + rope, rank + rope),
+        shape=(batch, query_heads, 1, query_rows, num_keys, rank + rope, value_width),
         visibility=visibility if folded is None else folded, device=q_nope.device, dtype=q_nope.dtype,
         make_q=make_q,
-        make_kv=lambda: (latent_key, latent_key),  # (b, 1, lk, r + dr) both: the last dr outputs are dropped
+        make_kv=lambda: (latent_key, latent_key[..., :value_width]),  # (b, 1, lk, r + dr), (b, 1, lk, r or r + dr)
         scale=scale, dropout_p=dropout_p,
     )  # fmt: skip
     return call, folded is not None
@@ -407,7 +412,9 @@ def latent_attention(
         q_nope, q_rope, latent_key, kv_b_weight, visibility, scale=scale, dropout_p=dropout_p,
         computation=computation,
     )  # fmt: skip
-    out = dispatch.run(plan.call).out  # (b, h, lq, dv or more); absorbed (b, h, lq, r + dr) or (b, 1, h lq, r + dr)
+    out = dispatch.run(
+        plan.call
+    ).out  # (b, h, lq, dv or more); absorbed (b, h, lq, r or r + dr) or (b, 1, h lq, r + dr)
     if plan.computation == "absorbed":
         latent_out = out.reshape(*q_nope.shape[:3], -1)[..., : plan.w_uv.shape[-1]]  # (b, h, lq, r)
         return torch.einsum("bhqr,hvr->bhqv", latent_out, plan.w_uv)  # (b, h, lq, dv)
