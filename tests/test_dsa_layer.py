@@ -414,9 +414,13 @@ def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     spec.loader.exec_module(script)
     monkeypatch.setitem(script.DSA_SIZES, "n", 64)
     monkeypatch.setitem(script.DSA_SIZES, "top_k", 8)
+    monkeypatch.setattr(script.bounds, "SQUARE", 128)
     timing = {"min_repeats": 1, "max_repeats": 1, "budget_s": 1.0, "warmup": 0}
-    rows, targets = script.dsa_rows(timing, {}, 1)
+    rows, targets, bound_rows = script.dsa_rows(timing, {}, 1)
     assert len(rows) == 2 and all(len(row) == len(script.DSA_HEADER) for row in rows)
+    assert bound_rows and all(len(row) == len(script.BOUNDS_HEADER) for row in bound_rows)
+    parts = " ".join(row[2] for row in bound_rows)
+    assert "indexer, 64 heads" in parts and "indexer, 8 heads" in parts and "8 index heads" in parts
     assert "sparse absorbed (sparse selection)" in rows[0][1] and "(sparse selection)" in rows[1][1]
     assert [t[0].split(" n=")[0].split(" after")[0] for t in targets] == ["DSA prefill forward", "DSA decoding"]
 
