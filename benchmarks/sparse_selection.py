@@ -252,6 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, help="keys picked per query (default n / 8)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--repeats", type=int, help="timed prefill repeats (default 3, 2 with --quick)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed prefill runs of each case first (default 1)")
     parser.add_argument(
         "--parts", default="prefill,decode", help="comma-separated parts to run (default prefill,decode)"
     )
@@ -262,7 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.output is None and not args.quick:
         args.output = str(BENCHMARKS_MD)
     repeats = args.repeats or (2 if args.quick else 3)
-    args.timing = {"min_repeats": repeats, "max_repeats": repeats, "budget_s": 600.0, "warmup": 1}
+    args.timing = {"min_repeats": repeats, "max_repeats": repeats, "budget_s": 600.0, "warmup": args.warmup}
     args.decode_timing = {"min_repeats": 3 if args.quick else 5, "max_repeats": 15, "budget_s": 30.0, "warmup": 2}
     return args
 
