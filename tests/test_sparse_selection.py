@@ -260,6 +260,10 @@ def test_bad_selections_are_refused_naming_them() -> None:
         sparse_attention(q, k, k, torch.zeros(3, 4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"sparse_attention: q must be \(b, h, lq, d\), got shape \(2, 4, 3\)"):
         sparse_attention(q[0], k[0], k[0], good)
+    with pytest.raises(
+        ValueError, match=r"masks.selected: indices of shape \(2, 4, 0\) have no slot per query \(t = 0"
+    ):
+        sparse_attention(q, k, k, good[..., :0])  # a top-k of 0 (the route's reshape failed on it)
 
 
 def test_a_module_call_with_the_rule_takes_the_sparse_route_and_equals_the_dense_rule() -> None:
