@@ -230,6 +230,34 @@ def test_many_queries_with_few_heads_per_key_go_dense_with_the_reason() -> None:
     assert decoded.route == "sparse selection"
 
 
+def test_a_causal_selection_the_sparse_route_declines_goes_in_blocks_that_skip_the_hidden_half() -> None:
+    """Many queries, one head per kv head (DeepSeek-V3.2's expanded shape): causal blocks, not a masked pass over all pairs.
+
+    The fused kernel takes a selection only as a dense mask over every (query, key) pair; blocks of
+    queries reach the keys up to their last query, a little over half the pairs (the masked fused
+    pass measured 2x the blocks' time at n=4096, top-k 512). Without the causal rule nothing is
+    skipped and the fused pass stays. Either way the answer is the dense masked formula.
+    """
+    b, h, lq, t, block = 1, 2, 256, 8, 16
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(b, h, lq, d, generator=generator, dtype=torch.float64) for d in (4, 4, 3))
+    picks = torch.randint(0, lq, (b, lq, t), generator=generator)
+    causal = AttentionCall.of_heads(
+        q, k, v, Visibility.lower_right(lq, lq, masks.causal(), masks.selected(picks)), block_size=block
+    )
+    explained = dispatch.explain(causal, verbose=True)
+    assert explained.route == "blockwise", str(explained)  # was "fused": blocks computing 53% of the pairs declined
+    assert "serve 1 head(s) each" in dict(explained.declined)["sparse selection"]
+    everything = AttentionCall.of_heads(
+        q, k, v, Visibility.lower_right(lq, lq, masks.selected(picks)), block_size=block
+    )
+    explained = dispatch.explain(everything, verbose=True)
+    assert explained.route == "fused" and "100% of the pairs (more than 60%)" in dict(explained.declined)["blockwise"]
+    seen = _folded(picks, lq) & (torch.arange(lq)[None, :] <= torch.arange(lq)[:, None])
+    expected = reference_attention(q, k, v, seen, scale=4**-0.5)
+    torch.testing.assert_close(dispatch.run(causal).out, expected, atol=1e-10, rtol=0)
+
+
 def test_bad_selections_are_refused_naming_them() -> None:
     q = torch.randn(2, 2, 4, 3)
     k = torch.randn(2, 2, 16, 3)
