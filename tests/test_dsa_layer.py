@@ -439,7 +439,9 @@ def test_benchmark_hook_runs_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bound_rows and all(len(row) == len(script.BOUNDS_HEADER) for row in bound_rows)
     parts = " ".join(row[2] for row in bound_rows)
     assert "indexer, 64 heads" in parts and "indexer, 8 heads" in parts and "8 index heads" in parts
-    assert "sparse absorbed (sparse selection)" in rows[0][1] and "(sparse selection)" in rows[1][1]
+    assert (
+        "sparse expanded (sparse selection)" in rows[0][1] and "(sparse selection)" in rows[1][1]
+    )  # causal pairs counted: expanding is cheaper
     assert [t[0].split(" n=")[0].split(" after")[0] for t in targets] == ["DSA prefill forward", "DSA decoding"]
 
 

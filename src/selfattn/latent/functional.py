@@ -90,15 +90,26 @@ GATHERED_COST = 2
 
 
 def _costs(
-    num_queries: int, num_keys: int, heads: int, rank: int, nope: int, rope: int, value: int, picks: int | None
+    num_queries: int,
+    num_keys: int,
+    heads: int,
+    rank: int,
+    nope: int,
+    rope: int,
+    value: int,
+    picks: int | None,
+    pairs: int | None = None,
 ) -> tuple[int, int]:
     """Multiply-adds of (expanded, absorbed) per batch row, projections in and out of the heads included.
 
     With ``picks`` (a top-k selection the "sparse selection" route takes when absorbed), the
     absorbed queries each attend to ``picks`` keys; expanded, one query head per key head, the
-    route declines many queries and a dense masked pass attends to all of them.
+    route declines many queries and a dense masked pass attends to ``pairs`` (query, key) pairs
+    (default all of them; the causal ones when the selection is causal: the blockwise route then
+    skips the hidden half).
     """
-    expanded = num_keys * heads * rank * (nope + value) + num_queries * heads * num_keys * (nope + rope + value)
+    pairs = num_queries * num_keys if pairs is None else pairs
+    expanded = num_keys * heads * rank * (nope + value) + pairs * heads * (nope + rope + value)
     if picks is None:
         absorbed = num_queries * heads * (rank * (nope + value) + num_keys * (2 * rank + rope))
     else:
@@ -117,6 +128,7 @@ def choose_computation(
     rope: int,
     value: int,
     picks: int | None = None,
+    pairs: int | None = None,
 ) -> tuple[Computation, str]:
     """The computation for these sizes and the reason, in words.
 
@@ -125,14 +137,17 @@ def choose_computation(
     DeepSeek-V3's sizes absorbing wins below about 170 queries, whatever the number of keys.
     With ``picks`` keys per query (a top-k selection small enough for the "sparse selection"
     route) absorbing attends to ``picks`` keys, not ``lk``: the gathered latent rows serve every
-    head at once; each gathered multiply-add counts :data:`GATHERED_COST` dense ones.
+    head at once; each gathered multiply-add counts :data:`GATHERED_COST` dense ones. ``pairs``: the
+    (query, key) pairs the expanded pass computes (default ``lq lk``; a causal selection's blocks skip
+    the hidden half: at n=4096, top-k 512, 16 heads, the layer took 8.8-10.3 s expanded in causal
+    blocks, 12.4-13.6 s absorbed on the sparse route, 7.0-7.6 s dense causal, one thread, load 7).
 
     Raises:
         ValueError: ``requested`` not one of :data:`COMPUTATIONS`.
     """
     if requested not in COMPUTATIONS:
         raise ValueError(f"computation must be one of {COMPUTATIONS}, got {requested!r}")
-    expanded, absorbed = _costs(num_queries, num_keys, heads, rank, nope, rope, value, picks)
+    expanded, absorbed = _costs(num_queries, num_keys, heads, rank, nope, rope, value, picks, pairs)
     counts = f"expanded {expanded:,} vs absorbed {absorbed:,} multiply-adds per sequence"
     if picks is not None:
         counts += f" (absorbed attends to the {picks} selected keys per query)"
@@ -354,7 +369,12 @@ def describe_latent(
     rank, rope, num_keys = kv_b_weight.shape[-1], q_rope.shape[-1], latent_key.shape[-2]
     value = kv_b_weight.shape[0] // heads - nope
     picks = _sparse_picks(visibility, heads)
-    chosen, reason = choose_computation(computation, num_queries, num_keys, heads, rank, nope, rope, value, picks)
+    pairs = None
+    if picks is not None and visibility.causal and num_queries <= num_keys:  # lower-right: query i sees lk - lq + i + 1
+        pairs = num_queries * (num_keys - num_queries) + num_queries * (num_queries + 1) // 2
+    chosen, reason = choose_computation(
+        computation, num_queries, num_keys, heads, rank, nope, rope, value, picks, pairs
+    )
     scale, dropout_p = require_positive_finite("scale", scale), require_probability("dropout_p", dropout_p)
     visibility.check(q_nope.shape[0], heads)  # the rules' tensors fit the call, before any is rendered
     if chosen == "expanded":
