@@ -93,24 +93,36 @@ def test_route_equals_the_dense_masked_formula(name: str, dtype: torch.dtype, la
     assert out.dtype == dtype and torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))  # picked only -1
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own values", "values are the keys"])
-def test_without_autograd_the_reused_storage_gives_the_formula(shared: bool) -> None:
-    """No autograd: the gathered rows go into storage reused block after block (and once when ``v is k``).
+@pytest.mark.parametrize("values", ["own", "the keys", "the keys' first features"])
+def test_without_autograd_the_reused_storage_gives_the_formula(values: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No autograd: the gathered rows go into storage reused block after block (once when the values are the keys).
 
-    Blocks of 3 queries over 2 sequences and 2 kv heads, so each block's rows overwrite the last's;
-    the absorbed latent call's shape (values = keys) gathers the rows once.
+    Blocks of 3 queries over 2 sequences and 2 kv heads, so each block's rows overwrite the last's.
+    The absorbed latent call's shape (values ``k[..., :dv]``, the latent without its rotated key)
+    gathers the rows once: one ``index_select`` per block, sequence and kv head, not two.
     """
-    b, h, hk, lq, lk, d, t = 2, 4, 2, 10, 30, 6, 5
+    b, h, hk, lq, lk, d, t, block = 2, 4, 2, 10, 30, 6, 5, 3
     generator = torch.Generator().manual_seed(4)
     q, k = torch.randn(b, h, lq, d, generator=generator), torch.randn(b, hk, lk, d, generator=generator)
-    v = k if shared else torch.randn(b, hk, lk, 3, generator=generator)
+    v = {"own": torch.randn(b, hk, lk, 3, generator=generator), "the keys": k, "the keys' first features": k[..., :4]}
+    v = v[values]
     picks = _picks(b, lq, lk, t, seed=2)
     call = AttentionCall.of_heads(
-        q, k, v, Visibility.lower_right(lq, lk, masks.causal(), masks.selected(picks)), scale=0.6, block_size=3
+        q, k, v, Visibility.lower_right(lq, lk, masks.causal(), masks.selected(picks)), scale=0.6, block_size=block
     )
     assert dispatch.explain(call).route == "sparse selection"
+    gathers = []
+    index_select = torch.index_select
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        gathers.append(1)
+        return index_select(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(torch, "index_select", counted)
     with torch.no_grad():
         out = dispatch.run(call).out
+    blocks = -(-lq // block) * b * hk
+    assert len(gathers) == (2 * blocks if values == "own" else blocks)
     seen = _folded(picks, lk) & (torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None])
     expected = reference_attention(q.double(), k.double(), v.double(), seen, scale=0.6)
     torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
@@ -218,6 +230,34 @@ def test_many_queries_with_few_heads_per_key_go_dense_with_the_reason() -> None:
     assert decoded.route == "sparse selection"
 
 
+def test_a_causal_selection_the_sparse_route_declines_goes_in_blocks_that_skip_the_hidden_half() -> None:
+    """Many queries, one head per kv head (DeepSeek-V3.2's expanded shape): causal blocks, not a masked pass over all pairs.
+
+    The fused kernel takes a selection only as a dense mask over every (query, key) pair; blocks of
+    queries reach the keys up to their last query, a little over half the pairs (the masked fused
+    pass measured 2x the blocks' time at n=4096, top-k 512). Without the causal rule nothing is
+    skipped and the fused pass stays. Either way the answer is the dense masked formula.
+    """
+    b, h, lq, t, block = 1, 2, 256, 8, 16
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(b, h, lq, d, generator=generator, dtype=torch.float64) for d in (4, 4, 3))
+    picks = torch.randint(0, lq, (b, lq, t), generator=generator)
+    causal = AttentionCall.of_heads(
+        q, k, v, Visibility.lower_right(lq, lq, masks.causal(), masks.selected(picks)), block_size=block
+    )
+    explained = dispatch.explain(causal, verbose=True)
+    assert explained.route == "blockwise", str(explained)  # was "fused": blocks computing 53% of the pairs declined
+    assert "serve 1 head(s) each" in dict(explained.declined)["sparse selection"]
+    everything = AttentionCall.of_heads(
+        q, k, v, Visibility.lower_right(lq, lq, masks.selected(picks)), block_size=block
+    )
+    explained = dispatch.explain(everything, verbose=True)
+    assert explained.route == "fused" and "100% of the pairs (more than 60%)" in dict(explained.declined)["blockwise"]
+    seen = _folded(picks, lq) & (torch.arange(lq)[None, :] <= torch.arange(lq)[:, None])
+    expected = reference_attention(q, k, v, seen, scale=4**-0.5)
+    torch.testing.assert_close(dispatch.run(causal).out, expected, atol=1e-10, rtol=0)
+
+
 def test_bad_selections_are_refused_naming_them() -> None:
     q = torch.randn(2, 2, 4, 3)
     k = torch.randn(2, 2, 16, 3)
@@ -248,6 +288,10 @@ def test_bad_selections_are_refused_naming_them() -> None:
         sparse_attention(q, k, k, torch.zeros(3, 4, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"sparse_attention: q must be \(b, h, lq, d\), got shape \(2, 4, 3\)"):
         sparse_attention(q[0], k[0], k[0], good)
+    with pytest.raises(
+        ValueError, match=r"masks.selected: indices of shape \(2, 4, 0\) have no slot per query \(t = 0"
+    ):
+        sparse_attention(q, k, k, good[..., :0])  # a top-k of 0 (the route's reshape failed on it)
 
 
 def test_a_module_call_with_the_rule_takes_the_sparse_route_and_equals_the_dense_rule() -> None:

@@ -185,10 +185,17 @@ def selected(indices: torch.Tensor) -> Rule:
     ``t`` earlier keys sees all of them when its picks name them. Indices count the call's own keys.
 
     Raises:
-        ValueError: anything but an integer ``(b, lq, t)`` tensor; placed on a call, another batch or
-            number of queries, or an entry below -1 or not below the call's number of keys.
+        ValueError: anything but an integer ``(b, lq, t)`` tensor, ``t = 0`` (a top-k of 0: no slot to
+            pick a key in); placed on a call, another batch or number of queries, or an entry below
+            -1 or not below the call's number of keys.
     """
-    return Selected(require_index_tensor("selected", "indices", indices, {3: "(b, lq, t)"}, kind="integer"))
+    indices = require_index_tensor("selected", "indices", indices, {3: "(b, lq, t)"}, kind="integer")
+    if indices.shape[-1] == 0:
+        raise ValueError(
+            f"masks.selected: indices of shape {tuple(indices.shape)} have no slot per query (t = 0, a top-k of 0); "
+            "give at least one, -1 marking a slot that picks nothing"
+        )
+    return Selected(indices)
 
 
 def on_first_keys(rule: Rule, batch: int, num_queries: int, num_keys: int, count: int) -> Rule:

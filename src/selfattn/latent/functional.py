@@ -90,15 +90,26 @@ GATHERED_COST = 2
 
 
 def _costs(
-    num_queries: int, num_keys: int, heads: int, rank: int, nope: int, rope: int, value: int, picks: int | None
+    num_queries: int,
+    num_keys: int,
+    heads: int,
+    rank: int,
+    nope: int,
+    rope: int,
+    value: int,
+    picks: int | None,
+    pairs: int | None = None,
 ) -> tuple[int, int]:
     """Multiply-adds of (expanded, absorbed) per batch row, projections in and out of the heads included.
 
     With ``picks`` (a top-k selection the "sparse selection" route takes when absorbed), the
     absorbed queries each attend to ``picks`` keys; expanded, one query head per key head, the
-    route declines many queries and a dense masked pass attends to all of them.
+    route declines many queries and a dense masked pass attends to ``pairs`` (query, key) pairs
+    (default all of them; the causal ones when the selection is causal: the blockwise route then
+    skips the hidden half).
     """
-    expanded = num_keys * heads * rank * (nope + value) + num_queries * heads * num_keys * (nope + rope + value)
+    pairs = num_queries * num_keys if pairs is None else pairs
+    expanded = num_keys * heads * rank * (nope + value) + pairs * heads * (nope + rope + value)
     if picks is None:
         absorbed = num_queries * heads * (rank * (nope + value) + num_keys * (2 * rank + rope))
     else:
@@ -117,6 +128,7 @@ def choose_computation(
     rope: int,
     value: int,
     picks: int | None = None,
+    pairs: int | None = None,
 ) -> tuple[Computation, str]:
     """The computation for these sizes and the reason, in words.
 
@@ -125,14 +137,17 @@ def choose_computation(
     DeepSeek-V3's sizes absorbing wins below about 170 queries, whatever the number of keys.
     With ``picks`` keys per query (a top-k selection small enough for the "sparse selection"
     route) absorbing attends to ``picks`` keys, not ``lk``: the gathered latent rows serve every
-    head at once; each gathered multiply-add counts :data:`GATHERED_COST` dense ones.
+    head at once; each gathered multiply-add counts :data:`GATHERED_COST` dense ones. ``pairs``: the
+    (query, key) pairs the expanded pass computes (default ``lq lk``; a causal selection's blocks skip
+    the hidden half: at n=4096, top-k 512, 16 heads, the layer took 8.8-10.3 s expanded in causal
+    blocks, 12.4-13.6 s absorbed on the sparse route, 7.0-7.6 s dense causal, one thread, load 7).
 
     Raises:
         ValueError: ``requested`` not one of :data:`COMPUTATIONS`.
     """
     if requested not in COMPUTATIONS:
         raise ValueError(f"computation must be one of {COMPUTATIONS}, got {requested!r}")
-    expanded, absorbed = _costs(num_queries, num_keys, heads, rank, nope, rope, value, picks)
+    expanded, absorbed = _costs(num_queries, num_keys, heads, rank, nope, rope, value, picks, pairs)
     counts = f"expanded {expanded:,} vs absorbed {absorbed:,} multiply-adds per sequence"
     if picks is not None:
         counts += f" (absorbed attends to the {picks} selected keys per query)"
@@ -264,9 +279,12 @@ def _absorbed_call(
 ) -> tuple[AttentionCall, bool]:
     """Queries ``[q_nope W_uk_h, q_rope]`` over the one latent key ``[c, k_rope]`` and value ``c`` (MQA).
 
-    The value is the whole latent key (its last ``dr`` output features are dropped): with equal
-    head sizes PyTorch's CPU flash kernel takes the call (3x faster than its math fallback on a
-    16,384-token latent, which also copies the keys to scale them).
+    A dense pass takes the whole latent key as the value (its last ``dr`` output features are
+    dropped): with equal head sizes PyTorch's CPU flash kernel takes the call (3x faster than its
+    math fallback on a 16,384-token latent, which also copies the keys to scale them). The
+    "sparse selection" route instead takes the value as it is, ``c``, a view of the key's first
+    ``r`` features: it gathers the key rows once and reads the values from them, so the weighted
+    sum is ``r`` wide, not ``r + dr`` (512 of 576 in DeepSeek's sizes).
 
     Returns the call and whether its heads are folded into one (its output is then ``(b, 1, h lq, r + dr)``).
     """
@@ -274,6 +292,8 @@ def _absorbed_call(
     num_keys, rank, rope = latent_key.shape[-2], w_uk.shape[-1], q_rope.shape[-1]
     folded = _folded_visibility(visibility, heads, q_nope.device) if num_queries <= FOLD_MAX_QUERIES else None
     query_heads, query_rows = (heads, num_queries) if folded is None else (1, heads * num_queries)
+    sparse = folded is None and dropout_p == 0.0 and _sparse_picks(visibility, heads) is not None
+    value_width = rank if sparse else rank + rope
 
     def make_q() -> torch.Tensor:
         q_latent = torch.einsum("bhqn,hnr->bhqr", q_nope, w_uk)  # (b, h, lq, r)
@@ -281,10 +301,10 @@ def _absorbed_call(
         return q.reshape(batch, query_heads, query_rows, rank + rope)
 
     call = AttentionCall(
-        shape=(batch, query_heads, 1, query_rows, num_keys, rank + rope, rank + rope),
+        shape=(batch, query_heads, 1, query_rows, num_keys, rank + rope, value_width),
         visibility=visibility if folded is None else folded, device=q_nope.device, dtype=q_nope.dtype,
         make_q=make_q,
-        make_kv=lambda: (latent_key, latent_key),  # (b, 1, lk, r + dr) both: the last dr outputs are dropped
+        make_kv=lambda: (latent_key, latent_key[..., :value_width]),  # (b, 1, lk, r + dr), (b, 1, lk, r or r + dr)
         scale=scale, dropout_p=dropout_p,
     )  # fmt: skip
     return call, folded is not None
@@ -349,7 +369,12 @@ def describe_latent(
     rank, rope, num_keys = kv_b_weight.shape[-1], q_rope.shape[-1], latent_key.shape[-2]
     value = kv_b_weight.shape[0] // heads - nope
     picks = _sparse_picks(visibility, heads)
-    chosen, reason = choose_computation(computation, num_queries, num_keys, heads, rank, nope, rope, value, picks)
+    pairs = None
+    if picks is not None and visibility.causal and num_queries <= num_keys:  # lower-right: query i sees lk - lq + i + 1
+        pairs = num_queries * (num_keys - num_queries) + num_queries * (num_queries + 1) // 2
+    chosen, reason = choose_computation(
+        computation, num_queries, num_keys, heads, rank, nope, rope, value, picks, pairs
+    )
     scale, dropout_p = require_positive_finite("scale", scale), require_probability("dropout_p", dropout_p)
     visibility.check(q_nope.shape[0], heads)  # the rules' tensors fit the call, before any is rendered
     if chosen == "expanded":
@@ -407,7 +432,9 @@ def latent_attention(
         q_nope, q_rope, latent_key, kv_b_weight, visibility, scale=scale, dropout_p=dropout_p,
         computation=computation,
     )  # fmt: skip
-    out = dispatch.run(plan.call).out  # (b, h, lq, dv or more); absorbed (b, h, lq, r + dr) or (b, 1, h lq, r + dr)
+    out = dispatch.run(
+        plan.call
+    ).out  # (b, h, lq, dv or more); absorbed (b, h, lq, r or r + dr) or (b, 1, h lq, r + dr)
     if plan.computation == "absorbed":
         latent_out = out.reshape(*q_nope.shape[:3], -1)[..., : plan.w_uv.shape[-1]]  # (b, h, lq, r)
         return torch.einsum("bhqr,hvr->bhqv", latent_out, plan.w_uv)  # (b, h, lq, dv)

@@ -311,11 +311,14 @@ def _select_top_k(
     for start in range(0, n, block):
         end = min(start + block, n)
         rows, reach = end - start, first + end  # keys past the block's last query are hidden from all of it
-        scores = storage[: b * rows * heads * reach].view(b, rows * heads, reach)
-        torch.bmm(queries[:, start:end].reshape(b, rows * heads, dim), key_columns[:, :, :reach], out=scores)
-        scores.relu_()
-        per_head = scores.view(b * rows, heads, reach)
-        index = torch.bmm(weights[:, start:end].reshape(b * rows, 1, heads), per_head).view(b, rows, reach)
+        if rows == 1:
+            index = _one_query_index(queries[:, start], weights[:, start], keys[:, :reach])
+        else:
+            scores = storage[: b * rows * heads * reach].view(b, rows * heads, reach)
+            torch.bmm(queries[:, start:end].reshape(b, rows * heads, dim), key_columns[:, :, :reach], out=scores)
+            scores.relu_()
+            per_head = scores.view(b * rows, heads, reach)
+            index = torch.bmm(weights[:, start:end].reshape(b * rows, 1, heads), per_head).view(b, rows, reach)
         query_at = torch.arange(first + start, first + end, device=keys.device)[:, None]
         hidden = torch.arange(reach, device=keys.device)[None, :] > query_at  # (q, reach): causal
         hidden = hidden if key_padding is None else hidden | key_padding[:, None, :reach]
@@ -324,3 +327,14 @@ def _select_top_k(
         chosen = found.indices.masked_fill(found.values == float("-inf"), -1)
         picks[:, start:end, : chosen.shape[-1]] = chosen
     return picks
+
+
+def _one_query_index(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``(b, 1, T)`` index scores of one query per sequence (a decoded token): ``queries (b, H, D)``, ``weights (b, H)``.
+
+    The keys ``(b, T, D)`` are multiplied as they lie (``keys @ q^T``), not transposed: with only
+    ``H`` query rows the transposed product reads them far slower (one thread, 16,385 keys of 128:
+    8 heads 15.0 -> 2.7 ms, 64 heads 33.7 -> 25.8 ms).
+    """
+    scores = torch.bmm(keys, queries.transpose(1, 2)).relu_()  # (b, T, H)
+    return torch.bmm(scores, weights[..., None]).transpose(1, 2)  # (b, 1, T)

@@ -29,12 +29,13 @@ class _Rows:
 
     ``index_select`` into reused storage measured 4x faster than into a fresh tensor (16,384 rows
     of 576 floats, one thread: a fresh tensor of several MiB is page-faulted in each time). When
-    the values are the keys themselves (absorbed latent attention hands the latent as both), the
-    rows are gathered once.
+    the values are the keys' first ``dv`` features (absorbed latent attention hands the latent
+    ``[c, k_rope]`` as the keys and its view ``c`` as the values), the rows are gathered once and
+    the values read from them.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: int):
-        self.shared = v is k or (v.data_ptr() == k.data_ptr() and v.shape == k.shape and v.stride() == k.stride())
+        self.shared = _leading_features(k, v)
         self.keys = k.new_empty(rows, k.shape[-1])
         self.values = None if self.shared else v.new_empty(rows, v.shape[-1])
 
@@ -43,8 +44,18 @@ class _Rows:
         flat, count = picks.reshape(-1), picks.numel()
         keys = torch.index_select(k, 0, flat, out=self.keys[:count]).view(*picks.shape, -1)
         if self.values is None:
-            return keys, keys
+            return keys, keys[..., : v.shape[-1]]
         return keys, torch.index_select(v, 0, flat, out=self.values[:count]).view(*picks.shape, -1)
+
+
+def _leading_features(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``v`` is ``k[..., :dv]``: the same storage, rows and strides, its features a prefix of the keys'."""
+    return (
+        v.data_ptr() == k.data_ptr()
+        and v.shape[:-1] == k.shape[:-1]
+        and v.shape[-1] <= k.shape[-1]
+        and v.stride() == k.stride()
+    )
 
 
 def _weights(
@@ -55,7 +66,9 @@ def _weights(
     ``seen (q, 1 or g, t)``. Given ``lse`` (the backward pass), the weights are recomputed from it.
     A row that sees no key gets zero weights and a log-sum-exp of 0 (finite: no NaN anywhere).
     """
-    scores = torch.bmm(q, keys.transpose(1, 2)) * scale  # (q, g, t)
+    # keys @ q^T, not q @ keys^T: with few query rows (g heads, 16 in DeepSeek's absorbed form) the product
+    # reads the gathered rows as they lie (1.6x faster measured, 16 x 576 against 2048 rows, one thread).
+    scores = torch.bmm(keys, q.transpose(1, 2)).transpose(1, 2) * scale  # (q, g, t), laid out (q, t, g)
     if lse is None:
         masked = scores.masked_fill(~seen, float("-inf"))
         lse = torch.logsumexp(masked, dim=-1)

@@ -9,6 +9,7 @@ Shape legend: b batch, h heads, lq queries, dv value size.
 
 from __future__ import annotations
 
+from selfattn._mask_selection import Selected
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import block_for, blocks_decline, clipped_for, plan_for, reached_share, run_plan
@@ -22,6 +23,11 @@ __all__ = ["BLOCKWISE", "BLOCKWISE_ANY", "BLOCKWISE_BAND", "BLOCKWISE_CLIPPED"]
 #: and it has at least SKIPPING_MIN_PAIRS (query, key) pairs (below, one fused call with a mask is cheaper).
 SKIPPED_BLOCKS_WORTH = 0.5
 SKIPPING_MIN_PAIRS = 1 << 16
+#: The share for a call holding a top-k selection (:func:`selfattn.masks.selected`) the "sparse selection"
+#: route declined: the fused kernel would take it only with a dense mask over every pair, so causal blocks,
+#: which compute a little over half of them, pay at once (n=4096, top-k 512, 16 heads 192/128, one thread:
+#: blockwise at 52% of the pairs 17-19 s, the masked fused pass 34-37 s; ``benchmarks/sparse_selection.py``).
+SELECTION_BLOCKS_WORTH = 0.6
 
 
 def _nothing_for_blocks(call: AttentionCall) -> str | None:
@@ -40,8 +46,12 @@ def _blocks_skip_nothing(call: AttentionCall) -> str | None:
             f"pairs: below {SKIPPING_MIN_PAIRS:,}, one fused call with a mask is cheaper than blocks that skip some"
         )
     share = reached_share(call, block_for(call))
-    if share > SKIPPED_BLOCKS_WORTH:
-        return f"no score term, no dropout, no softcap, no sinks, and blocks would compute {share:.0%} of the pairs"
+    worth = SELECTION_BLOCKS_WORTH if call.visibility.find(Selected) is not None else SKIPPED_BLOCKS_WORTH
+    if share > worth:
+        return (
+            f"no score term, no dropout, no softcap, no sinks, and blocks would compute {share:.0%} of the pairs "
+            f"(more than {worth:.0%})"
+        )
     return None
 
 
