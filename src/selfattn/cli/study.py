@@ -191,10 +191,6 @@ def _run_exercises(args: argparse.Namespace) -> int:
 
 
 def _run_text(args: argparse.Namespace) -> int:
-    from selfattn.study.options import text_settings
-    from selfattn.study.progress import grid_progress
-    from selfattn.study.text import run_text_study
-
     for flag, given in (("--tasks", args.tasks), ("--randomized-positions", args.randomized_positions)):
         if given:
             raise ValueError(f"{flag} does not apply to --text (the text study has one task: the next byte)")
@@ -215,6 +211,23 @@ def _run_text(args: argparse.Namespace) -> int:
     rerun = ["--text", "--resume", "--out", str(root)] + (
         ["--train-len", *map(str, args.train_len)] if args.train_len else []
     )
+    from selfattn.study.runner import _Distributed
+
+    # Under torchrun one process group serves every length: each study would otherwise end its own,
+    # and the group a later length starts in the same processes never forms (its ranks wait forever).
+    group = _Distributed()
+    try:
+        return _run_text_lengths(args, lengths, root, rerun)
+    finally:
+        group.close()
+
+
+def _run_text_lengths(args: argparse.Namespace, lengths: list[int | None], root: Path, rerun: list[str]) -> int:
+    """Each training length's text study, into ``root`` (one length) or ``root/L<length>`` (several)."""
+    from selfattn.study.options import text_settings
+    from selfattn.study.progress import grid_progress
+    from selfattn.study.text import run_text_study
+
     for length in lengths:
         encodings, seeds, config = text_settings(
             encodings=args.encodings, seeds=args.seeds, steps=args.steps, train_len=length, quick=args.quick

@@ -37,8 +37,12 @@ The papers' depth, each beside the study's 3 layers of width 64 (:data:`MODEL_SI
   positions drawn from ``range(2048)``). ``rotary-5x64-8-heads`` and ``rotary+rand-5x64-8-heads``
   are that size exactly, causal as the rest of the study.
 
-The depth variants cost more per step than a 3-layer run (measured on 2 cores: see
-:data:`MODEL_SIZES`); ``--variants`` runs any subset, resumably, into the same folder.
+Budget (CPU time of one thread per run of copy, 7,500 steps, measured on the shared 2-core
+machine at load about 5 on 2026-11-26): 6.7 min at the study's 3 layers, 19.8 min at 12 layers,
+13.6 min at 5 layers of 8 heads (reverse runs take about 0.7 times as long). The 11 shallow
+variants x 2 tasks x 3 seeds are about 6 h of CPU, the 4 deep ones about 7 h, Ruoss et al.'s
+size about 2.5 h; ``--variants`` and ``--tasks`` run any subset, resumably, into the same folder
+(two processes with different ``--tasks`` use both cores; a last call with every variant merges).
 
 Run ``python -m selfattn.study.literature --out DIR``; it resumes (one file per run, written
 atomically; checkpoints as the study's) and writes ``DIR/literature.json``.
