@@ -27,15 +27,18 @@ The papers' depth, each beside the study's 3 layers of width 64 (:data:`MODEL_SI
   configuration (their repository's ``configs/models/custom_t5_base_dec_only.jsonnet`` with
   ``hf_model_name: 't5-base'``, ``from_pretrained: false``): 12 layers, ``d_model`` 768, 12 heads
   of 64, ``d_ff`` 3072 (7.1M parameters per layer without cross-attention, 85M in the layers;
-  trained from scratch, 40,000 steps at batch 64, lr 3e-5).
-  The ``*-12-layers`` variants take their depth, 12 layers, at the study's width (64, 4 heads of
-  16, MLP 128): width 768 costs about 100 times more per step than 2 cores give in the budget.
+  trained from scratch). The ``*-12-layers`` variants take their depth, 12 layers, at the
+  study's width (64, 4 heads of 16, MLP 128): width 768 is 12 times the width and about 144
+  times the multiply-adds per layer, beyond 2 cores in any budget of hours.
   Their four main encodings (NoPE, T5 with its initialisation, ALiBi, partial rotary) are
   trained at that depth.
-* **Ruoss et al.** used their repository's ``TransformerConfig`` defaults: 5 layers, embedding 64,
-  8 heads of 8, MLP 4 x 64 = 256 (an encoder; 10,000 steps at batch 128, lr 1e-3, lengths 1..40,
-  positions drawn from ``range(2048)``). ``rotary-5x64-8-heads`` and ``rotary+rand-5x64-8-heads``
-  are that size exactly, causal as the rest of the study.
+* **Ruoss et al.**: their repository (``google-deepmind/randomized_positional_encodings``)
+  builds its transformer from ``models/transformer.py``'s ``TransformerConfig`` defaults, 8 heads
+  and MLP 4 x the embedding, with ``experiments/example.py``'s 5 layers of embedding 64 (an
+  encoder; that script trains 10,000 steps at batch 128, lr 1e-3, on lengths 1..40, drawing
+  positions from ``range(2048)``): 5 layers, d = 64, 8 heads of 8, MLP 256.
+  ``rotary-5x64-8-heads`` and ``rotary+rand-5x64-8-heads`` are that size exactly, causal as the
+  rest of the study.
 
 Budget (CPU time of one thread per run of copy, 7,500 steps, measured on the shared 2-core
 machine at load about 5 on 2026-11-26): 6.7 min at the study's 3 layers, 19.8 min at 12 layers,
