@@ -134,3 +134,24 @@ def test_block_with_cache_and_randomized_positions_equals_full_pass(name: str) -
     torch.testing.assert_close(block(x, causal=True, positions=torch.arange(4, 11)), by_offset)
     with pytest.raises(ValueError, match="give either offset or positions"):
         block(x, causal=True, offset=1, positions=positions)
+
+
+@pytest.mark.parametrize("position", ["rotary", "sinusoidal", "learned"])
+def test_lm_positions_per_sequence_equal_each_sequence_alone(position: str) -> None:
+    """``(b, l)`` positions: each row of the batch at its own positions, as if run alone with its ``(l,)`` row."""
+    model = _model(position, 2)
+    tokens = torch.randint(0, 11, (3, 5))
+    positions = torch.tensor([[0, 3, 9, 10, 30], [1, 2, 4, 40, 63], [5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        batched = model(tokens, positions=positions)
+        alone = torch.cat([model(tokens[i : i + 1], positions=positions[i]) for i in range(3)])
+        shared = model(tokens, positions=positions[0])
+    assert isinstance(batched, torch.Tensor) and isinstance(shared, torch.Tensor)
+    torch.testing.assert_close(batched, alone, rtol=1e-9, atol=1e-9)
+    assert (batched[1:] - shared[1:]).abs().max() > 1e-3  # the rows' own positions, not the first row's
+    with pytest.raises(ValueError, match=r"positions must be an integer tensor of shape \(5,\) or \(3, 5\)"):
+        model(tokens, positions=positions[:2])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        model(tokens, positions=torch.tensor([[0, 1, 2, 3, 4], [0, 1, 1, 3, 4], [0, 1, 2, 3, 4]]))
+    with pytest.raises(ValueError, match="positions must be non-negative, got -1"):
+        model(tokens, positions=torch.tensor([[0, 1, 2, 3, 4], [-1, 1, 2, 3, 4], [0, 1, 2, 3, 4]]))

@@ -29,7 +29,12 @@ def _env() -> dict[str, str]:
 
 def test_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "study"
+    cpu = time.process_time()
     assert main(["study", "--quick", "--out", str(out), "--no-progress", "--encodings", "sinusoidal", "learned"]) == 0
+    cpu = time.process_time() - cpu
+    # --quick stays a smoke test under a minute: these 4 runs and the deep stack, scaled to the default quick
+    # grid's 6 runs of the same size, in CPU seconds (what other processes on the machine do not inflate).
+    assert cpu * 6 / 4 < 60, f"--quick would take about {cpu * 6 / 4:.0f} s of CPU"
     results = json.loads((out / "results.json").read_text())
     assert set(results) == {"config", "runs", "summary", "deep_stack"}
     assert len(results["runs"]) == 4 and set(results["summary"]) == {"copy", "reverse"}

@@ -99,6 +99,28 @@ def test_truncated_differs_for_a_model_that_uses_every_byte(data: torch.Tensor) 
     assert all(row["gain"] != 0.0 for row in bands)
 
 
+@torch.no_grad()
+def test_a_sample_of_windows_and_of_positions_scores_the_same_bytes(data: torch.Tensor) -> None:
+    """``starts`` picks windows anywhere in the data; ``every`` scores every k-th position, each from its last bytes."""
+    torch.manual_seed(1)
+    model = RunningMeanModel()
+    full = nll_by_position(model, data, 24, 96)  # windows at 0, 24, 48, 72
+    picked = nll_by_position(model, data, 24, 48, starts=[72, 24])
+    torch.testing.assert_close(picked, full[[3, 1]], rtol=0, atol=1e-12)
+    inside = nll_by_position(model, data, 24, 24, starts=[10])  # a window not on the grid: data[10:34]
+    torch.testing.assert_close(inside, nll_by_position(model, data[10:], 24, 24), rtol=0, atol=1e-12)
+    every = truncated_context_nll(model, data, 24, 96, context=6, scored_from=6, every=5)
+    short = truncated_context_nll(model, data, 24, 96, context=6, scored_from=6)
+    columns = [6, 11, 16, 21]
+    torch.testing.assert_close(every[:, columns], short[:, columns], rtol=0, atol=1e-12)
+    others = [t for t in range(24) if t not in columns]
+    assert every[:, others].isnan().all()
+    sampled = truncated_context_nll(model, data, 24, 48, context=6, scored_from=6, every=5, starts=[72, 24])
+    torch.testing.assert_close(sampled[:, columns], short[[3, 1]][:, columns], rtol=0, atol=1e-12)
+    bands = context_gain(full, every, [(6, 16), (16, 24)])
+    assert [row["windows"] for row in bands] == [4, 4]
+
+
 def test_position_bands_cut_at_the_training_length() -> None:
     assert position_bands(1024, 64) == [(0, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 512), (512, 1024)]
     assert position_bands(100, 48) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 100)]
@@ -111,6 +133,8 @@ def test_position_bands_cut_at_the_training_length() -> None:
         ({"context": 0}, "context must be a positive int"),
         ({"context": 4, "stride": 5}, "stride=5 must be at most context=4"),
         ({"context": 4, "scored_from": 24}, r"scored_from must lie in \[0, length=24\), got 24"),
+        ({"context": 4, "stride": 2, "every": 3}, "give stride=2 or every=3, not both"),
+        ({"context": 4, "every": 0}, "every must be a positive int"),
     ],
 )
 def test_truncated_context_refuses_bad_settings(data: torch.Tensor, kwargs: dict[str, int], message: str) -> None:
@@ -123,6 +147,12 @@ def test_windows_refuse_bad_lengths(data: torch.Tensor) -> None:
         nll_by_position(LocalWindowModel(), data, 24, 90)
     with pytest.raises(ValueError, match="data holds 97 bytes; 193 are needed"):
         nll_by_position(LocalWindowModel(), data, 24, 192)
+    with pytest.raises(ValueError, match=r"starts must give tokens // length = 2 windows, got 1"):
+        nll_by_position(LocalWindowModel(), data, 24, 48, starts=[0])
+    with pytest.raises(ValueError, match=r"every window of 24 bytes .* must lie in the 97 bytes of data"):
+        nll_by_position(LocalWindowModel(), data, 24, 48, starts=[0, 73])
+    with pytest.raises(ValueError, match="every window of 24 bytes"):
+        nll_by_position(LocalWindowModel(), data, 24, 48, starts=[-1, 0])
     with pytest.raises(ValueError, match="model must have make_caches"):
         nll_token_by_token(LocalWindowModel(), data, 24, 96)
     with pytest.raises(ValueError, match="full and truncated must have one shape"):

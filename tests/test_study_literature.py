@@ -135,3 +135,28 @@ def test_literature_runs_two_tasks_with_seeds_and_intervals(tmp_path: Path) -> N
     assert row["exact_match_to_2L"]["seeds"] == 2 and len(row["exact_match_to_2L_per_seed"]) == 2
     lines = "\n".join(literature_lines(results))
     assert "copy (mean ± half-width of the 95% interval over 2 seeds):" in lines and "best to 2L:" in lines
+
+
+def test_depth_variants_train_the_papers_model_sizes(tmp_path: Path) -> None:
+    """Kazemnejad et al.'s 12 layers at the study's width; Ruoss et al.'s 5 layers of 64 with 8 heads and MLP 256."""
+    from selfattn.study.literature import CAUSE_VARIANTS, KAZEMNEJAD, MODEL_SIZES, run_literature, variant_config
+    from selfattn.study.training import build_model
+
+    deep = ["none-12-layers", "t5-init-12-layers", "alibi-12-layers", "rotary-partial-25-12-layers"]
+    ruoss = ["rotary-5x64-8-heads", "rotary+rand-5x64-8-heads"]
+    assert set(MODEL_SIZES) == {*deep, *ruoss}
+    for name in deep:
+        encoding, randomized, options = CAUSE_VARIANTS[name]
+        model = build_model(RunSpec("copy", encoding, 0, randomized), variant_config(name), options)
+        assert (len(model.blocks), model.num_hiddens, model.blocks[0].attention.num_heads) == (12, 64, 4)
+    for name in ruoss:
+        encoding, randomized, options = CAUSE_VARIANTS[name]
+        model = build_model(RunSpec("copy", encoding, 0, randomized), variant_config(name), options)
+        block = model.blocks[0]
+        assert (len(model.blocks), model.num_hiddens, block.attention.num_heads) == (5, 64, 8)
+        assert block.mlp is not None and block.mlp[0].out_features == 256
+    assert variant_config("rotary") == KAZEMNEJAD  # the others keep the study's 3 layers
+    with pytest.raises(ValueError, match=r"variant must be one of .*; got 'bogus'"):
+        variant_config("bogus")
+    with pytest.raises(ValueError, match=r"variants must be among .*; got 'bogus'"):
+        run_literature(tmp_path, variants=["bogus"])

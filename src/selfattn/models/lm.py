@@ -169,7 +169,9 @@ class TransformerLM(NotScriptable, nn.Module):
         if tokens.shape[1] == 0:
             raise ValueError("tokens must hold at least one position, got length 0")
 
-    def _check_positions(self, positions: torch.Tensor, length: int, caches: Sequence[KVCache] | None) -> torch.Tensor:
+    def _check_positions(
+        self, positions: torch.Tensor, batch: int, length: int, caches: Sequence[KVCache] | None
+    ) -> torch.Tensor:
         if caches is not None:
             raise ValueError("positions and caches cannot be combined: decode with consecutive positions")
         if self.input_encoding is None and not isinstance(self.position, QueryKeyEncoding):
@@ -177,12 +179,20 @@ class TransformerLM(NotScriptable, nn.Module):
                 f"positions only apply to absolute and rotary encodings, not {self.position_name!r} "
                 "(a relative encoding sees distances only)"
             )
-        if not isinstance(positions, torch.Tensor) or positions.shape != (length,) or positions.is_floating_point():
-            raise ValueError(f"positions must be an integer tensor of shape ({length},), got {positions!r}")
-        if length > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        if (
+            not isinstance(positions, torch.Tensor)
+            or positions.dim() not in (1, 2)
+            or positions.shape[-1] != length
+            or (positions.dim() == 2 and positions.shape[0] != batch)
+            or positions.is_floating_point()
+        ):
+            raise ValueError(
+                f"positions must be an integer tensor of shape ({length},) or ({batch}, {length}), got {positions!r}"
+            )
+        if length > 1 and not bool((positions[..., 1:] > positions[..., :-1]).all()):
             raise ValueError("positions must be strictly increasing")
-        if int(positions[0]) < 0:
-            raise ValueError(f"positions must be non-negative, got {int(positions[0])}")
+        if int(positions[..., 0].min()) < 0:
+            raise ValueError(f"positions must be non-negative, got {int(positions[..., 0].min())}")
         return positions.long()
 
     def forward(
@@ -204,7 +214,8 @@ class TransformerLM(NotScriptable, nn.Module):
             offset: absolute position of ``tokens[:, 0]`` (default 0, or the caches' length).
             caches: one :class:`~selfattn.KVCache` per block (see :meth:`make_caches`).
             positions: ``(l,)`` strictly increasing positions for the tokens instead of
-                ``offset, offset + 1, ...`` (randomized positions; absolute and rotary encodings).
+                ``offset, offset + 1, ...``, or ``(b, l)``: each sequence its own (randomized
+                positions drawn per sequence; absolute and rotary encodings).
             return_hidden: also return the hidden states: the block input and each block's
                 output, ``num_layers + 1`` tensors ``(b, l, d)`` (before the final norm).
 
@@ -220,7 +231,7 @@ class TransformerLM(NotScriptable, nn.Module):
         if positions is not None:
             if offset is not None:
                 raise ValueError("give either offset or positions, not both")
-            positions = self._check_positions(positions, length, caches)
+            positions = self._check_positions(positions, tokens.shape[0], length, caches)
         if offset is None:
             offset = 0 if caches is None else caches[0].length
         offset = require_non_negative_int("offset", offset)
@@ -245,8 +256,8 @@ class TransformerLM(NotScriptable, nn.Module):
             if positions is None:
                 x = self.input_encoding(x, offset=offset)
             else:
-                # Rows 0..max of the table, gathered at the given positions: (l, d).
-                table = self.input_encoding(x.new_zeros(1, int(positions[-1]) + 1, self.num_hiddens))[0]
+                # Rows 0..max of the table, gathered at the given positions: (l, d) or (b, l, d).
+                table = self.input_encoding(x.new_zeros(1, int(positions[..., -1].max()) + 1, self.num_hiddens))[0]
                 x = x + table[positions]
         # Token i sits at positions[i]; the attention's encoding transforms queries and keys there itself.
         block_offset = offset if positions is None else None

@@ -45,11 +45,21 @@ def attention_by_position(model: TransformerLM, tokens: torch.Tensor) -> dict[st
     """
     if not isinstance(model, TransformerLM):
         raise ValueError(f"model must be a TransformerLM, got {type(model).__name__}")
-    weights: list[torch.Tensor] = []
+    length = tokens.shape[1]
+    positions = torch.arange(length, dtype=torch.float64)
+    offsets = (positions[:, None] - positions[None, :]).clamp(min=0)  # (l, l): i - j, 0 above the diagonal
+    distances: list[torch.Tensor] = []
+    entropies: list[torch.Tensor] = []
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         _, found = module.forward(*args, **{**kwargs, "return_weights": True})  # forward itself: no hook again
-        weights.append(found.detach().double().cpu())  # (b, h, l, l)
+        # Reduced here, one head at a time in float64: keeping every layer's (b, h, l, l) weights took
+        # gigabytes at 16 L = 4,096 bytes.
+        per_head = [
+            _distance_and_entropy(found[:, head].detach().cpu().double(), offsets) for head in range(found.shape[1])
+        ]
+        distances.append(torch.stack([distance for distance, _ in per_head]))  # (h, l)
+        entropies.append(torch.stack([entropy for _, entropy in per_head]))
 
     attentions = [block.attention for block in model.blocks if isinstance(block, TransformerBlock)]
     handles = [attention.register_forward_hook(record, with_kwargs=True) for attention in attentions]
@@ -61,15 +71,14 @@ def attention_by_position(model: TransformerLM, tokens: torch.Tensor) -> dict[st
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    length = tokens.shape[1]
-    positions = torch.arange(length, dtype=torch.float64)
-    offsets = (positions[:, None] - positions[None, :]).clamp(min=0)  # (l, l): i - j, 0 above the diagonal
-    distances, entropies = [], []
-    for p in weights:
-        distances.append((p * offsets).sum(-1).mean(0))  # (h, l)
-        logs = torch.where(p > 0, p.clamp(min=torch.finfo(torch.float64).tiny).log(), torch.zeros_like(p))
-        entropies.append(-(p * logs).sum(-1).mean(0))
     return {"distance": torch.stack(distances), "entropy": torch.stack(entropies)}
+
+
+def _distance_and_entropy(p: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One head's attention ``p`` ``(b, l, l)``: mean distance back and entropy per query position, ``(l,)`` each."""
+    distance = (p * offsets).sum(-1).mean(0)
+    logs = torch.where(p > 0, p.clamp(min=torch.finfo(torch.float64).tiny).log(), torch.zeros_like(p))
+    return distance, -(p * logs).sum(-1).mean(0)
 
 
 def attention_bands(measured: dict[str, torch.Tensor], bands: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:

@@ -36,15 +36,31 @@ from selfattn._validation import require_positive_int
 __all__ = ["context_gain", "nll_by_position", "nll_token_by_token", "position_bands", "truncated_context_nll"]
 
 
-def _windows(data: torch.Tensor, length: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-byte targets of ``tokens // length`` non-overlapping windows: two ``(w, l)`` int64."""
+def _windows(
+    data: torch.Tensor, length: int, tokens: int, starts: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-byte targets of ``tokens // length`` windows: two ``(w, l)`` int64.
+
+    The windows are ``data[s : s + length]`` (targets one byte on) for ``s`` in ``starts``, or by
+    default the non-overlapping windows from the start, ``s = 0, length, .., tokens - length``.
+    """
     require_positive_int("length", length)
     require_positive_int("tokens", tokens)
     if tokens % length:
         raise ValueError(f"tokens={tokens} must be a multiple of length={length}")
-    if len(data) < tokens + 1:
-        raise ValueError(f"data holds {len(data)} bytes; {tokens + 1} are needed")
-    return data[:tokens].long().view(-1, length), data[1 : tokens + 1].long().view(-1, length)
+    if starts is None:
+        if len(data) < tokens + 1:
+            raise ValueError(f"data holds {len(data)} bytes; {tokens + 1} are needed")
+        return data[:tokens].long().view(-1, length), data[1 : tokens + 1].long().view(-1, length)
+    offsets = torch.as_tensor(list(starts), dtype=torch.long)
+    if offsets.numel() * length != tokens:
+        raise ValueError(f"starts must give tokens // length = {tokens // length} windows, got {offsets.numel()}")
+    if bool((offsets < 0).any()) or int(offsets.max()) + length + 1 > len(data):
+        raise ValueError(
+            f"every window of {length} bytes (and its next byte) must lie in the {len(data)} bytes of data"
+        )
+    index = offsets[:, None] + torch.arange(length)  # (w, l)
+    return data[index].long(), data[index + 1].long()
 
 
 def _nll(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -56,14 +72,21 @@ def _nll(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch
 
 @torch.no_grad()
 def nll_by_position(
-    model: nn.Module, data: torch.Tensor, length: int, tokens: int, *, chunk_tokens: int = 16384
+    model: nn.Module,
+    data: torch.Tensor,
+    length: int,
+    tokens: int,
+    *,
+    chunk_tokens: int = 16384,
+    starts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Loss of each byte of non-overlapping windows of ``length``: ``(w, l)`` float64 nats.
 
-    Row ``i`` holds window ``i`` (``data[i*l : (i+1)*l]`` predicting the byte after each);
+    Row ``i`` holds window ``i`` (``data[i*l : (i+1)*l]`` predicting the byte after each, or
+    ``data[starts[i] : starts[i] + l]`` with ``starts``: a sample of windows spread over ``data``);
     ``.mean(0)`` is the loss by position, ``.mean()`` the log of the usual perplexity.
     """
-    inputs, targets = _windows(data, length, tokens)
+    inputs, targets = _windows(data, length, tokens, starts)
     per_chunk = max(1, chunk_tokens // length)
     was_training = model.training
     model.eval()
@@ -84,7 +107,9 @@ def truncated_context_nll(
     context: int,
     scored_from: int = 0,
     stride: int = 1,
+    every: int = 1,
     chunk_windows: int = 256,
+    starts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The bytes :func:`nll_by_position` scores, each predicted from at most its last ``context`` bytes.
 
@@ -93,23 +118,28 @@ def truncated_context_nll(
     own, first byte at position 0) and the prediction at its last position is kept. With
     ``stride > 1``, one short window scores ``stride`` consecutive bytes (the sliding-window
     evaluation): those bytes have between ``context - stride + 1`` and ``context`` bytes of
-    context. Bytes before ``scored_from`` are NaN in the result.
+    context. With ``every > 1`` only the positions ``scored_from, scored_from + every, ..`` are
+    scored, each from exactly its last ``context`` bytes (a sample of positions: the cost falls
+    by ``every``). Bytes not scored are NaN in the result. ``starts`` as in :func:`nll_by_position`.
 
     Returns:
         ``(w, l)`` float64 nats, aligned with :func:`nll_by_position`.
     """
-    inputs, targets = _windows(data, length, tokens)
+    inputs, targets = _windows(data, length, tokens, starts)
     context = require_positive_int("context", context)
     stride = require_positive_int("stride", stride)
+    every = require_positive_int("every", every)
     if stride > context:
         raise ValueError(f"stride={stride} must be at most context={context}")
+    if stride > 1 and every > 1:
+        raise ValueError(f"give stride={stride} or every={every}, not both: a group of bytes or a sample of positions")
     if not 0 <= scored_from < length:
         raise ValueError(f"scored_from must lie in [0, length={length}), got {scored_from}")
     result = torch.full(inputs.shape, float("nan"), dtype=torch.float64)
     was_training = model.training
     model.eval()
     # Each group of `stride` scored bytes [t0, t1) is predicted by one window ending at t1 - 1.
-    for t0 in range(scored_from, length, stride):
+    for t0 in range(scored_from, length, stride * every):
         t1 = min(t0 + stride, length)
         start = max(0, t1 - context)
         short_inputs = inputs[:, start:t1]  # (w, t1 - start): the window's bytes up to t1 - 1
@@ -122,15 +152,17 @@ def truncated_context_nll(
 
 
 @torch.no_grad()
-def nll_token_by_token(model: nn.Module, data: torch.Tensor, length: int, tokens: int) -> torch.Tensor:
+def nll_token_by_token(
+    model: nn.Module, data: torch.Tensor, length: int, tokens: int, *, starts: Sequence[int] | None = None
+) -> torch.Tensor:
     """:func:`nll_by_position` computed one byte at a time through the model's caches.
 
     ``model`` is a :class:`~selfattn.models.TransformerLM` (it needs ``make_caches`` and a
     ``caches=`` keyword). Each byte is fed alone; the caches hold the bytes before it, so a
     length-dependent scaling sees the current length ``t + 1`` at position ``t``, not the
-    window's length.
+    window's length. ``starts`` as in :func:`nll_by_position`.
     """
-    inputs, targets = _windows(data, length, tokens)
+    inputs, targets = _windows(data, length, tokens, starts)
     make_caches = getattr(model, "make_caches", None)
     if make_caches is None:
         raise ValueError(f"model must have make_caches() (a TransformerLM), got {type(model).__name__}")

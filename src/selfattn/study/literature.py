@@ -21,7 +21,31 @@ change one suspected cause:
   ``p-rope-scaled`` (the fastest pairs rotate, :mod:`selfattn.study.encodings`).
 * ``t5-init``: their T5 initialisation (std ``d ** -0.5``) beside ``nn.Embedding``'s N(0, 1).
 
-Their depth (larger models) is not reproduced: the study's 3 layers of width 64 stay.
+The papers' depth, each beside the study's 3 layers of width 64 (:data:`MODEL_SIZES`):
+
+* **Kazemnejad et al.** trained a decoder-only T5 built from Hugging Face's ``t5-base``
+  configuration (their repository's ``configs/models/custom_t5_base_dec_only.jsonnet`` with
+  ``hf_model_name: 't5-base'``, ``from_pretrained: false``): 12 layers, ``d_model`` 768, 12 heads
+  of 64, ``d_ff`` 3072 (7.1M parameters per layer without cross-attention, 85M in the layers;
+  trained from scratch). The ``*-12-layers`` variants take their depth, 12 layers, at the
+  study's width (64, 4 heads of 16, MLP 128): width 768 is 12 times the width and about 144
+  times the multiply-adds per layer, beyond 2 cores in any budget of hours.
+  Their four main encodings (NoPE, T5 with its initialisation, ALiBi, partial rotary) are
+  trained at that depth.
+* **Ruoss et al.**: their repository (``google-deepmind/randomized_positional_encodings``)
+  builds its transformer from ``models/transformer.py``'s ``TransformerConfig`` defaults, 8 heads
+  and MLP 4 x the embedding, with ``experiments/example.py``'s 5 layers of embedding 64 (an
+  encoder; that script trains 10,000 steps at batch 128, lr 1e-3, on lengths 1..40, drawing
+  positions from ``range(2048)``): 5 layers, d = 64, 8 heads of 8, MLP 256.
+  ``rotary-5x64-8-heads`` and ``rotary+rand-5x64-8-heads`` are that size exactly, causal as the
+  rest of the study.
+
+Budget (CPU time of one thread per run of copy, 7,500 steps, measured on the shared 2-core
+machine at load about 5 on 2026-11-26): 6.7 min at the study's 3 layers, 19.8 min at 12 layers,
+13.6 min at 5 layers of 8 heads (reverse runs take about 0.7 times as long). The 11 shallow
+variants x 2 tasks x 3 seeds are about 6 h of CPU, the 4 deep ones about 7 h, Ruoss et al.'s
+size about 2.5 h; ``--variants`` and ``--tasks`` run any subset, resumably, into the same folder
+(two processes with different ``--tasks`` use both cores; a last call with every variant merges).
 
 Run ``python -m selfattn.study.literature --out DIR``; it resumes (one file per run, written
 atomically; checkpoints as the study's) and writes ``DIR/literature.json``.
@@ -32,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +74,12 @@ __all__ = [
     "KAZEMNEJAD",
     "LITERATURE_SEEDS",
     "LITERATURE_TASKS",
+    "MODEL_SIZES",
     "literature_lines",
     "run_literature",
     "t5_bucket_starts",
     "t5_buckets_reached",
+    "variant_config",
 ]
 
 #: The study's settings, evaluated to 2L as Kazemnejad et al. did (compute-matched: no early stop).
@@ -75,6 +102,20 @@ CAUSE_VARIANTS: dict[str, tuple[str, bool, dict[str, Any]]] = {
     "rotary-partial-25": ("rotary", False, {"rotary_dim": int(0.25 * _HEAD_DIM)}),
     "p-rope-scaled": ("p-rope-scaled", False, {}),
     "rotary+rand": ("rotary", True, {}),
+    # The papers' depth (MODEL_SIZES): Kazemnejad et al.'s 12 layers, Ruoss et al.'s 5 x 64 with 8 heads.
+    "none-12-layers": ("none", False, {}),
+    "t5-init-12-layers": ("t5", False, {"bias_init_std": KAZEMNEJAD.num_hiddens**-0.5}),
+    "alibi-12-layers": ("alibi", False, {}),
+    "rotary-partial-25-12-layers": ("rotary", False, {"rotary_dim": int(0.25 * _HEAD_DIM)}),
+    "rotary-5x64-8-heads": ("rotary", False, {}),
+    "rotary+rand-5x64-8-heads": ("rotary", True, {}),
+}
+_KAZEMNEJAD_DEPTH = {"num_layers": 12}
+_RUOSS_SIZE = {"num_layers": 5, "num_heads": 8, "ffn_hiddens": 256}
+#: Variants trained at another model size than the study's (fields of StudyConfig they replace).
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    **{name: _KAZEMNEJAD_DEPTH for name in CAUSE_VARIANTS if name.endswith("-12-layers")},
+    **{name: _RUOSS_SIZE for name in CAUSE_VARIANTS if name.endswith("-5x64-8-heads")},
 }
 #: More than one task, as their ranking aggregates several (the two the study's budget trains).
 LITERATURE_TASKS = ("copy", "reverse")
@@ -133,6 +174,19 @@ def _variant_row(members: list[dict[str, Any]], config: StudyConfig) -> dict[str
     }
 
 
+def variant_config(name: str, config: StudyConfig = KAZEMNEJAD) -> StudyConfig:
+    """``config`` at the variant's model size (:data:`MODEL_SIZES`; the study's for the others)."""
+    if name not in CAUSE_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(CAUSE_VARIANTS)}; got {name!r}")
+    size = MODEL_SIZES.get(name, {})
+    return replace(
+        config,
+        num_layers=size.get("num_layers", config.num_layers),
+        num_heads=size.get("num_heads", config.num_heads),
+        ffn_hiddens=size.get("ffn_hiddens", config.ffn_hiddens),
+    )
+
+
 def _train_variant(out: Path, task: str, name: str, seed: int, config: StudyConfig, version: str) -> dict[str, Any]:
     """One run of a variant, trained unless ``out`` holds it (a run file per run, written atomically)."""
     encoding, randomized, options = CAUSE_VARIANTS[name]
@@ -140,7 +194,7 @@ def _train_variant(out: Path, task: str, name: str, seed: int, config: StudyConf
     if not path.exists():
         run = train_run(
             RunSpec(task, encoding, seed, randomized),
-            config,
+            variant_config(name, config),
             checkpoint=out / "checkpoints" / f"{task}-{name}-s{seed}.pt",
             position_options=options,
         )
@@ -161,6 +215,9 @@ def run_literature(
     Each variant's cells are the mean over seeds with a 95% interval
     (:func:`~selfattn.study.spread.interval95`); ``code_versions`` lists the code the runs came from.
     """
+    for name in variants or ():
+        if name not in CAUSE_VARIANTS:
+            raise ValueError(f"variants must be among {', '.join(CAUSE_VARIANTS)}; got {name!r}")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     (out / "checkpoints").mkdir(exist_ok=True)
     version = code_version()
@@ -173,6 +230,7 @@ def run_literature(
             every += members
             rows.setdefault(task, {})[name] = {
                 "encoding": encoding, "randomized_positions": randomized, "options": options,
+                "model": MODEL_SIZES.get(name, {}),
                 **_variant_row(members, config),
             }  # fmt: skip
     results = {

@@ -65,8 +65,13 @@ def text_settings(
     if steps is not None:
         config = replace(config, steps=steps, warmup=min(config.warmup, max(1, steps // 10)))
     if train_len is not None:
-        longest = train_len * max(config.eval_factors)
-        tokens = max(config.eval_tokens // longest, 1) * longest  # the same bytes scored, whole windows
-        config = replace(config, train_len=train_len, eval_tokens=tokens)
+        # The same bytes per step at every L (2,048 by default: 32 windows of 64, 16 of 128, 8 of 256), so
+        # every training length sees the same text for the same steps.
+        batch_size = max(1, config.batch_size * config.train_len // train_len)
+        tokens = config.eval_tokens
+        if tokens is not None:  # the same bytes scored, in whole windows of the longest length
+            longest = train_len * max(config.eval_factors)
+            tokens = max(tokens // longest, 1) * longest
+        config = replace(config, train_len=train_len, eval_tokens=tokens, batch_size=batch_size)
     chosen = tuple(encodings or (QUICK_TEXT_ENCODINGS if quick else TEXT_ENCODINGS))
     return chosen, seeds or (1 if quick else DEFAULT_TEXT_SEEDS), config

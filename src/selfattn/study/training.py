@@ -264,9 +264,16 @@ def _generator(*parts: int | str) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(text.encode()))
 
 
-def _random_positions(length: int, max_position: int, generator: torch.Generator) -> torch.Tensor:
-    """A sorted random subset of ``range(max_position)`` of size ``length`` (Ruoss et al. 2023)."""
-    return torch.randperm(max_position, generator=generator)[:length].sort().values
+def _random_positions(rows: int, length: int, max_position: int, generator: torch.Generator) -> torch.Tensor:
+    """``(rows, length)``: per row its own sorted random subset of ``range(max_position)`` (Ruoss et al. 2023).
+
+    Each sequence of a batch draws its own positions, as Ruoss et al. draw them per sample: one
+    draw shared by a whole batch would give every sequence of a step the same gaps.
+    """
+    if length > max_position:
+        raise ValueError(f"cannot draw {length} distinct positions from range({max_position})")
+    keys = torch.rand(rows, max_position, generator=generator)  # a random order of the positions per row
+    return keys.argsort(dim=1)[:, :length].sort(dim=1).values
 
 
 def training_batch(
@@ -276,13 +283,15 @@ def training_batch(
 
     Returns:
         tokens ``(b, l)``, targets ``(b, l)`` (-100 off the answer) and, with randomized
-        positions, the positions ``(l,)`` drawn from ``range(max_position)`` (else None).
+        positions, the positions ``(b, l)`` drawn from ``range(max_position)``, one draw per
+        sequence (else None).
     """
     generator = _generator("train", spec.seed, spec.task, step)
     draws = config.batch_size if config.mixed_lengths else 1
     lengths = torch.randint(1, config.train_len + 1, (draws,), generator=generator).tolist()
     tokens, targets, _ = make_batch(task, lengths * (config.batch_size // draws), generator)
-    positions = _random_positions(tokens.shape[1], max_position, generator) if spec.randomized_positions else None
+    rows, length = tokens.shape
+    positions = _random_positions(rows, length, max_position, generator) if spec.randomized_positions else None
     return tokens, targets, positions
 
 
@@ -363,8 +372,8 @@ def _score_lengths(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Exact match and token accuracy at each length, on ``samples`` samples drawn from ``stream``.
 
-    With randomized positions each sample draws its own positions (one forward pass per sample),
-    so a length's accuracy does not hang on one draw shared by all its samples.
+    With randomized positions each sample draws its own positions (a ``(b, l)`` row each), so a
+    length's accuracy does not hang on one draw shared by all its samples.
     """
     was_training = model.training
     model.eval()
@@ -375,23 +384,22 @@ def _score_lengths(
         generator = _generator(stream, spec.seed, spec.task, n)
         tokens, targets, _ = make_batch(task, [n] * samples, generator)
         tokens, targets = tokens.to(device), targets.to(device)
-        batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+        positions: torch.Tensor | None = None
         if spec.randomized_positions:
             assert isinstance(model, TransformerLM)
-            draw = _random_positions  # one draw per sample
-            batches = [
-                (tokens[i : i + 1], targets[i : i + 1], draw(tokens.shape[1], model.max_len, generator).to(device))
-                for i in range(tokens.shape[0])
-            ]
-        else:
-            per_chunk = max(1, chunk_tokens // tokens.shape[1])
-            batches = [
-                (tokens[i : i + per_chunk], targets[i : i + per_chunk], None)
-                for i in range(0, tokens.shape[0], per_chunk)
-            ]
+            positions = _random_positions(samples, tokens.shape[1], model.max_len, generator).to(device)
+        per_chunk = max(1, chunk_tokens // tokens.shape[1])
+        batches = [
+            (
+                tokens[i : i + per_chunk],
+                targets[i : i + per_chunk],
+                None if positions is None else positions[i : i + per_chunk],
+            )
+            for i in range(0, tokens.shape[0], per_chunk)
+        ]
         hits, fractions = [], []
-        for inputs, answers, positions in batches:
-            logits = model(inputs, positions=positions)
+        for inputs, answers, rows in batches:
+            logits = model(inputs, positions=rows)
             hits.append(exact_match(logits, answers))
             fractions.append(token_accuracy(logits, answers))
         accuracy[str(n)] = float(torch.cat(hits).mean())
@@ -634,6 +642,7 @@ def train_run(
         tokens, targets, positions = training_batch(task, spec, config, state.step, model.max_len)
         count = int((targets != -100).sum())  # answer tokens in the global batch
         tokens, targets = tokens[rank * share : (rank + 1) * share], targets[rank * share : (rank + 1) * share]
+        positions = None if positions is None else positions[rank * share : (rank + 1) * share]
         for group in optimizer.param_groups:
             group["lr"] = _learning_rate(state.step, steps, config)
         logits = trained(tokens.to(device), positions=None if positions is None else positions.to(device))
