@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import selfattn._validation as _validation
 import selfattn.masks as masks
 from selfattn.cache import CachedKeys
-from selfattn.core.call import AttentionCall, ModuleInputs
+from selfattn.core.call import AttentionCall, ModuleInputs, causal_hides_nothing
 from selfattn.core.inputs import Request, zero_padding
 from selfattn.core.route import Output
 from selfattn.masks import Visibility
@@ -117,9 +117,11 @@ def describe(module: Any, request: Request) -> AttentionCall:
         )  # (b, h, lq, dh)
         return q
 
+    position = module.position  # read once: a submodule's lookup goes through nn.Module.__getattr__
+
     def project_kv() -> tuple[torch.Tensor, torch.Tensor]:
-        if module.rotates:
-            _update_cached_keys(module, request)
+        if isinstance(position, QueryKeyEncoding):
+            _update_cached_keys(position, request)
         k = module.project_keys(
             inputs()[1], encoding_positions(request.k_positions, request.k_axes), request.k_first_position
         )  # (b, hk, lk_new, dh)
@@ -153,7 +155,7 @@ def describe(module: Any, request: Request) -> AttentionCall:
         make_kv=make_kv,
         q_positions=request.q_positions,
         k_positions=seen.positions,
-        term=module.position if isinstance(module.position, ScoreEncoding) else None,
+        term=position if isinstance(position, ScoreEncoding) else None,
         bias=bias,
         dropout_p=module.dropout if module.training else 0.0,
         scale=module.scale,
@@ -182,14 +184,14 @@ def _shared_keys(module: Any, request: Request) -> CachedKeys:
     return cache.read(request.keys.shape[1], module.num_kv_heads, module.head_dim, module.value_head_dim)
 
 
-def _update_cached_keys(module: Any, request: Request) -> None:
+def _update_cached_keys(encoding: QueryKeyEncoding, request: Request) -> None:
     """Give the encoding the positions of the stored keys and the new ones (dynamic rotary re-rotates the cache).
 
     A windowed cache holds only some keys (``cache.stored`` of ``cache.length``), with their own
     positions: those are the keys to re-rotate, and a window that slid past others changes nothing.
     """
     cache = request.cache
-    if cache is None or not _updates_cached_keys(module.query_key_encoding):
+    if cache is None or not _updates_cached_keys(encoding):
         return  # the positions would be gathered for nothing (a rotary without length scaling)
     cached = cache.positions
     if cached is None:
@@ -198,7 +200,7 @@ def _update_cached_keys(module: Any, request: Request) -> None:
     if cached.dim() != new_positions.dim():  # one of them per sequence: both per sequence
         batch = request.queries.shape[0]
         cached, new_positions = cached.expand(batch, -1), new_positions.expand(batch, -1)
-    module.query_key_encoding.update_cached_keys(cache, torch.cat((cached, new_positions), dim=-1))
+    encoding.update_cached_keys(cache, torch.cat((cached, new_positions), dim=-1))
 
 
 def _visibility(module: Any, request: Request, seen: _Seen) -> tuple[Visibility, torch.Tensor | None]:
@@ -211,6 +213,13 @@ def _visibility(module: Any, request: Request, seen: _Seen) -> tuple[Visibility,
         if mask.is_floating_point():
             bias = mask.masked_fill(mask == float("-inf"), 0.0)  # -inf goes into the bool mask
             mask = mask != float("-inf")
+    if (
+        mask is None
+        and _only_causal(module, request, seen)
+        and causal_hides_nothing(visibility)
+        and not _validation.is_compiling()  # as AttentionCall: a graph keeps the rule (no guard on the sizes)
+    ):
+        return visibility, bias  # decoding: the causal rule hides nothing, and AttentionCall would drop it
     both = request.document_ids is not None and seen.documents is not None
     visibility = visibility.with_rules(
         masks.causal() if request.causal else None,
@@ -223,6 +232,19 @@ def _visibility(module: Any, request: Request, seen: _Seen) -> tuple[Visibility,
         request.mask,
     )
     return visibility, bias
+
+
+def _only_causal(module: Any, request: Request, seen: _Seen) -> bool:
+    """Whether the call's one rule would be ``causal`` (or none): no window, chunks, lengths, padding, documents
+    or rule of the caller (``attn_mask`` is tested by the caller)."""
+    return (
+        module.window is None
+        and module.chunk_size is None
+        and request.valid_lens is None
+        and seen.padding is None
+        and request.document_ids is None
+        and request.mask is None
+    )
 
 
 def _chunks(module: Any, request: Request, seen: _Seen) -> masks.Rule | None:

@@ -420,9 +420,10 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         """
         q = self.split_heads(self._run_parts("query_features", self.W_q(x), positions))  # (b, h, lq, dh)
         q = self._run_parts("queries", q, positions)
-        if self.rotates:
-            rotated = self._rotate_consecutive(q, first)
-            q = self.query_key_encoding.encode_queries(q, for_heads(positions)) if rotated is None else rotated
+        position = self.position  # read once: a submodule's lookup goes through nn.Module.__getattr__
+        if isinstance(position, QueryKeyEncoding):
+            rotated = _rotate_consecutive(position, q, first)
+            q = position.encode_queries(q, for_heads(positions)) if rotated is None else rotated
         return self._run_parts("rotated_queries", q, positions)
 
     def project_keys(self, x: torch.Tensor, positions: torch.Tensor, first: int | None = None) -> torch.Tensor:
@@ -430,32 +431,28 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         (``first`` as for :meth:`project_queries`)."""
         k = self.split_heads(self._run_parts("key_features", self._key_projection()(x), positions), self.num_kv_heads)
         k = self._run_parts("keys", k, positions)  # (b, hk, lk, dh)
-        if self.rotates:
-            rotated = self._rotate_consecutive(k, first)
-            k = self.query_key_encoding.encode_keys(k, for_heads(positions)) if rotated is None else rotated
+        position = self.position
+        if isinstance(position, QueryKeyEncoding):
+            rotated = _rotate_consecutive(position, k, first)
+            k = position.encode_keys(k, for_heads(positions)) if rotated is None else rotated
         return self._run_parts("rotated_keys", k, positions)
 
     def project_values(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
         """Value heads ``(b, hk, lk, dv)`` from ``(b, lk, dv_in)``: ``W_v`` (or ``W_k`` of ``keys`` when values
         are the keys' projection), then the value parts."""
-        projected = self._key_projection()(x if keys is None else keys) if self.W_v is None else self.W_v(x)
+        values_projection = self.W_v
+        projected = (
+            self._key_projection()(x if keys is None else keys) if values_projection is None else values_projection(x)
+        )
         v = self.split_heads(projected, self.num_kv_heads, self.value_head_dim)  # (b, hk, lk, dv)
         return self._run_parts("values", v, None)
 
     def _key_projection(self) -> nn.Linear:
         """``W_k``; a layer reading another layer's keys (``shared_kv``) has none."""
-        if self.W_k is None:
+        projection: nn.Linear | None = self.W_k
+        if projection is None:
             raise ValueError("shared_kv=True: this layer reads another layer's keys and values and projects none")
-        return self.W_k
-
-    def _rotate_consecutive(self, x: torch.Tensor, first: int | None) -> torch.Tensor | None:
-        """A plain rotary's rotation of ``x`` at positions counting up from ``first``, from its table; else None.
-
-        Only the class itself: a subclass may change ``forward`` or the hooks, which the table would bypass.
-        """
-        if first is None or type(self.position) is not RotaryPositionalEncoding:
-            return None
-        return self.position.rotate_consecutive(x, first)
+        return projection
 
     def project_output(self, merged: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """``W_o`` of the merged heads ``(b, lq, h * dv)``, after the output parts (norms per head, then gates)."""
@@ -483,3 +480,13 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         extra += ", qk_norm=True" if self.q_norm is not None else ""
         extra += ", gated_output=True" if self.W_g is not None else ""
         return f"num_hiddens={self.num_hiddens}, num_heads={self.num_heads}, dropout={self.dropout}{extra}"
+
+
+def _rotate_consecutive(position: QueryKeyEncoding, x: torch.Tensor, first: int | None) -> torch.Tensor | None:
+    """A plain rotary's rotation of ``x`` at positions counting up from ``first``, from its table; else None.
+
+    Only the class itself: a subclass may change ``forward`` or the hooks, which the table would bypass.
+    """
+    if first is None or type(position) is not RotaryPositionalEncoding:
+        return None
+    return position.rotate_consecutive(x, first)

@@ -255,17 +255,18 @@ class KVCache:
         if documents is not None and self._documents is None:
             self._documents = torch.zeros(stored_positions.shape, dtype=torch.long, device=keys.device)
         start, end = self.length, self.length + new
-        stored_keys[..., start:end, :] = keys
-        stored_values[..., start:end, :] = values
-        stored_positions[:, start:end] = positions
+        # narrow, not [..., start:end, :]: an index with an Ellipsis costs several times a plain view per step.
+        stored_keys.narrow(-2, start, new).copy_(keys)
+        stored_values.narrow(-2, start, new).copy_(values)
+        stored_positions.narrow(1, start, new).copy_(positions)
         if self._padding is not None:
             self._padding[:, start:end] = False if padding is None else padding
         if self._documents is not None and documents is not None:
             self._documents[:, start:end] = documents
         self._pending = new
         seen = CachedKeys(
-            stored_keys[..., :end, :],
-            stored_values[..., :end, :],
+            stored_keys.narrow(-2, 0, end),
+            stored_values.narrow(-2, 0, end),
             stored_positions[0, :end] if self._pending_shared else stored_positions[:, :end],
             None if self._padding is None else self._padding[:, :end],
             0,

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
@@ -23,14 +22,13 @@ from selfattn.masks import Causal, Visibility, Window
 if TYPE_CHECKING:
     from selfattn.positional.base import ScoreEncoding
 
-__all__ = ["MAX_LENGTH_GROUPS", "AttentionCall", "ModuleInputs"]
+__all__ = ["MAX_LENGTH_GROUPS", "AttentionCall", "ModuleInputs", "causal_hides_nothing"]
 
 # Ragged batches run one fused call per distinct valid length; past this many, one masked call.
 MAX_LENGTH_GROUPS = 8
 
 
-@dataclass(frozen=True, eq=False)
-class ModuleInputs:
+class ModuleInputs(NamedTuple):
     """What routes that project for themselves need of a :class:`~selfattn.MultiHeadAttention` call.
 
     Attributes:
@@ -41,6 +39,9 @@ class ModuleInputs:
             and ``(lk,)``/``(b, lk)``, or M-RoPE's ``(3, b, lq)`` and ``(3, b, lk)``.
         skip_padded_queries: the module's option.
         has_cache: whether a cache takes part.
+
+    A named tuple, not a frozen dataclass: every call of a layer builds one, and a frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__`` (microseconds of a decoding step).
     """
 
     module: Any
@@ -278,6 +279,12 @@ class AttentionCall:
         return not (self.term_reads_queries or self.term_parameters or self.value_term or self.dropout_p > 0)
 
 
+def causal_hides_nothing(visibility: Visibility) -> bool:
+    """Whether a lower-right causal rule would let every query of ``visibility`` see every key (no key after the
+    first query: decoding's queries after the cache's keys). From the indices alone; :func:`_hides_nothing` uses it."""
+    return visibility.k_first + visibility.num_keys - 1 <= visibility.q_first
+
+
 def _hides_nothing(visibility: Visibility) -> bool:
     """Whether the rules are causal and windows that let every query see every key of the call.
 
@@ -289,7 +296,7 @@ def _hides_nothing(visibility: Visibility) -> bool:
     first_query, last_query = visibility.q_first, visibility.q_first + visibility.num_queries - 1
     first_key, last_key = visibility.k_first, visibility.k_first + visibility.num_keys - 1
     for rule in visibility.rules:
-        if isinstance(rule, Causal) and last_key > first_query:
+        if isinstance(rule, Causal) and not causal_hides_nothing(visibility):
             return False
         if isinstance(rule, Window) and max(last_key - first_query, last_query - first_key) >= rule.size:
             return False

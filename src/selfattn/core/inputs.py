@@ -49,31 +49,32 @@ def require_int_tensor(name: str, value: object, shapes: tuple[tuple[int, ...], 
 
 def check_inputs(module: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     weight = module.W_q.weight
-    checked: list[tuple[torch.Tensor, int]] = []
-    for name, t, size in (
-        ("queries", queries, module.query_size),
-        ("keys", keys, module.key_size),
-        ("values", values, module.value_size),
-    ):
-        if any(t is earlier and size == earlier_size for earlier, earlier_size in checked):
-            continue  # self-attention: one tensor, checked once
-        checked.append((t, size))
-        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != size:
-            raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
-        # autocast casts inside the projections (asked only when the dtypes differ: a decoding step's time)
-        if t.device != weight.device or (t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type)):
-            raise ValueError(
-                f"{name} must be {weight.dtype} on {weight.device} like this layer's weights, "
-                f"got {t.dtype} on {t.device} (convert the input or call .to() on the layer)"
-            )
+    query_size, key_size, value_size = module.query_size, module.key_size, module.value_size
+    _check_input("queries", queries, query_size, weight)
+    # Self-attention passes one tensor three times: checked once (each check is a decoding step's time).
+    if keys is not queries or key_size != query_size:
+        _check_input("keys", keys, key_size, weight)
+    if not ((values is queries and value_size == query_size) or (values is keys and value_size == key_size)):
+        _check_input("values", values, value_size, weight)
     if not queries.shape[0] == keys.shape[0] == values.shape[0]:
         raise ValueError(
             f"queries, keys and values must share the batch size, got {queries.shape[0]}, {keys.shape[0]}, {values.shape[0]}"
         )
     if keys.shape[1] != values.shape[1]:
         raise ValueError(f"keys and values must have the same length, got {keys.shape[1]} and {values.shape[1]}")
+
+
+def _check_input(name: str, t: torch.Tensor, size: int, weight: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != size:
+        raise ValueError(f"{name} must have shape (batch, length, {size}), got {tuple(getattr(t, 'shape', ()))}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {t.dtype}")
+    # autocast casts inside the projections (asked only when the dtypes differ: a decoding step's time)
+    if t.device != weight.device or (t.dtype != weight.dtype and not torch.is_autocast_enabled(t.device.type)):
+        raise ValueError(
+            f"{name} must be {weight.dtype} on {weight.device} like this layer's weights, "
+            f"got {t.dtype} on {t.device} (convert the input or call .to() on the layer)"
+        )
 
 
 def check_valid_lens(valid_lens: torch.Tensor, batch: int, num_queries: int, max_keys: int) -> torch.Tensor:
@@ -174,6 +175,8 @@ def split_position_axes(
     terms, visibility) uses their temporal row ``p[0]``, ``(b, l)``. Any other layer given
     3-D positions raises.
     """
+    if positions is None and key_positions is None:
+        return None, None, None, None  # nothing given (a decoding step): nothing to split
     axes = getattr(module.position, "position_axes", 1)
 
     def split(name: str, value: torch.Tensor | None, count: int) -> torch.Tensor | None:
@@ -230,9 +233,10 @@ def resolve_positions(
     if positions is not None:
         q_positions = require_int_tensor("positions", positions, ((num_queries,), (batch, num_queries))).to(device)
     else:
-        if offset is None:
-            offset = 0 if cache is None else cache.length
-        offset = require_position("offset", offset, num_queries)
+        if offset is not None:
+            offset = require_position("offset", offset, num_queries)
+        else:
+            offset = 0 if cache is None else cache.length  # the cache's own count: nothing to check
         q_positions = torch.arange(offset, offset + num_queries, device=device)  # (lq,)
         first = offset
     if key_positions is not None:
@@ -377,11 +381,14 @@ def check_request(
         batch, num_queries, num_new_keys, total, offset, positions, key_positions, document_ids, cache,
         queries.device,
     )  # fmt: skip
+    lifted: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if getattr(module.position, "position_axes", 1) == 3:  # M-RoPE: its (3, b, l) positions
+        lifted = (
+            lift_position_axes(module, q_axes, q_positions, batch), lift_position_axes(module, k_axes, k_positions, batch)
+        )  # fmt: skip
     request = Request(
         queries, keys, values, valid_lens, causal, return_weights, cache, attn_mask, key_padding_mask,
-        document_ids, document_ids, q_positions, k_positions, total, None, mask,
-        lift_position_axes(module, q_axes, q_positions, batch), lift_position_axes(module, k_axes, k_positions, batch),
-        q_first, k_first,
+        document_ids, document_ids, q_positions, k_positions, total, None, mask, *lifted, q_first, k_first,
     )  # fmt: skip
     return request if valid_lens is None else _check_lengths(module, request)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -16,9 +16,8 @@ from selfattn.core.call import AttentionCall
 __all__ = ["Output", "Route"]
 
 
-@dataclass(frozen=True)
-class Output:
-    """A route's result.
+class Output(NamedTuple):
+    """A route's result (a named tuple: every call makes one, and a frozen dataclass costs a decoding step more).
 
     Attributes:
         out: ``(b, h, lq, dv)`` heads (``stage="heads"``), ``(b, lq, h * dv)`` merged heads before

@@ -142,15 +142,15 @@ def signed_angle_rows(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -
     return torch.cat((cos_row, sin_row), dim=-1)
 
 
-def _rotate_swapped(x: torch.Tensor, rows: torch.Tensor, *, interleaved: bool, rotary_dim: int) -> torch.Tensor:
-    """:func:`_rotate_by_angles` from :func:`signed_angle_rows` ``(..., l, 2r)``, in fewer operations; same bits."""
+def _rotate_swapped(
+    x: torch.Tensor, cos_row: torch.Tensor, sin_row: torch.Tensor, *, interleaved: bool, rotary_dim: int
+) -> torch.Tensor:
+    """:func:`_rotate_by_angles` from the two halves of :func:`signed_angle_rows` (``(..., l, r)`` each, in
+    :func:`rotation_dtype` of ``x``), in fewer operations; same bits."""
     # Each conversion, slice or op left out below is a few microseconds of a decoding step (no-op casts too).
-    compute_dtype = rotation_dtype(x)
-    if rows.dtype != compute_dtype:
-        rows = rows.to(compute_dtype)
-    cos_row, sin_row = rows[..., :rotary_dim], rows[..., rotary_dim:]
     whole = rotary_dim == x.shape[-1]
     part = x if whole else x[..., :rotary_dim]
+    compute_dtype = cos_row.dtype
     if part.dtype != compute_dtype:
         part = part.to(compute_dtype)
     if interleaved:

@@ -18,6 +18,7 @@ from selfattn.functional._rotary import (
     _rotate_swapped,
     rotary_angles,
     rotary_parameters,
+    rotation_dtype,
     signed_angle_rows,
 )
 from selfattn.functional._rotary_scaling import RotaryScalingConfig, parse_rotary_scaling, scaled_rotary_parameters
@@ -149,8 +150,9 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.cached_keys = cached_keys
         self.attention_factor = 1.0
         self._last: tuple[int | None, torch.Tensor, float] | None = None
-        # angle_table cast to float32 once (the rotation's dtype for every other input), and the table it came from.
-        self._float32_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        # angle_table's cos and sin halves in the rotation's dtype, made once: (the table they came from, the dtype,
+        # cos rows, signed sin rows).
+        self._split_tables: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
         self._build_tables()
 
@@ -205,23 +207,36 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         """
         stop = first + x.shape[-2]
         config = self.scaling_config
+        device = self.inv_freq.device  # read once: a buffer's lookup goes through nn.Module.__getattr__
         if (
             first < 0
             or (config is not None and config.depends_on_length)
             or 2 * stop * self.rotary_dim > MAX_ANGLE_TABLE_VALUES
-            or x.device != self.inv_freq.device
+            or x.device != device
             or _validation.is_compiling()
         ):
             return None
-        if stop > self.angle_table.shape[0] or self.angle_table.device != self.inv_freq.device:
+        if stop > self.angle_table.shape[0] or self.angle_table.device != device:
             self._grow_angle_table(stop)
+        cos_table, sin_table = self._split_table(rotation_dtype(x))
+        return _rotate_swapped(
+            x, cos_table[first:stop], sin_table[first:stop], interleaved=self.interleaved, rotary_dim=self.rotary_dim
+        )  # rows (l, r) each: two plain slices, the cheapest reads of a decoding step's angles
+
+    def _split_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``angle_table``'s cos and signed sin halves ``(n, r)`` each, contiguous, in ``dtype``: made once per table
+        and dtype, not per call (a cast or a slice of the whole rows is a few microseconds of every step)."""
         table = self.angle_table
-        if x.dtype != torch.float64:  # rotated in float32: cast the table once, not each call's rows
-            if self._float32_table is None or self._float32_table[0] is not table:
-                self._float32_table = (table, table.to(torch.float32))
-            table = self._float32_table[1]
-        rows = table[first:stop]  # (l, 2r)
-        return _rotate_swapped(x, rows, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
+        held = self._split_tables
+        if held is None or held[0] is not table or held[1] != dtype:
+            rows = table.to(dtype)
+            held = self._split_tables = (
+                table,
+                dtype,
+                rows[:, : self.rotary_dim].contiguous(),
+                rows[:, self.rotary_dim :].contiguous(),
+            )
+        return held[2], held[3]
 
     def _current(self, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
         config = self.scaling_config

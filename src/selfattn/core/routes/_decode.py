@@ -57,7 +57,8 @@ def decode_step(call: AttentionCall, bias: torch.Tensor | None = None) -> torch.
     group = heads // kv_heads
     compute = _compute_dtype(q.dtype)
     rows = q.reshape(batch, kv_heads, group * num_queries, head_dim).to(compute)  # a view for one query
-    scores = torch.matmul(rows, k.to(compute).transpose(-2, -1)) * call.scale  # (b, hk, g * lq, lk)
+    # The scale on the few query rows, not on the lk-wide scores: one pass over the cache's scores fewer.
+    scores = torch.matmul(rows * call.scale, k.to(compute).transpose(-2, -1))  # (b, hk, g * lq, lk)
     scores = scores.view(batch, heads, num_queries, num_keys)
     if bias is not None:
         scores = scores + bias.to(compute)
