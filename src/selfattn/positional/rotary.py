@@ -279,10 +279,12 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         if not self.rerotates_cache or config is None or past == 0:
             return
         cached_positions = positions[..., :past]  # (past,) or per sequence (b, past)
+        new_positions = positions[..., past:] if positions.shape[-1] > past else cached_positions
+        # One host sync for both: the largest cached position and the largest new one.
+        cached_last, new_last = (int(p) for p in torch.stack((cached_positions.max(), new_positions.max())).tolist())
         noted = cache.encoding_state.get("rotary_length")
-        old_length = noted if isinstance(noted, int) else max(int(cached_positions.max()) + 1, 1)
-        new_length = max(int(positions.max()) + 1, 1)
-        call_length = max(int(positions[..., past:].max()) + 1, 1) if positions.shape[-1] > past else new_length
+        old_length = noted if isinstance(noted, int) else max(cached_last, 0) + 1
+        new_length, call_length = max(cached_last, new_last, 0) + 1, max(new_last, 0) + 1
         if call_length < new_length:
             # The queries and new keys rotate at their own call's length (the full pass's rule); a cached
             # key further on (an earlier packed document, positions given going back) makes the full pass
