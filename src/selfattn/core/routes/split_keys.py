@@ -50,8 +50,9 @@ def _kernel_items(batch: int, heads: int, rows: int) -> int:
     return batch * heads * math.ceil(rows / block)
 
 
-def _declines_shape(call: AttentionCall) -> str:
-    return holding(
+def _conditions(call: AttentionCall) -> tuple[tuple[str, bool], ...]:
+    """Each condition that keeps the route from a call, and whether it holds."""
+    return (
         ("not on CPU (the chunks' log-sum-exps come from PyTorch's CPU flash kernel)", not call.on_cpu),
         ("grad mode is on (the kernel's log-sum-exp carries no gradient for the merge)", torch.is_grad_enabled()),
         ("a score term", call.term is not None),
@@ -71,8 +72,24 @@ def split_chunks(call: AttentionCall) -> int:
 
     ``CHUNKS_PER_THREAD`` per thread the kernel's own work items leave idle, at most one per
     :data:`SPLIT_MIN_KEYS` keys; 0 when that is fewer than 2 or the call is not of the route's kind.
+    The dispatcher asks at every decoding step (its memory of choices counts the chunks), so the
+    conditions are tested here without wording them.
     """
-    if _declines_shape(call):
+    if (
+        call.heads != 1
+        or call.kv_heads != 1
+        or call.head_dim != call.value_dim
+        or call.num_keys < 2 * SPLIT_MIN_KEYS
+        or not call.on_cpu
+        or torch.is_grad_enabled()
+        or call.term is not None
+        or call.bias is not None
+        or call.return_weights
+        or call.dropout_p > 0
+        or not call.four_d
+        or call.compiling
+        or call.transformed
+    ):
         return 0
     threads = torch.get_num_threads()
     items = _kernel_items(call.batch, call.heads, call.num_queries)
@@ -83,11 +100,11 @@ def split_chunks(call: AttentionCall) -> int:
 
 
 def _declines(call: AttentionCall) -> str | None:
-    reason = _declines_shape(call)
-    if reason:
-        return reason
     if split_chunks(call):
         return None
+    reason = holding(*_conditions(call))
+    if reason:
+        return reason
     threads = torch.get_num_threads()
     items = _kernel_items(call.batch, call.heads, call.num_queries)
     if items >= threads:
