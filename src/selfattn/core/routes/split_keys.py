@@ -113,7 +113,7 @@ def _declines(call: AttentionCall) -> str | None:
 
 
 def _float_mask(call: AttentionCall) -> torch.Tensor | None:
-    """The visibility as a float mask ``(b or 1, 1, r, lk)`` of the call's dtype (0 or -inf), or None when all is seen."""
+    """The visibility as a float mask ``(b or 1, 1, r or 1, lk)`` of the call's dtype (0 or -inf), or None if all is seen."""
     mask = call.dense_mask()
     if mask is None:
         return None
@@ -141,14 +141,15 @@ def split_keys_attention(call: AttentionCall, chunks: int) -> torch.Tensor:
 
     The route's computation, with the number of chunks given (tests take any, on any thread count).
     """
-    q, k, v = call.q, call.k, call.v  # (b, 1, r, d), (b, 1, lk, d), (b, 1, lk, d)
+    # The kernel reads each row's features as contiguous (scaled_dot_product_attention makes them so before it).
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (call.q, call.k, call.v))  # (b, 1, r or lk, d)
     length = call.num_keys // chunks
     split = chunks * length
     mask = _float_mask(call)  # (b or 1, 1, r, lk)
     main_keys, main_values = (t[:, 0, :split].view(t.shape[0], chunks, length, -1) for t in (k, v))  # (b, c, L, d)
-    main_mask = None  # (b or 1, c, r, L)
+    main_mask = None  # (b or 1, c, r or 1, L)
     if mask is not None:
-        main_mask = mask[:, 0, :, :split].view(mask.shape[0], call.num_queries, chunks, length).transpose(1, 2)
+        main_mask = mask[:, 0, :, :split].view(mask.shape[0], mask.shape[2], chunks, length).transpose(1, 2)
     outs, lses = _partials(q, main_keys, main_values, main_mask, call.scale)
     if split < call.num_keys:  # the last keys, fewer than the chunks
         tail_mask = None if mask is None else mask[..., split:]
