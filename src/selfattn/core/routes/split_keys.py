@@ -145,7 +145,7 @@ def split_keys_attention(call: AttentionCall, chunks: int) -> torch.Tensor:
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (call.q, call.k, call.v))  # (b, 1, r or lk, d)
     length = call.num_keys // chunks
     split = chunks * length
-    mask = _float_mask(call)  # (b or 1, 1, r, lk)
+    mask = _float_mask(call)  # (b or 1, 1, r or 1, lk)
     main_keys, main_values = (t[:, 0, :split].view(t.shape[0], chunks, length, -1) for t in (k, v))  # (b, c, L, d)
     main_mask = None  # (b or 1, c, r or 1, L)
     if mask is not None:
