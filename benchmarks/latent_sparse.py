@@ -132,7 +132,8 @@ def decoding_rows(timing: dict, spread: dict, threads: int, lengths: tuple[int, 
     for cached in lengths:
         decoders = _Decoders(cached)
         difference = decoders.same_output()
-        explained = decoders.mla.explain(decoders.tokens[:, :1], cache=decoders.cache)
+        with torch.no_grad():  # as the steps run
+            explained = decoders.mla.explain(decoders.tokens[:, :1], cache=decoders.cache)
         r = measure({"hf": decoders.run_hf, "selfattn": decoders.run}, device=CPU, spread=spread, **timing)
         speedup = r["hf"] / r["selfattn"]
         hf_rate, rate = STEPS / r["hf"], STEPS / r["selfattn"]

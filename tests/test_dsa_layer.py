@@ -24,6 +24,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from _hf_families import float64_kept  # noqa: E402
+from reference_mla import yarn_frequencies  # noqa: E402
 from transformers import masking_utils  # noqa: E402
 
 import selfattn.masks as masks  # noqa: E402
@@ -131,18 +132,36 @@ def _assert_no_ties(sparse: SparseLatentAttention, x: torch.Tensor, position_ids
     print(f"smallest gap at the top-k boundary: {smallest:.1e}")
 
 
+def _float64_frequencies(rotary: Any, config: Any) -> None:
+    """Give transformers' rotary module its inverse frequencies in float64, from the formula (``yarn_frequencies``).
+
+    transformers forms them in float32 whatever the layer's dtype: DeepSeek-V3.2's YaRN in
+    ``modeling_rope_utils._compute_yarn_parameters`` (``pos_freqs = base ** (torch.arange(0, dim,
+    2).to(device=device, dtype=torch.float) / dim)`` and the float32 ``linear_ramp_factor``),
+    GLM-MoE-DSA's default rope in ``GlmMoeDsaRotaryEmbedding.compute_default_rope_parameters``
+    (``torch.arange(0, dim, 2, dtype=torch.float)``), kept as the float32 buffer ``inv_freq``.
+    Rounded to float32 (2.2e-8 relative), the angles of positions up to 11 differ from the
+    formula's by up to 2.4e-9, and so do the layer's outputs and gradients (up to 8.4e-10
+    relative), where selfattn forms its frequencies in float64. Its ``forward`` is left as it
+    is: under ``float64_kept`` it multiplies float64 positions by these float64 frequencies.
+    """
+    frequencies, factor = yarn_frequencies(config.qk_rope_head_dim, dict(config.rope_parameters))
+    assert rotary.inv_freq.dtype == torch.float32  # the step lifted here
+    torch.testing.assert_close(rotary.inv_freq, frequencies.float(), atol=0, rtol=1e-7)  # the same formula
+    assert factor == pytest.approx(rotary.attention_scaling, rel=1e-15)
+    rotary.inv_freq = frequencies
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_equals_the_layer(family: str, implementation: str, dtype: torch.dtype) -> None:
-    """Output, input gradient and attention parameter gradients equal transformers' (1e-5 float32, 1e-9 float64: below); same picks.
+    """Output, input gradient and attention parameter gradients equal transformers' (1e-5 float32, 1e-10 float64); same picks.
 
     In float64 transformers' float32 upcasts (its indexer's ``q.float()``, its RMSNorm) are lifted
-    (``float64_kept``); every step is still its own code. Measured in float64 (relative to the
-    largest value): GLM-MoE-DSA output 6.1e-10, parameter gradients 8.4e-10; DeepSeek-V3.2 output
-    6.5e-11, input gradient 1.1e-10, parameter gradients 1.7e-10: far below float32's 1e-7 but above
-    the 1e-10 the MLA layers reach (``test_mla_transformers``); the cause is not found yet, so
-    float64 is checked to 1e-9 here.
+    (``float64_kept``), and its rotary module is given the frequencies in float64
+    (:func:`_float64_frequencies`); every step is still its own code. With its float32 frequencies
+    the layers differed by up to 8.4e-10 (GLM-MoE-DSA's parameter gradients); with them, by 2e-15.
     """
     layer, config, rotary = _layer(family, implementation)
     x, attention_mask, position_ids = _inputs()
@@ -150,9 +169,10 @@ def test_equals_the_layer(family: str, implementation: str, dtype: torch.dtype) 
     sparse = SparseLatentAttention.from_transformers(layer)
     visible = _visible(attention_mask, 0, LENGTH)
     _assert_no_ties(sparse, x, position_ids, visible)
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-9
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-10
     if dtype == torch.float64:
         layer, sparse, x = layer.double(), sparse.double(), x.double()
+        _float64_frequencies(rotary, config)
 
     x_theirs = x.clone().requires_grad_(True)
     with float64_kept() if dtype == torch.float64 else contextlib.nullcontext():

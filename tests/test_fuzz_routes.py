@@ -21,7 +21,9 @@ Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, dk key 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -393,6 +395,16 @@ def fused_cases(draw, route: str) -> Case:
 
 
 @st.composite
+def split_key_cases(draw, route: str) -> Case:
+    """One head of a few queries over 512 to 1,100 keys, without grad mode at 2 or 4 threads (absorbed MLA decoding)."""
+    threads = draw(st.sampled_from([2, 4]))
+    batch, lq, lk = draw(st.integers(1, threads - 1)), draw(st.integers(1, 8)), draw(st.integers(512, 1100))
+    opts = draw(functional_options(dv_differs=False)) | {"causal": draw(st.booleans()), "threads": threads}
+    opts["mask"] = draw(st.sampled_from([None, "full", "rows", "keys", "shared"]))
+    return Case(route, "functional", draw(DTYPE), batch, lq, lk, 1, 1, draw(SEED), opts)
+
+
+@st.composite
 def flex_cases(draw, route: str) -> Case:
     """A score term with an elementwise form on CUDA, heads of at least 16 (FlexAttention)."""
     batch, (heads, kv) = draw(st.integers(1, 2)), draw(st.sampled_from([(1, 1), (2, 1), (2, 2)]))
@@ -442,6 +454,7 @@ STRATEGIES = {
     "explicit value term": explicit_cases,
     "explicit": explicit_cases,
     "explicit softcap/sinks": explicit_cases,
+    "split keys": split_key_cases,
     "fused": fused_cases,
 }
 
@@ -487,6 +500,21 @@ def _backward(outputs: dict, gen_seed: int) -> None:
     total.backward()
 
 
+@contextlib.contextmanager
+def _decoding(threads: int | None) -> Iterator[None]:
+    """Without grad mode at ``threads`` torch threads (the split-keys route's conditions), or as it is for None."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_functional(case: Case) -> tuple[dict, dict]:
     """``attention`` and the reference on the same heads: ``(actual, expected)`` dicts of outputs and gradients."""
     o, gen, dtype = case.opts, torch.Generator().manual_seed(case.seed), DTYPES[case.dtype]
@@ -509,9 +537,10 @@ def run_functional(case: Case) -> tuple[dict, dict]:
         call.block_size = o["block_size"]
     else:
         call = describe_attention(q, k, v, **kwargs)
-    route = dispatch.explain(call).route
-    assert route == case.route, f"the case took {route!r}"
-    result = attention(q, k, v, **kwargs) if picks is None else dispatch.run(call)
+    with _decoding(o.get("threads")):
+        route = dispatch.explain(call).route
+        assert route == case.route, f"the case took {route!r}"
+        result = attention(q, k, v, **kwargs) if picks is None else dispatch.run(call)
     if picks is not None:
         result = result.out
     out, weights = result if kwargs["return_weights"] else (result, None)
@@ -535,6 +564,8 @@ def run_functional(case: Case) -> tuple[dict, dict]:
         {"out": out, "weights": weights},
         {"out": ref_out, "weights": ref_weights if weights is not None else None},
     )
+    if o.get("threads"):
+        return actual, expected  # computed without grad mode: no gradient to compare
     _backward(actual, case.seed + 1)
     _backward(expected, case.seed + 1)
     actual |= {f"grad {name}": t.grad for name, t in tensors.items()}

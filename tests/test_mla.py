@@ -345,6 +345,38 @@ def test_functional_errors() -> None:
         latent_attention(q_nope, q_rope, torch.randn(1, 1, 2, 20), weight, scale=0.1, computation="sparse")
 
 
+def test_a_decoding_step_folds_its_heads_without_a_mask() -> None:
+    """One query after the cache sees every key: the stacked heads' call has no rule (it had an all-True dense mask,
+    rendered over every key at each step and read by the kernel); after a padded prompt the mask stays. Both equal
+    the expanded computation."""
+    layer = _layer("deepseek")
+    rules: list[tuple[Any, ...]] = []
+    for pads in ((0, 0, 0), (0, 3, 1)):
+        x, positions, padding = _inputs(pads=pads, length=8)
+        padding = padding if any(pads) else None  # no padding mask at all
+        cache = LatentCache(max_len=8)
+        step = dict(positions=positions[:, -1:], key_padding_mask=None if padding is None else padding[:, -1:])
+        with torch.no_grad():
+            layer(
+                x[:, :7],
+                positions=positions[:, :7],
+                key_padding_mask=None if padding is None else padding[:, :7],
+                cache=cache,
+            )
+            q_nope, q_rope = layer.project_queries(x[:, 7:], step["positions"])
+            seen, visibility = layer._seen(
+                x[:, 7:], step["positions"], step["key_padding_mask"], None, cache.copy(), True
+            )
+            plan = describe_latent(q_nope, q_rope, seen.latent_key, layer.kv_b_proj.weight, visibility, scale=0.1)
+            assert plan.folded and plan.computation == "absorbed"
+            rules.append(plan.call.visibility.rules)
+            absorbed = layer(x[:, 7:], **step, cache=cache.copy(), computation="absorbed")
+            expanded = layer(x[:, 7:], **step, cache=cache.copy(), computation="expanded")
+        torch.testing.assert_close(absorbed, expanded, atol=1e-12, rtol=0)
+    assert rules[0] == ()
+    assert len(rules[1]) == 1  # the padded keys: a mask
+
+
 @pytest.mark.parametrize("fold", [True, False])
 def test_absorbed_with_and_without_folded_heads(fold: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Few queries stack the heads over one copy of the latent; more (or a mask per head) keep them apart: same numbers."""

@@ -31,6 +31,7 @@ from selfattn.core.routes.ragged import RAGGED
 from selfattn.core.routes.ragged_valid_rows import RAGGED_VALID_ROWS
 from selfattn.core.routes.sliced import SLICED
 from selfattn.core.routes.sparse import SPARSE
+from selfattn.core.routes.split_keys import SPLIT_KEYS, split_chunks
 
 __all__ = ["BLOCKWISE_ROUTES", "ROUTES", "Explanation", "explain", "run"]
 
@@ -54,6 +55,7 @@ ROUTES: tuple[Route, ...] = (
     EXPLICIT_VALUE_TERM,
     EXPLICIT,
     EXPLICIT_MODIFIERS,
+    SPLIT_KEYS,
     FUSED,
 )
 
@@ -104,8 +106,8 @@ def _kind(call: AttentionCall) -> tuple[object, ...] | None:
     :class:`AttentionCall` drops a causal rule that hides nothing). For it every route's test reads
     only these facts: each route that looks further declines first for the missing rule or term
     (a window, chunks, a prefix, a selection, valid lengths, a score term), the blockwise routes find
-    no key range to skip, and of the sizes only the sliced route's least number of scores matters.
-    None for any other call (chosen in full each time), and while compiling (a graph has no memory).
+    no key range to skip, and of the sizes only the sliced route's least number of scores and the
+    split-keys route's chunks (from the sizes, the thread count and grad mode) matter. None for any other call (chosen in full each time), and while compiling (a graph has no memory).
     """
     if call.term is not None or call.compiling:
         return None
@@ -123,6 +125,7 @@ def _kind(call: AttentionCall) -> tuple[object, ...] | None:
         call.four_d,
         call.device.type,
         call.num_queries * call.num_keys < _block_sliced.SLICED_MIN_SCORES,  # read now: tests lower it
+        split_chunks(call),  # sizes, threads and grad mode: whether (and how) the split-keys route cuts the keys
     )
 
 

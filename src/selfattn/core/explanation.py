@@ -91,6 +91,12 @@ ROUTE_NOTES: dict[str, tuple[str, str]] = {
         "scores written out to apply a softcap or sinks",
         "a softcap or sinks where no blockwise route could take them (compiling, a float bias)",
     ),
+    "split keys": (
+        "one head's few query rows over many keys cut into chunks the threads share, merged by log-sum-exp",
+        "on CPU without grad mode, one query and one key head of equal sizes (absorbed MLA decoding), no bias, "
+        "term, dropout or weights, when the fused kernel's work items leave threads idle and the keys fill 2 "
+        "chunks of 256",
+    ),
     "fused": (
         "PyTorch's fused kernel, scaled_dot_product_attention",
         "the default: no route before it applied",

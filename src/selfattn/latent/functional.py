@@ -33,8 +33,8 @@ import torch
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
 from selfattn._mask_selection import Selected
-from selfattn._validation import require_positive_finite, require_probability
-from selfattn.core.call import AttentionCall
+from selfattn._validation import is_compiling, require_positive_finite, require_probability
+from selfattn.core.call import AttentionCall, causal_hides_nothing
 from selfattn.core.explanation import Explanation
 from selfattn.core.routes.sparse import SPARSE_MANY_QUERIES, SPARSE_MAX_SHARE, SPARSE_MIN_GROUP
 from selfattn.masks import Visibility
@@ -252,10 +252,14 @@ def _folded_visibility(visibility: Visibility, heads: int, device: torch.device)
     copy of the keys. Their rules are the call's rows rendered as a bool mask repeated per head.
     A top-k selection (:func:`selfattn.masks.selected`) small enough for the "sparse selection"
     route keeps the heads apart instead: rendered dense it would hide the selection from that
-    route, which gathers each query's picks once for all the heads.
+    route, which gathers each query's picks once for all the heads. A causal rule that hides no key
+    (a decoding step) is dropped first, as :class:`~selfattn.core.call.AttentionCall` drops it:
+    rendered, its all-True mask would cost a pass over every key and give the kernel a mask to read.
     """
     if _sparse_picks(visibility) is not None:
         return None
+    if visibility.only(masks.Causal) and not is_compiling() and causal_hides_nothing(visibility):
+        visibility = visibility.without(masks.Causal)  # decoding: the queries after the keys see them all
     rows = visibility.dense(device)  # (.., lq, lk) bool, or None when every key is visible
     folded = Visibility(heads * visibility.num_queries, visibility.num_keys, visibility.q_first, visibility.k_first)
     if rows is None:

@@ -283,13 +283,18 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
         return result
 
     def explain(self, x: torch.Tensor, **kwargs: Any) -> LatentExplanation:
-        """Which computation and route :meth:`forward` takes with these arguments (a cache is copied, not changed)."""
+        """Which computation and route :meth:`forward` takes with these arguments (a cache is copied, not changed).
+
+        In the caller's grad mode, as :meth:`forward` would run: decoding under ``torch.no_grad`` may
+        take the "split keys" route, which a call in grad mode does not.
+        """
         given = inspect.signature(self.forward).bind(x, **kwargs)
         given.apply_defaults()
         arguments = dict(given.arguments)
         cache = arguments["cache"]
         if isinstance(cache, LatentCache):
             arguments["cache"] = cache.copy()
+        grad_mode = torch.is_grad_enabled()  # the split-keys route takes only calls made without it
         with torch.no_grad():
             cache, positions = self._check(
                 x, arguments["positions"], arguments["key_padding_mask"], arguments["cache"], arguments["causal"]
@@ -298,6 +303,7 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
             seen, visibility = self._seen(
                 x, positions, arguments["key_padding_mask"], arguments["mask"], cache, arguments["causal"]
             )
+        with torch.set_grad_enabled(grad_mode):
             return explain_latent(
                 q_nope, q_rope, seen.latent_key, self.kv_b_proj.weight, scale=self.scale, visibility=visibility,
                 computation=arguments["computation"] or self.computation,
