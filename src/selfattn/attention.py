@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import selfattn._decode_plan as decode_plan
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
-from selfattn._layer_call import describe, finish, for_heads
+from selfattn._layer_call import describe, for_heads
 from selfattn._layer_options import OPTION_NAMES, build_projections, layer_options, shorthand_parts
 from selfattn._scripting import NotScriptable
 from selfattn.cache import KVCache
@@ -162,6 +163,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     W_g: OutputGate | None
     # The transformers family a layer was loaded from (from_transformers); to_transformers_config writes it first.
     transformers_model_type: str | None = None
+    _decode_plan: decode_plan.DecodePlan | None = None  # what decoding steps of one kind replay (selfattn._decode_plan)
 
     def __init__(
         self, num_hiddens: int, num_heads: int, dropout: float = 0.0, *, bias: bool = False,
@@ -189,6 +191,14 @@ class MultiHeadAttention(NotScriptable, nn.Module):
                 raise ValueError(f"parts[{name!r}]: the name is an attribute of the layer; choose another")
             setattr(self, name, part)
         self.part_names = {slot: tuple(n for n, p in parts.items() if p.slot == slot) for slot in SLOTS}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        decode_plan.drop(self)  # an option, a part or an encoding set anew: the next step runs in full
+        super().__setattr__(name, value)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MultiHeadAttention:
+        decode_plan.drop(self)  # .to(), .half(), ...: the weights' dtype or device may change
+        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
 
     def reset_parameters(self) -> None:
         """Reset ``position`` (built before this module), then re-draw the projections as ``nn.Linear`` does.
@@ -334,13 +344,10 @@ class MultiHeadAttention(NotScriptable, nn.Module):
 
         Returns: ``(b, lq, output_size)``, or ``(output, weights)``.
         """
-        request = check_request(
-            self,
+        return decode_plan.run_call(self, (
             queries, keys, values, valid_lens, causal, return_weights, offset, cache, positions, key_positions,
             attn_mask, key_padding_mask, document_ids, cumulative_lengths, mask,
-        )  # fmt: skip
-        call = describe(self, request)
-        return finish(self, request, call, dispatch.run(call))
+        ))  # fmt: skip
 
     def explain(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any
