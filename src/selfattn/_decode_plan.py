@@ -116,7 +116,7 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
     no_parts = not any(module.part_names.values())
     config = getattr(position, "scaling_config", None)
     table = type(position) is RotaryPositionalEncoding and (config is None or not config.depends_on_length)
-    rotary = position if table else None
+    rotary = position if table and isinstance(position, RotaryPositionalEncoding) else None
     bare = no_parts and module.W_v is not None and (position is None or rotary is not None)
     options = {
         "scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p,

@@ -198,7 +198,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> MultiHeadAttention:
         decode_plan.drop(self)  # .to(), .half(), ...: the weights' dtype or device may change
-        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
+        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call, no-any-return]
 
     def reset_parameters(self) -> None:
         """Reset ``position`` (built before this module), then re-draw the projections as ``nn.Linear`` does.

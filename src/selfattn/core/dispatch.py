@@ -32,7 +32,17 @@ from selfattn.core.routes.ragged_valid_rows import RAGGED_VALID_ROWS
 from selfattn.core.routes.sliced import SLICED
 from selfattn.core.routes.sparse import SPARSE
 
-__all__ = ["BLOCKWISE_ROUTES", "ROUTES", "Explanation", "check_remembered", "explain", "few_scores", "remembered_route", "run", "run_route"]
+__all__ = [
+    "BLOCKWISE_ROUTES",
+    "ROUTES",
+    "Explanation",
+    "check_remembered",
+    "explain",
+    "few_scores",
+    "remembered_route",
+    "run",
+    "run_route",
+]
 
 #: Every route, fastest-when-it-applies first.
 ROUTES: tuple[Route, ...] = (
