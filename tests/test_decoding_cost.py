@@ -22,14 +22,15 @@ from selfattn import KVCache, MultiHeadAttention
 from selfattn.positional import build
 
 # The step: 4 projections (t, mm, _unsafe_view each), 3 head splits (view, transpose), two rotations
-# (two slices of the angle tables, roll, 2 mul, add each), the cache's 3 writes (slice, copy_) and its
-# views, the position of the new token (arange), the kernel, its NaN-query guard (promote_types, sum,
-# add_), the heads merged (transpose, view) for W_o.
-MAX_OPS = 51
-# W_q, W_k, W_v, W_o and their weights and biases (Linear.forward reads its own) and inv_freq once per
-# rotation; the layer's decoding plan (selfattn._decode_plan) holds its rotary, so position is not looked up
-# (the full path read it 4 times and W_q 3 times).
-MAX_LOOKUPS = {"position": 0, "inv_freq": 2, "W_q": 1, "W_k": 1, "W_v": 1, "W_o": 1}
+# (two slices of the angle tables, roll, 2 mul, add each), the cache's 3 writes (slice, copy_ or fill_ of
+# the new position) and its 2 views, the kernel, its NaN-query guard (sum, add_), the heads merged
+# (transpose, view) for W_o. (51 before the decoding plan: an arange of the position, promote_types, and
+# a view of the stored positions.)
+MAX_OPS = 47
+# W_q, W_k, W_v, W_o and their weights and biases (Linear.forward reads its own). The layer's decoding plan
+# (selfattn._decode_plan) holds its rotary, so position is not looked up (the full path read it 4 times and
+# W_q 3 times), and the rotary reads inv_freq from its buffers (it went through __getattr__ once per rotation).
+MAX_LOOKUPS = {"position": 0, "inv_freq": 0, "W_q": 1, "W_k": 1, "W_v": 1, "W_o": 1}
 
 
 class _CountOps(TorchDispatchMode):

@@ -84,8 +84,14 @@ def kind_of(module: Any, given: tuple[Any, ...]) -> tuple[object, ...] | None:
         or type(causal) is not bool
         or return_weights is not False
         or not (offset is None or (type(offset) is int and offset >= 0))
-        or any(x is not None for x in (valid_lens, positions, key_positions, attn_mask, key_padding_mask))
-        or any(x is not None for x in (document_ids, cumulative_lengths, mask))
+        or valid_lens is not None
+        or positions is not None
+        or key_positions is not None
+        or attn_mask is not None
+        or key_padding_mask is not None
+        or document_ids is not None
+        or cumulative_lengths is not None
+        or mask is not None
         or queries.dim() != 3
         or queries.shape[1] != 1
         or torch.compiler.is_compiling()
@@ -139,10 +145,11 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     if heads is None:
         return None
     q, k, v = heads
-    seen = cache.write_step(k, v, first)
-    if seen is None:  # a windowed cache (or one that must raise): its own update, as the full path calls it
+    written, first_key = cache.write_step(k, v, first), 0
+    if written is None:  # a windowed cache (or one that must raise): its own update, as the full path calls it
         seen = cache.update(k, v, positions=torch.arange(first, first + 1, device=k.device), commit=False)
-    keys, values, first_key = seen.keys, seen.values, seen.first_index
+        written, first_key = (seen.keys, seen.values), seen.first_index
+    keys, values = written
     num_keys = keys.shape[-2]
     call = AttentionCall(
         shape=(q.shape[0], q.shape[1], keys.shape[1], 1, num_keys, q.shape[-1], values.shape[-1]),

@@ -281,9 +281,12 @@ class KVCache:
         """Whether the stored keys carry padding or document ids (then a query's visibility reads them)."""
         return self._padding is not None or self.has_documents
 
-    def write_step(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> CachedKeys | None:
-        """``update(keys, values, positions=arange(first, first + l), commit=False)`` for a cache without a window
-        that holds keys of this shape, dtype and device, no padding nor documents, and room for ``l`` more.
+    def write_step(
+        self, keys: torch.Tensor, values: torch.Tensor, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``update(keys, values, positions=arange(first, first + l), commit=False)``'s keys and values, for a cache
+        without a window that holds keys of this shape, dtype and device, no padding nor documents, and room for
+        ``l`` more (what the queries see starts at index 0 then, and the positions are not returned).
 
         A layer's decoding plan writes each step here: the checks :meth:`update` makes on every call hold
         by those conditions, and the positions are filled in without a tensor of them. None where any
@@ -312,9 +315,7 @@ class KVCache:
         else:
             written.copy_(torch.arange(first, first + new, device=written.device))
         self._pending, self._pending_shared, self._pending_last = new, self._shared_positions, None
-        end = start + new
-        shared = stored_positions[0, :end] if self._shared_positions else stored_positions[:, :end]
-        return CachedKeys(stored_keys.narrow(-2, 0, end), stored_values.narrow(-2, 0, end), shared, None, 0)
+        return stored_keys.narrow(-2, 0, start + new), stored_values.narrow(-2, 0, start + new)
 
     def commit(self) -> None:
         """Count the entries of the last ``update(..., commit=False)`` as stored."""
