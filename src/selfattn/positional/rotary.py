@@ -208,7 +208,9 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         length = x.shape[-2]
         stop = first + length
         config = self.scaling_config
-        device = self._buffers["inv_freq"].device  # not self.inv_freq: nn.Module.__getattr__ costs a step more
+        frequencies = self._buffers["inv_freq"]  # not self.inv_freq: nn.Module.__getattr__ costs a step more
+        assert frequencies is not None
+        device = frequencies.device
         if (
             first < 0
             or (config is not None and config.depends_on_length)
