@@ -76,14 +76,14 @@ def _with_and_without_plans(
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_replayed_steps_equal_the_full_path(monkeypatch, name, cache_name):
     planned, full, layer = _with_and_without_plans(monkeypatch, LAYERS[name], CACHES[cache_name])
-    assert layer._decode_plan is not None, "the steps made no plan: the comparison would test nothing"
+    assert decode_plan.plan_of(layer) is not None, "the steps made no plan: the comparison would test nothing"
     for step, (a, b) in enumerate(zip(planned, full, strict=True)):
         assert torch.equal(a, b), f"step {step}: largest difference {(a - b).abs().max().item()}"
 
 
 def test_replayed_steps_with_an_offset_and_under_grad_equal_the_full_path(monkeypatch):
     planned, full, layer = _with_and_without_plans(monkeypatch, LAYERS["rotary gqa"], CACHES["preallocated"], grad=True)
-    assert layer._decode_plan is not None
+    assert decode_plan.plan_of(layer) is not None
     for a, b in zip(planned, full, strict=True):
         assert torch.equal(a.detach(), b.detach())
     planned[-1].sum().backward()  # the replayed step's graph reaches the weights
@@ -117,7 +117,7 @@ def _decoded(layer: MultiHeadAttention, steps: int = 3) -> tuple[MultiHeadAttent
         for i in range(4, 4 + steps):
             step = x[:, i : i + 1]  # one tensor as queries, keys and values: self-attention, as decoders pass it
             layer(step, step, step, cache=cache, causal=True)
-    assert layer._decode_plan is not None
+    assert decode_plan.plan_of(layer) is not None
     return layer, cache, x[:, -1:]
 
 
@@ -125,13 +125,13 @@ def test_a_mask_drops_the_plan():
     layer, cache, x = _decoded(LAYERS["rotary gqa"]().eval())
     with torch.no_grad():
         layer(x, x, x, cache=cache, causal=True, attn_mask=torch.ones(1, cache.length + 1, dtype=torch.bool))
-    assert layer._decode_plan is None
+    assert decode_plan.plan_of(layer) is None
 
 
 def test_a_new_dtype_drops_the_plan_and_the_step_runs_in_it():
     layer, _, x = _decoded(LAYERS["rotary gqa"]().eval())
     layer.double()
-    assert layer._decode_plan is None
+    assert decode_plan.plan_of(layer) is None
     with torch.no_grad():
         out = layer(x.double(), x.double(), x.double(), cache=KVCache(max_len=4), causal=True)
     assert out.dtype == torch.float64
@@ -140,7 +140,7 @@ def test_a_new_dtype_drops_the_plan_and_the_step_runs_in_it():
 def test_training_drops_the_plan():
     layer, _, _ = _decoded(LAYERS["rotary gqa"]().eval())
     layer.train()
-    assert layer._decode_plan is None
+    assert decode_plan.plan_of(layer) is None
 
 
 def _next_steps(layer: MultiHeadAttention, cache: KVCache, x: torch.Tensor) -> list[torch.Tensor]:
@@ -161,7 +161,7 @@ def test_a_setting_changed_drops_the_plan_and_the_next_steps_follow_it(monkeypat
     if value == "alibi":
         value = build("alibi", num_hiddens=D, num_heads=H)
     setattr(layer, setting, value)
-    assert layer._decode_plan is None
+    assert decode_plan.plan_of(layer) is None
     setattr(twin, setting, copy.deepcopy(value))
     planned = _next_steps(layer, cache, x)
     monkeypatch.setattr(decode_plan, "ENABLED", False)
@@ -194,7 +194,7 @@ def test_a_cache_holding_padding_is_not_replayed(monkeypatch):
             model(pair, pair, pair, cache=cache, causal=True, key_padding_mask=padding)
             outs.append(_next_steps(model, cache, pair[:, 1:2]))
         monkeypatch.setattr(decode_plan, "ENABLED", False)
-    assert layer._decode_plan is None
+    assert decode_plan.plan_of(layer) is None
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
 
@@ -224,4 +224,13 @@ def test_transformer_lm_generates_the_same_tokens_with_plans(monkeypatch):
     monkeypatch.setattr(decode_plan, "ENABLED", False)
     full = model.generate(prompt, 12)
     assert torch.equal(planned, full)
-    assert all(block.attention._decode_plan is None for block in model.blocks)  # ENABLED off: every step full
+    assert all(decode_plan.plan_of(block.attention) is None for block in model.blocks)  # ENABLED off: every step full
+
+
+def test_a_copy_of_a_layer_carries_no_plan():
+    """Plans live beside the layers: a copied (or pickled) layer starts without one and makes its own."""
+    layer, cache, x = _decoded(LAYERS["rotary gqa"]().eval())
+    twin, twin_cache = copy.deepcopy(layer), cache.copy()
+    assert decode_plan.plan_of(twin) is None
+    with torch.no_grad():
+        assert torch.equal(layer(x, x, x, cache=cache, causal=True), twin(x, x, x, cache=twin_cache, causal=True))

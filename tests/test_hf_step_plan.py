@@ -6,7 +6,6 @@ path's answer bit for bit; a step of another kind (a mask, other heads) must not
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import pytest
@@ -20,8 +19,15 @@ from selfattn.integrations import _hf_plan  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
+class _Layer(torch.nn.Module):
+    """What the attention functions read off a model's attention layer (a module: plans are kept by weak reference)."""
+
+    is_causal = True
+    num_key_value_groups = 2
+
+
 def _module() -> Any:
-    return types.SimpleNamespace(is_causal=True, num_key_value_groups=2, training=False)
+    return _Layer().eval()
 
 
 def _step(lk: int, seed: int = 0, heads: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,7 +97,7 @@ def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
     options = {"max_new_tokens": 10, "do_sample": False, "min_new_tokens": 10}
     with torch.no_grad():
         planned = model.generate(prompt, **options)
-        assert all(vars(layer.self_attn).get(_hf_plan._PLAN) is not None for layer in model.model.layers)
+        assert all(layer.self_attn in _hf_plan._PLANS for layer in model.model.layers)
         monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
         full = model.generate(prompt, **options)
     assert torch.equal(planned, full)

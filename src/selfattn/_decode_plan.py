@@ -16,7 +16,8 @@ layer's ``training``; grad mode; a ``torch.func`` transform or not; and the one 
 dispatcher's choice that moves with the cache's length (whether the step's scores reach
 ``SLICED_MIN_SCORES``). Any other call runs in full and drops the plan (:func:`remember`), and so does
 setting any attribute of the layer (an option, a part, a new encoding, ``train()``) and moving or
-casting it (``MultiHeadAttention.__setattr__`` and ``_apply``). A replay that finds its rotary's table
+casting it (``MultiHeadAttention.__setattr__`` and ``_apply``). Plans are kept beside the layers (a weak
+dictionary), so copying, pickling or saving a layer carries none. A replay that finds its rotary's table
 unusable (a length-dependent scaling set on it since) returns None before writing anything, and the
 step runs in full. No tensor value is read: nothing here synchronises with a device.
 
@@ -25,6 +26,7 @@ Shape legend: b batch, h heads, hk key/value heads, lk keys, dh head size, dv va
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -41,7 +43,7 @@ from selfattn.masks import Visibility
 from selfattn.positional.base import QueryKeyEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
 
-__all__ = ["ENABLED", "DecodePlan", "drop", "kind_of", "remember", "replay", "run_call"]
+__all__ = ["ENABLED", "DecodePlan", "drop", "kind_of", "plan_of", "remember", "replay", "run_call"]
 
 #: Tests switch plans off to compare a replayed step with the full path.
 ENABLED = True
@@ -101,9 +103,18 @@ def kind_of(module: Any, given: tuple[Any, ...]) -> tuple[object, ...] | None:
     return (queries.shape, queries.dtype, queries.device, causal, module.training, grad, transformed)
 
 
+#: Each layer's plan, beside the layer rather than in it: a copy, a pickle or a state dict of the layer never holds one.
+_PLANS: weakref.WeakKeyDictionary[Any, DecodePlan] = weakref.WeakKeyDictionary()
+
+
+def plan_of(module: Any) -> DecodePlan | None:
+    """The plan ``module`` holds now, or None."""
+    return _PLANS.get(module)
+
+
 def drop(module: Any) -> None:
-    """Forget ``module``'s plan (``__dict__``: ``nn.Module.__setattr__`` would cost a step more)."""
-    module.__dict__["_decode_plan"] = None
+    """Forget ``module``'s plan."""
+    _PLANS.pop(module, None)
 
 
 def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
@@ -129,12 +140,12 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
         "block_size": call.block_size,
     }  # fmt: skip
     few = dispatch.few_scores(call.num_queries, call.num_keys)
-    module.__dict__["_decode_plan"] = DecodePlan(kind, routes, route, options, bare, rotary, few)
+    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, rotary, few)
 
 
 def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     """The output of ``module.forward(*given)`` by the layer's plan, or None when it has none for this call."""
-    plan: DecodePlan | None = module._decode_plan
+    plan = _PLANS.get(module)
     if plan is None or dispatch.ROUTES is not plan.routes or kind_of(module, given) != plan.kind:
         return None
     queries, cache, offset = given[0], given[7], given[6]

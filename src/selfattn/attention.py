@@ -163,7 +163,6 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     W_g: OutputGate | None
     # The transformers family a layer was loaded from (from_transformers); to_transformers_config writes it first.
     transformers_model_type: str | None = None
-    _decode_plan: decode_plan.DecodePlan | None = None  # what decoding steps of one kind replay (selfattn._decode_plan)
 
     def __init__(
         self, num_hiddens: int, num_heads: int, dropout: float = 0.0, *, bias: bool = False,

@@ -3,7 +3,7 @@
 On a decoding step transformers passes most layers no mask (Llama's, Gemma 2's global layers, gpt-oss's
 full ones): one query sees every cached key. :func:`~selfattn.integrations.transformers.attention_forward`
 runs the first such step of a layer in full (every keyword read and checked, the call described, the
-dispatcher asked), then keeps on the layer (``module.__dict__``) a :class:`StepPlan`: the step's kind,
+dispatcher asked), then keeps for the layer (in a weak dictionary beside it) a :class:`StepPlan`: the step's kind,
 the route the dispatcher chose for it (from its memory, so ``explain`` names the same), and the
 call's checked options (scale, softcap, sinks, dropout). A later step of the same kind builds the call
 from the heads and runs that route, with none of the checks re-done: they hold by the kind.
@@ -21,6 +21,7 @@ Shape legend: b batch, h heads, hk key/value heads, lk keys, d head size, dv val
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,8 +35,6 @@ from selfattn.masks import Visibility
 
 __all__ = ["StepPlan", "remember", "replay", "step", "step_kind"]
 
-_PLAN = "_selfattn_step_plan"  # the attribute a transformers attention layer keeps its plan under
-
 
 class StepPlan(NamedTuple):
     """What later steps of one kind replay (see the module's docstring)."""
@@ -45,6 +44,9 @@ class StepPlan(NamedTuple):
     route: Route
     options: dict[str, Any]  # AttentionCall's checked keywords: scale, softcap, sinks, dropout_p
 
+
+#: Each transformers attention layer's plan, beside the layer: a copy or a pickle of the model carries none.
+_PLANS: weakref.WeakKeyDictionary[Any, StepPlan] = weakref.WeakKeyDictionary()
 
 #: ``attention_forward``'s keywords that restrict or reweigh attention: a planned step has none of them.
 _RESTRICTING = (
@@ -91,14 +93,16 @@ def step_kind(given: dict[str, Any]) -> tuple[object, ...] | None:
 
 def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: AttentionCall | None) -> None:
     """After a step run in full: keep a plan for its kind (``call`` is the step as ``attention`` described it)."""
-    module.__dict__[_PLAN] = None
+    if not isinstance(module, torch.nn.Module):
+        return  # a stand-in for a layer (tests): no weak reference to keep a plan by
+    _PLANS.pop(module, None)
     if kind is None or call is None or call.term is not None or call.bias is not None or call.visibility.rules:
         return
     chosen = dispatch.remembered_route(call)
     if chosen is None or call.return_weights:
         return
     options = {"scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p}
-    module.__dict__[_PLAN] = StepPlan(kind, chosen[0], chosen[1], options)
+    _PLANS[module] = StepPlan(kind, chosen[0], chosen[1], options)
 
 
 def replay(
@@ -106,7 +110,7 @@ def replay(
     value: torch.Tensor,
 ) -> torch.Tensor | None:  # fmt: skip
     """The step's ``(b, h, 1, dv)`` output by the layer's plan for ``kind``, or None when it has none."""
-    plan: StepPlan | None = module.__dict__.get(_PLAN)
+    plan = _PLANS.get(module) if kind is not None and isinstance(module, torch.nn.Module) else None
     if kind is None or plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
         return None
     call = AttentionCall.of_heads(query, key, value, Visibility.lower_right(1, key.shape[-2]), **plan.options)
