@@ -56,7 +56,9 @@ class DecodePlan(NamedTuple):
     routes: Sequence[Route]  # the dispatcher's list the route came from: a replaced list voids the plan
     route: Route
     options: dict[str, Any]  # AttentionCall's fixed keywords: scale, softcap, sinks, dropout_p, block_size
-    bare: bool  # no parts, W_k and W_v, no encoding or a plain rotary: the projections inline
+    bare: tuple[Any, Any, Any, Any] | None  # W_q, W_k, W_v, W_o when there are no parts and no encoding or a
+    # plain rotary: the projections and the heads' views inline (setting any of them drops the plan)
+    heads: tuple[int, int, int, int]  # h, hk, dh, dv
     rotary: RotaryPositionalEncoding | None  # the bare projections' rotation, from its table
     few_scores: bool  # the dispatcher's size fact when the plan was made
 
@@ -134,13 +136,15 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
     config = getattr(position, "scaling_config", None)
     table = type(position) is RotaryPositionalEncoding and (config is None or not config.depends_on_length)
     rotary = position if table and isinstance(position, RotaryPositionalEncoding) else None
-    bare = no_parts and module.W_v is not None and (position is None or rotary is not None)
+    plain = no_parts and module.W_v is not None and (position is None or rotary is not None)
+    bare = (module.W_q, module.W_k, module.W_v, module.W_o) if plain else None
+    heads = (module.num_heads, module.num_kv_heads, module.head_dim, module.value_head_dim)
     options = {
         "scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p,
         "block_size": call.block_size,
     }  # fmt: skip
     few = dispatch.few_scores(call.num_queries, call.num_keys)
-    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, rotary, few)
+    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few)
 
 
 def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
@@ -174,7 +178,7 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     if result.stage == "heads":
         out = out.transpose(1, 2).flatten(2)  # (b, h, 1, dv) -> (b, 1, h * dv)
     if result.stage != "projected":
-        out = module.project_output(out, queries)  # (b, 1, d)
+        out = module.project_output(out, queries) if plan.bare is None else plan.bare[3](out)  # (b, 1, d)
     cache.commit()
     return out
 
@@ -184,14 +188,15 @@ def _project(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Query, key and value heads ``(b, h, 1, dh)``, ``(b, hk, 1, dh)``, ``(b, hk, 1, dv)`` of ``x`` at ``first``;
     None where the bare rotation cannot read its table (nothing is written then)."""
-    if not plan.bare:  # parts or another encoding: the layer's own projections, with the step's positions
+    if plan.bare is None:  # parts or another encoding: the layer's own projections, with the step's positions
         positions = torch.arange(first, first + 1, device=x.device)
         k = module.project_keys(x, positions, first)
         return module.project_queries(x, positions, first), k, module.project_values(x, x)
-    kv_heads = module.num_kv_heads
-    q = module.split_heads(module.W_q(x))
-    k = module.split_heads(module.W_k(x), kv_heads)
-    v = module.split_heads(module.W_v(x), kv_heads, module.value_head_dim)
+    (W_q, W_k, W_v, _), (heads, kv_heads, head_dim, value_dim) = plan.bare, plan.heads
+    batch = x.shape[0]
+    q = W_q(x).view(batch, 1, heads, head_dim).transpose(1, 2)  # as split_heads
+    k = W_k(x).view(batch, 1, kv_heads, head_dim).transpose(1, 2)
+    v = W_v(x).view(batch, 1, kv_heads, value_dim).transpose(1, 2)
     rotary = plan.rotary
     if rotary is None:
         return q, k, v

@@ -422,7 +422,10 @@ def fused_attention(
 
     ``checked``: the shapes, mask and bias were checked already (a route's call), so not again.
     """
-    mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, True, checked)
+    if checked and mask is None and bias is None and not causal and scale is not None:
+        empty_rows, use_is_causal = None, False  # what _prepare returns for it, without its call (a decoding step)
+    else:
+        mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, True, checked)
     # Compiled graphs leave the layout to the compiler (a test on the length would guard a dynamic one).
     if (
         q.device.type == "cpu"
