@@ -9,6 +9,9 @@ dropout), whether the projections run bare (no parts, no encoding or a plain rot
 cos/sin table) or through the layer's projection methods, and the cache's write. Later steps of the same
 kind (:func:`replay`) run: projections, rotation, the cache write, the remembered route, ``W_o``.
 
+A layer with a ``window`` or ``chunk_size`` has no plan: its rule hides nothing while the cache is short
+and hides keys later, so the kind would move with the cache's length.
+
 The kind (:func:`kind_of`): one query; self-attention (``keys`` and ``values`` are ``queries``); a
 :class:`~selfattn.KVCache` (exactly that class) holding no padding and no document ids; every other
 argument left out (``offset`` may be an int); the queries' shape, dtype and device; ``causal``; the
@@ -129,6 +132,8 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
     position = module.position
     if chosen is None or module.shared_kv or getattr(position, "position_axes", 1) != 1:
         return
+    if module.window is not None or module.chunk_size is not None:
+        return  # the rule hid nothing in this step (so the call has none) and hides keys once the cache grows
     if position is not None and (not isinstance(position, QueryKeyEncoding) or updates_cached_keys(position)):
         return  # a score term (none here), or an encoding that re-rotates the cache: every step in full
     routes, route = chosen

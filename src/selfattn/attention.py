@@ -4,7 +4,8 @@ The layer is its projections ``W_q, W_k, W_v, W_o``, a position scheme, and part
 (:mod:`selfattn.parts`), each acting at one slot of the pass. ``forward`` reads as its steps: check
 the arguments, describe the call (:mod:`selfattn._layer_call`: projections made on first use,
 positions, the cache's keys, what each query may see), let the dispatcher
-(:mod:`selfattn.core.dispatch`) choose a route and run it, project out.
+(:mod:`selfattn.core.dispatch`) choose a route and run it, project out. A decoding step of a kind the layer
+has run replays the plan that step left (:mod:`selfattn._decode_plan`): the same route, without the checks.
 
 Shape legend:
     b: batch, lq: queries, lk: keys, h: heads, hk: key/value heads, dh: query/key head size

@@ -37,9 +37,9 @@ _CONTIGUOUS_HEADS_MIN_PAIRS = 2048 * 2048
 # costs less than the extra pass over the output or the scores that the in-graph form takes.
 _IN_GRAPH_CHECKS_MAX_ELEMENTS = 1 << 16
 
-# scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
 # The dtype the NaN-query guard sums a query in, per query dtype (torch.promote_types is an op of its own).
 _SUM_DTYPES: dict[torch.dtype, torch.dtype] = {}
+# scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
