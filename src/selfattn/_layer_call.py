@@ -27,7 +27,7 @@ from selfattn.positional.base import QueryKeyEncoding, ScoreEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
 from selfattn.shared_cache import SharedKVView
 
-__all__ = ["describe", "encoding_positions", "finish", "for_heads"]
+__all__ = ["describe", "encoding_positions", "finish", "for_heads", "updates_cached_keys"]
 
 
 class _Seen(NamedTuple):
@@ -58,7 +58,7 @@ def for_heads(positions: torch.Tensor) -> torch.Tensor:
     return positions if positions.dim() == 3 else _per_head(positions)
 
 
-def _updates_cached_keys(encoding: QueryKeyEncoding) -> bool:
+def updates_cached_keys(encoding: QueryKeyEncoding) -> bool:
     """Whether ``encoding.update_cached_keys`` may change a cache: not the base's no-op, nor a rotary's that
     re-rotates nothing (:attr:`~selfattn.positional.RotaryPositionalEncoding.rerotates_cache` False)."""
     hook = type(encoding).update_cached_keys
@@ -191,7 +191,7 @@ def _update_cached_keys(encoding: QueryKeyEncoding, request: Request) -> None:
     positions: those are the keys to re-rotate, and a window that slid past others changes nothing.
     """
     cache = request.cache
-    if cache is None or not _updates_cached_keys(encoding):
+    if cache is None or not updates_cached_keys(encoding):
         return  # the positions would be gathered for nothing (a rotary without length scaling)
     cached = cache.positions
     if cached is None:

@@ -4,7 +4,8 @@ The layer is its projections ``W_q, W_k, W_v, W_o``, a position scheme, and part
 (:mod:`selfattn.parts`), each acting at one slot of the pass. ``forward`` reads as its steps: check
 the arguments, describe the call (:mod:`selfattn._layer_call`: projections made on first use,
 positions, the cache's keys, what each query may see), let the dispatcher
-(:mod:`selfattn.core.dispatch`) choose a route and run it, project out.
+(:mod:`selfattn.core.dispatch`) choose a route and run it, project out. A decoding step of a kind the layer
+has run replays the plan that step left (:mod:`selfattn._decode_plan`): the same route, without the checks.
 
 Shape legend:
     b: batch, lq: queries, lk: keys, h: heads, hk: key/value heads, dh: query/key head size
@@ -21,9 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import selfattn._decode_plan as decode_plan
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
-from selfattn._layer_call import describe, finish, for_heads
+from selfattn._layer_call import describe, for_heads
 from selfattn._layer_options import OPTION_NAMES, build_projections, layer_options, shorthand_parts
 from selfattn._scripting import NotScriptable
 from selfattn.cache import KVCache
@@ -190,6 +192,14 @@ class MultiHeadAttention(NotScriptable, nn.Module):
             setattr(self, name, part)
         self.part_names = {slot: tuple(n for n, p in parts.items() if p.slot == slot) for slot in SLOTS}
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        decode_plan.drop(self)  # an option, a part or an encoding set anew: the next step runs in full
+        super().__setattr__(name, value)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MultiHeadAttention:
+        decode_plan.drop(self)  # .to(), .half(), ...: the weights' dtype or device may change
+        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call, no-any-return]
+
     def reset_parameters(self) -> None:
         """Reset ``position`` (built before this module), then re-draw the projections as ``nn.Linear`` does.
 
@@ -334,13 +344,10 @@ class MultiHeadAttention(NotScriptable, nn.Module):
 
         Returns: ``(b, lq, output_size)``, or ``(output, weights)``.
         """
-        request = check_request(
-            self,
+        return decode_plan.run_call(self, (
             queries, keys, values, valid_lens, causal, return_weights, offset, cache, positions, key_positions,
             attn_mask, key_padding_mask, document_ids, cumulative_lengths, mask,
-        )  # fmt: skip
-        call = describe(self, request)
-        return finish(self, request, call, dispatch.run(call))
+        ))  # fmt: skip
 
     def explain(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any

@@ -276,6 +276,47 @@ class KVCache:
             self.commit()
         return seen
 
+    @property
+    def holds_marks(self) -> bool:
+        """Whether the stored keys carry padding or document ids (then a query's visibility reads them)."""
+        return self._padding is not None or self.has_documents
+
+    def write_step(
+        self, keys: torch.Tensor, values: torch.Tensor, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``update(keys, values, positions=arange(first, first + l), commit=False)``'s keys and values, for a cache
+        without a window that holds keys of this shape, dtype and device, no padding nor documents, and room for
+        ``l`` more (what the queries see starts at index 0 then, and the positions are not returned).
+
+        A layer's decoding plan writes each step here: the checks :meth:`update` makes on every call hold
+        by those conditions, and the positions are filled in without a tensor of them. None where any
+        condition fails (nothing is written): :meth:`update` then writes, or raises.
+        """
+        stored_keys, stored_values, stored_positions = self._keys, self._values, self._positions
+        start, new = self.length, keys.shape[-2]
+        if (
+            self.window is not None
+            or start == 0
+            or stored_positions is None
+            or stored_keys is None
+            or stored_values is None
+            or self.holds_marks
+            or self.max_len is None
+            or start + new > self.max_len
+            or values.shape[:-1] != keys.shape[:-1]
+            or not self._fits(keys, values)
+        ):
+            return None
+        stored_keys.narrow(-2, start, new).copy_(keys)
+        stored_values.narrow(-2, start, new).copy_(values)
+        written = stored_positions.narrow(1, start, new)
+        if new == 1:
+            written.fill_(first)
+        else:
+            written.copy_(torch.arange(first, first + new, device=written.device))
+        self._pending, self._pending_shared, self._pending_last = new, self._shared_positions, None
+        return stored_keys.narrow(-2, 0, start + new), stored_values.narrow(-2, 0, start + new)
+
     def commit(self) -> None:
         """Count the entries of the last ``update(..., commit=False)`` as stored."""
         self.length += self._pending

@@ -33,7 +33,17 @@ from selfattn.core.routes.sliced import SLICED
 from selfattn.core.routes.sparse import SPARSE
 from selfattn.core.routes.split_keys import SPLIT_KEYS, split_chunks
 
-__all__ = ["BLOCKWISE_ROUTES", "ROUTES", "Explanation", "explain", "run"]
+__all__ = [
+    "BLOCKWISE_ROUTES",
+    "ROUTES",
+    "Explanation",
+    "check_remembered",
+    "explain",
+    "few_scores",
+    "remembered_route",
+    "run",
+    "run_route",
+]
 
 #: Every route, fastest-when-it-applies first.
 ROUTES: tuple[Route, ...] = (
@@ -124,9 +134,14 @@ def _kind(call: AttentionCall) -> tuple[object, ...] | None:
         call.transformed,
         call.four_d,
         call.device.type,
-        call.num_queries * call.num_keys < _block_sliced.SLICED_MIN_SCORES,  # read now: tests lower it
+        few_scores(call.num_queries, call.num_keys),
         split_chunks(call),  # sizes, threads and grad mode: whether (and how) the split-keys route cuts the keys
     )
+
+
+def few_scores(num_queries: int, num_keys: int) -> bool:
+    """The one fact of :func:`_kind` that a decoding step's sizes move: fewer scores than the sliced route wants."""
+    return num_queries * num_keys < _block_sliced.SLICED_MIN_SCORES  # read now: tests lower it
 
 
 def _route_for(call: AttentionCall, routes: Sequence[Route]) -> Route:
@@ -143,8 +158,7 @@ def _route_for(call: AttentionCall, routes: Sequence[Route]) -> Route:
     if route is None:
         route = held[1][kind] = _choose(call, routes)[0]
     elif VERIFY_REMEMBERED_CHOICES:
-        chosen = _choose(call, routes)[0]
-        assert chosen is route, f"remembered route {route.name!r} for a call that takes {chosen.name!r}: {kind}"
+        check_remembered(call, routes, route)
     return route
 
 
@@ -186,9 +200,29 @@ def explain(call: AttentionCall, routes: Sequence[Route] | None = None, *, verbo
     return Explanation(route.name, declined, cost=_cost(route, call), verbose=verbose)
 
 
+def remembered_route(call: AttentionCall) -> tuple[Sequence[Route], Route] | None:
+    """:data:`ROUTES` and the route :func:`run` takes for ``call``'s kind (:func:`_kind`), from this memory; None
+    for a call whose route is chosen in full each time. A layer's decoding plan replays it (``selfattn._decode_plan``)."""
+    if _kind(call) is None:
+        return None
+    routes = ROUTES
+    return routes, _route_for(call, routes)
+
+
+def check_remembered(call: AttentionCall, routes: Sequence[Route], route: Route) -> None:
+    """Raise ``AssertionError`` unless ``route`` is what :func:`_choose` makes of ``call`` (for tests'
+    :data:`VERIFY_REMEMBERED_CHOICES`, which a replayed decoding plan honours too)."""
+    chosen = _choose(call, routes)[0]
+    assert chosen is route, f"remembered route {route.name!r} for a call that takes {chosen.name!r}"
+
+
 def run(call: AttentionCall, routes: Sequence[Route] | None = None) -> Output:
     """Compute ``call`` by the first route of ``routes`` (default :data:`ROUTES`) that takes it."""
-    route = _route_for(call, ROUTES if routes is None else routes)
+    return run_route(_route_for(call, ROUTES if routes is None else routes), call)
+
+
+def run_route(route: Route, call: AttentionCall) -> Output:
+    """Compute ``call`` by ``route``, chosen by :func:`run` or remembered from it (:func:`remembered_route`)."""
     if call.compiling or not torch.autograd.profiler._is_profiler_enabled:
         return route.run(call)  # a range costs a dispatcher call or two even when no profiler listens
     # The profiler ranges keep the names benchmarks read (blockwise_attention for every blocks route).

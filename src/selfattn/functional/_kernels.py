@@ -37,6 +37,8 @@ _CONTIGUOUS_HEADS_MIN_PAIRS = 2048 * 2048
 # costs less than the extra pass over the output or the scores that the in-graph form takes.
 _IN_GRAPH_CHECKS_MAX_ELEMENTS = 1 << 16
 
+# The dtype the NaN-query guard sums a query in, per query dtype (torch.promote_types is an op of its own).
+_SUM_DTYPES: dict[torch.dtype, torch.dtype] = {}
 # scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -356,7 +358,7 @@ def _fused_kernel(
     # Adding 0 * (the query's sum) gives NaN exactly there, for one reduction and no host sync (an
     # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large
     # finite half-precision queries from overflowing into a NaN nobody asked for.
-    sum_dtype = torch.promote_types(q.dtype, torch.float32)
+    sum_dtype = _SUM_DTYPES.get(q.dtype) or _SUM_DTYPES.setdefault(q.dtype, torch.promote_types(q.dtype, torch.float32))
     query_sums = q.sum(dim=-1, keepdim=True, dtype=sum_dtype)  # (b, h, lq, 1)
     if _host_check_pays(out) and bool(query_sums.isfinite().all()):
         return out  # on CPU a host check of the sums costs less than one more pass over a large output
@@ -420,7 +422,10 @@ def fused_attention(
 
     ``checked``: the shapes, mask and bias were checked already (a route's call), so not again.
     """
-    mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, True, checked)
+    if checked and mask is None and bias is None and not causal and scale is not None:
+        empty_rows, use_is_causal = None, False  # what _prepare returns for it, without its call (a decoding step)
+    else:
+        mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, True, checked)
     # Compiled graphs leave the layout to the compiler (a test on the length would guard a dynamic one).
     if (
         q.device.type == "cpu"

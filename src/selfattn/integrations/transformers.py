@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from selfattn.functional import attention, sparse_attention
+from selfattn.functional._attention import describe_attention
+from selfattn.integrations import _hf_plan
 from selfattn.integrations._hf_keywords import (
     check_keywords,
     checked_selection,
@@ -100,23 +102,23 @@ def attention_forward(
     Raises:
         ValueError: an unknown keyword, a bad value of a known one, or a combination the module's docstring refuses.
     """
-    check_keywords(kwargs)
     output_attentions = bool(output_attentions) or _recording_attentions()
+    kind, replayed = _hf_plan.step(module, locals())
+    if replayed is not None:  # an unmasked decoding step of a kind this layer has run: its plan
+        return replayed.transpose(1, 2).contiguous(), None
+    check_keywords(kwargs)
     attention_mask = _bool_if_only_visibility(attention_mask)
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
     _check_combinations(query, attention_mask, dropout, softcap, position_bias, per_query_sinks, output_attentions)
     picks, selections = _selected(module, query, key.shape[-2], indices, topk_indices, block_indices, seq_idx)
-    key, value, mask, bias, causal = _visibility(
-        module, query, key, value, attention_mask, is_causal, sliding_window, cu_seq_lens_q, cu_seq_lens_k
-    )
-    query, key, value, mask, bias, picks = _restricted(
-        query, key, value, mask, bias, picks, selections, position_bias, sinks, per_query_sinks
-    )
-    options: dict[str, Any] = dict(
-        mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling, softcap=softcap, sinks=sinks,
-        return_weights=bool(output_attentions),
-    )  # fmt: skip
+    key, value, mask, bias, causal = _visibility(module, query, key, value, attention_mask, is_causal,
+                                                 sliding_window, cu_seq_lens_q, cu_seq_lens_k)  # fmt: skip
+    query, key, value, mask, bias, picks = _restricted(query, key, value, mask, bias, picks, selections,
+                                                       position_bias, sinks, per_query_sinks)  # fmt: skip
+    options: dict[str, Any] = dict(mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling,
+                                   softcap=softcap, sinks=sinks, return_weights=bool(output_attentions))  # fmt: skip
     out, weights = _attend(query, key, value, picks, options, per_query_sinks is not None, head_mask)
+    _hf_plan.remember(module, kind, None if kind is None else describe_attention(query, key, value, **options))
     return out.transpose(1, 2).contiguous(), weights
 
 

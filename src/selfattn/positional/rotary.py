@@ -205,9 +205,12 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         :data:`MAX_ANGLE_TABLE_VALUES`, another device than the table's, or inside ``torch.compile``.
         The result equals ``forward``'s bit for bit: the same float64 angles, cast as it casts them.
         """
-        stop = first + x.shape[-2]
+        length = x.shape[-2]
+        stop = first + length
         config = self.scaling_config
-        device = self.inv_freq.device  # read once: a buffer's lookup goes through nn.Module.__getattr__
+        frequencies = self._buffers["inv_freq"]  # not self.inv_freq: nn.Module.__getattr__ costs a step more
+        assert frequencies is not None
+        device = frequencies.device
         if (
             first < 0
             or (config is not None and config.depends_on_length)
@@ -220,8 +223,9 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             self._grow_angle_table(stop)
         cos_table, sin_table = self._split_table(rotation_dtype(x))
         return _rotate_swapped(
-            x, cos_table[first:stop], sin_table[first:stop], interleaved=self.interleaved, rotary_dim=self.rotary_dim
-        )  # rows (l, r) each: two plain slices, the cheapest reads of a decoding step's angles
+            x, cos_table.narrow(0, first, length), sin_table.narrow(0, first, length), interleaved=self.interleaved,
+            rotary_dim=self.rotary_dim,
+        )  # fmt: skip  # rows (l, r) each: two views, the cheapest reads of a decoding step's angles
 
     def _split_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``angle_table``'s cos and signed sin halves ``(n, r)`` each, contiguous, in ``dtype``: made once per table

@@ -1,0 +1,121 @@
+"""The transformers backend's decoding plan: a layer's unmasked one-query steps replay the route its first one took.
+
+On a decoding step transformers passes most layers no mask (Llama's, Gemma 2's global layers, gpt-oss's
+full ones): one query sees every cached key. :func:`~selfattn.integrations.transformers.attention_forward`
+runs the first such step of a layer in full (every keyword read and checked, the call described, the
+dispatcher asked), then keeps for the layer (in a weak dictionary beside it) a :class:`StepPlan`: the step's kind,
+the route the dispatcher chose for it (from its memory, so ``explain`` names the same), and the
+call's checked options (scale, softcap, sinks, dropout). A later step of the same kind builds the call
+from the heads and runs that route, with none of the checks re-done: they hold by the kind.
+
+The kind (:func:`step_kind`): one query; no ``attention_mask`` and none of the keywords that restrict
+or reweigh attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed
+lengths, weights wanted); the shapes of the query, key and value heads except the keys' length, their
+dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal``; the sink
+tensor itself (``s_aux``) and its shape; the names of the other keywords given a value; grad mode; a
+``torch.func`` transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`).
+A step of another kind runs in full and replaces the plan, or drops it. No tensor value is read.
+
+Shape legend: b batch, h heads, hk key/value heads, lk keys, d head size, dv value head size.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+import selfattn._validation as _validation
+import selfattn.core.dispatch as dispatch
+from selfattn.core.call import AttentionCall
+from selfattn.core.route import Route
+from selfattn.masks import Visibility
+
+__all__ = ["StepPlan", "remember", "replay", "step", "step_kind"]
+
+
+class StepPlan(NamedTuple):
+    """What later steps of one kind replay (see the module's docstring)."""
+
+    kind: tuple[object, ...]
+    routes: Sequence[Route]
+    route: Route
+    options: dict[str, Any]  # AttentionCall's checked keywords: scale, softcap, sinks, dropout_p
+
+
+#: Each transformers attention layer's plan, beside the layer: a copy or a pickle of the model carries none.
+_PLANS: weakref.WeakKeyDictionary[Any, StepPlan] = weakref.WeakKeyDictionary()
+
+#: ``attention_forward``'s keywords that restrict or reweigh attention: a planned step has none of them.
+_RESTRICTING = (
+    "position_bias", "sinks", "indices", "topk_indices", "block_indices", "head_mask", "cu_seq_lens_q",
+    "cu_seq_lens_k", "seq_idx",
+)  # fmt: skip
+
+
+def step(module: torch.nn.Module, given: dict[str, Any]) -> tuple[tuple[object, ...] | None, torch.Tensor | None]:
+    """``(the step's kind, its output by the layer's plan)`` for ``attention_forward``'s arguments ``given``
+    (its ``locals()``, ``output_attentions`` read already); each None where there is none."""
+    kind = step_kind(given)
+    return kind, replay(module, kind, given["query"], given["key"], given["value"])
+
+
+def step_kind(given: dict[str, Any]) -> tuple[object, ...] | None:
+    """The kind of an ``attention_forward`` step with arguments ``given``, or None if no plan serves it."""
+    query, key, value, extra = given["query"], given["key"], given["value"], given["kwargs"]
+    if (
+        given["attention_mask"] is not None
+        or given["output_attentions"]
+        or any(given[name] is not None for name in _RESTRICTING)
+        or not isinstance(query, torch.Tensor)
+        or not isinstance(key, torch.Tensor)
+        or not isinstance(value, torch.Tensor)
+        or query.dim() != 4
+        or key.dim() != 4
+        or value.dim() != 4
+        or query.shape[2] != 1
+        or key.shape[2] != value.shape[2]
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    sinks = given["s_aux"]
+    return (
+        query.shape, key.shape[:2], key.shape[3], value.shape[:2], value.shape[3],
+        query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
+        given["dropout"], given["scaling"], given["is_causal"], given["sliding_window"], given["softcap"],
+        id(sinks), None if sinks is None else sinks.shape,  # the plan holds the tensor: its id is not reused
+        tuple(name for name, value in extra.items() if value is not None),
+        torch.is_grad_enabled(), _validation.in_func_transform(), dispatch.few_scores(1, key.shape[2]),
+    )  # fmt: skip
+
+
+def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: AttentionCall | None) -> None:
+    """After a step run in full: keep a plan for its kind (``call`` is the step as ``attention`` described it)."""
+    if not isinstance(module, torch.nn.Module):
+        return  # a stand-in for a layer (tests): no weak reference to keep a plan by
+    _PLANS.pop(module, None)
+    if kind is None or call is None or call.term is not None or call.bias is not None or call.visibility.rules:
+        return
+    if call.heads == 1 and call.kv_heads == 1:
+        return  # the "split keys" route's kind of call: its choice moves with the keys' length and the threads
+    chosen = dispatch.remembered_route(call)
+    if chosen is None or call.return_weights:
+        return
+    options = {"scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p}
+    _PLANS[module] = StepPlan(kind, chosen[0], chosen[1], options)
+
+
+def replay(
+    module: torch.nn.Module, kind: tuple[object, ...] | None, query: torch.Tensor, key: torch.Tensor,
+    value: torch.Tensor,
+) -> torch.Tensor | None:  # fmt: skip
+    """The step's ``(b, h, 1, dv)`` output by the layer's plan for ``kind``, or None when it has none."""
+    plan = _PLANS.get(module) if kind is not None and isinstance(module, torch.nn.Module) else None
+    if kind is None or plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
+        return None
+    call = AttentionCall.of_heads(query, key, value, Visibility.lower_right(1, key.shape[-2]), **plan.options)
+    if dispatch.VERIFY_REMEMBERED_CHOICES:  # tests: every route asked again must choose the plan's
+        dispatch.check_remembered(call, plan.routes, plan.route)
+    return dispatch.run_route(plan.route, call).out

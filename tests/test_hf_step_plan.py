@@ -1,0 +1,103 @@
+"""The transformers backend's step plan (selfattn.integrations._hf_plan): a replayed step equals the full path.
+
+Each test runs a step in full (the plan is made), then the same kind again, and compares with the full
+path's answer bit for bit; a step of another kind (a mask, other heads) must not be replayed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import selfattn.integrations.transformers as backend  # noqa: E402
+from selfattn.integrations import _hf_plan  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+class _Layer(torch.nn.Module):
+    """What the attention functions read off a model's attention layer (a module: plans are kept by weak reference)."""
+
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def _module() -> Any:
+    return _Layer().eval()
+
+
+def _step(lk: int, seed: int = 0, heads: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(2, heads, 1, 8, generator=gen),
+        torch.randn(2, 2, lk, 8, generator=gen),
+        torch.randn(2, 2, lk, 8, generator=gen),
+    )
+
+
+def _refuse_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("the full path ran")
+
+    monkeypatch.setattr(backend, "check_keywords", refuse)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"scaling": 0.3}, {"softcap": 5.0}, {"s_aux": torch.linspace(-1.0, 1.0, 4)}, {"sliding_window": 4}],
+    ids=["plain", "scaling", "softcap", "sinks", "window (unmasked step)"],
+)
+def test_a_replayed_step_equals_the_full_path(monkeypatch, options):
+    module = _module()
+    backend.attention_forward(module, *_step(7), None, **options)  # in full: the plan is made
+    q, k, v = _step(9, seed=1)  # the cache grew by two
+    monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+    full, _ = backend.attention_forward(_module(), q, k, v, None, **options)
+    monkeypatch.undo()
+    _refuse_full_path(monkeypatch)
+    replayed, weights = backend.attention_forward(module, q, k, v, None, **options)
+    assert weights is None
+    assert torch.equal(replayed, full)
+
+
+def test_a_step_of_another_kind_runs_in_full(monkeypatch):
+    module = _module()
+    backend.attention_forward(module, *_step(7), None)
+    calls: list[str] = []
+    original = backend.check_keywords
+    monkeypatch.setattr(backend, "check_keywords", lambda extra: calls.append("full") or original(extra))
+    q, k, v = _step(8, seed=1)
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    mask[:, ..., :3] = False
+    masked, _ = backend.attention_forward(module, q, k, v, mask)  # a window mask: not this plan's kind
+    assert calls == ["full"]
+    backend.attention_forward(module, *_step(8, heads=2), None)  # other heads: another kind
+    assert calls == ["full", "full"]
+    backend.attention_forward(module, q, k, v, None, output_attentions=True)  # weights wanted
+    assert calls == ["full", "full", "full"]
+    expected, _ = backend.attention_forward(module, q, k[..., 3:, :], v[..., 3:, :], None)
+    assert torch.allclose(masked, expected, atol=1e-6)  # the mask was applied, not skipped
+
+
+def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
+    assert backend.register() == "selfattn"
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.config._attn_implementation = "selfattn"
+    prompt = torch.randint(3, 50, (2, 5))
+    options = {"max_new_tokens": 10, "do_sample": False, "min_new_tokens": 10}
+    with torch.no_grad():
+        planned = model.generate(prompt, **options)
+        assert all(layer.self_attn in _hf_plan._PLANS for layer in model.model.layers)
+        monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+        full = model.generate(prompt, **options)
+    assert torch.equal(planned, full)
