@@ -259,3 +259,21 @@ def test_a_one_head_layer_keeps_no_plan_and_takes_split_keys_where_the_cache_gro
             layer(step, step, step, cache=cache, causal=True)
             assert decode_plan.plan_of(layer) is None
     assert routes[0] == "fused" and routes[-1] == "split keys"
+
+
+def test_a_compiled_step_reads_no_plan():
+    """A graph neither keeps nor reads plans: reading the weak dictionary while tracing put guards on its entries,
+    and a guard on an entry collected before the guards were built failed the compile (IndexError in the suite)."""
+    x = torch.randn(1, 8, D)
+    planned, cache = MultiHeadAttention(D, H).eval(), KVCache(max_len=16)
+    with torch.no_grad():
+        planned(x[:, :4], x[:, :4], x[:, :4], cache=cache, causal=True)
+        for i in (4, 5):
+            step = x[:, i : i + 1]
+            planned(step, step, step, cache=cache, causal=True)
+        assert decode_plan.plan_of(planned) is not None  # an entry the trace could see
+        layer, other_cache = MultiHeadAttention(D, H).eval(), KVCache(max_len=16)
+        layer(x[:, :4], x[:, :4], x[:, :4], cache=other_cache, causal=True)
+        traced = torch._dynamo.explain(lambda q: layer(q, q, q, cache=other_cache, causal=True))(x[:, 4:5])
+    assert not [guard for guard in traced.out_guards if "_PLANS" in str(guard)]
+    assert decode_plan.plan_of(layer) is None

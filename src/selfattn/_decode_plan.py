@@ -69,13 +69,15 @@ class DecodePlan(NamedTuple):
 def run_call(module: Any, given: tuple[Any, ...]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``module.forward(*given)``: by the layer's plan where it has one for this kind of call, else in full
     (check, describe, the dispatcher, finish), after which the layer remembers a plan for the kind, or none."""
-    out = replay(module, given)
+    compiling = torch.compiler.is_compiling()  # a graph keeps no plan, and must not read the plans' weak dictionary
+    out = None if compiling else replay(module, given)
     if out is not None:
         return out
     request = check_request(module, *given)
     call = describe(module, request)
     result = finish(module, request, call, dispatch.run(call))
-    remember(module, given, call)
+    if not compiling:
+        remember(module, given, call)
     return result
 
 
@@ -118,8 +120,9 @@ def plan_of(module: Any) -> DecodePlan | None:
 
 
 def drop(module: Any) -> None:
-    """Forget ``module``'s plan."""
-    _PLANS.pop(module, None)
+    """Forget ``module``'s plan (while compiling there is none to forget: a graph neither keeps nor reads one)."""
+    if not torch.compiler.is_compiling():
+        _PLANS.pop(module, None)
 
 
 def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:

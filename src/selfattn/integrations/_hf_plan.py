@@ -93,8 +93,8 @@ def step_kind(given: dict[str, Any]) -> tuple[object, ...] | None:
 
 def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: AttentionCall | None) -> None:
     """After a step run in full: keep a plan for its kind (``call`` is the step as ``attention`` described it)."""
-    if not isinstance(module, torch.nn.Module):
-        return  # a stand-in for a layer (tests): no weak reference to keep a plan by
+    if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling():
+        return  # a stand-in for a layer (tests), or a graph: no plan kept, the weak dictionary not read
     _PLANS.pop(module, None)
     if kind is None or call is None or call.term is not None or call.bias is not None or call.visibility.rules:
         return
