@@ -36,6 +36,9 @@ LAYERS: dict[str, Callable[[], MultiHeadAttention]] = {
     "qk_norm and gate (parts)": lambda: MultiHeadAttention(D, H, qk_norm=True, gated_output=True, position=_rotary()),
     "values from keys": lambda: MultiHeadAttention(D, H, values_from_keys=True),
     "xpos": lambda: MultiHeadAttention(D, H, position=build("xpos", num_hiddens=D, num_heads=H)),
+    "alibi gqa (a key-only score term)": lambda: MultiHeadAttention(
+        D, H, num_kv_heads=2, position=build("alibi", num_hiddens=D, num_heads=H)
+    ),
     # The window hides nothing while the cache is short, then hides the oldest keys: a step's kind changes.
     "window 6": lambda: MultiHeadAttention(D, H, num_kv_heads=2, window=6, position=_rotary()),
     "chunks of 6": lambda: MultiHeadAttention(D, H, chunk_size=6, position=_rotary()),
@@ -277,3 +280,61 @@ def test_a_compiled_step_reads_no_plan():
         traced = torch._dynamo.explain(lambda q: layer(q, q, q, cache=other_cache, causal=True))(x[:, 4:5])
     assert not [guard for guard in traced.out_guards if "_PLANS" in str(guard)]
     assert decode_plan.plan_of(layer) is None
+
+
+def _alibi() -> MultiHeadAttention:
+    return LAYERS["alibi gqa (a key-only score term)"]().eval()
+
+
+def test_an_alibi_layer_plans_its_key_row_route_in_inference_only():
+    """ALiBi's causal term: the dispatcher's key-row route is remembered without grad; with grad every step runs
+    in full (a term's parameters, and the queries', may want a gradient: the route's test reads grad mode)."""
+    layer, _, _ = _decoded(_alibi())
+    plan = decode_plan.plan_of(layer)
+    assert plan is not None and plan.route.name == "blockwise key row" and plan.term is layer.position
+    assert not plan.stepped  # the key-row route has no step form: its call is described from the plan
+    layer = _alibi()
+    cache, x = KVCache(max_len=16), torch.randn(1, 7, D)
+    layer(x[:, :4], x[:, :4], x[:, :4], cache=cache, causal=True)
+    for i in (4, 5, 6):
+        step = x[:, i : i + 1]
+        layer(step, step, step, cache=cache, causal=True)
+        assert decode_plan.plan_of(layer) is None
+
+
+def test_a_term_that_loses_its_key_only_form_is_followed_by_the_next_step(monkeypatch):
+    """An attribute of the term set after the plan was made (ALiBi made bidirectional) is not a setting of the
+    layer, so the plan is not dropped: the replay asks the term each step and runs in full when it changed."""
+    layer, cache, x = _decoded(_alibi())
+    twin, twin_cache = copy.deepcopy(layer), cache.copy()
+    layer.position.causal = twin.position.causal = False
+    planned = _next_steps(layer, cache, x)
+    monkeypatch.setattr(decode_plan, "ENABLED", False)
+    full = _next_steps(twin, twin_cache, x)
+    for a, b in zip(planned, full, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_score_term_without_a_key_only_form_keeps_no_plan():
+    layer = MultiHeadAttention(D, H, position=build("t5", num_hiddens=D, num_heads=H)).eval()
+    cache, x = KVCache(max_len=16), torch.randn(1, 7, D)
+    with torch.no_grad():
+        layer(x[:, :4], x[:, :4], x[:, :4], cache=cache, causal=True)
+        for i in (4, 5, 6):
+            step = x[:, i : i + 1]
+            layer(step, step, step, cache=cache, causal=True)
+    assert decode_plan.plan_of(layer) is None
+
+
+@pytest.mark.parametrize(("name", "stepped"), [("rotary gqa", True), ("softcap", False), ("sinks", False)])
+def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatch, name, stepped):
+    """The fused kernel's step form serves a call with no softcap, sinks or dropout; other calls are described."""
+    layer, cache, x = _decoded(LAYERS[name]().eval())
+    plan = decode_plan.plan_of(layer)
+    assert plan is not None and plan.stepped is stepped
+    monkeypatch.setattr(dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # the suite's check describes every call
+    described: list[object] = []
+    monkeypatch.setattr(decode_plan, "AttentionCall", lambda **kw: described.append(kw) or dispatch.AttentionCall(**kw))
+    with torch.no_grad():
+        layer(x, x, x, cache=cache, causal=True)
+    assert bool(described) is not stepped

@@ -101,3 +101,18 @@ def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
         monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
         full = model.generate(prompt, **options)
     assert torch.equal(planned, full)
+
+
+@pytest.mark.parametrize(("options", "stepped"), [({}, True), ({"softcap": 5.0}, False)], ids=["plain", "softcap"])
+def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatch, options, stepped):
+    """A plain step replays the fused kernel's step form from the heads; a softcapped one has its call described."""
+    module = _module()
+    backend.attention_forward(module, *_step(7), None, **options)
+    plan = _hf_plan._PLANS.get(module)
+    assert plan is not None and plan.stepped is stepped
+    monkeypatch.setattr(_hf_plan.dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # the suite's check describes them
+    described: list[object] = []
+    real = _hf_plan.AttentionCall.of_heads
+    monkeypatch.setattr(_hf_plan.AttentionCall, "of_heads", lambda *a, **kw: described.append(a) or real(*a, **kw))
+    backend.attention_forward(module, *_step(9, seed=1), None, **options)
+    assert bool(described) is not stepped

@@ -7,7 +7,12 @@ work. The first step of a kind runs that full path; :func:`remember` then keeps 
 so the same code decides and ``explain`` names it), the call's fixed options (scale, softcap, sinks,
 dropout), whether the projections run bare (no parts, no encoding or a plain rotary read from its
 cos/sin table) or through the layer's projection methods, and the cache's write. Later steps of the same
-kind (:func:`replay`) run: projections, rotation, the cache write, the remembered route, ``W_o``.
+kind (:func:`replay`) run: projections, rotation, the cache write, the remembered route, ``W_o``. A route
+with a step form (:attr:`~selfattn.core.route.Route.step`: the fused kernel's) runs from the heads alone
+when the call has no softcap, sinks or dropout; any other route gets the step's call described again,
+from what the plan holds. A score term is planned where the dispatcher remembers its route
+(:func:`~selfattn.core.dispatch.remembered_route`: ALiBi's causal term, one row of bias for the step,
+in inference), the term's positions read from the cache's update as the full path reads them.
 
 A layer with a ``window`` or ``chunk_size`` has no plan: its rule hides nothing while the cache is short
 and hides keys later, so the kind would move with the cache's length.
@@ -43,7 +48,7 @@ from selfattn.core.call import AttentionCall
 from selfattn.core.inputs import check_request
 from selfattn.core.route import Route
 from selfattn.masks import Visibility
-from selfattn.positional.base import QueryKeyEncoding
+from selfattn.positional.base import QueryKeyEncoding, ScoreEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
 
 __all__ = ["ENABLED", "DecodePlan", "drop", "kind_of", "plan_of", "remember", "replay", "run_call"]
@@ -59,11 +64,14 @@ class DecodePlan(NamedTuple):
     routes: Sequence[Route]  # the dispatcher's list the route came from: a replaced list voids the plan
     route: Route
     options: dict[str, Any]  # AttentionCall's fixed keywords: scale, softcap, sinks, dropout_p, block_size
-    bare: tuple[Any, Any, Any, Any] | None  # W_q, W_k, W_v, W_o when there are no parts and no encoding or a
-    # plain rotary: the projections and the heads' views inline (setting any of them drops the plan)
+    bare: tuple[Any, Any, Any, Any] | None  # W_q, W_k, W_v, W_o when there are no parts and no encoding, a
+    # plain rotary or a score term: the projections and the heads' views inline (setting any drops the plan)
     heads: tuple[int, int, int, int]  # h, hk, dh, dv
     rotary: RotaryPositionalEncoding | None  # the bare projections' rotation, from its table
     few_scores: bool  # the dispatcher's size fact when the plan was made
+    stepped: bool  # the route's step form serves the call (no softcap, sinks or dropout): no call described
+    term: ScoreEncoding | None  # the score term, whose key-only form the remembered route reads
+    key_offset: torch.Tensor | None  # (1, 1, 1, 1) zero: asks the term each step whether it still has that form
 
 
 def run_call(module: Any, given: tuple[Any, ...]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +137,7 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
     """After a call run in full: keep a plan for its kind where one serves it, else drop the layer's plan."""
     drop(module)
     kind = kind_of(module, given) if ENABLED else None
-    if kind is None or call.term is not None or call.bias is not None or call.visibility.rules:
+    if kind is None or call.bias is not None or call.visibility.rules:
         return
     if call.heads == 1 and call.kv_heads == 1:
         return  # the "split keys" route's kind of call: its choice moves with the cache's length and the threads
@@ -139,14 +147,17 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
         return
     if module.window is not None or module.chunk_size is not None:
         return  # the rule hid nothing in this step (so the call has none) and hides keys once the cache grows
-    if position is not None and (not isinstance(position, QueryKeyEncoding) or updates_cached_keys(position)):
-        return  # a score term (none here), or an encoding that re-rotates the cache: every step in full
+    term = call.term
+    if isinstance(position, QueryKeyEncoding) and updates_cached_keys(position):
+        return  # an encoding that re-rotates the cache: every step in full
+    if position is not None and not isinstance(position, (QueryKeyEncoding, ScoreEncoding)):
+        return
     routes, route = chosen
     no_parts = not any(module.part_names.values())
     config = getattr(position, "scaling_config", None)
     table = type(position) is RotaryPositionalEncoding and (config is None or not config.depends_on_length)
     rotary = position if table and isinstance(position, RotaryPositionalEncoding) else None
-    plain = no_parts and module.W_v is not None and (position is None or rotary is not None)
+    plain = no_parts and module.W_v is not None and (position is None or rotary is not None or term is not None)
     bare = (module.W_q, module.W_k, module.W_v, module.W_o) if plain else None
     heads = (module.num_heads, module.num_kv_heads, module.head_dim, module.value_head_dim)
     options = {
@@ -154,7 +165,9 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
         "block_size": call.block_size,
     }  # fmt: skip
     few = dispatch.few_scores(call.num_queries, call.num_keys)
-    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few)
+    stepped = route.step is not None and term is None and not call.modifies_scores and call.dropout_p == 0
+    key_offset = None if term is None else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.device)
+    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few, stepped, term, key_offset)
 
 
 def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
@@ -165,29 +178,41 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     queries, cache, offset = given[0], given[7], given[6]
     if cache.holds_marks or plan.few_scores != dispatch.few_scores(1, cache.stored + 1):
         return None
+    term = plan.term
+    if term is not None and term.key_only_term(plan.key_offset, torch.float32) is None:
+        return None  # the term lost the key-only form its route reads (an attribute of it set since)
     first = cache.length if offset is None else offset
     heads = _project(module, plan, queries, first)
     if heads is None:
         return None
     q, k, v = heads
-    written, first_key = cache.write_step(k, v, first), 0
-    if written is None:  # a windowed cache (or one that must raise): its own update, as the full path calls it
+    written, first_key, key_positions = None if term is not None else cache.write_step(k, v, first), 0, None
+    if written is None:  # a windowed cache, a score term's positions (or a call that must raise): the full update
         seen = cache.update(k, v, positions=torch.arange(first, first + 1, device=k.device), commit=False)
-        written, first_key = (seen.keys, seen.values), seen.first_index
+        written, first_key, key_positions = (seen.keys, seen.values), seen.first_index, seen.positions
     keys, values = written
-    num_keys = keys.shape[-2]
-    call = AttentionCall(
-        shape=(q.shape[0], q.shape[1], keys.shape[1], 1, num_keys, q.shape[-1], values.shape[-1]),
-        visibility=Visibility(1, num_keys, cache.length, first_key), device=q.device, dtype=q.dtype,
-        q=q, k=keys, v=values, **plan.options,
-    )  # fmt: skip
-    if dispatch.VERIFY_REMEMBERED_CHOICES:  # tests: every route asked again must choose the plan's
-        dispatch.check_remembered(call, plan.routes, plan.route)
-    result = dispatch.run_route(plan.route, call)
-    out = result.out
-    if result.stage == "heads":
+    verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's
+    if plan.stepped and not verify:
+        out = dispatch.run_step(plan.route, q, keys, values, plan.options["scale"])  # (b, h, 1, dv)
+        stage = "heads"
+    else:
+        num_keys = keys.shape[-2]
+        call = AttentionCall(
+            shape=(q.shape[0], q.shape[1], keys.shape[1], 1, num_keys, q.shape[-1], values.shape[-1]),
+            visibility=Visibility(1, num_keys, cache.length, first_key), device=q.device, dtype=q.dtype,
+            q=q, k=keys, v=values, term=term, k_positions=key_positions,
+            q_positions=None if term is None else torch.arange(first, first + 1, device=q.device), **plan.options,
+        )  # fmt: skip
+        if verify:
+            dispatch.check_remembered(call, plan.routes, plan.route)
+        if plan.stepped:
+            out, stage = dispatch.run_step(plan.route, q, keys, values, plan.options["scale"]), "heads"
+        else:
+            result = dispatch.run_route(plan.route, call)
+            out, stage = result.out, result.stage
+    if stage == "heads":
         out = out.transpose(1, 2).flatten(2)  # (b, h, 1, dv) -> (b, 1, h * dv)
-    if result.stage != "projected":
+    if stage != "projected":
         out = module.project_output(out, queries) if plan.bare is None else plan.bare[3](out)  # (b, 1, d)
     cache.commit()
     return out

@@ -43,6 +43,7 @@ __all__ = [
     "remembered_route",
     "run",
     "run_route",
+    "run_step",
 ]
 
 #: Every route, fastest-when-it-applies first.
@@ -204,9 +205,24 @@ def remembered_route(call: AttentionCall) -> tuple[Sequence[Route], Route] | Non
     """:data:`ROUTES` and the route :func:`run` takes for ``call``'s kind (:func:`_kind`), from this memory; None
     for a call whose route is chosen in full each time. A layer's decoding plan replays it (``selfattn._decode_plan``)."""
     if _kind(call) is None:
-        return None
+        return _key_row_step(call)
     routes = ROUTES
     return routes, _route_for(call, routes)
+
+
+def _key_row_step(call: AttentionCall) -> tuple[Sequence[Route], Route] | None:
+    """A decoding step with a key-only score term (ALiBi's causal one): :data:`ROUTES` and the key-row route
+    when the full choice takes it, else None.
+
+    The choice holds for later steps of a layer's kind: with no rule, every route before the key-row route
+    declines for the missing rule (a selection, valid lengths, a band, chunks, a prefix, a causal rule),
+    whatever the sizes; the key-row route's own test reads the term (fixed by the layer), the call's fixed
+    facts and grad mode (off: no parameter of the term wants a gradient), never the number of keys.
+    """
+    if call.term is None or call.visibility.rules or call.compiling or torch.is_grad_enabled():
+        return None
+    route = _choose(call, ROUTES)[0]
+    return (ROUTES, route) if route.name == KEY_ROW.name else None  # by name: tests wrap the routes
 
 
 def check_remembered(call: AttentionCall, routes: Sequence[Route], route: Route) -> None:
@@ -225,7 +241,21 @@ def run_route(route: Route, call: AttentionCall) -> Output:
     """Compute ``call`` by ``route``, chosen by :func:`run` or remembered from it (:func:`remembered_route`)."""
     if call.compiling or not torch.autograd.profiler._is_profiler_enabled:
         return route.run(call)  # a range costs a dispatcher call or two even when no profiler listens
-    # The profiler ranges keep the names benchmarks read (blockwise_attention for every blocks route).
-    profile_name = "blockwise_attention" if route.name.startswith(("blockwise", "causal key", "sliced")) else route.name
-    with torch.profiler.record_function(f"selfattn::{profile_name}"):
+    with torch.profiler.record_function(_profile_name(route)):
         return route.run(call)
+
+
+def run_step(route: Route, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``route.step(q, k, v, scale)`` (see :class:`~selfattn.core.route.Route`), in the profiler range
+    :func:`run_route` opens: a decoding plan's step of a route remembered from :func:`run`."""
+    assert route.step is not None
+    if not torch.autograd.profiler._is_profiler_enabled or torch.compiler.is_compiling():
+        return route.step(q, k, v, scale)
+    with torch.profiler.record_function(_profile_name(route)):
+        return route.step(q, k, v, scale)
+
+
+def _profile_name(route: Route) -> str:
+    """The profiler range of ``route``: the names benchmarks read (blockwise_attention for every blocks route)."""
+    blocks = route.name.startswith(("blockwise", "causal key", "sliced"))
+    return f"selfattn::{'blockwise_attention' if blocks else route.name}"

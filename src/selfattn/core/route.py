@@ -42,9 +42,14 @@ class Route:
         run: ``run(call)`` computes it.
         modifies_scores: whether it applies a call's softcap and sinks; the dispatcher passes
             over the routes that do not when a call has either.
+        step: ``step(q, k, v, scale)``, ``(b, h, lq, dv)``: what ``run`` computes for a call of these heads
+            with no rule, bias, score term, dropout, softcap, sinks or weights wanted, from the heads alone;
+            None if the route has no such form. A decoding plan that remembered the route runs it without
+            describing each step (:mod:`selfattn._decode_plan`).
     """
 
     name: str
     declines: Callable[[AttentionCall], str | None]
     run: Callable[[AttentionCall], Output]
     modifies_scores: bool = False
+    step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None

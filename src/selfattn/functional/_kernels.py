@@ -423,19 +423,40 @@ def fused_attention(
     ``checked``: the shapes, mask and bias were checked already (a route's call), so not again.
     """
     if checked and mask is None and bias is None and not causal and scale is not None:
-        empty_rows, use_is_causal = None, False  # what _prepare returns for it, without its call (a decoding step)
-    else:
-        mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, True, checked)
-    # Compiled graphs leave the layout to the compiler (a test on the length would guard a dynamic one).
-    if (
-        q.device.type == "cpu"
-        and not _validation.is_compiling()
-        and q.shape[-2] * k.shape[-2] >= _CONTIGUOUS_HEADS_MIN_PAIRS
-    ):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return fused_unmasked(q, k, v, scale=scale, dropout_p=dropout_p)  # what _prepare returns for it, uncalled
+    mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, True, checked)
+    q, k, v = _kernel_layout(q, k, v)
     attn_mask = mask
     if bias is not None:
         bias = bias.to(q.dtype)
         attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     out = _fused_kernel(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale)
     return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
+
+
+def fused_unmasked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """:func:`fused_attention` of checked heads with no mask, bias or causal rule, ``(b, h, lq, dv)``.
+
+    Every key is visible to every query, so no row is empty and nothing is prepared: a decoding
+    step's call (its causal rule hides nothing), and what a decoding plan replays without describing it.
+    """
+    q, k, v = _kernel_layout(q, k, v)
+    return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
+
+
+def _kernel_layout(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The heads as the CPU kernel reads them fastest: contiguous when the call is large enough to pay for the copy.
+
+    Compiled graphs leave the layout to the compiler (a test on the length would guard a dynamic one).
+    """
+    if (
+        q.device.type == "cpu"
+        and not _validation.is_compiling()
+        and q.shape[-2] * k.shape[-2] >= _CONTIGUOUS_HEADS_MIN_PAIRS
+    ):
+        return q.contiguous(), k.contiguous(), v.contiguous()
+    return q, k, v

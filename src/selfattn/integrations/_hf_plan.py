@@ -5,8 +5,10 @@ full ones): one query sees every cached key. :func:`~selfattn.integrations.trans
 runs the first such step of a layer in full (every keyword read and checked, the call described, the
 dispatcher asked), then keeps for the layer (in a weak dictionary beside it) a :class:`StepPlan`: the step's kind,
 the route the dispatcher chose for it (from its memory, so ``explain`` names the same), and the
-call's checked options (scale, softcap, sinks, dropout). A later step of the same kind builds the call
-from the heads and runs that route, with none of the checks re-done: they hold by the kind.
+call's checked options (scale, softcap, sinks, dropout). A later step of the same kind runs that route
+from the heads, with none of the checks re-done (they hold by the kind): by the route's step form
+(:attr:`~selfattn.core.route.Route.step`, the fused kernel's) when the call has no softcap, sinks or
+dropout, else on the call built from the heads.
 
 The kind (:func:`step_kind`): one query; no ``attention_mask`` and none of the keywords that restrict
 or reweigh attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed
@@ -43,6 +45,7 @@ class StepPlan(NamedTuple):
     routes: Sequence[Route]
     route: Route
     options: dict[str, Any]  # AttentionCall's checked keywords: scale, softcap, sinks, dropout_p
+    stepped: bool  # the route's step form serves the call (no softcap, sinks or dropout): no call described
 
 
 #: Each transformers attention layer's plan, beside the layer: a copy or a pickle of the model carries none.
@@ -104,7 +107,8 @@ def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: Att
     if chosen is None or call.return_weights:
         return
     options = {"scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p}
-    _PLANS[module] = StepPlan(kind, chosen[0], chosen[1], options)
+    stepped = chosen[1].step is not None and not call.modifies_scores and call.dropout_p == 0
+    _PLANS[module] = StepPlan(kind, chosen[0], chosen[1], options, stepped)
 
 
 def replay(
@@ -115,7 +119,12 @@ def replay(
     plan = _PLANS.get(module) if kind is not None and isinstance(module, torch.nn.Module) else None
     if kind is None or plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
         return None
+    verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's
+    if plan.stepped and not verify:
+        return dispatch.run_step(plan.route, query, key, value, plan.options["scale"])
     call = AttentionCall.of_heads(query, key, value, Visibility.lower_right(1, key.shape[-2]), **plan.options)
-    if dispatch.VERIFY_REMEMBERED_CHOICES:  # tests: every route asked again must choose the plan's
+    if verify:
         dispatch.check_remembered(call, plan.routes, plan.route)
+    if plan.stepped:
+        return dispatch.run_step(plan.route, query, key, value, plan.options["scale"])
     return dispatch.run_route(plan.route, call).out
