@@ -178,8 +178,8 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     queries, cache, offset = given[0], given[7], given[6]
     if cache.holds_marks or plan.few_scores != dispatch.few_scores(1, cache.stored + 1):
         return None
-    term = plan.term
-    if term is not None and term.key_only_term(plan.key_offset, torch.float32) is None:
+    term, key_offset = plan.term, plan.key_offset
+    if term is not None and key_offset is not None and term.key_only_term(key_offset, torch.float32) is None:
         return None  # the term lost the key-only form its route reads (an attribute of it set since)
     first = cache.length if offset is None else offset
     heads = _project(module, plan, queries, first)
