@@ -259,6 +259,10 @@ def test_angle_table_rotates_bit_for_bit_as_forward(options, dtype):
         assert table is not None
         computed = rope(x, torch.arange(first, first + length))
         assert torch.equal(table, computed), (first, length)
+        keys = torch.randn(2, 1, length, 16, generator=gen).to(dtype)  # fewer heads, as grouped keys have
+        pair = rope.rotate_consecutive_pair(x, keys, first)
+        assert pair is not None
+        assert torch.equal(pair[0], computed) and torch.equal(pair[1], rope(keys, torch.arange(first, first + length)))
     assert rope.angle_table.dtype == torch.float64 and rope.angle_table.shape[0] >= 5002
 
 
@@ -272,6 +276,9 @@ def test_angle_table_declines_what_it_cannot_serve():
     )
     assert RotaryPositionalEncoding(16).rotate_consecutive(x, -1) is None
     assert RotaryPositionalEncoding(16).rotate_consecutive(x, 10**6) is None  # past the table's size cap
+    assert RotaryPositionalEncoding(16).rotate_consecutive_pair(x, x, -1) is None
+    assert RotaryPositionalEncoding(16).rotate_consecutive_pair(x, x[..., :1, :], 0) is None  # other positions
+    assert RotaryPositionalEncoding(16).rotate_consecutive_pair(x, x.double(), 0) is None  # another rotation dtype
     rope = RotaryPositionalEncoding(16)
     rope.rotate_consecutive(x, 0)
     rope.reset_parameters()

@@ -235,7 +235,5 @@ def _project(
     rotary = plan.rotary
     if rotary is None:
         return q, k, v
-    rotated_q, rotated_k = rotary.rotate_consecutive(q, first), rotary.rotate_consecutive(k, first)
-    if rotated_q is None or rotated_k is None:
-        return None
-    return rotated_q, rotated_k, v
+    rotated = rotary.rotate_consecutive_pair(q, k, first)
+    return None if rotated is None else (*rotated, v)

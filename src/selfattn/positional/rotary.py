@@ -205,6 +205,28 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         :data:`MAX_ANGLE_TABLE_VALUES`, another device than the table's, or inside ``torch.compile``.
         The result equals ``forward``'s bit for bit: the same float64 angles, cast as it casts them.
         """
+        rows = self._consecutive_rows(x, first)
+        if rows is None:
+            return None
+        return _rotate_swapped(x, *rows, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
+
+    def rotate_consecutive_pair(
+        self, q: torch.Tensor, k: torch.Tensor, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`rotate_consecutive` of queries and keys at the same positions (a decoding step's), its checks and
+        table reads made once for both; None where it would return None for either."""
+        rows = self._consecutive_rows(q, first) if q.shape[-2] == k.shape[-2] and q.dtype == k.dtype else None
+        if rows is None:
+            return None
+        rotary_dim, interleaved = self.rotary_dim, self.interleaved
+        return (
+            _rotate_swapped(q, *rows, interleaved=interleaved, rotary_dim=rotary_dim),
+            _rotate_swapped(k, *rows, interleaved=interleaved, rotary_dim=rotary_dim),
+        )
+
+    def _consecutive_rows(self, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos and signed sin rows ``(l, r)`` of positions ``first .. first + l - 1`` for ``x`` ``(..., l, dh)``,
+        read from ``angle_table`` (grown if short), or None where :meth:`rotate_consecutive` says the table does not serve."""
         length = x.shape[-2]
         stop = first + length
         config = self.scaling_config
@@ -222,10 +244,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         if stop > self.angle_table.shape[0] or self.angle_table.device != device:
             self._grow_angle_table(stop)
         cos_table, sin_table = self._split_table(rotation_dtype(x))
-        return _rotate_swapped(
-            x, cos_table.narrow(0, first, length), sin_table.narrow(0, first, length), interleaved=self.interleaved,
-            rotary_dim=self.rotary_dim,
-        )  # fmt: skip  # rows (l, r) each: two views, the cheapest reads of a decoding step's angles
+        return cos_table.narrow(0, first, length), sin_table.narrow(0, first, length)  # two views: the cheapest reads
 
     def _split_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``angle_table``'s cos and signed sin halves ``(n, r)`` each, contiguous, in ``dtype``: made once per table
