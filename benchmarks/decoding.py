@@ -14,7 +14,8 @@ a ratio to a baseline timed in the same rounds:
 * one token through ``MultiHeadAttention`` with a ``KVCache`` (d=512, 8 heads, 2 key/value
   heads, rotary) against ``nn.MultiheadAttention`` given the cached inputs as plain tensors
   (it projects them again: it has no cache) and against the same layer written by hand with
-  SDPA and a preallocated cache (its output is checked equal to the layer's first);
+  SDPA and a preallocated cache (its own copy of the weights; its output is checked equal
+  to the layer's first);
 * the same layer with today's options (sinks, softcap, a window of 128 with sink tokens, ALiBi)
   against the plain layer;
 * tiny transformers models generating 64 tokens with ``attn_implementation="selfattn"``
@@ -26,6 +27,7 @@ a ratio to a baseline timed in the same rounds:
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import sys
 import time
@@ -165,7 +167,9 @@ def layer_rows(timing: dict, spread: dict, threads: int) -> tuple[list[list[str]
             decoder = decoders[name] = _CachedDecoder(mha, cache)
             cases[name] = _decoder(decoder.step, decoder.rewind, tokens)
             if name == "plain":
-                hand = HandLayer(mha, cached + STEPS + 1)
+                # Its own copy of the weights: layers sharing them would leave whichever runs second in a
+                # round reading them warm from the first's pass (up to 1.5x between the orders, measured).
+                hand = HandLayer(copy.deepcopy(mha), cached + STEPS + 1)
                 with torch.no_grad():
                     hand(prompt)
                     torch.testing.assert_close(hand(tokens[:, :1]), outputs[name], rtol=1e-4, atol=1e-5)

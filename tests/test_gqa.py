@@ -1,7 +1,9 @@
 """Grouped-query attention: equal to repeating each kv head for its group of query heads."""
 
+import numpy as np
 import pytest
 import torch
+from reference import naive_attention
 from reference_mha import ENCODINGS, make_encoding, naive_mha, visibility
 
 from selfattn import KVCache, MultiHeadAttention
@@ -93,6 +95,48 @@ def test_functional_grouped_kv_without_copies():
     assert not any("repeat_interleave" in e.key for e in prof.key_averages()), "kv heads were copied"
     with pytest.raises(ValueError, match="may have a divisor of q's heads"):
         attention(q, torch.randn(2, 4, 5, 4), torch.randn(2, 4, 5, 3))
+
+
+@pytest.mark.parametrize("num_queries", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_unmasked_grouped_heads_as_rows_of_their_kv_head_equal_the_loop(monkeypatch, num_queries, dtype):
+    """From 512 keys the unmasked kernel call lays each kv head's query heads out as its rows (fused_unmasked):
+    outputs and gradients equal the float64 loop, a NaN query gives NaN in its own row only, and
+    non-contiguous heads (a cache's narrowed view, a transposed projection) are read right."""
+    import selfattn.functional._kernels as kernels
+
+    kernel_queries = []
+    real_kernel = kernels._fused_kernel
+    monkeypatch.setattr(
+        kernels, "_fused_kernel", lambda q, *args, **kw: kernel_queries.append(q.shape) or real_kernel(q, *args, **kw)
+    )
+    lk = kernels._ROWS_MIN_KEYS + 37
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, num_queries, 6, 16, generator=gen, dtype=torch.float64).transpose(1, 2)  # (b, h, lq, d)
+    storage = torch.randn(2, 2, lk + 9, 16, generator=gen, dtype=torch.float64)
+    k, v = storage[:, :, :lk], torch.randn(2, 2, lk, 16, generator=gen, dtype=torch.float64)
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in (q, k, v))
+    out = attention(q, k, v, causal=num_queries == 1)  # one query after the keys: its causal rule hides nothing
+    repeat = lambda t: t.detach().double().repeat_interleave(3, 1).numpy()  # noqa: E731
+    visible = np.ones((2, 6, num_queries, lk), dtype=bool)
+    expected, _ = naive_attention(q.detach().double().numpy(), repeat(k), repeat(v), visible)
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    np.testing.assert_allclose(out.detach().double().numpy(), expected, atol=tolerance, rtol=tolerance)
+    assert kernel_queries == [(2, 2, 3 * num_queries, 16)]  # the rows' layout was used
+    out.sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    reference = torch.softmax(q64 @ k64.repeat_interleave(3, 1).transpose(-1, -2) / 4, dim=-1) @ v64.repeat_interleave(
+        3, 1
+    )
+    reference.sum().backward()
+    for got, want in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=tolerance * 10, rtol=tolerance * 10)
+    with torch.no_grad():
+        poisoned = q.detach().clone()
+        poisoned[1, 4, -1, 3] = float("nan")
+        rows = attention(poisoned, k.detach(), v.detach())
+    assert rows[1, 4, -1].isnan().all()
+    assert not rows[1, :4].isnan().any() and not rows[0].isnan().any() and not rows[1, 5].isnan().any()
 
 
 def test_num_kv_heads_errors():
