@@ -156,3 +156,50 @@ def test_calls_with_rules_or_terms_are_not_remembered():
     assert dispatch._kind(describe_attention(q, q, q, causal=True)) is not None  # causal on a square
     assert dispatch._kind(describe_attention(q, q, q, mask=torch.ones(12, 12, dtype=torch.bool))) is None
     assert dispatch._kind(describe_attention(q[..., :3, :], q, q, causal=True)) is None  # hides keys, not square
+
+
+def test_a_plain_functional_call_is_described_once_per_signature(monkeypatch):
+    """attention(q, k, v) with nothing else: the second call of a signature runs the remembered route's step form
+    without describing itself, equal to the first; a new signature (threads, grad mode, shapes) is described."""
+    import selfattn.functional._attention as functional_attention
+
+    monkeypatch.setattr(functional_attention, "_PLAIN_CALLS", {})
+    q, k = torch.randn(2, H, 1, 8), torch.randn(2, H, 600, 8)
+    described = []
+    real = functional_attention.describe_attention
+    monkeypatch.setattr(
+        functional_attention, "describe_attention", lambda *a, **kw: described.append(kw) or real(*a, **kw)
+    )
+    monkeypatch.setattr(dispatch, "VERIFY_REMEMBERED_CHOICES", False)
+    with torch.no_grad():
+        first = attention(q, k, k, causal=True)
+        second = attention(q, k, k, causal=True)
+        assert len(described) == 1 and torch.equal(first, second)
+        attention(q, k, k, causal=True, scale=0.5)  # another scale: another signature
+        assert len(described) == 2
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # the split-keys route's choice reads the threads
+        attention(q, k, k, causal=True)
+        assert len(described) == 3
+    attention(q, k, k, causal=True)  # grad mode on: another signature
+    assert len(described) == 4
+    square = torch.randn(2, H, 5, 8)
+    attention(square, square, square, causal=True)
+    attention(square, square, square, causal=True)  # a causal rule that hides keys has no step form: described again
+    assert len(described) == 6
+
+
+def test_a_plain_functional_call_keeps_its_gradients_and_errors():
+    q = torch.randn(2, H, 1, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, H, 9, 8, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):  # the second call from the memory
+        out = attention(q, k, k)
+        (grad_q, grad_k) = torch.autograd.grad(out.sum(), (q, k))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5, dim=-1)
+        want_q, want_k = torch.autograd.grad((weights @ k).sum(), (q, k))
+        torch.testing.assert_close(out, weights @ k, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(grad_q, want_q, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(grad_k, want_k, atol=1e-12, rtol=1e-12)
+    for bad in (-1.0, float("nan")):
+        for _ in range(2):  # never remembered: raised each time
+            with pytest.raises(ValueError, match="scale"):
+                attention(q, k, k, scale=bad)

@@ -1,5 +1,10 @@
 """Scaled dot-product attention, the pure function: it describes the call and lets the dispatcher choose.
 
+A call with nothing but the heads, ``causal`` and ``scale`` is checked and described once per signature
+(shapes, dtypes, devices, grad mode, threads: :func:`_signature`); later calls of that signature run the
+route the dispatcher chose for it by the route's step form, when it has one and no rule hides a key
+(decoding shapes: the per-call work a small call would otherwise spend describing itself).
+
 Shape legend:
     b: batch size, h: number of heads, lq: queries, lk: keys, d: head size, dv: value size.
 """
@@ -11,9 +16,10 @@ from typing import Any
 import torch
 
 import selfattn.core.dispatch as dispatch
-from selfattn._validation import require_bool, require_probability
+from selfattn._validation import in_func_transform, require_bool, require_probability
 from selfattn.core.call import AttentionCall
 from selfattn.core.explanation import Explanation
+from selfattn.core.route import Route
 from selfattn.functional._kernels import (
     _check_groups,
     _check_shapes,
@@ -91,12 +97,55 @@ def attention(
             or bias that does not broadcast to ``(b, h, lq, lk)``, a bad ``scale`` or ``dropout_p``,
             a ``causal`` or ``return_weights`` other than ``True`` or ``False``.
     """
+    plain = (
+        mask is None and bias is None and softcap is None and sinks is None and return_weights is False
+        and dropout_p == 0.0 and type(causal) is bool and (scale is None or type(scale) is float)
+        and not torch.compiler.is_compiling()
+    )  # fmt: skip
+    signature = _signature(q, k, v, causal, scale) if plain else None
+    remembered = _PLAIN_CALLS.get(signature) if signature is not None else None
+    if remembered is not None and dispatch.ROUTES is remembered[0]:
+        if dispatch.VERIFY_REMEMBERED_CHOICES:  # tests: the routes asked again must choose the remembered one
+            dispatch.check_remembered(describe_attention(q, k, v, causal=causal, scale=scale), *remembered[:2])
+        return dispatch.run_step(remembered[1], q, k, v, remembered[2])
     call = describe_attention(
         q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale, softcap=softcap, sinks=sinks,
         return_weights=return_weights,
     )  # fmt: skip
+    if signature is not None:
+        _remember_plain_call(signature, call)
     result = dispatch.run(call)
     return (result.out, result.weights) if return_weights else result.out  # type: ignore[return-value]
+
+
+#: Calls of :func:`attention` with nothing but ``q, k, v``, ``causal`` and ``scale`` whose route has a step form:
+#: their signature (:func:`_signature`) -> (the route list, the route the dispatcher chose, the checked scale).
+_PLAIN_CALLS: dict[tuple[object, ...], tuple[tuple[Route, ...], Route, float]] = {}
+
+_MAX_PLAIN_CALLS = 64
+
+
+def _signature(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> tuple[object, ...] | None:
+    """What decides a plain call's checks and its route: every fact :func:`describe_attention` checks and
+    :func:`~selfattn.core.dispatch.remembered_route` reads is a function of it (the thread count for the
+    split-keys route, grad mode and the tensors' wanting a gradient for the autograd paths). None for non-tensors."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    return (
+        q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+        q.requires_grad, k.requires_grad, v.requires_grad, causal, scale, torch.is_grad_enabled(),
+        in_func_transform(), torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def _remember_plain_call(signature: tuple[object, ...], call: AttentionCall) -> None:
+    """Keep the route of a plain call whose checks passed, if it is remembered and runs from the heads alone."""
+    chosen = dispatch.remembered_route(call)
+    if chosen is None or chosen[1].step is None or call.visibility.rules or not isinstance(chosen[0], tuple):
+        return  # a rule that hides keys (causal on a square) is not what a step form computes
+    if len(_PLAIN_CALLS) >= _MAX_PLAIN_CALLS:
+        _PLAIN_CALLS.clear()
+    _PLAIN_CALLS[signature] = (chosen[0], chosen[1], call.scale)
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, verbose: bool = False, **options: Any) -> Explanation:

@@ -323,7 +323,9 @@ class _TwiceDifferentiable(torch.autograd.Function):
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, options: dict[str, Any]
 ) -> torch.Tensor:
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (attn_mask is not None and attn_mask.requires_grad)
+    )  # written out, not any() over a generator: a decoding step's microseconds
     if (
         needs_grad
         and options["dropout_p"] == 0.0
@@ -331,7 +333,7 @@ def _sdpa(
     ):
         out: torch.Tensor = _TwiceDifferentiable.apply(q, k, v, attn_mask, options)  # type: ignore[no-untyped-call]
         return out
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **options)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, **options)
 
 
 def _fused_kernel(
