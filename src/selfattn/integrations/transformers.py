@@ -311,12 +311,26 @@ def _recording_attentions() -> bool:
     return without passing ``output_attentions`` down; eager always returns them, so selfattn
     must see the request where transformers keeps it, its output collector.
     """
+    collector = _ACTIVE_COLLECTOR if _ACTIVE_COLLECTOR is not None else _find_active_collector()
+    if collector is False:  # an older transformers passes output_attentions itself
+        return False
+    collected = collector.get()
+    return isinstance(collected, dict) and "attentions" in collected
+
+
+#: transformers' output collector (a context variable), looked up once: an import per call costs each step.
+_ACTIVE_COLLECTOR: Any = None
+
+
+def _find_active_collector() -> Any:
+    global _ACTIVE_COLLECTOR
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # an older transformers passes output_attentions itself
-        return False
-    collected = _active_collector.get()  # type: ignore[no-untyped-call]
-    return isinstance(collected, dict) and "attentions" in collected
+    except ImportError:
+        _ACTIVE_COLLECTOR = False
+    else:
+        _ACTIVE_COLLECTOR = _active_collector
+    return _ACTIVE_COLLECTOR
 
 
 def _selected(
