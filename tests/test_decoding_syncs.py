@@ -65,19 +65,25 @@ LAYERS = {
 }
 
 
-def _decode(name: str) -> Callable[[], torch.Tensor]:
-    """A layer and its cache after a prompt and one warm-up token: the step decodes one more token."""
+def _decode(name: str, planned: bool = False) -> Callable[[], torch.Tensor]:
+    """A layer and its cache after a prompt and one warm-up token: the step decodes one more token.
+
+    ``planned``: the warm-up runs without grad, as the step does, so the step replays the layer's
+    decoding plan; else the warm-up is of another kind and the step runs in full.
+    """
     make_layer, make_cache = LAYERS[name]
     layer, cache = make_layer(), make_cache()
     prompt, token = torch.randn(2, 9, D), torch.randn(2, 1, D)
-    layer(prompt, prompt, prompt, cache=cache, causal=True)
-    layer(token, token, token, cache=cache, causal=True)
+    with torch.set_grad_enabled(not planned):
+        layer(prompt, prompt, prompt, cache=cache, causal=True)
+        layer(token, token, token, cache=cache, causal=True)
     return lambda: layer(token, token, token, cache=cache, causal=True)
 
 
+@pytest.mark.parametrize("planned", [False, True], ids=["in full", "replayed"])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_a_decoded_token_reads_no_tensor(monkeypatch, name):
-    step = _decode(name)
+def test_a_decoded_token_reads_no_tensor(monkeypatch, name, planned):
+    step = _decode(name, planned)
     with torch.no_grad(), counting_reads(monkeypatch) as reads:
         step()
     assert not reads, dict(reads)
