@@ -116,3 +116,67 @@ def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatc
     monkeypatch.setattr(_hf_plan.AttentionCall, "of_heads", lambda *a, **kw: described.append(a) or real(*a, **kw))
     backend.attention_forward(module, *_step(9, seed=1), None, **options)
     assert bool(described) is not stepped
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_sliding_layers_past_their_window_are_replayed_and_generate_as_eager(monkeypatch, family):
+    """Once a sliding layer's cache holds a whole window, transformers builds an all-True mask for each step;
+    the backend's mask function lets transformers skip it (the offsets show the window hides nothing), so
+    the step is replayed, and the tokens are eager's, with padding in the batch too."""
+    common = dict(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2, sliding_window=6,
+    )  # fmt: skip
+    if family == "gemma2":
+        config = transformers.Gemma2Config(**common, attn_logit_softcapping=50.0)
+    else:
+        config = transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    backend.register()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    prompt = torch.randint(3, 50, (2, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])  # the second row left-padded
+    options = {"max_new_tokens": 12, "do_sample": False, "min_new_tokens": 12}
+    real, replayed, outs = _hf_plan.replay, [], {}
+    with torch.no_grad():
+        for implementation in ("eager", "selfattn"):
+            model.set_attn_implementation(implementation)
+            counted = []
+
+            def counting(*a: Any, counted: list = counted) -> torch.Tensor | None:
+                out = real(*a)
+                if out is not None:
+                    counted.append(a[0])
+                return out
+
+            monkeypatch.setattr(_hf_plan, "replay", counting)
+            outs[implementation] = model.generate(prompt, **options)
+            outs[implementation, "padded"] = model.generate(prompt, attention_mask=mask, **options)
+            monkeypatch.undo()
+            replayed.append(counted)
+    assert torch.equal(outs["eager"], outs["selfattn"])
+    assert torch.equal(outs["eager", "padded"], outs["selfattn", "padded"])
+    sliding = model.model.layers[0].self_attn
+    assert sliding.sliding_window == 6
+    assert sum(layer is sliding for layer in replayed[-1]) >= 5  # steps after the window filled were replayed
+
+
+def test_the_mask_function_lets_a_whole_window_be_skipped_only_where_it_hides_nothing():
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+
+    window = 4
+    pattern = and_masks(causal_mask_function, sliding_window_overlay(window))
+    config = transformers.LlamaConfig()
+
+    def build(**offsets: int) -> torch.Tensor | None:
+        return backend.model_masks(
+            batch_size=1, q_length=1, mask_function=pattern, attention_mask=None, local_size=window,
+            allow_is_causal_skip=True, config=config, device=torch.device("cpu"), **offsets,
+        )  # fmt: skip
+
+    assert build(kv_length=4, q_offset=9, kv_offset=6) is None  # keys 6..9, the query at 9: the window's 4
+    cut = build(kv_length=6, q_offset=9, kv_offset=4)  # keys 4..9: the window hides 4 and 5
+    assert cut is not None and cut.tolist() == [[[[False, False, True, True, True, True]]]]
+    ahead = build(kv_length=4, q_offset=8, kv_offset=6)  # a free slot after the query (a static cache's)
+    assert ahead is not None and ahead.tolist() == [[[[True, True, True, False]]]]
