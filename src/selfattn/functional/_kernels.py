@@ -39,10 +39,10 @@ _IN_GRAPH_CHECKS_MAX_ELEMENTS = 1 << 16
 
 # The dtype the NaN-query guard sums a query in, per query dtype (torch.promote_types is an op of its own).
 _SUM_DTYPES: dict[torch.dtype, torch.dtype] = {}
-# scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
 #: Fewest keys for which :func:`fused_unmasked` lays grouped query heads out as rows of their key/value head.
 _ROWS_MIN_KEYS = 512
 
+# scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
@@ -453,13 +453,28 @@ def fused_unmasked(
     time at 4,096 cached keys, measured; below :data:`_ROWS_MIN_KEYS` the two reshapes cost what it saves).
     """
     q, k, v = _kernel_layout(q, k, v)
-    batch, heads, num_queries, _ = q.shape if q.dim() == 4 else (0, 0, 0, 0)
-    kv_heads = k.shape[1] if k.dim() == 4 else heads
-    if kv_heads == heads or q.device.type != "cpu" or _validation.is_compiling() or k.shape[-2] < _ROWS_MIN_KEYS:
+    if q.dim() != 4 or k.dim() != 4 or q.device.type != "cpu" or _validation.is_compiling():
         return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
-    rows = q.reshape(batch, kv_heads, heads // kv_heads * num_queries, q.shape[-1])  # (b, hk, g * lq, d)
-    out = _fused_kernel(rows, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
-    return out.reshape(batch, heads, num_queries, v.shape[-1])  # (b, h, lq, dv)
+    batch, heads, num_queries, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if kv_heads != heads and k.shape[-2] >= _ROWS_MIN_KEYS:
+        rows = q.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)  # (b, hk, g * lq, d)
+        out = _fused_kernel(rows, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
+        return out.reshape(batch, heads, num_queries, v.shape[-1])  # (b, h, lq, dv)
+    if (
+        dropout_p == 0.0
+        and _SDPA_HAS_GQA
+        and q.dtype in _SUMMED_AS_IS
+        and batch * heads * num_queries * v.shape[-1] <= _IN_GRAPH_CHECKS_MAX_ELEMENTS
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    ):  # a decoding step's call: the kernel and the NaN-query guard of _fused_kernel, none of its general cases
+        out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=kv_heads != heads)
+        return out.add_(q.sum(dim=-1, keepdim=True), alpha=0)  # (b, h, lq, dv); NaN where a query holds one
+    return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
+
+
+#: Query dtypes the NaN-query guard sums in as they are (a half would be summed in float32).
+_SUMMED_AS_IS = (torch.float32, torch.float64)
 
 
 def _kernel_layout(
