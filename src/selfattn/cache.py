@@ -91,6 +91,10 @@ class KVCache:
         self._shared_positions = True  # every append so far gave the same positions to every sequence
         self._pending = 0
         self._pending_shared = True
+        # Stored entries from this index on hold their own index as position, not yet written (decoding
+        # steps at consecutive positions write none: see write_step); None when every position is written.
+        self._deferred_from: int | None = None
+        self._pending_deferred = False
         self._pending_window: (
             tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None
         ) = None
@@ -115,6 +119,7 @@ class KVCache:
         self._keys = self._values = self._positions = self._padding = self._documents = None
         self._last = self._pending_last = None
         self._shared_positions = self._pending_shared = True
+        self._deferred_from, self._pending_deferred = None, False
         self._pending_window = None
         self.encoding_state = {}
 
@@ -123,6 +128,7 @@ class KVCache:
         """Positions of the stored keys, ``(stored,)`` when shared by every sequence, else ``(b, stored)``."""
         if self._positions is None or not self.stored:
             return None
+        self._write_deferred()
         stored = self._positions[:, : self.stored]
         return stored[0] if self._shared_positions else stored
 
@@ -142,6 +148,7 @@ class KVCache:
 
     def copy(self) -> KVCache:
         """A copy whose storage is its own (detached): what a dry run may change without touching this cache."""
+        self._write_deferred()
         twin = copy.copy(self)
         for name in ("_keys", "_values", "_positions", "_padding", "_documents"):
             stored = getattr(self, name)
@@ -196,6 +203,8 @@ class KVCache:
         call of a cache that holds them, and on none of one that does not.
         """
         self._check(keys, values)
+        self._write_deferred()
+        self._pending_deferred = False
         batch, new = keys.shape[0], keys.shape[-2]
         if self.window is None and self.max_len is not None and self.length + new > self.max_len:
             raise ValueError(f"cache overflow: {self.length} positions stored + {new} new > max_len={self.max_len}")
@@ -289,7 +298,8 @@ class KVCache:
         ``l`` more (what the queries see starts at index 0 then, and the positions are not returned).
 
         A layer's decoding plan writes each step here: the checks :meth:`update` makes on every call hold
-        by those conditions, and the positions are filled in without a tensor of them. None where any
+        by those conditions, and the positions are filled in without a tensor of them; a step whose positions are
+        its indices (decoding from position 0 on) writes none until something reads them. None where any
         condition fails (nothing is written): :meth:`update` then writes, or raises.
         """
         stored_keys, stored_values, stored_positions = self._keys, self._values, self._positions
@@ -309,16 +319,32 @@ class KVCache:
             return None
         stored_keys.narrow(-2, start, new).copy_(keys)
         stored_values.narrow(-2, start, new).copy_(values)
-        written = stored_positions.narrow(1, start, new)
-        if new == 1:
-            written.fill_(first)
-        else:
-            written.copy_(torch.arange(first, first + new, device=written.device))
+        self._pending_deferred = first == start  # each position its index: written when someone reads them
+        if not self._pending_deferred:
+            self._write_deferred()
+            written = stored_positions.narrow(1, start, new)
+            if new == 1:
+                written.fill_(first)
+            else:
+                written.copy_(torch.arange(first, first + new, device=written.device))
         self._pending, self._pending_shared, self._pending_last = new, self._shared_positions, None
         return stored_keys.narrow(-2, 0, start + new), stored_values.narrow(-2, 0, start + new)
 
+    def _write_deferred(self) -> None:
+        """Write the positions :meth:`write_step` left out (each its index) before anything reads or follows them."""
+        first = self._deferred_from
+        if first is None:
+            return
+        self._deferred_from = None
+        stored = self._positions
+        if stored is not None and self.length > first:
+            stored.narrow(1, first, self.length - first).copy_(torch.arange(first, self.length, device=stored.device))
+
     def commit(self) -> None:
         """Count the entries of the last ``update(..., commit=False)`` as stored."""
+        if self._pending_deferred and self._deferred_from is None:
+            self._deferred_from = self.length
+        self._pending_deferred = False
         self.length += self._pending
         self._pending = 0
         self._shared_positions = self._pending_shared
