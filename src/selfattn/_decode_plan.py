@@ -192,10 +192,8 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
         written, first_key, key_positions = (seen.keys, seen.values), seen.first_index, seen.positions
     keys, values = written
     verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's
-    if plan.stepped and not verify:
-        out = dispatch.run_step(plan.route, q, keys, values, plan.options["scale"])  # (b, h, 1, dv)
-        stage = "heads"
-    else:
+    call = None
+    if verify or not plan.stepped:  # the step described: the route reads it, or the tests' check does
         num_keys = keys.shape[-2]
         call = AttentionCall(
             shape=(q.shape[0], q.shape[1], keys.shape[1], 1, num_keys, q.shape[-1], values.shape[-1]),
@@ -203,13 +201,14 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
             q=q, k=keys, v=values, term=term, k_positions=key_positions,
             q_positions=None if term is None else torch.arange(first, first + 1, device=q.device), **plan.options,
         )  # fmt: skip
-        if verify:
-            dispatch.check_remembered(call, plan.routes, plan.route)
-        if plan.stepped:
-            out, stage = dispatch.run_step(plan.route, q, keys, values, plan.options["scale"]), "heads"
-        else:
-            result = dispatch.run_route(plan.route, call)
-            out, stage = result.out, result.stage
+    if call is not None and verify:
+        dispatch.check_remembered(call, plan.routes, plan.route)
+    if plan.stepped:
+        out, stage = dispatch.run_step(plan.route, q, keys, values, plan.options["scale"]), "heads"  # (b, h, 1, dv)
+    else:
+        assert call is not None
+        result = dispatch.run_route(plan.route, call)
+        out, stage = result.out, result.stage
     if stage == "heads":
         out = out.transpose(1, 2).flatten(2)  # (b, h, 1, dv) -> (b, 1, h * dv)
     if stage != "projected":
