@@ -186,9 +186,9 @@ def layer_rows(timing: dict, spread: dict, threads: int) -> tuple[list[list[str]
         copies = {f"copy {name}": d.snapshot.copy for name, d in decoders.items() if d.snapshot is not None}
         with torch.no_grad():
             r = measure({**cases, **copies}, device=CPU, spread=spread, **timing)
-            # In rounds of its own: it re-projects the whole history (33 ms a round at 4,096) and leaves the
-            # case after it with cold caches (the sinks row, next in the order, measured 2.1x of the plain
-            # layer that way and 1.0x alternating with it alone). Its ratio to the plain layer is from those rounds.
+            # In rounds of its own: it re-projects the whole history (34 ms a token at 4,096, 2 threads) and
+            # leaves the case after it with cold caches (the sinks row, next in the order, read 2.15x of the
+            # plain layer that way, 1.27x with it apart). Its ratio to the plain layer is from those rounds.
             apart = measure({"plain": cases["plain"], "nn.MultiheadAttention": torch_case}, device=CPU, **timing)
         r["nn.MultiheadAttention"] = apart["nn.MultiheadAttention"] * r["plain"] / apart["plain"]
         per_token = {name: (r[name] - r.get(f"copy {name}", 0.0)) / STEPS for name in [*cases, "nn.MultiheadAttention"]}
