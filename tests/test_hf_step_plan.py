@@ -163,15 +163,20 @@ def test_sliding_layers_past_their_window_are_replayed_and_generate_as_eager(mon
 
 
 def test_the_mask_function_lets_a_whole_window_be_skipped_only_where_it_hides_nothing():
-    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        chunked_causal_mask_function,
+        sliding_window_overlay,
+    )
 
     window = 4
     pattern = and_masks(causal_mask_function, sliding_window_overlay(window))
-    config = transformers.LlamaConfig()
+    config = transformers.MistralConfig(sliding_window=window)
 
-    def build(**offsets: int) -> torch.Tensor | None:
+    def build(mask_function: Any = pattern, config: Any = config, **offsets: int) -> torch.Tensor | None:
         return backend.model_masks(
-            batch_size=1, q_length=1, mask_function=pattern, attention_mask=None, local_size=window,
+            batch_size=1, q_length=1, mask_function=mask_function, attention_mask=None, local_size=window,
             allow_is_causal_skip=True, config=config, device=torch.device("cpu"), **offsets,
         )  # fmt: skip
 
@@ -180,3 +185,10 @@ def test_the_mask_function_lets_a_whole_window_be_skipped_only_where_it_hides_no
     assert cut is not None and cut.tolist() == [[[[False, False, True, True, True, True]]]]
     ahead = build(kv_length=4, q_offset=8, kv_offset=6)  # a free slot after the query (a static cache's)
     assert ahead is not None and ahead.tolist() == [[[[True, True, True, False]]]]
+    # Chunked attention passes its chunk size as local_size too: keys 6..9 seen from 9 cross the chunk at 8.
+    chunked = build(
+        mask_function=chunked_causal_mask_function(window, torch.zeros(1, dtype=torch.long)), kv_length=4, q_offset=9,
+        kv_offset=6,
+        config=transformers.MistralConfig(sliding_window=None, attention_chunk_size=window),
+    )  # fmt: skip
+    assert chunked is not None and chunked.tolist() == [[[[False, False, True, True]]]]

@@ -403,23 +403,27 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
     if model_type in CUT_QUERIES and kwargs.get("q_length") != 1:  # one query (decoding) is never cut
         kwargs["allow_is_causal_skip"] = False  # a mask, cut with the queries, rather than None
     build = sdpa_mask if model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type) else eager_mask
-    if build is sdpa_mask and not args and _window_hides_nothing(kwargs):
+    if build is sdpa_mask and not args and _window_hides_nothing(kwargs, config):
         kwargs["local_size"] = None  # causality and padding alone decide: transformers may skip the mask
     return build(*args, **kwargs)
 
 
-def _window_hides_nothing(kwargs: dict[str, Any]) -> bool:
+def _window_hides_nothing(kwargs: dict[str, Any], config: Any) -> bool:
     """Whether a sliding layer's mask for one query shows it every key: the keys end at the query (no free
     slots of a static cache after it) and the oldest is within the window.
 
     transformers builds that mask (all True) for each decoding step once a sliding layer's cache is full
     (it skips the mask only while there are fewer keys than the window), and a mask is a call the
-    step plans cannot replay. Decided from the offsets alone (ints), never from a tensor's values.
+    step plans cannot replay. Decided from the offsets alone (ints), never from a tensor's values. Only
+    for the model's sliding window: chunked attention passes its chunk size in the same keyword, and a
+    chunk hides the keys of the one before it however near they are.
     """
     q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
     q_offset, kv_offset, window = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0), kwargs.get("local_size")
     if not all(type(n) is int for n in (q_length, kv_length, q_offset, kv_offset, window)):
         return False  # a tensor offset (static caches), or no window
+    if window != getattr(config, "sliding_window", None) or window == getattr(config, "attention_chunk_size", None):
+        return False  # not (only) the sliding window: a chunk size, or a config that does not say
     return q_length == 1 and kv_offset + kv_length - 1 == q_offset and q_offset - kv_offset < window
 
 
