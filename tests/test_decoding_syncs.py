@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from selfattn import KVCache, MultiHeadAttention
+from selfattn.core import dispatch
 from selfattn.functional import attention
 from selfattn.positional import build
 
@@ -62,6 +63,9 @@ LAYERS = {
     "window": (lambda: _layer(window=4), lambda: KVCache(window=4)),
     "sink tokens": (lambda: _layer(), lambda: KVCache(window=4, sink_tokens=2)),
     "alibi": (lambda: _layer("alibi"), lambda: KVCache(64)),
+    "t5": (lambda: _layer("t5"), lambda: KVCache(64)),
+    "kerple": (lambda: _layer("kerple"), lambda: KVCache(64)),
+    "fire": (lambda: _layer("fire"), lambda: KVCache(64)),
 }
 
 
@@ -84,6 +88,17 @@ def _decode(name: str, planned: bool = False) -> Callable[[], torch.Tensor]:
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_a_decoded_token_reads_no_tensor(monkeypatch, name, planned):
     step = _decode(name, planned)
+    with torch.no_grad(), counting_reads(monkeypatch) as reads:
+        step()
+    assert not reads, dict(reads)
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["in full", "replayed"])
+def test_a_decoded_alibi_token_reads_no_tensor_where_no_key_row_route_runs(monkeypatch, planned):
+    """On a GPU the key-row routes (the CPU kernel's) decline, and the blockwise routes are asked: as here."""
+    cpu_only = {"blockwise key row", "causal key rows"}
+    monkeypatch.setattr(dispatch, "ROUTES", tuple(route for route in dispatch.ROUTES if route.name not in cpu_only))
+    step = _decode("alibi", planned)
     with torch.no_grad(), counting_reads(monkeypatch) as reads:
         step()
     assert not reads, dict(reads)
@@ -114,6 +129,35 @@ def test_a_decoded_token_does_not_synchronise_cuda(name):
             torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["rotary", "alibi"])
+def test_a_decoded_token_is_captured_in_a_cuda_graph(name):
+    """A step captured in a CUDA graph and replayed gives what the step run eagerly gives from the same cache.
+
+    Capture fails at any synchronising call, and a step that read a tensor's value on the host would
+    replay the value seen at capture. The cache is preallocated, so the step writes into its storage.
+    """
+    make_layer, make_cache = LAYERS[name]
+    layer, cache = make_layer().cuda(), make_cache()
+    prompt, token = torch.randn(2, 9, D, device="cuda"), torch.randn(2, 1, D, device="cuda")
+    with torch.no_grad():
+        layer(prompt, prompt, prompt, cache=cache, causal=True)
+        layer(token, token, token, cache=cache, causal=True)
+        eager_cache = cache.copy()
+        expected = layer(token, token, token, cache=eager_cache, causal=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up on a side stream, as graph capture asks, from a copy
+            layer(token, token, token, cache=cache.copy(), causal=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer(token, token, token, cache=cache, causal=True)
+        graph.replay()
+    torch.testing.assert_close(captured, expected, rtol=1e-5, atol=1e-6)
+    assert cache.length == eager_cache.length
+
+
 def test_transformer_lm_reads_no_tensor_per_generated_token(monkeypatch):
     """The prompt's checks read it once; each generated token (an argmax, a valid id) adds no read."""
     from selfattn.models import TransformerLM
@@ -128,3 +172,20 @@ def test_transformer_lm_reads_no_tensor_per_generated_token(monkeypatch):
             model.generate(prompt, new_tokens)
         counts.append(sum(reads.values()))
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("name", ["t5", "kerple"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["shared positions", "positions per sequence"])
+def test_a_one_query_bias_equals_its_row_of_a_many_query_bias(name, dtype, per_sequence):
+    """T5 and Kerple form one query's bias pair by pair (no range read); it equals that query's row bit for bit."""
+    torch.manual_seed(0)
+    term = build(name, num_hiddens=D, num_heads=H).to(dtype)
+    q = torch.randn(2, H, 7, D // H, dtype=dtype)
+    q_positions, k_positions = torch.arange(20, 27), torch.tensor([0, 3, 4, 9, 15, 20, 21, 22, 25, 26, 40])
+    if per_sequence:
+        q_positions, k_positions = torch.stack((q_positions, q_positions + 5)), torch.stack((k_positions, k_positions))
+    many = term(q, q_positions=q_positions, k_positions=k_positions)  # (1 or b, h, 7, lk)
+    for row in range(7):
+        one = term(q[..., row : row + 1, :], q_positions=q_positions[..., row : row + 1], k_positions=k_positions)
+        assert torch.equal(one, many[..., row : row + 1, :]), row

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from selfattn.functional import apply_rotary, rotary_frequencies, sinusoidal_table
 from selfattn.positional import RotaryPositionalEncoding
+from selfattn.positional.rotary import MAX_ANGLE_TABLE_VALUES
 
 
 def rotary_reference(x: np.ndarray, positions, *, base=10000.0, interleaved=True, rotary_dim=None, freqs=None):
@@ -252,8 +253,9 @@ def test_module_errors():
 def test_angle_table_rotates_bit_for_bit_as_forward(options, dtype):
     rope = RotaryPositionalEncoding(16, **options)
     gen = torch.Generator().manual_seed(0)
-    # Steps that grow the table twice (past 256, then past 512), and one at a large first position.
-    for first, length in ((0, 5), (3, 1), (4, 0), (250, 20), (700, 3), (5000, 2)):
+    # Steps that grow the table twice (past 256, then past 512), one at a large first position, and two past
+    # the table's size cap (MAX_ANGLE_TABLE_VALUES: 65,536 positions of 16 features), whose rows are formed per call.
+    for first, length in ((0, 5), (3, 1), (4, 0), (250, 20), (700, 3), (5000, 2), (10**6, 3), (65535, 2)):
         x = torch.randn(2, 3, length, 16, generator=gen).to(dtype)
         table = rope.rotate_consecutive(x, first)
         assert table is not None
@@ -264,6 +266,7 @@ def test_angle_table_rotates_bit_for_bit_as_forward(options, dtype):
         assert pair is not None
         assert torch.equal(pair[0], computed) and torch.equal(pair[1], rope(keys, torch.arange(first, first + length)))
     assert rope.angle_table.dtype == torch.float64 and rope.angle_table.shape[0] >= 5002
+    assert rope.angle_table.numel() <= MAX_ANGLE_TABLE_VALUES  # the rows past the cap were not kept
 
 
 def test_angle_table_declines_what_it_cannot_serve():
@@ -275,7 +278,6 @@ def test_angle_table_declines_what_it_cannot_serve():
         is None
     )
     assert RotaryPositionalEncoding(16).rotate_consecutive(x, -1) is None
-    assert RotaryPositionalEncoding(16).rotate_consecutive(x, 10**6) is None  # past the table's size cap
     assert RotaryPositionalEncoding(16).rotate_consecutive_pair(x, x, -1) is None
     assert RotaryPositionalEncoding(16).rotate_consecutive_pair(x, x[..., :1, :], 0) is None  # other positions
     assert RotaryPositionalEncoding(16).rotate_consecutive_pair(x, x.double(), 0) is None  # another rotation dtype

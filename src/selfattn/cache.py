@@ -387,7 +387,10 @@ class KVCache:
         keep = self.window - 1
         total = all_keys.shape[-2]
         sinks = min(self.sink_tokens, total)
-        kept = torch.cat((torch.arange(sinks), torch.arange(max(total - keep, sinks), total))).to(keys.device)
+        device = keys.device  # made there: a copy from the host would wait for the device
+        kept = torch.cat(
+            (torch.arange(sinks, device=device), torch.arange(max(total - keep, sinks), total, device=device))
+        )
 
         def pick(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
             # Copies, not views: the window slides, and nothing may keep the older keys alive.

@@ -91,11 +91,18 @@ class KerplePositionalBias(ScoreEncoding):
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         # Integer distances; evaluate the term once per distinct distance, then gather.
         distance = (k_positions.long()[..., None, :] - q_positions.long()[..., :, None]).abs()  # (..., lq, lk)
-        longest = int(distance.max()) if distance.numel() else 0
-        steps = torch.arange(longest + 1, device=distance.device, dtype=compute_dtype)  # (n_distances,)
-        r1, r2 = self.r1.to(compute_dtype)[:, None], self.r2.to(compute_dtype)[:, None]  # (h, 1)
-        per_distance = -r1 * torch.log1p(r2 * steps)  # (h, n_distances)
-        bias = per_distance[:, distance]  # (h, ..., lq, lk)
+        if distance.shape[-2] == 1:
+            # One query (a decoding step): its distances are distinct already, and reading the longest would wait
+            # for the device. The same operations per element as the table below, so the same bits.
+            shape = (-1,) + (1,) * distance.dim()
+            r1, r2 = self.r1.to(compute_dtype).view(shape), self.r2.to(compute_dtype).view(shape)  # (h, 1, ...)
+            bias = -r1 * torch.log1p(r2 * distance.to(compute_dtype))  # (h, ..., 1, lk)
+        else:
+            longest = int(distance.max()) if distance.numel() else 0
+            steps = torch.arange(longest + 1, device=distance.device, dtype=compute_dtype)  # (n_distances,)
+            r1, r2 = self.r1.to(compute_dtype)[:, None], self.r2.to(compute_dtype)[:, None]  # (h, 1)
+            per_distance = -r1 * torch.log1p(r2 * steps)  # (h, n_distances)
+            bias = per_distance[:, distance]  # (h, ..., lq, lk)
         bias = bias.movedim(0, -3) if distance.dim() > 2 else bias  # (..., h, lq, lk)
         return (bias if bias.dim() == 4 else bias[None]).to(q.dtype)  # (1 or b, h, lq, lk)
 

@@ -192,17 +192,22 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         :func:`_rotate_by_positions` forms (times the attention factor), as :func:`signed_angle_rows` lays them out."""
         rows = max(stop, 2 * self.angle_table.shape[0], 256)
         rows = max(stop, min(rows, MAX_ANGLE_TABLE_VALUES // (2 * self.rotary_dim)))
-        cos, sin = rotary_angles(torch.arange(rows, device=self.inv_freq.device), self.inv_freq)  # (n, r/2)
+        self.angle_table = self._angle_rows(torch.arange(rows, device=self.inv_freq.device))  # (n, 2r)
+
+    def _angle_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(l, 2r)`` float64 rows of ``positions`` ``(l,)`` as ``angle_table`` lays them out (each row depends
+        only on its own position, so a row formed alone equals the table's bit for bit)."""
+        cos, sin = rotary_angles(positions, self.inv_freq)  # (l, r/2)
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        self.angle_table = signed_angle_rows(cos, sin, self.interleaved)  # (n, 2r)
+        return signed_angle_rows(cos, sin, self.interleaved)
 
     def rotate_consecutive(self, x: torch.Tensor, first: int) -> torch.Tensor | None:
         """``forward(x, arange(first, first + l))`` for ``x`` ``(..., l, dh)``, its angles read from ``angle_table``.
 
         None where the table does not serve, and ``forward`` must: a length-dependent scaling,
-        a negative first position, positions past
-        :data:`MAX_ANGLE_TABLE_VALUES`, another device than the table's, or inside ``torch.compile``.
+        a negative first position, another device than the table's, or inside ``torch.compile``.
+        Positions past :data:`MAX_ANGLE_TABLE_VALUES` get their rows formed for the call alone.
         The result equals ``forward``'s bit for bit: the same float64 angles, cast as it casts them.
         """
         rows = self._consecutive_rows(x, first)
@@ -226,7 +231,8 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
 
     def _consecutive_rows(self, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cos and signed sin rows ``(l, r)`` of positions ``first .. first + l - 1`` for ``x`` ``(..., l, dh)``,
-        read from ``angle_table`` (grown if short), or None where :meth:`rotate_consecutive` says the table does not serve."""
+        read from ``angle_table`` (grown if short; past its size cap formed for these positions alone: a long
+        decoding keeps its fast path), or None where :meth:`rotate_consecutive` says the table does not serve."""
         length = x.shape[-2]
         stop = first + length
         config = self.scaling_config
@@ -236,11 +242,13 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         if (
             first < 0
             or (config is not None and config.depends_on_length)
-            or 2 * stop * self.rotary_dim > MAX_ANGLE_TABLE_VALUES
             or x.device != device
             or _validation.is_compiling()
         ):
             return None
+        if 2 * stop * self.rotary_dim > MAX_ANGLE_TABLE_VALUES:
+            rows = self._angle_rows(torch.arange(first, stop, device=device)).to(rotation_dtype(x))  # (l, 2r)
+            return rows[:, : self.rotary_dim], rows[:, self.rotary_dim :]
         if stop > self.angle_table.shape[0] or self.angle_table.device != device:
             self._grow_angle_table(stop)
         cos_table, sin_table = self._split_table(rotation_dtype(x))

@@ -55,10 +55,17 @@ def _blocks_skip_nothing(call: AttentionCall) -> str | None:
     return None
 
 
+#: Why the clipped and band routes leave a decoding step to the plain blockwise route: each would compute it as that
+#: route does (one pass over the keys), after reading whether the positions count up, which waits for a GPU.
+_DECODING = "a decoding step: the blockwise route computes it in one pass, without reading the positions"
+
+
 def _declines_clipped(call: AttentionCall) -> str | None:
     reason = _nothing_for_blocks(call)
     if reason is None and (call.term is None or call.term.clipped_embeddings() is None):
         reason = "the term has no clipped tables"
+    if reason is None and takes_decode_step(call):
+        reason = _DECODING
     if reason is None and call.consecutive is None:
         reason = "positions are not consecutive"
     return reason
@@ -82,6 +89,8 @@ def _declines_band(call: AttentionCall) -> str | None:
         reason = "no score term" if call.term is None else "the score term is not relative (its is_relative is False)"
     elif reason is None and call.term_reads_queries:
         reason = "the term reads the queries"
+    elif reason is None and takes_decode_step(call):
+        reason = _DECODING
     elif reason is None and call.consecutive is None:
         reason = "positions are not consecutive"
     elif reason is None and call.visibility.causal and call.num_queries > call.num_keys:
@@ -90,8 +99,6 @@ def _declines_band(call: AttentionCall) -> str | None:
 
 
 def _run_band(call: AttentionCall) -> Output:
-    if takes_decode_step(call):
-        return Output(decode_step(call, call.full_bias()))  # a few queries' bias is small, and no key is copied
     plan = plan_for(call, skip_leading_keys=True)
     plan.band_base = _band_base(call, plan.block)
     return Output(run_plan(call, plan))
