@@ -69,15 +69,15 @@ ROUTE_NOTES: dict[str, tuple[str, str]] = {
     ),
     "blockwise clipped": (
         "Shaw's clipped relative tables applied block by block without gathers",
-        "a score term with clipped tables (Shaw et al.)",
+        "a score term with clipped tables (Shaw et al.), not in a decoding step",
     ),
     "blockwise band": (
         "a relative score term read once as a band that every block of queries shares",
-        "a relative score term (it depends on the offset key - query alone)",
+        "a relative score term (it depends on the offset key - query alone), not in a decoding step",
     ),
     "blockwise": (
         "queries in blocks, each computing only the keys its mask lets it reach",
-        "a score term, dropout, a softcap or sinks, or a mask whose blocks skip most key pairs",
+        "a score term (a decoding step's too), dropout, a softcap or sinks, or a mask whose blocks skip most key pairs",
     ),
     "explicit value term": (
         "scores, softmax and weighted sum written out, plus the term's value term (Shaw's values)",
