@@ -85,8 +85,9 @@ def load_average() -> str:
         return "n/a"
 
 
-def machine_lines(device: torch.device) -> list[str]:
-    """Markdown bullet lines describing where the figures were taken."""
+def machine_lines(device: torch.device, load_at_start: str | None = None) -> list[str]:
+    """Markdown bullet lines describing where the figures were taken (``load_at_start``: the load average read
+    when the run began, for a report written at its end; else read now)."""
     total = mem_info_bytes("MemTotal")
     lines = [
         f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
@@ -98,7 +99,7 @@ def machine_lines(device: torch.device) -> list[str]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         lines.append(f"- GPU: {props.name}, {props.total_memory / GIB:.0f} GiB, CUDA {torch.version.cuda}")
-    lines.append(f"- load average (1/5/15 min) at start: {load_average()}")
+    lines.append(f"- load average (1/5/15 min) at start: {load_at_start or load_average()}")
     return lines
 
 

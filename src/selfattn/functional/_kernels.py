@@ -452,12 +452,15 @@ def fused_unmasked(
     the kernel reads each key once instead of once per query head (a decoding step of the layer 0.82x the
     time at 4,096 cached keys, measured; below :data:`_ROWS_MIN_KEYS` the two reshapes cost what it saves).
     """
-    q, k, v = _kernel_layout(q, k, v)
-    if q.dim() != 4 or k.dim() != 4 or q.device.type != "cpu" or _validation.is_compiling():
+    if not q.is_cpu or q.dim() != 4 or k.dim() != 4 or _validation.is_compiling():
+        q, k, v = _kernel_layout(q, k, v)
         return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
+    # _kernel_layout's CPU case, its checks made once here: a decoding step's microseconds.
     batch, heads, num_queries, head_dim = q.shape
-    kv_heads = k.shape[1]
-    if kv_heads != heads and k.shape[-2] >= _ROWS_MIN_KEYS:
+    kv_heads, num_keys = k.shape[1], k.shape[2]
+    if num_queries * num_keys >= _CONTIGUOUS_HEADS_MIN_PAIRS:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kv_heads != heads and num_keys >= _ROWS_MIN_KEYS:
         rows = q.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)  # (b, hk, g * lq, d)
         out = _fused_kernel(rows, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
         return out.reshape(batch, heads, num_queries, v.shape[-1])  # (b, h, lq, dv)
