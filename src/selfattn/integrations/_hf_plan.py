@@ -10,9 +10,9 @@ from the heads, with none of the checks re-done (they hold by the kind): by the 
 (:attr:`~selfattn.core.route.Route.step`, the fused kernel's) when the call has no softcap, sinks or
 dropout, else on the call built from the heads.
 
-The kind (:func:`step_kind`): one query; no ``attention_mask`` and none of the keywords that restrict
-or reweigh attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed
-lengths, weights wanted); the shapes of the query, key and value heads except the keys' length, their
+The kind (:func:`unmasked_kind`, asked only of a step with no ``attention_mask`` and none of the keywords
+that restrict or reweigh attention: ``position_bias``, per-query ``sinks``, selections, ``head_mask``,
+packed lengths, weights wanted): one query; the shapes of the query, key and value heads except the keys' length, their
 dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal``; the sink
 tensor itself (``s_aux``) and its shape; the names of the other keywords given a value; grad mode; a
 ``torch.func`` transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`).
@@ -35,7 +35,7 @@ from selfattn.core.call import AttentionCall
 from selfattn.core.route import Route
 from selfattn.masks import Visibility
 
-__all__ = ["StepPlan", "remember", "replay", "step", "step_kind"]
+__all__ = ["StepPlan", "remember", "replay", "unmasked_kind"]
 
 
 class StepPlan(NamedTuple):
@@ -51,27 +51,16 @@ class StepPlan(NamedTuple):
 #: Each transformers attention layer's plan, beside the layer: a copy or a pickle of the model carries none.
 _PLANS: weakref.WeakKeyDictionary[Any, StepPlan] = weakref.WeakKeyDictionary()
 
-#: ``attention_forward``'s keywords that restrict or reweigh attention: a planned step has none of them.
-_RESTRICTING = (
-    "position_bias", "sinks", "indices", "topk_indices", "block_indices", "head_mask", "cu_seq_lens_q",
-    "cu_seq_lens_k", "seq_idx",
-)  # fmt: skip
 
-
-def step(module: torch.nn.Module, given: dict[str, Any]) -> tuple[tuple[object, ...] | None, torch.Tensor | None]:
-    """``(the step's kind, its output by the layer's plan)`` for ``attention_forward``'s arguments ``given``
-    (its ``locals()``, ``output_attentions`` read already); each None where there is none."""
-    kind = step_kind(given)
-    return kind, replay(module, kind, given["query"], given["key"], given["value"])
-
-
-def step_kind(given: dict[str, Any]) -> tuple[object, ...] | None:
-    """The kind of an ``attention_forward`` step with arguments ``given``, or None if no plan serves it."""
-    query, key, value, extra = given["query"], given["key"], given["value"], given["kwargs"]
+def unmasked_kind(
+    query: Any, key: Any, value: Any, dropout: float, scaling: float | None, is_causal: bool | None,
+    sliding_window: int | None, softcap: float | None, s_aux: torch.Tensor | None, extra: dict[str, Any],
+) -> tuple[object, ...] | None:  # fmt: skip
+    """The kind of an ``attention_forward`` step given no mask, none of the keywords that restrict or reweigh
+    attention and no weights wanted (the caller checked those); None if no plan serves it. ``extra``: the
+    other keywords. Its arguments one by one, not ``locals()``: a decoding step's microseconds."""
     if (
-        given["attention_mask"] is not None
-        or given["output_attentions"]
-        or not isinstance(query, torch.Tensor)
+        not isinstance(query, torch.Tensor)
         or not isinstance(key, torch.Tensor)
         or not isinstance(value, torch.Tensor)
         or query.dim() != 4
@@ -81,20 +70,16 @@ def step_kind(given: dict[str, Any]) -> tuple[object, ...] | None:
         or torch.compiler.is_compiling()
     ):
         return None
-    for name in _RESTRICTING:  # a loop, not any() over a generator: each step's microseconds
-        if given[name] is not None:
-            return None
     batch, kv_heads, num_keys, head_dim = key.shape
     value_batch, value_heads, num_values, value_dim = value.shape
     if num_values != num_keys:
         return None
-    sinks = given["s_aux"]
     return (
         query.shape, batch, kv_heads, head_dim, value_batch, value_heads, value_dim,
         query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
-        given["dropout"], given["scaling"], given["is_causal"], given["sliding_window"], given["softcap"],
-        id(sinks), None if sinks is None else sinks.shape,  # the plan holds the tensor: its id is not reused
-        tuple(name for name, value in extra.items() if value is not None) if extra else (),
+        dropout, scaling, is_causal, sliding_window, softcap,
+        id(s_aux), None if s_aux is None else s_aux.shape,  # the plan holds the tensor: its id is not reused
+        tuple([name for name, given in extra.items() if given is not None]) if extra else (),
         torch.is_grad_enabled(), _validation.in_func_transform(), dispatch.few_scores(1, num_keys),
     )  # fmt: skip
 

@@ -103,9 +103,17 @@ def attention_forward(
         ValueError: an unknown keyword, a bad value of a known one, or a combination the module's docstring refuses.
     """
     output_attentions = bool(output_attentions) or _recording_attentions()
-    kind, replayed = _hf_plan.step(module, locals())
-    if replayed is not None:  # an unmasked decoding step of a kind this layer has run: its plan
-        return replayed.transpose(1, 2).contiguous(), None
+    kind = None
+    if (
+        attention_mask is None and not output_attentions and position_bias is None and sinks is None
+        and indices is None and topk_indices is None and block_indices is None and head_mask is None
+        and cu_seq_lens_q is None and cu_seq_lens_k is None and seq_idx is None
+    ):  # fmt: skip
+        kind = _hf_plan.unmasked_kind(query, key, value, dropout, scaling, is_causal, sliding_window, softcap,
+                                      s_aux, kwargs)  # fmt: skip
+        replayed = _hf_plan.replay(module, kind, query, key, value)
+        if replayed is not None:  # an unmasked decoding step of a kind this layer has run: its plan
+            return replayed.transpose(1, 2).contiguous(), None
     check_keywords(kwargs)
     attention_mask = _bool_if_only_visibility(attention_mask)
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
