@@ -20,6 +20,16 @@ settings.register_profile("deep", max_examples=400, deadline=None)
 settings.load_profile("ci")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked ``gpu`` where CUDA is missing (CI): one place, not a skipif per test."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (pytest -m gpu on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The documentation site of this checkout, built once with ``mkdocs build --strict`` (as ``make docs``).

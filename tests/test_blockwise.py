@@ -392,7 +392,7 @@ def test_flex_attention_forward_on_cpu_equals_dense(label):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernel needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("label", ["alibi", "t5", "kerple"])
 def test_flex_attention_on_cuda_forward_and_backward(label):  # pragma: no cover - GPU only
     term = make_term(label, torch.float32).cuda()

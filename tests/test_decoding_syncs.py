@@ -113,7 +113,7 @@ def test_functional_attention_on_a_decoding_shape_reads_no_tensor(monkeypatch, c
     assert not reads, dict(reads)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_a_decoded_token_does_not_synchronise_cuda(name):
     make_layer, make_cache = LAYERS[name]
@@ -129,7 +129,7 @@ def test_a_decoded_token_does_not_synchronise_cuda(name):
             torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", [name for name in LAYERS if name not in ("window", "sink tokens")])
 def test_a_decoded_token_is_captured_in_a_cuda_graph(name):
     """A step captured in a CUDA graph and replayed gives what the step run eagerly gives from the same cache.

@@ -783,12 +783,12 @@ def test_every_route_is_fuzzed():
     assert set(STRATEGIES) == {route.name for route in dispatch.ROUTES}
 
 
-@pytest.mark.parametrize("route", list(STRATEGIES))
+@pytest.mark.parametrize(
+    "route", [pytest.param(name, marks=pytest.mark.gpu) if name == "flex" else name for name in STRATEGIES]
+)  # FlexAttention's route is CUDA only
 @settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_route_matches_float64(route, data):
-    if route == "flex" and not torch.cuda.is_available():
-        pytest.skip("FlexAttention's route is CUDA only")
     for _ in range(CASES_PER_EXAMPLE.get(route, 1)):
         case = data.draw(STRATEGIES[route](route), label="case")
         check(case)

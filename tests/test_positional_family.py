@@ -161,7 +161,7 @@ def test_to_moves_tables_and_parameters(name):
     assert all(t.device.type == "meta" for t in list(encoding.parameters()) + list(encoding.buffers()))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", NAMES)
 def test_runs_on_the_gpu(name):
     encoding, mha = make(name)
@@ -173,7 +173,7 @@ def test_runs_on_the_gpu(name):
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["alibi", "t5", "kerple", "fire"])
 def test_score_terms_through_flex_on_the_gpu_equal_the_cpu(name):  # pragma: no cover - GPU only
     # Head size 16: MultiHeadAttention hands alibi, t5 and kerple to FlexAttention's compiled kernel;
