@@ -121,7 +121,9 @@ def measure(
 ) -> dict[str, float]:
     """Median seconds per call of each case, timed round-robin.
 
-    Each round calls every case once, so a burst of load from elsewhere hits all of them.
+    Each round calls every case once, so a burst of load from elsewhere hits all of them; odd rounds
+    go in reverse order, so no case always runs right after the same other one (whose traces in the
+    caches, or whose absence, it would otherwise always meet).
     Rounds continue until ``max_repeats``, or past ``min_repeats`` once the timed rounds have
     taken ``budget_s`` seconds. If ``spread`` is given, it receives ``(max - min) / median``
     of each case, a plain gauge of how noisy the machine was.
@@ -136,7 +138,7 @@ def measure(
     for round_index in range(max_repeats):
         if round_index >= min_repeats and time.perf_counter() - started > budget_s:
             break
-        for name, fn in cases.items():
+        for name, fn in cases.items() if round_index % 2 == 0 else reversed(cases.items()):
             sync()
             t0 = time.perf_counter()
             fn()
