@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import selfattn.core.routes._blocks as blocks
 from selfattn import KVCache, MultiHeadAttention
@@ -109,18 +111,55 @@ def test_training_keeps_the_routes_own_functions():
 )  # fmt: skip
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("kv_heads", [HK, H], ids=["grouped", "a key head per query head"])
-def test_a_nan_query_gives_nan_in_a_decoding_step(no_copy_of_the_keys, options, bad, kv_heads):
+@pytest.mark.parametrize("num_keys", [5, 31, 32, 600], ids=["5 keys", "31 keys", "32 keys", "600 keys (rows layout)"])
+def test_a_nan_query_gives_nan_in_a_decoding_step(no_copy_of_the_keys, options, bad, kv_heads, num_keys):
     if bad == float("inf") and "softcap" in options:
         pytest.skip("capped, an infinite score is finite: the formula gives a number")
     q = torch.randn(1, H, 1, D)
     q[0, 1, 0, 2] = bad
-    # 5 keys: where PyTorch's CPU kernel gives a NaN query a row of zeros (with 12 it gives NaN itself)
-    k, v = torch.randn(1, kv_heads, 5, D), torch.randn(1, kv_heads, 5, D)
+    # 5 keys: where PyTorch's CPU kernel gives a NaN query a row of zeros (the guard must make it NaN); from 32
+    # keys the kernel gives NaN itself (the next test pins that) and the unmasked step adds no guard.
+    k, v = torch.randn(1, kv_heads, num_keys, D), torch.randn(1, kv_heads, num_keys, D)
     with torch.no_grad():
         for _ in range(2):  # the second call from the functional memory
             out = attention(q, k, v, **options)
             assert out[0, 1].isnan().all()
             assert not out[0, [0, 2, 3]].isnan().any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_keys=st.integers(32, 1200), head_dim=st.sampled_from([8, 16, 32, 64, 128, 256]),
+    heads=st.sampled_from([(8, 8), (8, 2), (4, 1)]), num_queries=st.integers(1, 4),
+    dtype=st.sampled_from([torch.float32, torch.float64]), threads=st.sampled_from([1, 2]),
+    bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_the_cpu_kernel_gives_a_nan_query_a_nan_row_from_32_keys(
+    num_keys, head_dim, heads, num_queries, dtype, threads, bad, seed
+):
+    """What fused_unmasked relies on to leave out its guard from _KERNEL_SPREADS_NAN_FROM_KEYS keys: PyTorch's own
+    kernel gives a query holding a NaN or an infinity a row of NaN, and no other row a NaN. If a PyTorch release
+    changes that, this fails, and the threshold must go (the guard then runs for every size, as below it)."""
+    from selfattn.functional._kernels import _KERNEL_SPREADS_NAN_FROM_KEYS
+
+    assert num_keys >= _KERNEL_SPREADS_NAN_FROM_KEYS == 32
+    gen = torch.Generator().manual_seed(seed)
+    h, hk = heads
+    q = torch.randn(2, h, num_queries, head_dim, generator=gen, dtype=dtype)
+    k = torch.randn(2, hk, num_keys, head_dim, generator=gen, dtype=dtype)
+    v = torch.randn(2, hk, num_keys, head_dim, generator=gen, dtype=dtype)
+    where = (1, seed % h, seed % num_queries)
+    q[(*where, seed % head_dim)] = bad
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=h != hk)
+    finally:
+        torch.set_num_threads(before)
+    assert out[where].isnan().all()
+    others = torch.ones(out.shape[:3], dtype=torch.bool)
+    others[where] = False
+    assert not out[others].isnan().any()
 
 
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["softcap", "softcap and sinks"])

@@ -42,6 +42,14 @@ _SUM_DTYPES: dict[torch.dtype, torch.dtype] = {}
 #: Fewest keys for which :func:`fused_unmasked` lays grouped query heads out as rows of their key/value head.
 _ROWS_MIN_KEYS = 512
 
+#: Fewest keys from which PyTorch's CPU kernel itself gives a NaN (or infinite) query a row of NaN, so
+#: :func:`fused_unmasked`'s unmasked call needs no guard. Below a vector's width of keys (8 floats with AVX2, 16
+#: with AVX-512) its row maximum is taken lane by lane, where a NaN is skipped, and the row comes out zeros;
+#: from a full vector on, the maximum is NaN and so is the row (measured: zeros for 1 to 7 keys, NaN from 8, AVX2).
+#: 32 keys are two vectors of the widest float lanes PyTorch builds for (AVX-512); tests/test_decoding_step.py
+#: pins the kernel's behaviour from here on, on the machine that runs them.
+_KERNEL_SPREADS_NAN_FROM_KEYS = 32
+
 # scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -472,7 +480,9 @@ def fused_unmasked(
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     ):  # a decoding step's call: the kernel and the NaN-query guard of _fused_kernel, none of its general cases
         out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=kv_heads != heads)
-        return out.add_(q.sum(dim=-1, keepdim=True), alpha=0)  # (b, h, lq, dv); NaN where a query holds one
+        if num_keys >= _KERNEL_SPREADS_NAN_FROM_KEYS:
+            return out  # (b, h, lq, dv); the kernel's own row of NaN where a query holds one
+        return out.add_(q.sum(dim=-1, keepdim=True), alpha=0)  # NaN where a query holds one, not the kernel's zeros
     return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
 
 
