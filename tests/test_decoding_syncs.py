@@ -113,15 +113,22 @@ def test_functional_attention_on_a_decoding_shape_reads_no_tensor(monkeypatch, c
     assert not reads, dict(reads)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(LAYERS))
-def test_a_decoded_token_does_not_synchronise_cuda(name):
+def _on_cuda_after_a_token(name: str) -> tuple[MultiHeadAttention, KVCache, torch.Tensor]:
+    """The layer on CUDA and its cache after a prompt and one token (no grad), and the next token."""
     make_layer, make_cache = LAYERS[name]
     layer, cache = make_layer().cuda(), make_cache()
     prompt, token = torch.randn(2, 9, D, device="cuda"), torch.randn(2, 1, D, device="cuda")
     with torch.no_grad():
         layer(prompt, prompt, prompt, cache=cache, causal=True)
         layer(token, token, token, cache=cache, causal=True)
+    return layer, cache, token
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_decoded_token_does_not_synchronise_cuda(name):
+    layer, cache, token = _on_cuda_after_a_token(name)
+    with torch.no_grad():
         torch.cuda.set_sync_debug_mode("error")
         try:
             layer(token, token, token, cache=cache, causal=True)
@@ -137,12 +144,8 @@ def test_a_decoded_token_is_captured_in_a_cuda_graph(name):
     Capture fails at any synchronising call, and a step that read a tensor's value on the host would
     replay the value seen at capture. The cache is preallocated, so the step writes into its storage.
     """
-    make_layer, make_cache = LAYERS[name]
-    layer, cache = make_layer().cuda(), make_cache()
-    prompt, token = torch.randn(2, 9, D, device="cuda"), torch.randn(2, 1, D, device="cuda")
+    layer, cache, token = _on_cuda_after_a_token(name)
     with torch.no_grad():
-        layer(prompt, prompt, prompt, cache=cache, causal=True)
-        layer(token, token, token, cache=cache, causal=True)
         eager_cache = cache.copy()
         expected = layer(token, token, token, cache=eager_cache, causal=True)
         side = torch.cuda.Stream()
