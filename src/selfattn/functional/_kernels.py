@@ -478,7 +478,7 @@ def fused_unmasked(
         and q.dtype in _SUMMED_AS_IS
         and batch * heads * num_queries * v.shape[-1] <= _IN_GRAPH_CHECKS_MAX_ELEMENTS
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    ):  # a decoding step's call: the kernel and the NaN-query guard of _fused_kernel, none of its general cases
+    ):  # a decoding step: the kernel, below 32 keys _fused_kernel's NaN-query guard, none of its general cases
         out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=kv_heads != heads)
         if num_keys >= _KERNEL_SPREADS_NAN_FROM_KEYS:
             return out  # (b, h, lq, dv); the kernel's own row of NaN where a query holds one

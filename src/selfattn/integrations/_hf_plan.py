@@ -12,8 +12,8 @@ dropout, else on the call built from the heads.
 
 The kind (:func:`unmasked_kind`, asked only of a step with no ``attention_mask`` and none of the keywords
 that restrict or reweigh attention: ``position_bias``, per-query ``sinks``, selections, ``head_mask``,
-packed lengths, weights wanted): one query; the shapes of the query, key and value heads except the keys' length, their
-dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal``; the sink
+packed lengths, weights wanted): one query; the shapes of the query, key and value heads except the keys'
+length, their dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal``; the sink
 tensor itself (``s_aux``) and its shape; the names of the other keywords given a value; grad mode; a
 ``torch.func`` transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`).
 A step of another kind runs in full and replaces the plan, or drops it. No tensor value is read.
