@@ -42,12 +42,9 @@ _SUM_DTYPES: dict[torch.dtype, torch.dtype] = {}
 #: Fewest keys for which :func:`fused_unmasked` lays grouped query heads out as rows of their key/value head.
 _ROWS_MIN_KEYS = 512
 
-#: Fewest keys from which PyTorch's CPU kernel itself gives a NaN (or infinite) query a row of NaN, so
-#: :func:`fused_unmasked`'s unmasked call needs no guard. Below a vector's width of keys (8 floats with AVX2, 16
-#: with AVX-512) its row maximum is taken lane by lane, where a NaN is skipped, and the row comes out zeros;
-#: from a full vector on, the maximum is NaN and so is the row (measured: zeros for 1 to 7 keys, NaN from 8, AVX2).
-#: 32 keys are two vectors of the widest float lanes PyTorch builds for (AVX-512); tests/test_decoding_step.py
-#: pins the kernel's behaviour from here on, on the machine that runs them.
+#: Fewest keys from which PyTorch's CPU kernel gives a NaN (or infinite) query a row of NaN itself (below a vector
+#: of keys its row maximum skips a NaN: zeros for 1-7 keys with AVX2, measured), so :func:`fused_unmasked` needs no
+#: guard: two vectors of AVX-512's lanes. tests/test_decoding_step.py pins the kernel's behaviour from here on.
 _KERNEL_SPREADS_NAN_FROM_KEYS = 32
 
 # scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
@@ -463,10 +460,8 @@ def fused_unmasked(
     if not q.is_cpu or q.dim() != 4 or k.dim() != 4 or _validation.is_compiling():
         q, k, v = _kernel_layout(q, k, v)
         return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
-    # _kernel_layout's CPU case, its checks made once here: a decoding step's microseconds.
-    batch, heads, num_queries, head_dim = q.shape
-    kv_heads, num_keys = k.shape[1], k.shape[2]
-    if num_queries * num_keys >= _CONTIGUOUS_HEADS_MIN_PAIRS:
+    (batch, heads, num_queries, head_dim), kv_heads, num_keys = q.shape, k.shape[1], k.shape[2]
+    if num_queries * num_keys >= _CONTIGUOUS_HEADS_MIN_PAIRS:  # _kernel_layout's CPU case, its checks made once
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if kv_heads != heads and num_keys >= _ROWS_MIN_KEYS:
         rows = q.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)  # (b, hk, g * lq, d)
@@ -480,9 +475,8 @@ def fused_unmasked(
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     ):  # a decoding step: the kernel, below 32 keys _fused_kernel's NaN-query guard, none of its general cases
         out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=kv_heads != heads)
-        if num_keys >= _KERNEL_SPREADS_NAN_FROM_KEYS:
-            return out  # (b, h, lq, dv); the kernel's own row of NaN where a query holds one
-        return out.add_(q.sum(dim=-1, keepdim=True), alpha=0)  # NaN where a query holds one, not the kernel's zeros
+        # (b, h, lq, dv); a NaN query: the kernel's own row of NaN, or below 32 keys NaN added to its zeros
+        return out if num_keys >= _KERNEL_SPREADS_NAN_FROM_KEYS else out.add_(q.sum(dim=-1, keepdim=True), alpha=0)
     return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
 
 

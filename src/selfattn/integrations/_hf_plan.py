@@ -10,12 +10,12 @@ from the heads, with none of the checks re-done (they hold by the kind): by the 
 (:attr:`~selfattn.core.route.Route.step`, the fused kernel's) when the call has no softcap, sinks or
 dropout, else on the call built from the heads.
 
-The kind (:func:`unmasked_kind`, asked only of a step with no ``attention_mask`` and none of the keywords
-that restrict or reweigh attention: ``position_bias``, per-query ``sinks``, selections, ``head_mask``,
-packed lengths, weights wanted): one query; the shapes of the query, key and value heads except the keys'
-length, their dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal``; the sink
-tensor itself (``s_aux``) and its shape; the names of the other keywords given a value; grad mode; a
-``torch.func`` transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`).
+The kind (:func:`unmasked_kind`): no ``attention_mask`` and none of the keywords that restrict or reweigh
+attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed lengths, weights
+wanted); one query; the shapes of the query, key and value heads except the keys' length, their dtypes
+and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal``; the sink tensor itself
+(``s_aux``) and its shape; the names of the other keywords given a value; grad mode; a ``torch.func``
+transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`).
 A step of another kind runs in full and replaces the plan, or drops it. No tensor value is read.
 
 Shape legend: b batch, h heads, hk key/value heads, lk keys, d head size, dv value head size.
@@ -55,10 +55,16 @@ _PLANS: weakref.WeakKeyDictionary[Any, StepPlan] = weakref.WeakKeyDictionary()
 def unmasked_kind(
     query: Any, key: Any, value: Any, dropout: float, scaling: float | None, is_causal: bool | None,
     sliding_window: int | None, softcap: float | None, s_aux: torch.Tensor | None, extra: dict[str, Any],
+    output_attentions: bool, restricting: tuple[object, ...],
 ) -> tuple[object, ...] | None:  # fmt: skip
-    """The kind of an ``attention_forward`` step given no mask, none of the keywords that restrict or reweigh
-    attention and no weights wanted (the caller checked those); None if no plan serves it. ``extra``: the
-    other keywords. Its arguments one by one, not ``locals()``: a decoding step's microseconds."""
+    """The kind of an ``attention_forward`` step, or None if no plan serves it: one with weights wanted, or any of
+    ``restricting`` (the mask and the keywords that restrict or reweigh attention) given. ``extra``: the other
+    keywords. Its arguments one by one, not ``locals()``: a decoding step's microseconds."""
+    if output_attentions:
+        return None
+    for given in restricting:  # a loop, not any() over a generator: each step's microseconds
+        if given is not None:
+            return None
     if (
         not isinstance(query, torch.Tensor)
         or not isinstance(key, torch.Tensor)

@@ -71,12 +71,11 @@ def attention_forward(
         query: ``(b, h, lq, d)``.
         key: ``(b, hk, lk, d)``; ``hk`` may divide ``h`` (grouped-query attention).
         value: ``(b, hk, lk, dv)``.
-        attention_mask: ``sdpa``'s bool ``(b, 1, lq, lk)`` (True = attend; it holds causality, padding,
-            packing, windows), eager's float form of one (0 and ``-inf`` or the dtype's lowest: read as
-            ``== 0``), another float mask added to the scores, or None: the layer's ``is_causal`` decides as
-            for ``sdpa`` (query ``i`` of several sees keys ``0 .. i`` and the last ``sliding_window``; one
-            query sees every key). The restrictions below are "and"-ed with it. A query it lets see no key
-            weighs every key evenly, as in eager (zeros in ``sdpa``, with sinks, with shared ``indices``).
+        attention_mask: ``sdpa``'s bool ``(b, 1, lq, lk)`` (True = attend), eager's float form of one (0 and
+            ``-inf`` or the dtype's lowest: read as ``== 0``), another float mask added to the scores, or None: the
+            layer's ``is_causal`` decides as for ``sdpa`` (query ``i`` of several sees keys ``0 .. i`` and the last
+            ``sliding_window``; one query sees every key). The restrictions below are "and"-ed with it. A query it
+            lets see no key weighs all keys evenly, as in eager (zeros in ``sdpa``, with sinks, with shared ``indices``).
         dropout: dropout on the weights (the model passes 0 in evaluation).
         scaling: score scale (default ``1 / sqrt(d)``).
         is_causal: overrides ``module.is_causal``.
@@ -92,8 +91,7 @@ def attention_forward(
         cu_seq_lens_q: cumulative lengths ``(n + 1,)`` of the queries of sequences packed in a batch of 1.
         cu_seq_lens_k: cumulative key lengths; may be omitted when ``lk == lq``.
         seq_idx: ``(b, l)`` sequence ids of the tokens of packed rows; a query sees keys of its id.
-        output_attentions: also return the weights, as eager does; also when transformers records them
-            without passing this (GPT-2 ...).
+        output_attentions: also return the weights, as eager does (also when transformers records them: GPT-2).
         **kwargs: keywords known not to change the answer are not read; any other not None is refused.
 
     Returns:
@@ -103,17 +101,11 @@ def attention_forward(
         ValueError: an unknown keyword, a bad value of a known one, or a combination the module's docstring refuses.
     """
     output_attentions = bool(output_attentions) or _recording_attentions()
-    kind = None
-    if (
-        attention_mask is None and not output_attentions and position_bias is None and sinks is None
-        and indices is None and topk_indices is None and block_indices is None and head_mask is None
-        and cu_seq_lens_q is None and cu_seq_lens_k is None and seq_idx is None
-    ):  # fmt: skip
-        kind = _hf_plan.unmasked_kind(query, key, value, dropout, scaling, is_causal, sliding_window, softcap,
-                                      s_aux, kwargs)  # fmt: skip
-        replayed = _hf_plan.replay(module, kind, query, key, value)
-        if replayed is not None:  # an unmasked decoding step of a kind this layer has run: its plan
-            return replayed.transpose(1, 2).contiguous(), None
+    kind = _hf_plan.unmasked_kind(query, key, value, dropout, scaling, is_causal, sliding_window, softcap, s_aux,
+                                  kwargs, output_attentions, (attention_mask, position_bias, sinks, indices,
+                                  topk_indices, block_indices, head_mask, cu_seq_lens_q, cu_seq_lens_k, seq_idx))  # fmt: skip
+    if (replayed := _hf_plan.replay(module, kind, query, key, value)) is not None:  # an unmasked step of a planned kind
+        return replayed.transpose(1, 2).contiguous(), None
     check_keywords(kwargs)
     attention_mask = _bool_if_only_visibility(attention_mask)
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
