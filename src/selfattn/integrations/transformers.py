@@ -75,7 +75,7 @@ def attention_forward(
             ``-inf`` or the dtype's lowest: read as ``== 0``), another float mask added to the scores, or None: the
             layer's ``is_causal`` decides as for ``sdpa`` (query ``i`` of several sees keys ``0 .. i`` and the last
             ``sliding_window``; one query sees every key). The restrictions below are "and"-ed with it. A query it
-            lets see no key weighs all keys evenly, as in eager (zeros in ``sdpa``, with sinks, with shared ``indices``).
+            lets see no key weighs all keys evenly, as in eager (``sdpa``, sinks, shared ``indices``: zeros).
         dropout: dropout on the weights (the model passes 0 in evaluation).
         scaling: score scale (default ``1 / sqrt(d)``).
         is_causal: overrides ``module.is_causal``.
