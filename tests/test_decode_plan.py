@@ -292,7 +292,7 @@ def test_an_alibi_layer_plans_its_key_row_route_in_inference_only():
     layer, _, _ = _decoded(_alibi())
     plan = decode_plan.plan_of(layer)
     assert plan is not None and plan.route.name == "blockwise key row" and plan.term is layer.position
-    assert not plan.stepped  # the key-row route has no step form: its call is described from the plan
+    assert plan.step is None  # the key-row route has no step form: its call is described from the plan
     layer = _alibi()
     cache, x = KVCache(max_len=16), torch.randn(1, 7, D)
     layer(x[:, :4], x[:, :4], x[:, :4], cache=cache, causal=True)
@@ -331,7 +331,7 @@ def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatc
     """The fused kernel's step form serves a call with no softcap, sinks or dropout; other calls are described."""
     layer, cache, x = _decoded(LAYERS[name]().eval())
     plan = decode_plan.plan_of(layer)
-    assert plan is not None and plan.stepped is stepped
+    assert plan is not None and (plan.step is not None) is stepped
     monkeypatch.setattr(dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # the suite's check describes every call
     described: list[object] = []
     monkeypatch.setattr(decode_plan, "AttentionCall", lambda **kw: described.append(kw) or dispatch.AttentionCall(**kw))

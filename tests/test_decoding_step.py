@@ -140,7 +140,7 @@ def test_the_cpu_kernel_gives_a_nan_query_a_nan_row_from_32_keys(
     """What fused_unmasked relies on to leave out its guard from _KERNEL_SPREADS_NAN_FROM_KEYS keys: PyTorch's own
     kernel gives a query holding a NaN or an infinity a row of NaN, and no other row a NaN. If a PyTorch release
     changes that, this fails, and the threshold must go (the guard then runs for every size, as below it)."""
-    from selfattn.functional._kernels import _KERNEL_SPREADS_NAN_FROM_KEYS
+    from selfattn.functional._unmasked import _KERNEL_SPREADS_NAN_FROM_KEYS
 
     assert num_keys >= _KERNEL_SPREADS_NAN_FROM_KEYS == 32
     gen = torch.Generator().manual_seed(seed)
@@ -179,3 +179,33 @@ def test_a_masked_decoding_step_hides_its_keys(no_copy_of_the_keys, with_sinks):
     expected = _formula(q, k, v, 5.0, sinks, visible=visible)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["no grad", "grad mode"])
+def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mode):
+    """unmasked_step reads the kind's facts once (at 40 keys here) and then only the number of keys: at sizes on
+    both sides of its thresholds (the NaN guard's 32 keys, the rows layout's 512) it gives fused_unmasked's
+    answer bit for bit, the formula's within rounding, and a query holding NaN or an infinity a row of NaN (below
+    32 keys too, where PyTorch's kernel gives some such queries zeros)."""
+    from selfattn.functional._unmasked import fused_unmasked, unmasked_step
+
+    h, hk = heads
+    gen = torch.Generator().manual_seed(hk)
+
+    def heads_of(num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shapes = ((2, h, 1, D), (2, hk, num_keys, D), (2, hk, num_keys, D + 3))
+        return tuple(torch.randn(*shape, generator=gen, dtype=dtype) for shape in shapes)  # type: ignore[return-value]
+
+    with torch.set_grad_enabled(grad_mode):
+        step = unmasked_step(*heads_of(40), 0.3)
+        for num_keys in (1, 7, 31, 32, 33, 511, 512, 700):
+            q, k, v = heads_of(num_keys)
+            q[1, 0, 0, 2], q[1, 1, 0, 3], q[1, 2, 0, 4] = float("inf"), float("-inf"), float("nan")
+            out = step(q, k, v)
+            torch.testing.assert_close(out, fused_unmasked(q, k, v, scale=0.3), rtol=0, atol=0, equal_nan=True)
+            assert out[1, :3].isnan().all() and not out[1, 3].isnan().any() and not out[0].isnan().any()
+            expected = _formula(q[:1] * (0.3 * math.sqrt(D)), k[:1], v[:1])
+            tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+            np.testing.assert_allclose(out[:1].double().numpy(), expected, atol=tolerance, rtol=tolerance)

@@ -19,6 +19,7 @@ from test_dispatch import ROWS, WINDOW_ROWS, D, H, _mha, _x
 from selfattn import KVCache, MultiHeadAttention
 from selfattn.core import dispatch
 from selfattn.core.call import AttentionCall
+from selfattn.core.route import Step
 from selfattn.functional import attention
 from selfattn.functional._attention import describe_attention
 from selfattn.positional import build
@@ -40,12 +41,18 @@ class _Recorder:
             self.asked += 1
             return route.declines(call)
 
-        def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            self.ran.append(route.name)
-            assert route.step is not None
-            return route.step(q, k, v, scale)
+        def step_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Step:
+            assert route.step_for is not None
+            step = route.step_for(q, k, v, scale)
 
-        return dataclasses.replace(route, run=run, declines=declines, step=None if route.step is None else step)
+            def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                self.ran.append(route.name)
+                return step(q, k, v)
+
+            return recorded
+
+        made = None if route.step_for is None else step_for
+        return dataclasses.replace(route, run=run, declines=declines, step_for=made)
 
 
 @pytest.fixture

@@ -103,7 +103,7 @@ def test_unmasked_grouped_heads_as_rows_of_their_kv_head_equal_the_loop(monkeypa
     """From 512 keys the unmasked kernel call lays each kv head's query heads out as its rows (fused_unmasked):
     outputs and gradients equal the float64 loop, a NaN query gives NaN in its own row only, and
     non-contiguous heads (a cache's narrowed view, a transposed projection) are read right."""
-    import selfattn.functional._kernels as kernels
+    import selfattn.functional._unmasked as kernels
 
     kernel_queries = []
     real_kernel = kernels._fused_kernel

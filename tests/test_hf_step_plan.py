@@ -83,6 +83,30 @@ def test_a_step_of_another_kind_runs_in_full(monkeypatch):
     assert torch.allclose(masked, expected, atol=1e-6)  # the mask was applied, not skipped
 
 
+def test_a_prefill_leaves_the_plan_for_the_decoding_steps_after_it(monkeypatch):
+    """A call no plan serves (several queries, a mask) runs in full and keeps the layer's plan: the next
+    generate()'s first decoding step replays; a step of another unmasked kind replaces it."""
+    module = _module()
+    backend.attention_forward(module, *_step(7), None)
+    plan = _hf_plan._PLANS[module]
+    gen = torch.Generator().manual_seed(3)
+    prefill = (torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen))
+    backend.attention_forward(module, prefill[0], prefill[1], prefill[1], None)  # 5 queries, causal: in full
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    backend.attention_forward(module, *_step(8, seed=2), mask)  # a mask: in full
+    assert _hf_plan._PLANS[module] is plan
+    q, k, v = _step(9, seed=1)
+    monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+    full, _ = backend.attention_forward(_module(), q, k, v, None)
+    monkeypatch.undo()
+    _refuse_full_path(monkeypatch)
+    replayed, _ = backend.attention_forward(module, q, k, v, None)
+    assert torch.equal(replayed, full)
+    monkeypatch.undo()
+    backend.attention_forward(module, *_step(8, heads=2), None)  # another unmasked kind: a new plan
+    assert _hf_plan._PLANS[module] is not plan
+
+
 def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
     assert backend.register() == "selfattn"
     config = transformers.LlamaConfig(
@@ -109,7 +133,7 @@ def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatc
     module = _module()
     backend.attention_forward(module, *_step(7), None, **options)
     plan = _hf_plan._PLANS.get(module)
-    assert plan is not None and plan.stepped is stepped
+    assert plan is not None and (plan.step is not None) is stepped
     monkeypatch.setattr(_hf_plan.dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # the suite's check describes them
     described: list[object] = []
     real = _hf_plan.AttentionCall.of_heads

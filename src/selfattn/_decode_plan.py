@@ -46,7 +46,7 @@ from selfattn._layer_call import describe, finish, updates_cached_keys
 from selfattn.cache import KVCache
 from selfattn.core.call import AttentionCall
 from selfattn.core.inputs import check_request
-from selfattn.core.route import Route
+from selfattn.core.route import Route, Step
 from selfattn.masks import Visibility
 from selfattn.positional.base import QueryKeyEncoding, ScoreEncoding
 from selfattn.positional.rotary import RotaryPositionalEncoding
@@ -69,7 +69,7 @@ class DecodePlan(NamedTuple):
     heads: tuple[int, int, int, int]  # h, hk, dh, dv
     rotary: RotaryPositionalEncoding | None  # the bare projections' rotation, from its table
     few_scores: bool  # the dispatcher's size fact when the plan was made
-    stepped: bool  # the route's step form serves the call (no softcap, sinks or dropout): no call described
+    step: Step | None  # the route's step form when it serves the call (no softcap, sinks or dropout): no call described
     term: ScoreEncoding | None  # the score term, whose key-only form the remembered route reads
     key_offset: torch.Tensor | None  # (1, 1, 1, 1) zero: asks the term each step whether it still has that form
 
@@ -165,9 +165,10 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
         "block_size": call.block_size,
     }  # fmt: skip
     few = dispatch.few_scores(call.num_queries, call.num_keys)
-    stepped = route.step is not None and term is None and not call.modifies_scores and call.dropout_p == 0
+    stepped = route.step_for is not None and term is None and not call.modifies_scores and call.dropout_p == 0
+    step = route.step_for(call.q, call.k, call.v, call.scale) if stepped and route.step_for is not None else None
     key_offset = None if term is None else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.device)
-    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few, stepped, term, key_offset)
+    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few, step, term, key_offset)
 
 
 def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
@@ -193,7 +194,7 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     keys, values = written
     verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's
     call = None
-    if verify or not plan.stepped:  # the step described: the route reads it, or the tests' check does
+    if verify or plan.step is None:  # the step described: the route reads it, or the tests' check does
         num_keys = keys.shape[-2]
         call = AttentionCall(
             shape=(q.shape[0], q.shape[1], keys.shape[1], 1, num_keys, q.shape[-1], values.shape[-1]),
@@ -203,8 +204,8 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
         )  # fmt: skip
     if call is not None and verify:
         dispatch.check_remembered(call, plan.routes, plan.route)
-    if plan.stepped:
-        out, stage = dispatch.run_step(plan.route, q, keys, values, plan.options["scale"]), "heads"  # (b, h, 1, dv)
+    if plan.step is not None:
+        out, stage = dispatch.run_step(plan.route, plan.step, q, keys, values), "heads"  # (b, h, 1, dv)
     else:
         assert call is not None
         result = dispatch.run_route(plan.route, call)

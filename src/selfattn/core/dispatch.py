@@ -14,7 +14,7 @@ import torch
 import selfattn.functional._block_sliced as _block_sliced
 from selfattn.core.call import AttentionCall
 from selfattn.core.explanation import Explanation
-from selfattn.core.route import Output, Route
+from selfattn.core.route import Output, Route, Step
 from selfattn.core.routes._blocks import block_for, reached_share
 from selfattn.core.routes.band_only import BAND_ONLY
 from selfattn.core.routes.banded import BANDED
@@ -245,14 +245,13 @@ def run_route(route: Route, call: AttentionCall) -> Output:
         return route.run(call)
 
 
-def run_step(route: Route, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``route.step(q, k, v, scale)`` (see :class:`~selfattn.core.route.Route`), in the profiler range
-    :func:`run_route` opens: a decoding plan's step of a route remembered from :func:`run`."""
-    assert route.step is not None
-    if not torch.autograd.profiler._is_profiler_enabled or torch.compiler.is_compiling():
-        return route.step(q, k, v, scale)
+def run_step(route: Route, step: Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``step(q, k, v)``, made by ``route.step_for`` (see :class:`~selfattn.core.route.Route`), in the profiler
+    range :func:`run_route` opens: a decoding plan's step of a route remembered from :func:`run`."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return step(q, k, v)
     with torch.profiler.record_function(_profile_name(route)):
-        return route.step(q, k, v, scale)
+        return step(q, k, v)
 
 
 def _profile_name(route: Route) -> str:

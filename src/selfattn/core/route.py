@@ -13,7 +13,10 @@ import torch
 
 from selfattn.core.call import AttentionCall
 
-__all__ = ["Output", "Route"]
+__all__ = ["Output", "Route", "Step"]
+
+#: A route's step form for one kind of call (:attr:`Route.step_for`): ``(b, h, lq, dv)`` from ``q, k, v``.
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Output(NamedTuple):
@@ -42,14 +45,15 @@ class Route:
         run: ``run(call)`` computes it.
         modifies_scores: whether it applies a call's softcap and sinks; the dispatcher passes
             over the routes that do not when a call has either.
-        step: ``step(q, k, v, scale)``, ``(b, h, lq, dv)``: what ``run`` computes for a call of these heads
-            with no rule, bias, score term, dropout, softcap, sinks or weights wanted, from the heads alone;
-            None if the route has no such form. A decoding plan that remembered the route runs it without
-            describing each step (:mod:`selfattn._decode_plan`).
+        step_for: ``step_for(q, k, v, scale)`` makes ``step(q, k, v)``, ``(b, h, lq, dv)``: what ``run`` computes
+            for a call with no rule, bias, score term, dropout, softcap, sinks or weights wanted, from the heads
+            alone, for every call of the kind of these heads (the same device, dtypes, sizes but the number of
+            keys, and grad mode); None if the route has no such form. A decoding plan that remembered the route
+            makes its step once and runs it without describing each call (:mod:`selfattn._decode_plan`).
     """
 
     name: str
     declines: Callable[[AttentionCall], str | None]
     run: Callable[[AttentionCall], Output]
     modifies_scores: bool = False
-    step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    step_for: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], Step] | None = None

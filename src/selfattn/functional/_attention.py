@@ -19,7 +19,7 @@ import selfattn.core.dispatch as dispatch
 from selfattn._validation import in_func_transform, require_bool, require_probability
 from selfattn.core.call import AttentionCall
 from selfattn.core.explanation import Explanation
-from selfattn.core.route import Route
+from selfattn.core.route import Route, Step
 from selfattn.functional._kernels import (
     _check_groups,
     _check_shapes,
@@ -107,7 +107,7 @@ def attention(
     if remembered is not None and dispatch.ROUTES is remembered[0]:
         if dispatch.VERIFY_REMEMBERED_CHOICES:  # tests: the routes asked again must choose the remembered one
             dispatch.check_remembered(describe_attention(q, k, v, causal=causal, scale=scale), *remembered[:2])
-        return dispatch.run_step(remembered[1], q, k, v, remembered[2])
+        return dispatch.run_step(remembered[1], remembered[2], q, k, v)
     call = describe_attention(
         q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale, softcap=softcap, sinks=sinks,
         return_weights=return_weights,
@@ -119,8 +119,8 @@ def attention(
 
 
 #: Calls of :func:`attention` with nothing but ``q, k, v``, ``causal`` and ``scale`` whose route has a step form:
-#: their signature (:func:`_signature`) -> (the route list, the route the dispatcher chose, the checked scale).
-_PLAIN_CALLS: dict[tuple[object, ...], tuple[tuple[Route, ...], Route, float]] = {}
+#: their signature (:func:`_signature`) -> (the route list, the route the dispatcher chose, its step for the kind).
+_PLAIN_CALLS: dict[tuple[object, ...], tuple[tuple[Route, ...], Route, Step]] = {}
 
 _MAX_PLAIN_CALLS = 64
 
@@ -141,11 +141,12 @@ def _signature(q: Any, k: Any, v: Any, causal: bool, scale: float | None) -> tup
 def _remember_plain_call(signature: tuple[object, ...], call: AttentionCall) -> None:
     """Keep the route of a plain call whose checks passed, if it is remembered and runs from the heads alone."""
     chosen = dispatch.remembered_route(call)
-    if chosen is None or chosen[1].step is None or call.visibility.rules or not isinstance(chosen[0], tuple):
+    step_for = None if chosen is None else chosen[1].step_for
+    if chosen is None or step_for is None or call.visibility.rules or not isinstance(chosen[0], tuple):
         return  # a rule that hides keys (causal on a square) is not what a step form computes
     if len(_PLAIN_CALLS) >= _MAX_PLAIN_CALLS:
         _PLAIN_CALLS.clear()
-    _PLAIN_CALLS[signature] = (chosen[0], chosen[1], call.scale)
+    _PLAIN_CALLS[signature] = (chosen[0], chosen[1], step_for(call.q, call.k, call.v, call.scale))
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, verbose: bool = False, **options: Any) -> Explanation:

@@ -39,14 +39,6 @@ _IN_GRAPH_CHECKS_MAX_ELEMENTS = 1 << 16
 
 # The dtype the NaN-query guard sums a query in, per query dtype (torch.promote_types is an op of its own).
 _SUM_DTYPES: dict[torch.dtype, torch.dtype] = {}
-#: Fewest keys for which :func:`fused_unmasked` lays grouped query heads out as rows of their key/value head.
-_ROWS_MIN_KEYS = 512
-
-#: Fewest keys from which PyTorch's CPU kernel gives a NaN (or infinite) query a row of NaN itself (below a vector
-#: of keys its row maximum skips a NaN: zeros for 1-7 keys with AVX2, measured), so :func:`fused_unmasked` needs no
-#: guard: two vectors of AVX-512's lanes. tests/test_decoding_step.py pins the kernel's behaviour from here on.
-_KERNEL_SPREADS_NAN_FROM_KEYS = 32
-
 # scaled_dot_product_attention reads grouped kv heads itself from torch 2.5 on.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -433,6 +425,8 @@ def fused_attention(
     ``checked``: the shapes, mask and bias were checked already (a route's call), so not again.
     """
     if checked and mask is None and bias is None and not causal and scale is not None:
+        from selfattn.functional._unmasked import fused_unmasked  # built on this module's kernel
+
         return fused_unmasked(q, k, v, scale=scale, dropout_p=dropout_p)  # nothing to prepare: no mask, bias or rule
     mask, bias, empty_rows, use_is_causal, scale = _prepare(q, k, v, mask, bias, causal, scale, True, checked)
     q, k, v = _kernel_layout(q, k, v)
@@ -442,46 +436,6 @@ def fused_attention(
         attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     out = _fused_kernel(q, k, v, attn_mask, dropout_p=dropout_p, is_causal=use_is_causal, scale=scale)
     return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
-
-
-def fused_unmasked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dropout_p: float = 0.0
-) -> torch.Tensor:
-    """:func:`fused_attention` of checked heads with no mask, bias or causal rule, ``(b, h, lq, dv)``.
-
-    Every key is visible to every query, so no row is empty and nothing is prepared: a decoding
-    step's call (its causal rule hides nothing), and what a decoding plan replays without describing it.
-
-    On CPU, grouped-query heads go to the kernel as ``g * lq`` query rows of each key/value head (a view
-    of ``q``, ``g = h / hk``): with no mask every row sees the same keys, so the answer is the same, and
-    the kernel reads each key once instead of once per query head (a decoding step of the layer 0.82x the
-    time at 4,096 cached keys, measured; below :data:`_ROWS_MIN_KEYS` the two reshapes cost what it saves).
-    """
-    if not q.is_cpu or q.dim() != 4 or k.dim() != 4 or _validation.is_compiling():
-        q, k, v = _kernel_layout(q, k, v)
-        return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
-    (batch, heads, num_queries, head_dim), kv_heads, num_keys = q.shape, k.shape[1], k.shape[2]
-    if num_queries * num_keys >= _CONTIGUOUS_HEADS_MIN_PAIRS:  # _kernel_layout's CPU case, its checks made once
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if kv_heads != heads and num_keys >= _ROWS_MIN_KEYS:
-        rows = q.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)  # (b, hk, g * lq, d)
-        out = _fused_kernel(rows, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
-        return out.reshape(batch, heads, num_queries, v.shape[-1])  # (b, h, lq, dv)
-    if (
-        dropout_p == 0.0
-        and _SDPA_HAS_GQA
-        and q.dtype in _SUMMED_AS_IS
-        and batch * heads * num_queries * v.shape[-1] <= _IN_GRAPH_CHECKS_MAX_ELEMENTS
-        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    ):  # a decoding step: the kernel, below 32 keys _fused_kernel's NaN-query guard, none of its general cases
-        out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=kv_heads != heads)
-        # (b, h, lq, dv); a NaN query: the kernel's own row of NaN, or below 32 keys NaN added to its zeros
-        return out if num_keys >= _KERNEL_SPREADS_NAN_FROM_KEYS else out.add_(q.sum(dim=-1, keepdim=True), alpha=0)
-    return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
-
-
-#: Query dtypes the NaN-query guard sums in as they are (a half would be summed in float32).
-_SUMMED_AS_IS = (torch.float32, torch.float64)
 
 
 def _kernel_layout(

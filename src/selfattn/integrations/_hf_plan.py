@@ -14,9 +14,10 @@ The kind (:func:`unmasked_kind`): no ``attention_mask`` and none of the keywords
 attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed lengths, weights
 wanted); one query; the shapes of the query, key and value heads except the keys' length, their dtypes
 and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal``; the sink tensor itself
-(``s_aux``) and its shape; the names of the other keywords given a value; grad mode; a ``torch.func``
+(``s_aux``) and its shape; the names of the other keywords (given a value or None); grad mode; a ``torch.func``
 transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`).
-A step of another kind runs in full and replaces the plan, or drops it. No tensor value is read.
+A step of another kind runs in full and replaces the plan, or drops it; a step no plan serves (a prefill, a
+masked step) leaves it, so a layer's first decoding step after a prefill replays. No tensor value is read.
 
 Shape legend: b batch, h heads, hk key/value heads, lk keys, d head size, dv value head size.
 """
@@ -32,7 +33,7 @@ import torch
 import selfattn._validation as _validation
 import selfattn.core.dispatch as dispatch
 from selfattn.core.call import AttentionCall
-from selfattn.core.route import Route
+from selfattn.core.route import Route, Step
 from selfattn.masks import Visibility
 
 __all__ = ["StepPlan", "remember", "replay", "unmasked_kind"]
@@ -45,7 +46,7 @@ class StepPlan(NamedTuple):
     routes: Sequence[Route]
     route: Route
     options: dict[str, Any]  # AttentionCall's checked keywords: scale, softcap, sinks, dropout_p
-    stepped: bool  # the route's step form serves the call (no softcap, sinks or dropout): no call described
+    step: Step | None  # the route's step form when it serves the call (no softcap, sinks or dropout): no call described
 
 
 #: Each transformers attention layer's plan, beside the layer: a copy or a pickle of the model carries none.
@@ -72,30 +73,31 @@ def unmasked_kind(
         or query.dim() != 4
         or key.dim() != 4
         or value.dim() != 4
-        or query.shape[2] != 1
         or torch.compiler.is_compiling()
     ):
         return None
+    query_shape = query.shape
     batch, kv_heads, num_keys, head_dim = key.shape
     value_batch, value_heads, num_values, value_dim = value.shape
-    if num_values != num_keys:
+    if num_values != num_keys or query_shape[2] != 1:
         return None
     return (
-        query.shape, batch, kv_heads, head_dim, value_batch, value_heads, value_dim,
+        query_shape, batch, kv_heads, head_dim, value_batch, value_heads, value_dim,
         query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
         dropout, scaling, is_causal, sliding_window, softcap,
         id(s_aux), None if s_aux is None else s_aux.shape,  # the plan holds the tensor: its id is not reused
-        tuple([name for name, given in extra.items() if given is not None]) if extra else (),
+        tuple(extra),  # every name, None or not: names are what the full path's keyword check reads
         torch.is_grad_enabled(), _validation.in_func_transform(), dispatch.few_scores(1, num_keys),
     )  # fmt: skip
 
 
 def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: AttentionCall | None) -> None:
     """After a step run in full: keep a plan for its kind (``call`` is the step as ``attention`` described it)."""
-    if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling():
-        return  # a stand-in for a layer (tests), or a graph: no plan kept, the weak dictionary not read
+    if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling() or kind is None:
+        return  # a stand-in for a layer (tests), a graph (the weak dictionary not read), or a step no plan serves
+        # (a prefill, a mask): the layer's plan stays for the unmasked steps that follow
     _PLANS.pop(module, None)
-    if kind is None or call is None or call.term is not None or call.bias is not None or call.visibility.rules:
+    if call is None or call.term is not None or call.bias is not None or call.visibility.rules:
         return
     if call.heads == 1 and call.kv_heads == 1:
         return  # the "split keys" route's kind of call: its choice moves with the keys' length and the threads
@@ -103,8 +105,10 @@ def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: Att
     if chosen is None or call.return_weights:
         return
     options = {"scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p}
-    stepped = chosen[1].step is not None and not call.modifies_scores and call.dropout_p == 0
-    _PLANS[module] = StepPlan(kind, chosen[0], chosen[1], options, stepped)
+    step_for = chosen[1].step_for
+    stepped = step_for is not None and not call.modifies_scores and call.dropout_p == 0
+    step = step_for(call.q, call.k, call.v, call.scale) if stepped and step_for is not None else None
+    _PLANS[module] = StepPlan(kind, chosen[0], chosen[1], options, step)
 
 
 def replay(
@@ -116,11 +120,11 @@ def replay(
     if kind is None or plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
         return None
     verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's
-    if plan.stepped and not verify:
-        return dispatch.run_step(plan.route, query, key, value, plan.options["scale"])
+    if plan.step is not None and not verify:
+        return dispatch.run_step(plan.route, plan.step, query, key, value)
     call = AttentionCall.of_heads(query, key, value, Visibility.lower_right(1, key.shape[-2]), **plan.options)
     if verify:
         dispatch.check_remembered(call, plan.routes, plan.route)
-    if plan.stepped:
-        return dispatch.run_step(plan.route, query, key, value, plan.options["scale"])
+    if plan.step is not None:
+        return dispatch.run_step(plan.route, plan.step, query, key, value)
     return dispatch.run_route(plan.route, call).out

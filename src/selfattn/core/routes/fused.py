@@ -5,11 +5,10 @@ Shape legend: b batch, h heads, lq queries, dv value size.
 
 from __future__ import annotations
 
-import torch
-
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
-from selfattn.functional._kernels import fused_attention, fused_unmasked
+from selfattn.functional._kernels import fused_attention
+from selfattn.functional._unmasked import unmasked_step
 
 __all__ = ["FUSED"]
 
@@ -30,8 +29,4 @@ def _run(call: AttentionCall) -> Output:
     return Output(out)  # (b, h, lq, dv)
 
 
-def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return fused_unmasked(q, k, v, scale=scale)  # _run's path for a call with no rule, bias or dropout
-
-
-FUSED = Route("fused", _declines, _run, step=_step)
+FUSED = Route("fused", _declines, _run, step_for=unmasked_step)  # its step: _run's path with no rule, bias, dropout

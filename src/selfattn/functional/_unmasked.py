@@ -1,0 +1,105 @@
+"""The fused kernel on a call where every key is visible to every query: what a decoding step computes.
+
+:func:`fused_unmasked` serves any such call of checked heads. :func:`unmasked_step` is the same computation
+made for a *kind* of call (device, dtypes, head counts and sizes, batch, queries, grad mode: everything but the
+number of keys): the facts that hold for the kind are read once, when a decoding plan is made, and a step of
+that kind then pays for the kernel and the one fact that moves, the number of keys.
+
+Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head size, dv value size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import selfattn._validation as _validation
+from selfattn.core.route import Step
+from selfattn.functional._kernels import (
+    _CONTIGUOUS_HEADS_MIN_PAIRS,
+    _IN_GRAPH_CHECKS_MAX_ELEMENTS,
+    _SDPA_HAS_GQA,
+    _fused_kernel,
+    _kernel_layout,
+)
+
+__all__ = ["fused_unmasked", "unmasked_step"]
+
+#: Fewest keys for which :func:`fused_unmasked` lays grouped query heads out as rows of their key/value head.
+_ROWS_MIN_KEYS = 512
+
+#: Fewest keys from which PyTorch's CPU kernel gives a NaN (or infinite) query a row of NaN itself (below a vector
+#: of keys its row maximum skips a NaN: zeros for 1-7 keys with AVX2, measured), so :func:`fused_unmasked` needs no
+#: guard: two vectors of AVX-512's lanes. tests/test_decoding_step.py pins the kernel's behaviour from here on.
+_KERNEL_SPREADS_NAN_FROM_KEYS = 32
+
+#: Query dtypes the NaN-query guard sums in as they are (a half would be summed in float32).
+_SUMMED_AS_IS = (torch.float32, torch.float64)
+
+
+def fused_unmasked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """:func:`~selfattn.functional._kernels.fused_attention` of checked heads with no mask, bias or causal rule,
+    ``(b, h, lq, dv)``.
+
+    Every key is visible to every query, so no row is empty and nothing is prepared: a decoding
+    step's call (its causal rule hides nothing), and what a decoding plan replays without describing it.
+
+    On CPU, grouped-query heads go to the kernel as ``g * lq`` query rows of each key/value head (a view
+    of ``q``, ``g = h / hk``): with no mask every row sees the same keys, so the answer is the same, and
+    the kernel reads each key once instead of once per query head (a decoding step of the layer 0.82x the
+    time at 4,096 cached keys, measured; below :data:`_ROWS_MIN_KEYS` the two reshapes cost what it saves).
+    """
+    if not q.is_cpu or q.dim() != 4 or k.dim() != 4 or _validation.is_compiling():
+        q, k, v = _kernel_layout(q, k, v)
+        return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
+    (batch, heads, num_queries, head_dim), kv_heads, num_keys = q.shape, k.shape[1], k.shape[2]
+    if num_queries * num_keys >= _CONTIGUOUS_HEADS_MIN_PAIRS:  # _kernel_layout's CPU case, its checks made once
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if kv_heads != heads and num_keys >= _ROWS_MIN_KEYS:
+        rows = q.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)  # (b, hk, g * lq, d)
+        out = _fused_kernel(rows, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
+        return out.reshape(batch, heads, num_queries, v.shape[-1])  # (b, h, lq, dv)
+    if dropout_p == 0.0 and _direct(q, k, v):
+        return _direct_step(q, k, v, scale, kv_heads != heads)
+    return _fused_kernel(q, k, v, None, dropout_p=dropout_p, is_causal=False, scale=scale)
+
+
+def unmasked_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Step:
+    """``step(q, k, v)`` computing ``fused_unmasked(q, k, v, scale=scale)`` for calls of the kind of these heads.
+
+    A kind: the same device, dtypes, batch, heads, queries, head and value sizes and grad mode (a decoding plan's
+    kind holds each); only the number of keys may differ. Where the kernel can be called directly (CPU, float32 or
+    float64, grad mode off, a small output) the step checks nothing else; otherwise it is :func:`fused_unmasked`.
+    """
+    grouped = k.shape[1] != q.shape[1]
+    direct = q.is_cpu and q.dim() == 4 and k.dim() == 4 and not torch.is_grad_enabled() and _direct(q, k, v)
+    if not direct or _validation.is_compiling():
+        return lambda q, k, v: fused_unmasked(q, k, v, scale=scale)
+    contiguous_from = -(-_CONTIGUOUS_HEADS_MIN_PAIRS // q.shape[2])  # keys from which the heads are made contiguous
+    fewest_general_keys = min(_ROWS_MIN_KEYS, contiguous_from) if grouped else contiguous_from
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[2] >= fewest_general_keys:  # the rows layout, or contiguous heads: the general path
+            return fused_unmasked(q, k, v, scale=scale)
+        return _direct_step(q, k, v, scale, grouped)
+
+    return step
+
+
+def _direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel may be called as it is, its NaN-query guard alone added (a decoding step's call)."""
+    return (
+        _SDPA_HAS_GQA
+        and q.dtype in _SUMMED_AS_IS
+        and q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] <= _IN_GRAPH_CHECKS_MAX_ELEMENTS
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    )
+
+
+def _direct_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, grouped: bool) -> torch.Tensor:
+    """The kernel, and below 32 keys :func:`_fused_kernel`'s NaN-query guard (none of its general cases)."""
+    out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=grouped)  # (b, h, lq, dv)
+    # a NaN query: the kernel's own row of NaN, or below 32 keys NaN added to its zeros
+    return out if k.shape[2] >= _KERNEL_SPREADS_NAN_FROM_KEYS else out.add_(q.sum(dim=-1, keepdim=True), alpha=0)
