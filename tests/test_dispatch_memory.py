@@ -41,9 +41,11 @@ class _Recorder:
             self.asked += 1
             return route.declines(call)
 
-        def step_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Step:
+        def step_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> Step | None:
             assert route.step_for is not None
-            step = route.step_for(q, k, v, scale)
+            step = route.step_for(q, k, v, scale, causal)
+            if step is None:
+                return None
 
             def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 self.ran.append(route.name)
@@ -166,8 +168,9 @@ def test_calls_with_rules_or_terms_are_not_remembered():
 
 
 def test_a_plain_functional_call_is_described_once_per_signature(monkeypatch):
-    """attention(q, k, v) with nothing else: the second call of a signature runs the remembered route's step form
-    without describing itself, equal to the first; a new signature (threads, grad mode, shapes) is described."""
+    """attention(q, k, v) with nothing else, or causal on a square: the second call of a signature runs the remembered
+    route's step form without describing itself, equal to the first; a new signature (threads, grad mode, shapes)
+    is described, and so is each causal call with more keys than queries."""
     import selfattn.functional._attention as functional_attention
 
     monkeypatch.setattr(functional_attention, "_PLAIN_CALLS", {})
@@ -190,9 +193,27 @@ def test_a_plain_functional_call_is_described_once_per_signature(monkeypatch):
     attention(q, k, k, causal=True)  # grad mode on: another signature
     assert len(described) == 4
     square = torch.randn(2, H, 5, 8)
-    attention(square, square, square, causal=True)
-    attention(square, square, square, causal=True)  # a causal rule that hides keys has no step form: described again
-    assert len(described) == 6
+    first = attention(square, square, square, causal=True)
+    second = attention(square, square, square, causal=True)  # the causal rule on a square: the kernel's own
+    assert len(described) == 5 and torch.equal(first, second)
+    fewer = square[:, :, 2:]
+    attention(fewer, square, square, causal=True)
+    attention(fewer, square, square, causal=True)  # lower-right on 3 x 5: a rule the kernel cannot state, described
+    assert len(described) == 7
+
+
+def test_a_remembered_causal_square_keeps_its_answer_and_gradients():
+    """The causal square's step form, from the second call on: the float64 formula's output and gradients."""
+    q, k, v = (torch.randn(2, H, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    hidden = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    for _ in range(2):
+        out = attention(q, k, v, causal=True)
+        grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+        weights = torch.softmax((q @ k.transpose(-1, -2) / 8**0.5).masked_fill(hidden, float("-inf")), dim=-1)
+        wanted = weights @ v
+        torch.testing.assert_close(out, wanted, atol=1e-12, rtol=1e-12)
+        for grad, want in zip(grads, torch.autograd.grad((wanted * wanted).sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(grad, want, atol=1e-12, rtol=1e-12)
 
 
 def test_a_plain_functional_call_keeps_its_gradients_and_errors():

@@ -84,17 +84,17 @@ def test_a_step_of_another_kind_runs_in_full(monkeypatch):
 
 
 def test_a_prefill_leaves_the_plan_for_the_decoding_steps_after_it(monkeypatch):
-    """A call no plan serves (several queries, a mask) runs in full and keeps the layer's plan: the next
-    generate()'s first decoding step replays; a step of another unmasked kind replaces it."""
+    """A call of several queries (planned apart) or with a mask (planned never) keeps the layer's one-query plan:
+    the next generate()'s first decoding step replays; a step of another unmasked kind replaces it."""
     module = _module()
     backend.attention_forward(module, *_step(7), None)
-    plan = _hf_plan._PLANS[module]
+    plan = _hf_plan._PLANS[module][0]
     gen = torch.Generator().manual_seed(3)
     prefill = (torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen))
     backend.attention_forward(module, prefill[0], prefill[1], prefill[1], None)  # 5 queries, causal: in full
     mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
     backend.attention_forward(module, *_step(8, seed=2), mask)  # a mask: in full
-    assert _hf_plan._PLANS[module] is plan
+    assert _hf_plan._PLANS[module][0] is plan
     q, k, v = _step(9, seed=1)
     monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
     full, _ = backend.attention_forward(_module(), q, k, v, None)
@@ -104,7 +104,7 @@ def test_a_prefill_leaves_the_plan_for_the_decoding_steps_after_it(monkeypatch):
     assert torch.equal(replayed, full)
     monkeypatch.undo()
     backend.attention_forward(module, *_step(8, heads=2), None)  # another unmasked kind: a new plan
-    assert _hf_plan._PLANS[module] is not plan
+    assert _hf_plan._PLANS[module][0] is not plan
 
 
 def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
@@ -132,7 +132,7 @@ def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatc
     """A plain step replays the fused kernel's step form from the heads; a softcapped one has its call described."""
     module = _module()
     backend.attention_forward(module, *_step(7), None, **options)
-    plan = _hf_plan._PLANS.get(module)
+    plan = _hf_plan._PLANS[module][0]
     assert plan is not None and (plan.step is not None) is stepped
     monkeypatch.setattr(_hf_plan.dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # the suite's check describes them
     described: list[object] = []
@@ -216,3 +216,61 @@ def test_the_mask_function_lets_a_whole_window_be_skipped_only_where_it_hides_no
         config=transformers.MistralConfig(sliding_window=None, attention_chunk_size=window),
     )  # fmt: skip
     assert chunked is not None and chunked.tolist() == [[[[False, False, True, True]]]]
+
+
+def _square(length: int, seed: int = 0, heads: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((2, heads, length, 8), (2, 2, length, 8), (2, 2, length, 8))
+    return tuple(torch.randn(*shape, generator=gen) for shape in shapes)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"is_causal": False}, {"scaling": 0.3}, {"sliding_window": 6}, {"sliding_window": 7}],
+    ids=["causal", "not causal", "scaling", "window as long as the queries", "window longer"],
+)
+def test_a_replayed_prefill_equals_the_full_path(monkeypatch, options):
+    """A call of several queries with no mask (a prefill: the causal rule on a square; or an encoder's pass) is
+    planned beside the one-query plan and replayed by the fused kernel's step form, bit for bit the full path's,
+    against the float64 formula too."""
+    module = _module()
+    backend.attention_forward(module, *_step(7), None)  # a decoding step's plan
+    decoding_plan = _hf_plan._PLANS[module][0]
+    backend.attention_forward(module, *_square(6), None, **options)  # in full: the prefill's plan is made
+    assert _hf_plan._PLANS[module][0] is decoding_plan and _hf_plan._PLANS[module][1] is not None
+    q, k, v = _square(6, seed=1)
+    monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+    full, _ = backend.attention_forward(_module(), q, k, v, None, **options)
+    monkeypatch.undo()
+    _refuse_full_path(monkeypatch)
+    replayed, _ = backend.attention_forward(module, q, k, v, None, **options)
+    assert torch.equal(replayed, full)
+    causal = options.get("is_causal", True)
+    scale = options.get("scaling", 8**-0.5)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(2, 1)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    expected = (scores.softmax(-1) @ v.double().repeat_interleave(2, 1)).transpose(1, 2)
+    torch.testing.assert_close(replayed.double(), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "options"),
+    [((6, 6), {"sliding_window": 4}), ((6, 9), {})],
+    ids=["a window shorter than the queries", "a static cache's free slots"],
+)
+def test_a_prefill_whose_rule_needs_a_mask_is_not_planned(monkeypatch, shapes, options):
+    """Several queries under a window that hides keys, or facing more keys than themselves (a static cache):
+    the full path's masks each time, no plan kept."""
+    module = _module()
+    num_queries, num_keys = shapes
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, num_queries, 8, generator=gen)
+    k, v = torch.randn(2, 2, num_keys, 8, generator=gen), torch.randn(2, 2, num_keys, 8, generator=gen)
+    first, _ = backend.attention_forward(module, q, k, v, None, **options)
+    assert _hf_plan._PLANS.get(module, (None, None))[1] is None
+    calls: list[str] = []
+    original = backend.check_keywords
+    monkeypatch.setattr(backend, "check_keywords", lambda extra: calls.append("full") or original(extra))
+    again, _ = backend.attention_forward(module, q, k, v, None, **options)
+    assert calls == ["full"] and torch.equal(first, again)

@@ -166,7 +166,7 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
     }  # fmt: skip
     few = dispatch.few_scores(call.num_queries, call.num_keys)
     stepped = route.step_for is not None and term is None and not call.modifies_scores and call.dropout_p == 0
-    step = route.step_for(call.q, call.k, call.v, call.scale) if stepped and route.step_for is not None else None
+    step = route.step_for(call.q, call.k, call.v, call.scale, False) if stepped and route.step_for else None
     key_offset = None if term is None else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.device)
     _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few, step, term, key_offset)
 

@@ -142,11 +142,17 @@ def _remember_plain_call(signature: tuple[object, ...], call: AttentionCall) -> 
     """Keep the route of a plain call whose checks passed, if it is remembered and runs from the heads alone."""
     chosen = dispatch.remembered_route(call)
     step_for = None if chosen is None else chosen[1].step_for
-    if chosen is None or step_for is None or call.visibility.rules or not isinstance(chosen[0], tuple):
-        return  # a rule that hides keys (causal on a square) is not what a step form computes
+    causal = bool(call.visibility.rules)
+    if chosen is None or step_for is None or (causal and not call.visibility.kernel_causal):
+        return  # a rule a step form does not compute (the causal one with more keys than queries)
+    if not isinstance(chosen[0], tuple):
+        return
+    step = step_for(call.q, call.k, call.v, call.scale, causal)
+    if step is None:
+        return
     if len(_PLAIN_CALLS) >= _MAX_PLAIN_CALLS:
         _PLAIN_CALLS.clear()
-    _PLAIN_CALLS[signature] = (chosen[0], chosen[1], step_for(call.q, call.k, call.v, call.scale))
+    _PLAIN_CALLS[signature] = (chosen[0], chosen[1], step)
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, verbose: bool = False, **options: Any) -> Explanation:

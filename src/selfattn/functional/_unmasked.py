@@ -23,7 +23,7 @@ from selfattn.functional._kernels import (
     _kernel_layout,
 )
 
-__all__ = ["fused_unmasked", "unmasked_step"]
+__all__ = ["causal_square_step", "fused_unmasked", "unmasked_step"]
 
 #: Fewest keys for which :func:`fused_unmasked` lays grouped query heads out as rows of their key/value head.
 _ROWS_MIN_KEYS = 512
@@ -84,6 +84,18 @@ def unmasked_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         if k.shape[2] >= fewest_general_keys:  # the rows layout, or contiguous heads: the general path
             return fused_unmasked(q, k, v, scale=scale)
         return _direct_step(q, k, v, scale, grouped)
+
+    return step
+
+
+def causal_square_step(scale: float) -> Step:
+    """``step(q, k, v)``: :func:`~selfattn.functional._kernels.fused_attention` of checked heads under the causal
+    rule alone on a square (``lq == lk``), which the kernel's own ``is_causal`` states, so nothing is prepared
+    and no row is empty (a prefill with no padding)."""
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = _kernel_layout(q, k, v)
+        return _fused_kernel(q, k, v, None, dropout_p=0.0, is_causal=True, scale=scale)
 
     return step
 

@@ -1,25 +1,28 @@
-"""The transformers backend's decoding plan: a layer's unmasked one-query steps replay the route its first one took.
+"""The transformers backend's plans: a layer's unmasked calls replay the route its first call of their kind took.
 
 On a decoding step transformers passes most layers no mask (Llama's, Gemma 2's global layers, gpt-oss's
-full ones): one query sees every cached key. :func:`~selfattn.integrations.transformers.attention_forward`
-runs the first such step of a layer in full (every keyword read and checked, the call described, the
-dispatcher asked), then keeps for the layer (in a weak dictionary beside it) a :class:`StepPlan`: the step's kind,
+full ones): one query sees every cached key. A prefill with no padding passes none either: each query sees
+the keys up to its own (the causal rule on a square). :func:`~selfattn.integrations.transformers.attention_forward`
+runs the first such call of a layer in full (every keyword read and checked, the call described, the
+dispatcher asked), then keeps for the layer (in a weak dictionary beside it) a :class:`StepPlan`: the call's kind,
 the route the dispatcher chose for it (from its memory, so ``explain`` names the same), and the
-call's checked options (scale, softcap, sinks, dropout). A later step of the same kind runs that route
+call's checked options (scale, softcap, sinks, dropout). A later call of the same kind runs that route
 from the heads, with none of the checks re-done (they hold by the kind): by the route's step form
-(:attr:`~selfattn.core.route.Route.step`, the fused kernel's) when the call has no softcap, sinks or
-dropout, else on the call built from the heads.
+(:attr:`~selfattn.core.route.Route.step_for`, the fused kernel's) when the call has no softcap, sinks or
+dropout, else (one query only) on the call built from the heads. A layer holds two plans: one for a single
+query (decoding steps) and one for several (prefills, encoder passes), so the two replace neither.
 
 The kind (:func:`unmasked_kind`): no ``attention_mask`` and none of the keywords that restrict or reweigh
 attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed lengths, weights
-wanted); one query; the shapes of the query, key and value heads except the keys' length, their dtypes
-and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal``; the sink tensor itself
-(``s_aux``) and its shape; the names of the other keywords (given a value or None); grad mode; a ``torch.func``
-transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`).
-A step of another kind runs in full and replaces the plan, or drops it; a step no plan serves (a prefill, a
-masked step) leaves it, so a layer's first decoding step after a prefill replays. No tensor value is read.
+wanted); the shapes of the query, key and value heads except, for one query, the keys' length (several
+queries need as many keys, and a window, if any, no shorter than them); their dtypes and device; ``dropout``,
+``scaling``, ``softcap``, ``sliding_window``, ``is_causal`` and, for several queries, whether the causal rule
+holds (``is_causal``, else the layer's); the sink tensor itself (``s_aux``) and its shape; the names of the
+other keywords (given a value or None); grad mode; a ``torch.func`` transform; and the dispatcher's one size fact
+(:func:`~selfattn.core.dispatch.few_scores`). A call of another kind runs in full and replaces the plan of its
+number of queries, or drops it; a call no plan serves (a mask) leaves the plans. No tensor value is read.
 
-Shape legend: b batch, h heads, hk key/value heads, lk keys, d head size, dv value head size.
+Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head size, dv value head size.
 """
 
 from __future__ import annotations
@@ -35,30 +38,32 @@ import selfattn.core.dispatch as dispatch
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Route, Step
 from selfattn.masks import Visibility
+from selfattn.masks import causal as causal_rule
 
 __all__ = ["StepPlan", "remember", "replay", "unmasked_kind"]
 
 
 class StepPlan(NamedTuple):
-    """What later steps of one kind replay (see the module's docstring)."""
+    """What later calls of one kind replay (see the module's docstring)."""
 
     kind: tuple[object, ...]
     routes: Sequence[Route]
     route: Route
     options: dict[str, Any]  # AttentionCall's checked keywords: scale, softcap, sinks, dropout_p
     step: Step | None  # the route's step form when it serves the call (no softcap, sinks or dropout): no call described
+    causal: bool  # several queries under the causal rule (a prefill)
 
 
-#: Each transformers attention layer's plan, beside the layer: a copy or a pickle of the model carries none.
-_PLANS: weakref.WeakKeyDictionary[Any, StepPlan] = weakref.WeakKeyDictionary()
+#: Each transformers attention layer's plans (one query, several), beside the layer: a copy or a pickle carries none.
+_PLANS: weakref.WeakKeyDictionary[Any, tuple[StepPlan | None, StepPlan | None]] = weakref.WeakKeyDictionary()
 
 
 def unmasked_kind(
-    query: Any, key: Any, value: Any, dropout: float, scaling: float | None, is_causal: bool | None,
+    module: Any, query: Any, key: Any, value: Any, dropout: float, scaling: float | None, is_causal: bool | None,
     sliding_window: int | None, softcap: float | None, s_aux: torch.Tensor | None, extra: dict[str, Any],
     output_attentions: bool, restricting: tuple[object, ...],
 ) -> tuple[object, ...] | None:  # fmt: skip
-    """The kind of an ``attention_forward`` step, or None if no plan serves it: one with weights wanted, or any of
+    """The kind of an ``attention_forward`` call, or None if no plan serves it: one with weights wanted, or any of
     ``restricting`` (the mask and the keywords that restrict or reweigh attention) given. ``extra``: the other
     keywords. Its arguments one by one, not ``locals()``: a decoding step's microseconds."""
     if output_attentions:
@@ -79,50 +84,72 @@ def unmasked_kind(
     query_shape = query.shape
     batch, kv_heads, num_keys, head_dim = key.shape
     value_batch, value_heads, num_values, value_dim = value.shape
-    if num_values != num_keys or query_shape[2] != 1:
+    num_queries = query_shape[2]
+    if num_values != num_keys:
         return None
+    causal = None  # one query sees every key whatever the rule
+    if num_queries != 1:
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if num_keys != num_queries or (causal and sliding_window is not None and sliding_window < num_queries):
+            return None  # a static cache's free slots, or a window that hides keys: the full path's masks
     return (
         query_shape, batch, kv_heads, head_dim, value_batch, value_heads, value_dim,
         query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
-        dropout, scaling, is_causal, sliding_window, softcap,
+        dropout, scaling, is_causal, causal, sliding_window, softcap,
         id(s_aux), None if s_aux is None else s_aux.shape,  # the plan holds the tensor: its id is not reused
         tuple(extra),  # every name, None or not: names are what the full path's keyword check reads
-        torch.is_grad_enabled(), _validation.in_func_transform(), dispatch.few_scores(1, num_keys),
+        torch.is_grad_enabled(), _validation.in_func_transform(), dispatch.few_scores(num_queries, num_keys),
     )  # fmt: skip
 
 
 def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: AttentionCall | None) -> None:
-    """After a step run in full: keep a plan for its kind (``call`` is the step as ``attention`` described it)."""
-    if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling() or kind is None:
-        return  # a stand-in for a layer (tests), a graph (the weak dictionary not read), or a step no plan serves
-        # (a prefill, a mask): the layer's plan stays for the unmasked steps that follow
-    _PLANS.pop(module, None)
-    if call is None or call.term is not None or call.bias is not None or call.visibility.rules:
-        return
+    """After a call run in full: keep a plan for its kind (``call`` is the call as ``attention`` described it)."""
+    if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling() or kind is None or call is None:
+        return  # a stand-in for a layer (tests), a graph (the weak dictionary not read), or a call no plan serves
+        # (a mask): the layer's plans stay for the unmasked calls that follow
+    several = call.num_queries != 1
+    plans = _PLANS.get(module, (None, None))
+    _PLANS[module] = plans = (plans[0], None) if several else (None, plans[1])
+    plan = _plan(kind, call, several)
+    if plan is not None:
+        _PLANS[module] = (plans[0], plan) if several else (plan, plans[1])
+
+
+def _plan(kind: tuple[object, ...], call: AttentionCall, several: bool) -> StepPlan | None:
+    """The plan of ``call``'s kind, or None where none serves it."""
+    causal = bool(call.visibility.rules)
+    if call.term is not None or call.bias is not None or (causal and not (several and call.visibility.kernel_causal)):
+        return None
     if call.heads == 1 and call.kv_heads == 1:
-        return  # the "split keys" route's kind of call: its choice moves with the keys' length and the threads
+        return None  # the "split keys" route's kind of call: its choice moves with the keys' length and the threads
     chosen = dispatch.remembered_route(call)
     if chosen is None or call.return_weights:
-        return
+        return None
     options = {"scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p}
     step_for = chosen[1].step_for
     stepped = step_for is not None and not call.modifies_scores and call.dropout_p == 0
-    step = step_for(call.q, call.k, call.v, call.scale) if stepped and step_for is not None else None
-    _PLANS[module] = StepPlan(kind, chosen[0], chosen[1], options, step)
+    step = step_for(call.q, call.k, call.v, call.scale, causal) if stepped and step_for is not None else None
+    if several and step is None:
+        return None  # several queries are replayed by a step form only
+    return StepPlan(kind, chosen[0], chosen[1], options, step, causal)
 
 
 def replay(
     module: torch.nn.Module, kind: tuple[object, ...] | None, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor,
 ) -> torch.Tensor | None:  # fmt: skip
-    """The step's ``(b, h, 1, dv)`` output by the layer's plan for ``kind``, or None when it has none."""
-    plan = _PLANS.get(module) if kind is not None and isinstance(module, torch.nn.Module) else None
-    if kind is None or plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
+    """The call's ``(b, h, lq, dv)`` output by the layer's plan for ``kind``, or None when it has none."""
+    plans = _PLANS.get(module) if kind is not None and isinstance(module, torch.nn.Module) else None
+    if plans is None:
+        return None
+    plan = plans[0] if query.shape[2] == 1 else plans[1]
+    if plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
         return None
     verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's
     if plan.step is not None and not verify:
         return dispatch.run_step(plan.route, plan.step, query, key, value)
-    call = AttentionCall.of_heads(query, key, value, Visibility.lower_right(1, key.shape[-2]), **plan.options)
+    visibility = Visibility.lower_right(query.shape[2], key.shape[-2], causal_rule() if plan.causal else None)
+    call = AttentionCall.of_heads(query, key, value, visibility, **plan.options)
     if verify:
         dispatch.check_remembered(call, plan.routes, plan.route)
     if plan.step is not None:

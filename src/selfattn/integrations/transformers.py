@@ -101,10 +101,10 @@ def attention_forward(
         ValueError: an unknown keyword, a bad value of a known one, or a combination the module's docstring refuses.
     """
     output_attentions = bool(output_attentions) or _recording_attentions()
-    kind = _hf_plan.unmasked_kind(query, key, value, dropout, scaling, is_causal, sliding_window, softcap, s_aux,
-                                  kwargs, output_attentions, (attention_mask, position_bias, sinks, indices,
+    kind = _hf_plan.unmasked_kind(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap,
+                                  s_aux, kwargs, output_attentions, (attention_mask, position_bias, sinks, indices,
                                   topk_indices, block_indices, head_mask, cu_seq_lens_q, cu_seq_lens_k, seq_idx))  # fmt: skip
-    if (replayed := _hf_plan.replay(module, kind, query, key, value)) is not None:  # an unmasked step of a planned kind
+    if (replayed := _hf_plan.replay(module, kind, query, key, value)) is not None:  # an unmasked call of a planned kind
         return replayed.transpose(1, 2).contiguous(), None
     check_keywords(kwargs)
     attention_mask = _bool_if_only_visibility(attention_mask)

@@ -5,10 +5,12 @@ Shape legend: b batch, h heads, lq queries, dv value size.
 
 from __future__ import annotations
 
+import torch
+
 from selfattn.core.call import AttentionCall
-from selfattn.core.route import Output, Route
+from selfattn.core.route import Output, Route, Step
 from selfattn.functional._kernels import fused_attention
-from selfattn.functional._unmasked import unmasked_step
+from selfattn.functional._unmasked import causal_square_step, unmasked_step
 
 __all__ = ["FUSED"]
 
@@ -29,4 +31,11 @@ def _run(call: AttentionCall) -> Output:
     return Output(out)  # (b, h, lq, dv)
 
 
-FUSED = Route("fused", _declines, _run, step_for=unmasked_step)  # its step: _run's path with no rule, bias, dropout
+def _step_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> Step | None:
+    """``_run``'s path for a call with no bias or dropout, and no rule or (``causal``) the causal one on a square."""
+    if not causal:
+        return unmasked_step(q, k, v, scale)
+    return causal_square_step(scale) if q.shape[-2] == k.shape[-2] else None
+
+
+FUSED = Route("fused", _declines, _run, step_for=_step_for)
