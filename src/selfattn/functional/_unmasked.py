@@ -41,7 +41,7 @@ def fused_unmasked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dropout_p: float = 0.0
 ) -> torch.Tensor:
     """:func:`~selfattn.functional._kernels.fused_attention` of checked heads with no mask, bias or causal rule,
-    ``(b, h, lq, dv)``.
+    ``(b, h, lq, dv)``: the fused route's call with no rule or bias.
 
     Every key is visible to every query, so no row is empty and nothing is prepared: a decoding
     step's call (its causal rule hides nothing), and what a decoding plan replays without describing it.

@@ -10,7 +10,7 @@ import torch
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route, Step
 from selfattn.functional._kernels import fused_attention
-from selfattn.functional._unmasked import causal_square_step, unmasked_step
+from selfattn.functional._unmasked import causal_square_step, fused_unmasked, unmasked_step
 
 __all__ = ["FUSED"]
 
@@ -22,6 +22,8 @@ def _declines(call: AttentionCall) -> str | None:
 def _run(call: AttentionCall) -> Output:
     bias = call.full_bias()
     rules = call.visibility.rules
+    if not rules and bias is None:  # nothing to prepare: a decoding step's call
+        return Output(fused_unmasked(call.q, call.k, call.v, scale=call.scale, dropout_p=call.dropout_p))
     kernel_causal = bool(rules) and bias is None and call.visibility.kernel_causal
     mask = None if kernel_causal or not rules else call.dense_mask()  # no rule (decoding): no mask to render
     out = fused_attention(
