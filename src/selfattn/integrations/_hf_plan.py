@@ -108,11 +108,8 @@ def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: Att
         return  # a stand-in for a layer (tests), a graph (the weak dictionary not read), or a call no plan serves
         # (a mask): the layer's plans stay for the unmasked calls that follow
     several = call.num_queries != 1
-    plans = _PLANS.get(module, (None, None))
-    _PLANS[module] = plans = (plans[0], None) if several else (None, plans[1])
-    plan = _plan(kind, call, several)
-    if plan is not None:
-        _PLANS[module] = (plans[0], plan) if several else (plan, plans[1])
+    plans, plan = _PLANS.get(module, (None, None)), _plan(kind, call, several)
+    _PLANS[module] = (plans[0], plan) if several else (plan, plans[1])  # this number of queries' plan replaced
 
 
 def _plan(kind: tuple[object, ...], call: AttentionCall, several: bool) -> StepPlan | None:
