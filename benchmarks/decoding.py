@@ -386,6 +386,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.output = str(BENCHMARKS_MD)
     repeats = 3 if args.quick else 15
     args.timing = {"min_repeats": repeats, "max_repeats": repeats, "budget_s": 60.0, "warmup": 2}
+    # One call is 0.05-2 ms: the median of 15 moved a ratio by 0.1-0.2 between runs; 2,000 rounds take a few seconds.
+    calls = 50 if args.quick else 2000
+    args.call_timing = {"min_repeats": calls, "max_repeats": calls, "budget_s": 60.0, "warmup": 20}
     # generate() rows: 11 rounds at least (7 left ratios 0.05-0.2 apart between runs of the same code).
     args.slow_timing = {"min_repeats": 2 if args.quick else 11, "max_repeats": 15, "budget_s": 150.0}
     return args
@@ -395,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started, load_at_start = time.perf_counter(), load_average()
     parts = {
-        "functional": (functional_rows, ["threads", "call", "SDPA us", "selfattn us", "ratio"], args.timing),
+        "functional": (functional_rows, ["threads", "call", "SDPA us", "selfattn us", "ratio"], args.call_timing),
         "layer": (layer_rows, ["threads", "cache", "layer", "us per token", "ratio to by hand / plain"], args.timing),
         "hf": (hf_rows, ["threads", "model", "batch", "baseline tok/s", "selfattn tok/s", "ratio",
                          "baseline again", "same tokens"], args.slow_timing),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -194,8 +195,8 @@ def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mod
     h, hk = heads
     gen = torch.Generator().manual_seed(hk)
 
-    def heads_of(num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        shapes = ((2, h, 1, D), (2, hk, num_keys, D), (2, hk, num_keys, D + 3))
+    def heads_of(num_keys: int, value_size: int = D + 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shapes = ((2, h, 1, D), (2, hk, num_keys, D), (2, hk, num_keys, value_size))
         return tuple(torch.randn(*shape, generator=gen, dtype=dtype) for shape in shapes)  # type: ignore[return-value]
 
     with torch.set_grad_enabled(grad_mode):
@@ -209,3 +210,18 @@ def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mod
             expected = _formula(q[:1] * (0.3 * math.sqrt(D)), k[:1], v[:1])
             tolerance = 1e-12 if dtype == torch.float64 else 1e-5
             np.testing.assert_allclose(out[:1].double().numpy(), expected, atol=tolerance, rtol=tolerance)
+        # in grad mode the kind does not say whether a tensor wants a gradient: one that does gets the autograd
+        # path, whose gradients have gradients themselves (second order; values as wide as the keys let PyTorch
+        # choose its flash kernel, whose backward has no gradient)
+        for wanting, num_keys in itertools.product(range(3 if grad_mode else 0), (7, 40)):
+            heads = [t.requires_grad_(i == wanting) for i, t in enumerate(heads_of(num_keys, value_size=D))]
+            out, expected = step(*heads), fused_unmasked(*heads, scale=0.3)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+            torch.testing.assert_close(_two_orders(out, heads[wanting]), _two_orders(expected, heads[wanting]))
+
+
+def _two_orders(out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``out``'s sum of squares in ``x``, and that gradient's own."""
+    (first,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(first.square().sum(), x)
+    return first, second

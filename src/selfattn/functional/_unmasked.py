@@ -71,21 +71,31 @@ def unmasked_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     A kind: the same device, dtypes, batch, heads, queries, head and value sizes and grad mode (a decoding plan's
     kind holds each); only the number of keys may differ. Where the kernel can be called directly (CPU, float32 or
-    float64, grad mode off, a small output) the step checks nothing else; otherwise it is :func:`fused_unmasked`.
+    float64, a small output, no gradient wanted) the step checks the number of keys and, in grad mode, whether a
+    tensor wants a gradient (a kind need not hold that); otherwise it is :func:`fused_unmasked`.
     """
     grouped = k.shape[1] != q.shape[1]
-    direct = q.is_cpu and q.dim() == 4 and k.dim() == 4 and not torch.is_grad_enabled() and _direct(q, k, v)
+    direct = q.is_cpu and q.dim() == 4 and k.dim() == 4 and _direct_kind(q, v)
     if not direct or _validation.is_compiling():
         return lambda q, k, v: fused_unmasked(q, k, v, scale=scale)
     contiguous_from = -(-_CONTIGUOUS_HEADS_MIN_PAIRS // q.shape[2])  # keys from which the heads are made contiguous
     fewest_general_keys = min(_ROWS_MIN_KEYS, contiguous_from) if grouped else contiguous_from
 
-    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if k.shape[2] >= fewest_general_keys:  # the rows layout, or contiguous heads: the general path
-            return fused_unmasked(q, k, v, scale=scale)
+    if not torch.is_grad_enabled():
+
+        def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if k.shape[2] >= fewest_general_keys:  # the rows layout, or contiguous heads: the general path
+                return fused_unmasked(q, k, v, scale=scale)
+            return _direct_step(q, k, v, scale, grouped)
+
+        return step
+
+    def step_in_grad_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[2] >= fewest_general_keys or q.requires_grad or k.requires_grad or v.requires_grad:
+            return fused_unmasked(q, k, v, scale=scale)  # the autograd path, or the general one
         return _direct_step(q, k, v, scale, grouped)
 
-    return step
+    return step_in_grad_mode
 
 
 def causal_square_step(scale: float) -> Step:
@@ -102,11 +112,17 @@ def causal_square_step(scale: float) -> Step:
 
 def _direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the kernel may be called as it is, its NaN-query guard alone added (a decoding step's call)."""
+    return _direct_kind(q, v) and not (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    )
+
+
+def _direct_kind(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """:func:`_direct`'s facts that a kind of call holds: the kernel's grouped heads, the dtype, the output's size."""
     return (
         _SDPA_HAS_GQA
         and q.dtype in _SUMMED_AS_IS
         and q.shape[0] * q.shape[1] * q.shape[2] * v.shape[-1] <= _IN_GRAPH_CHECKS_MAX_ELEMENTS
-        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     )
 
 
