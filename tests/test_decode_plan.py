@@ -90,6 +90,19 @@ def test_replayed_steps_equal_the_full_path(monkeypatch, name, cache_name):
         assert torch.equal(a, b), f"step {step}: largest difference {(a - b).abs().max().item()}"
 
 
+@pytest.mark.parametrize("name", ["softcap", "sinks"])
+def test_a_softcap_or_sinks_step_in_grad_mode_is_described_and_equals_the_full_path(monkeypatch, name):
+    """In grad mode the decoding step's kind does not say whether the sinks or the heads want a gradient: no step
+    form (the routes' own autograd paths run), and the gradient reaches the sinks as on the full path."""
+    planned, full, layer = _with_and_without_plans(monkeypatch, LAYERS[name], CACHES["preallocated"], grad=True)
+    plan = decode_plan.plan_of(layer)
+    assert plan is not None and plan.step is None
+    for a, b in zip(planned, full, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    planned[-1].sum().backward()
+    assert layer.W_q.weight.grad is not None and (layer.sinks is None or layer.sinks.grad is not None)
+
+
 def test_replayed_steps_with_an_offset_and_under_grad_equal_the_full_path(monkeypatch):
     planned, full, layer = _with_and_without_plans(monkeypatch, LAYERS["rotary gqa"], CACHES["preallocated"], grad=True)
     assert decode_plan.plan_of(layer) is not None
@@ -326,9 +339,13 @@ def test_a_score_term_without_a_key_only_form_keeps_no_plan():
     assert decode_plan.plan_of(layer) is None
 
 
-@pytest.mark.parametrize(("name", "stepped"), [("rotary gqa", True), ("softcap", False), ("sinks", False)])
+@pytest.mark.parametrize(
+    ("name", "stepped"),
+    [("rotary gqa", True), ("softcap", True), ("sinks", True), ("alibi gqa (a key-only score term)", False)],
+)
 def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatch, name, stepped):
-    """The fused kernel's step form serves a call with no softcap, sinks or dropout; other calls are described."""
+    """In inference the fused kernel's step form, and the decoding step of the routes that apply a softcap or sinks,
+    run from the heads; a score term's call is described (its route reads the keys' positions)."""
     layer, cache, x = _decoded(LAYERS[name]().eval())
     plan = decode_plan.plan_of(layer)
     assert plan is not None and (plan.step is not None) is stepped

@@ -41,9 +41,9 @@ class _Recorder:
             self.asked += 1
             return route.declines(call)
 
-        def step_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> Step | None:
+        def step_for(call: AttentionCall, causal: bool) -> Step | None:
             assert route.step_for is not None
-            step = route.step_for(q, k, v, scale, causal)
+            step = route.step_for(call, causal)
             if step is None:
                 return None
 

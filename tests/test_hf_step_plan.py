@@ -51,15 +51,17 @@ def _refuse_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
     [{}, {"scaling": 0.3}, {"softcap": 5.0}, {"s_aux": torch.linspace(-1.0, 1.0, 4)}, {"sliding_window": 4}],
     ids=["plain", "scaling", "softcap", "sinks", "window (unmasked step)"],
 )
-def test_a_replayed_step_equals_the_full_path(monkeypatch, options):
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad mode", "inference (step forms)"])
+def test_a_replayed_step_equals_the_full_path(monkeypatch, options, grad_mode):
     module = _module()
-    backend.attention_forward(module, *_step(7), None, **options)  # in full: the plan is made
-    q, k, v = _step(9, seed=1)  # the cache grew by two
-    monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
-    full, _ = backend.attention_forward(_module(), q, k, v, None, **options)
-    monkeypatch.undo()
-    _refuse_full_path(monkeypatch)
-    replayed, weights = backend.attention_forward(module, q, k, v, None, **options)
+    with torch.set_grad_enabled(grad_mode):
+        backend.attention_forward(module, *_step(7), None, **options)  # in full: the plan is made
+        q, k, v = _step(9, seed=1)  # the cache grew by two
+        monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+        full, _ = backend.attention_forward(_module(), q, k, v, None, **options)
+        monkeypatch.undo()
+        _refuse_full_path(monkeypatch)
+        replayed, weights = backend.attention_forward(module, q, k, v, None, **options)
     assert weights is None
     assert torch.equal(replayed, full)
 
@@ -127,18 +129,24 @@ def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
     assert torch.equal(planned, full)
 
 
-@pytest.mark.parametrize(("options", "stepped"), [({}, True), ({"softcap": 5.0}, False)], ids=["plain", "softcap"])
+@pytest.mark.parametrize(
+    ("options", "stepped"),
+    [({}, True), ({"softcap": 5.0}, True), ({"s_aux": torch.linspace(-1.0, 1.0, 4)}, True), ({"dropout": 0.5}, False)],
+    ids=["plain", "softcap", "sinks", "dropout"],
+)
 def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatch, options, stepped):
-    """A plain step replays the fused kernel's step form from the heads; a softcapped one has its call described."""
+    """In inference a plain step replays the fused kernel's step form from the heads, a softcapped one or one with
+    sinks the decoding step of the routes that apply them; a call with dropout (training) has its call described."""
     module = _module()
-    backend.attention_forward(module, *_step(7), None, **options)
-    plan = _hf_plan._PLANS[module][0]
-    assert plan is not None and (plan.step is not None) is stepped
-    monkeypatch.setattr(_hf_plan.dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # the suite's check describes them
-    described: list[object] = []
-    real = _hf_plan.AttentionCall.of_heads
-    monkeypatch.setattr(_hf_plan.AttentionCall, "of_heads", lambda *a, **kw: described.append(a) or real(*a, **kw))
-    backend.attention_forward(module, *_step(9, seed=1), None, **options)
+    with torch.no_grad():  # as generate() runs
+        backend.attention_forward(module, *_step(7), None, **options)
+        plan = _hf_plan._PLANS[module][0]
+        assert plan is not None and (plan.step is not None) is stepped
+        monkeypatch.setattr(_hf_plan.dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # the suite's check describes them
+        described: list[object] = []
+        real = _hf_plan.AttentionCall.of_heads
+        monkeypatch.setattr(_hf_plan.AttentionCall, "of_heads", lambda *a, **kw: described.append(a) or real(*a, **kw))
+        backend.attention_forward(module, *_step(9, seed=1), None, **options)
     assert bool(described) is not stepped
 
 

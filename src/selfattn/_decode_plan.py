@@ -8,8 +8,9 @@ so the same code decides and ``explain`` names it), the call's fixed options (sc
 dropout), whether the projections run bare (no parts, no encoding or a plain rotary read from its
 cos/sin table) or through the layer's projection methods, and the cache's write. Later steps of the same
 kind (:func:`replay`) run: projections, rotation, the cache write, the remembered route, ``W_o``. A route
-with a step form (:attr:`~selfattn.core.route.Route.step`: the fused kernel's) runs from the heads alone
-when the call has no softcap, sinks or dropout; any other route gets the step's call described again,
+with a step form for the call's kind (:attr:`~selfattn.core.route.Route.step_for`: the fused kernel's, and in
+inference the decoding step of the routes that apply a softcap or sinks) runs from the heads alone; any other
+route gets the step's call described again,
 from what the plan holds. A score term is planned where the dispatcher remembers its route
 (:func:`~selfattn.core.dispatch.remembered_route`: ALiBi's causal term, one row of bias for the step,
 in inference), the term's positions read from the cache's update as the full path reads them.
@@ -69,7 +70,7 @@ class DecodePlan(NamedTuple):
     heads: tuple[int, int, int, int]  # h, hk, dh, dv
     rotary: RotaryPositionalEncoding | None  # the bare projections' rotation, from its table
     few_scores: bool  # the dispatcher's size fact when the plan was made
-    step: Step | None  # the route's step form when it serves the call (no softcap, sinks or dropout): no call described
+    step: Step | None  # the route's step form when it has one for the kind (no term or dropout): no call described
     term: ScoreEncoding | None  # the score term, whose key-only form the remembered route reads
     key_offset: torch.Tensor | None  # (1, 1, 1, 1) zero: asks the term each step whether it still has that form
 
@@ -165,8 +166,8 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
         "block_size": call.block_size,
     }  # fmt: skip
     few = dispatch.few_scores(call.num_queries, call.num_keys)
-    stepped = route.step_for is not None and term is None and not call.modifies_scores and call.dropout_p == 0
-    step = route.step_for(call.q, call.k, call.v, call.scale, False) if stepped and route.step_for else None
+    stepped = route.step_for is not None and term is None and call.dropout_p == 0
+    step = route.step_for(call, False) if stepped and route.step_for else None
     key_offset = None if term is None else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.device)
     _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few, step, term, key_offset)
 

@@ -45,16 +45,16 @@ class Route:
         run: ``run(call)`` computes it.
         modifies_scores: whether it applies a call's softcap and sinks; the dispatcher passes
             over the routes that do not when a call has either.
-        step_for: ``step_for(q, k, v, scale, causal)`` makes ``step(q, k, v)``, ``(b, h, lq, dv)``: what ``run``
-            computes for a call with no bias, score term, dropout, softcap, sinks or weights wanted and no rule
-            (or, ``causal``, the causal rule alone on a square), from the heads alone, for every call of the kind
-            of these heads (the same device, dtypes, sizes but the number of keys, and grad mode); None where
-            the route has no such form (the field None: for no call). A plan that remembered the route makes
-            its step once and runs it without describing each call (:mod:`selfattn._decode_plan`).
+        step_for: ``step_for(call, causal)`` makes ``step(q, k, v)``, ``(b, h, lq, dv)``: what ``run`` computes,
+            from the heads alone, for every call of the kind of ``call`` (the same device, dtypes, sizes but the
+            number of keys, grad mode, scale, softcap and sinks), where ``call`` has no bias, score term, dropout
+            or weights wanted and no rule (or, ``causal``, the causal rule alone on a square); None where the
+            route has no such form for that kind (the field None: for no call). A plan that remembered the route
+            makes its step once and runs it without describing each call (:mod:`selfattn._decode_plan`).
     """
 
     name: str
     declines: Callable[[AttentionCall], str | None]
     run: Callable[[AttentionCall], Output]
     modifies_scores: bool = False
-    step_for: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, bool], Step | None] | None = None
+    step_for: Callable[[AttentionCall, bool], Step | None] | None = None

@@ -147,7 +147,7 @@ def _remember_plain_call(signature: tuple[object, ...], call: AttentionCall) -> 
         return  # a rule a step form does not compute (the causal one with more keys than queries)
     if not isinstance(chosen[0], tuple):
         return
-    step = step_for(call.q, call.k, call.v, call.scale, causal)
+    step = step_for(call, causal)
     if step is None:
         return
     if len(_PLAIN_CALLS) >= _MAX_PLAIN_CALLS:

@@ -8,8 +8,9 @@ dispatcher asked), then keeps for the layer (in a weak dictionary beside it) a :
 the route the dispatcher chose for it (from its memory, so ``explain`` names the same), and the
 call's checked options (scale, softcap, sinks, dropout). A later call of the same kind runs that route
 from the heads, with none of the checks re-done (they hold by the kind): by the route's step form
-(:attr:`~selfattn.core.route.Route.step_for`, the fused kernel's) when the call has no softcap, sinks or
-dropout, else (one query only) on the call built from the heads. A layer holds two plans: one for a single
+(:attr:`~selfattn.core.route.Route.step_for`: the fused kernel's, and in inference the decoding step of the
+routes that apply a softcap or sinks) when the route has one for the kind, else (one query only) on the call
+built from the heads. A layer holds two plans: one for a single
 query (decoding steps) and one for several (prefills, encoder passes), so the two replace neither.
 
 The kind (:func:`unmasked_kind`): no ``attention_mask`` and none of the keywords that restrict or reweigh
@@ -50,7 +51,7 @@ class StepPlan(NamedTuple):
     routes: Sequence[Route]
     route: Route
     options: dict[str, Any]  # AttentionCall's checked keywords: scale, softcap, sinks, dropout_p
-    step: Step | None  # the route's step form when it serves the call (no softcap, sinks or dropout): no call described
+    step: Step | None  # the route's step form when it has one for the kind (no dropout): no call described
     causal: bool  # several queries under the causal rule (a prefill)
 
 
@@ -124,8 +125,8 @@ def _plan(kind: tuple[object, ...], call: AttentionCall, several: bool) -> StepP
         return None
     options = {"scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p}
     step_for = chosen[1].step_for
-    stepped = step_for is not None and not call.modifies_scores and call.dropout_p == 0
-    step = step_for(call.q, call.k, call.v, call.scale, causal) if stepped and step_for is not None else None
+    stepped = step_for is not None and call.dropout_p == 0
+    step = step_for(call, causal) if stepped and step_for is not None else None
     if several and step is None:
         return None  # several queries are replayed by a step form only
     return StepPlan(kind, chosen[0], chosen[1], options, step, causal)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from selfattn.core.call import AttentionCall
+from selfattn.core.route import Step
 from selfattn.functional._block_common import _compute_dtype
 
-__all__ = ["DECODE_MAX_QUERIES", "decode_step", "takes_decode_step"]
+__all__ = ["DECODE_MAX_QUERIES", "decode_step", "decode_step_for", "takes_decode_step"]
 
 #: At most this many queries make a decoding step (speculative decoding checks a few tokens at once).
 DECODE_MAX_QUERIES = 8
@@ -51,26 +52,64 @@ def decode_step(call: AttentionCall, bias: torch.Tensor | None = None) -> torch.
     padding, a mask) hide keys as in the blockwise routes: a query that sees no key gets zeros.
     Scores and softmax in float32 (float64 for float64 heads), as the blockwise routes compute them.
     """
-    q, k, v = call.q, call.k, call.v
+    visible = call.dense_mask() if call.visibility.rules else None  # bool (.., lq, lk): a few rows
+    return _decode(call.q, call.k, call.v, call.scale, call.softcap, call.sinks, bias, visible)
+
+
+def decode_step_for(call: AttentionCall, causal: bool) -> Step | None:
+    """The step form (:attr:`~selfattn.core.route.Route.step_for`) of a route that computes its decoding steps by
+    :func:`decode_step`: for a kind of call that :func:`takes_decode_step` accepts whatever its number of keys
+    (no gradient: grad mode off), with no rule, term or bias; None for any other kind. (With no more keys than
+    queries the route runs its blocks: the same formula, within rounding.)"""
+    if (
+        causal
+        or call.visibility.rules
+        or call.term is not None
+        or call.bias is not None
+        or call.num_queries > DECODE_MAX_QUERIES
+        or call.dropout_p > 0
+        or not call.four_d
+        or call.compiling
+        or torch.is_grad_enabled()
+    ):
+        return None
+    scale, softcap, sinks = call.scale, call.softcap, call.sinks  # a layer's sinks: the parameter itself
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _decode(q, k, v, scale, softcap, sinks, None, None)
+
+    return step
+
+
+def _decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    visible: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`decode_step` of these heads and options; ``visible``: bool ``(.., lq, lk)``, True = seen, or None."""
     batch, heads, num_queries, head_dim = q.shape
     kv_heads, num_keys = k.shape[-3], k.shape[-2]
     group = heads // kv_heads
     compute = _compute_dtype(q.dtype)
     rows = q.reshape(batch, kv_heads, group * num_queries, head_dim).to(compute)  # a view for one query
     # The scale on the few query rows, not on the lk-wide scores: one pass over the cache's scores fewer.
-    scores = torch.matmul(rows * call.scale, k.to(compute).transpose(-2, -1))  # (b, hk, g * lq, lk)
+    scores = torch.matmul(rows * scale, k.to(compute).transpose(-2, -1))  # (b, hk, g * lq, lk)
     scores = scores.view(batch, heads, num_queries, num_keys)
     if bias is not None:
         scores = scores + bias.to(compute)
-    if call.softcap is not None:
-        scores = torch.tanh(scores / call.softcap) * call.softcap
-    visible = call.dense_mask() if call.visibility.rules else None  # bool (.., lq, lk): a few rows
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
-    if call.sinks is None:
+    if sinks is None:
         weights = torch.softmax(scores, dim=-1)
     else:
-        sink_column = call.sinks.to(compute).reshape(1, heads, 1, 1).expand(batch, heads, num_queries, 1)
+        sink_column = sinks.to(compute).reshape(1, heads, 1, 1).expand(batch, heads, num_queries, 1)
         weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
     if visible is not None:  # a row of -inf is NaN after the softmax (without sinks): such a query gets zeros
         weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)

@@ -13,7 +13,7 @@ from selfattn._mask_selection import Selected
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import block_for, blocks_decline, clipped_for, plan_for, reached_share, run_plan
-from selfattn.core.routes._decode import decode_step, takes_decode_step
+from selfattn.core.routes._decode import decode_step, decode_step_for, takes_decode_step
 from selfattn.masks import Causal, Dense, Documents, KeyPadding, ValidLengths
 
 __all__ = ["BLOCKWISE", "BLOCKWISE_ANY", "BLOCKWISE_BAND", "BLOCKWISE_CLIPPED"]
@@ -112,6 +112,6 @@ def _run_any(call: AttentionCall) -> Output:
 
 BLOCKWISE_CLIPPED = Route("blockwise clipped", _declines_clipped, _run_clipped)
 BLOCKWISE_BAND = Route("blockwise band", _declines_band, _run_band, modifies_scores=True)
-BLOCKWISE = Route("blockwise", _nothing_for_blocks, _run_any, modifies_scores=True)
+BLOCKWISE = Route("blockwise", _nothing_for_blocks, _run_any, modifies_scores=True, step_for=decode_step_for)
 #: The last resort of :func:`~selfattn.functional.blockwise_attention`, which is asked for blocks.
-BLOCKWISE_ANY = Route("blockwise", lambda call: None, _run_any, modifies_scores=True)
+BLOCKWISE_ANY = Route("blockwise", lambda call: None, _run_any, modifies_scores=True, step_for=decode_step_for)

@@ -5,8 +5,6 @@ Shape legend: b batch, h heads, lq queries, dv value size.
 
 from __future__ import annotations
 
-import torch
-
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route, Step
 from selfattn.functional._kernels import fused_attention
@@ -33,11 +31,13 @@ def _run(call: AttentionCall) -> Output:
     return Output(out)  # (b, h, lq, dv)
 
 
-def _step_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> Step | None:
+def _step_for(call: AttentionCall, causal: bool) -> Step | None:
     """``_run``'s path for a call with no bias or dropout, and no rule or (``causal``) the causal one on a square."""
+    if call.modifies_scores:
+        return None  # the kernel applies no softcap or sinks: the dispatcher gives such calls other routes
     if not causal:
-        return unmasked_step(q, k, v, scale)
-    return causal_square_step(scale) if q.shape[-2] == k.shape[-2] else None
+        return unmasked_step(call.q, call.k, call.v, call.scale)
+    return causal_square_step(call.scale) if call.num_queries == call.num_keys else None
 
 
 FUSED = Route("fused", _declines, _run, step_for=_step_for)

@@ -18,7 +18,7 @@ import torch
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import blocks_decline, heads
-from selfattn.core.routes._decode import decode_step, takes_decode_step
+from selfattn.core.routes._decode import decode_step, decode_step_for, takes_decode_step
 from selfattn.core.routes._reasons import holding
 from selfattn.functional._block_common import _compute_dtype, _flash_backward, _flash_forward
 from selfattn.functional._kernels import attention_weights
@@ -86,4 +86,4 @@ def _run(call: AttentionCall) -> Output:
     return Output(out)
 
 
-FUSED_SINKS = Route("fused sinks", _declines, _run, modifies_scores=True)
+FUSED_SINKS = Route("fused sinks", _declines, _run, modifies_scores=True, step_for=decode_step_for)
