@@ -371,3 +371,30 @@ def test_positions_a_replayed_step_leaves_unwritten_are_there_when_read(monkeypa
         layer(x, x, x, cache=cache, causal=True)  # at index 9, position 9: deferred
         cache.update(x.new_zeros(1, 2, 1, D // H), x.new_zeros(1, 2, 1, D // H))  # a full update follows them
     assert torch.equal(cache.positions, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 20, 9, 10]))
+
+
+def test_a_positioned_step_returns_what_a_full_update_returns():
+    """KVCache.write_positioned_step (an ALiBi plan's write): the keys, values and positions update returns, with
+    the positions deferred before it written first; (b, lk) positions where the sequences' positions differ."""
+    gen = torch.Generator().manual_seed(3)
+    kv = [torch.randn(2, 2, 1, 4, generator=gen) for _ in range(8)]
+    for first_positions in (torch.arange(3), torch.tensor([[0, 1, 2], [5, 6, 7]])):
+        stepped, updated = KVCache(max_len=8), KVCache(max_len=8)
+        prompt = torch.randn(2, 2, 3, 4, generator=gen)
+        for cache in (stepped, updated):
+            cache.update(prompt, prompt, positions=first_positions)
+        for i, first in enumerate((3, 4, 9, 10)):  # at its index (deferred by write_step), then elsewhere
+            if i == 1:
+                assert stepped.write_step(kv[i], kv[i], first) is not None
+                stepped.commit()
+                updated.update(kv[i], kv[i], positions=torch.tensor([first]))
+                continue
+            written = stepped.write_positioned_step(kv[i], kv[i], first)
+            seen = updated.update(kv[i], kv[i], positions=torch.tensor([first]), commit=False)
+            assert written is not None
+            for a, b in zip(written, (seen.keys, seen.values, seen.positions), strict=True):
+                assert torch.equal(a, b)
+            stepped.commit()
+            updated.commit()
+        assert torch.equal(stepped.positions, updated.positions)
+    assert KVCache(window=4).write_positioned_step(kv[0], kv[0], 0) is None  # a windowed cache: update's job

@@ -72,7 +72,6 @@ class DecodePlan(NamedTuple):
     few_scores: bool  # the dispatcher's size fact when the plan was made
     step: Step | None  # the route's step form when it has one for the kind (no term or dropout): no call described
     term: ScoreEncoding | None  # the score term, whose key-only form the remembered route reads
-    key_offset: torch.Tensor | None  # (1, 1, 1, 1) zero: asks the term each step whether it still has that form
 
 
 def run_call(module: Any, given: tuple[Any, ...]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +167,7 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
     few = dispatch.few_scores(call.num_queries, call.num_keys)
     stepped = route.step_for is not None and term is None and call.dropout_p == 0
     step = route.step_for(call, False) if stepped and route.step_for else None
-    key_offset = None if term is None else torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.device)
-    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few, step, term, key_offset)
+    _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few, step, term)
 
 
 def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
@@ -180,16 +178,21 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     queries, cache, offset = given[0], given[7], given[6]
     if cache.holds_marks or plan.few_scores != dispatch.few_scores(1, cache.stored + 1):
         return None
-    term, key_offset = plan.term, plan.key_offset
-    if term is not None and key_offset is not None and term.key_only_term(key_offset, torch.float32) is None:
+    term = plan.term
+    if term is not None and not term.has_key_only_form():
         return None  # the term lost the key-only form its route reads (an attribute of it set since)
     first = cache.length if offset is None else offset
     heads = _project(module, plan, queries, first)
     if heads is None:
         return None
     q, k, v = heads
-    written, first_key, key_positions = None if term is not None else cache.write_step(k, v, first), 0, None
-    if written is None:  # a windowed cache, a score term's positions (or a call that must raise): the full update
+    first_key, key_positions = 0, None
+    if term is None:
+        written = cache.write_step(k, v, first)
+    else:  # the term reads the keys' positions
+        positioned = cache.write_positioned_step(k, v, first)
+        written, key_positions = (None, None) if positioned is None else (positioned[:2], positioned[2])
+    if written is None:  # a windowed cache (or a call that must raise): the full update
         seen = cache.update(k, v, positions=torch.arange(first, first + 1, device=k.device), commit=False)
         written, first_key, key_positions = (seen.keys, seen.values), seen.first_index, seen.positions
     keys, values = written

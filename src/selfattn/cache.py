@@ -302,6 +302,26 @@ class KVCache:
         its indices (decoding from position 0 on) writes none until something reads them. None where any
         condition fails (nothing is written): :meth:`update` then writes, or raises.
         """
+        written = self._write_step(keys, values, first, defer=True)
+        return None if written is None else written[:2]
+
+    def write_positioned_step(
+        self, keys: torch.Tensor, values: torch.Tensor, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """:meth:`write_step` that also returns the positions :meth:`update` returns, ``(lk,)`` (``(b, lk)`` where
+        the sequences' positions differ): for a step whose score term reads the keys' positions."""
+        written = self._write_step(keys, values, first, defer=False)
+        if written is None:
+            return None
+        stored_keys, stored_values, positions = written
+        assert positions is not None  # written, with every deferred one before them
+        return stored_keys, stored_values, positions
+
+    def _write_step(
+        self, keys: torch.Tensor, values: torch.Tensor, first: int, *, defer: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """:meth:`write_step`, the new positions left unwritten where ``defer`` and each is its index (then the
+        positions are not returned)."""
         stored_keys, stored_values, stored_positions = self._keys, self._values, self._positions
         start, new = self.length, keys.shape[-2]
         if (
@@ -319,7 +339,7 @@ class KVCache:
             return None
         stored_keys.narrow(-2, start, new).copy_(keys)
         stored_values.narrow(-2, start, new).copy_(values)
-        self._pending_deferred = first == start  # each position its index: written when someone reads them
+        self._pending_deferred = defer and first == start  # each position its index: written when someone reads them
         if not self._pending_deferred:
             self._write_deferred()
             written = stored_positions.narrow(1, start, new)
@@ -328,7 +348,11 @@ class KVCache:
             else:
                 written.copy_(torch.arange(first, first + new, device=written.device))
         self._pending, self._pending_shared, self._pending_last = new, self._shared_positions, None
-        return stored_keys.narrow(-2, 0, start + new), stored_values.narrow(-2, 0, start + new)
+        end = start + new
+        positions = (
+            None if defer else stored_positions[0, :end] if self._shared_positions else stored_positions[:, :end]
+        )
+        return stored_keys.narrow(-2, 0, end), stored_values.narrow(-2, 0, end), positions
 
     def _write_deferred(self) -> None:
         """Write the positions :meth:`write_step` left out (each its index) before anything reads or follows them."""

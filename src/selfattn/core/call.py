@@ -238,10 +238,7 @@ class AttentionCall:
     @_once
     def key_only(self) -> bool:
         """Whether the term has a key-only form (:meth:`~selfattn.positional.ScoreEncoding.key_only_term`)."""
-        if self.term is None:
-            return False
-        offsets = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device)
-        return self.term.key_only_term(offsets, torch.float32) is not None
+        return self.term is not None and self.term.has_key_only_form()
 
     @_once
     def ragged_lengths(self) -> list[int] | None:

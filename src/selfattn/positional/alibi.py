@@ -95,6 +95,9 @@ class ALiBiPositionalBias(KeepsTablePrecision, ScoreEncoding):
         slopes = self.slopes.to(dtype)[:, None, None]  # (h, 1, 1)
         return slopes * key_offsets.to(dtype)
 
+    def has_key_only_form(self) -> bool:
+        return self.causal
+
     def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         distance = q_positions.long() - k_positions.long()  # i - j
         if not self.causal:

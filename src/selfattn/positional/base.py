@@ -16,6 +16,7 @@ Shape legend: b batch, h heads, lq queries, lk keys, dh head size, d model size.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -128,7 +129,8 @@ class ScoreEncoding(PositionalEncoding):
     * :meth:`pair_bias` (or :meth:`to_score_mod`): an elementwise form, which FlexAttention
       needs on CUDA (:attr:`has_elementwise_form`); ``compiles_in_flex = False`` keeps a term
       with one off FlexAttention's compiled kernel.
-    * :meth:`key_only_term`: the term as a function of the key alone up to a constant per query.
+    * :meth:`key_only_term`: the term as a function of the key alone up to a constant per query
+      (and :meth:`has_key_only_form`, whether it gives one).
     * :meth:`clipped_embeddings`: Shaw's clipped tables, computed without gathers.
     """
 
@@ -154,6 +156,14 @@ class ScoreEncoding(PositionalEncoding):
         """
         del key_offsets, dtype
         return None
+
+    def has_key_only_form(self) -> bool:
+        """Whether :meth:`key_only_term` gives a term (asked with no tensor op; a subclass may answer faster)."""
+        if type(self).key_only_term is ScoreEncoding.key_only_term:
+            return False
+        held = next(itertools.chain(self.parameters(), self.buffers()), None)
+        probe = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=None if held is None else held.device)
+        return self.key_only_term(probe, torch.float32) is not None
 
     def clipped_embeddings(self) -> tuple[int, torch.Tensor | None, torch.Tensor | None, float] | None:
         """``(K, key table, value table, key scale)`` of a Shaw-style clipped term, or None (the default)."""
