@@ -13,7 +13,8 @@ inference the decoding step of the routes that apply a softcap or sinks) runs fr
 route gets the step's call described again,
 from what the plan holds. A score term is planned where the dispatcher remembers its route
 (:func:`~selfattn.core.dispatch.remembered_route`: ALiBi's causal term, one row of bias for the step,
-in inference), the term's positions read from the cache's update as the full path reads them.
+in inference); the term reads the keys' positions as the cache's write returns them
+(:meth:`~selfattn.KVCache.write_positioned_step`: what its ``update`` returns to the full path).
 
 A layer with a ``window`` or ``chunk_size`` has no plan: its rule hides nothing while the cache is short
 and hides keys later, so the kind would move with the cache's length.
