@@ -81,21 +81,14 @@ def unmasked_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     contiguous_from = -(-_CONTIGUOUS_HEADS_MIN_PAIRS // q.shape[2])  # keys from which the heads are made contiguous
     fewest_general_keys = min(_ROWS_MIN_KEYS, contiguous_from) if grouped else contiguous_from
 
-    if not torch.is_grad_enabled():
+    grad_mode = torch.is_grad_enabled()
 
-        def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if k.shape[2] >= fewest_general_keys:  # the rows layout, or contiguous heads: the general path
-                return fused_unmasked(q, k, v, scale=scale)
-            return _direct_step(q, k, v, scale, grouped)
-
-        return step
-
-    def step_in_grad_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if k.shape[2] >= fewest_general_keys or q.requires_grad or k.requires_grad or v.requires_grad:
-            return fused_unmasked(q, k, v, scale=scale)  # the autograd path, or the general one
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[2] >= fewest_general_keys or (grad_mode and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return fused_unmasked(q, k, v, scale=scale)  # the rows layout, contiguous heads, or the autograd path
         return _direct_step(q, k, v, scale, grouped)
 
-    return step_in_grad_mode
+    return step
 
 
 def causal_square_step(scale: float) -> Step:

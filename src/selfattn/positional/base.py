@@ -158,7 +158,8 @@ class ScoreEncoding(PositionalEncoding):
         return None
 
     def has_key_only_form(self) -> bool:
-        """Whether :meth:`key_only_term` gives a term (asked with no tensor op; a subclass may answer faster)."""
+        """Whether :meth:`key_only_term` gives a term. This default asks it, on a zero offset (a tensor op); a
+        subclass that knows without one answers here (ALiBi: its ``causal``), and its decoding steps skip that op."""
         if type(self).key_only_term is ScoreEncoding.key_only_term:
             return False
         held = next(itertools.chain(self.parameters(), self.buffers()), None)
