@@ -398,7 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.output = str(BENCHMARKS_MD)
     repeats = 3 if args.quick else 15
     args.timing = {"min_repeats": repeats, "max_repeats": repeats, "budget_s": 60.0, "warmup": 2}
-    # One call is 0.05-2 ms: the median of 15 moved a ratio by 0.1-0.2 between runs; 2,000 rounds take a few seconds.
+    # One call is 0.05-20 ms: a median of 15 such calls rests on a handful of them; 2,000 rounds take about a minute.
     calls = 50 if args.quick else 2000
     args.call_timing = {"min_repeats": calls, "max_repeats": calls, "budget_s": 60.0, "warmup": 20}
     # generate() rows: 11 rounds at least (7 left ratios 0.05-0.2 apart between runs of the same code).
