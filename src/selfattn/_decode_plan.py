@@ -166,8 +166,8 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
         "block_size": call.block_size,
     }  # fmt: skip
     few = dispatch.few_scores(call.num_queries, call.num_keys)
-    stepped = route.step_for is not None and term is None and call.dropout_p == 0
-    step = route.step_for(call, False) if stepped and route.step_for else None
+    step_for = route.step_for
+    step = step_for(call, False) if step_for is not None and term is None and call.dropout_p == 0 else None
     _PLANS[module] = DecodePlan(kind, routes, route, options, bare, heads, rotary, few, step, term)
 
 

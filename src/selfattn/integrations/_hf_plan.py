@@ -125,8 +125,7 @@ def _plan(kind: tuple[object, ...], call: AttentionCall, several: bool) -> StepP
         return None
     options = {"scale": call.scale, "softcap": call.softcap, "sinks": call.sinks, "dropout_p": call.dropout_p}
     step_for = chosen[1].step_for
-    stepped = step_for is not None and call.dropout_p == 0
-    step = step_for(call, causal) if stepped and step_for is not None else None
+    step = step_for(call, causal) if step_for is not None and call.dropout_p == 0 else None
     if several and step is None:
         return None  # several queries are replayed by a step form only
     return StepPlan(kind, chosen[0], chosen[1], options, step, causal)
