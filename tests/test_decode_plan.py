@@ -315,6 +315,17 @@ def test_an_alibi_layer_plans_its_key_row_route_in_inference_only():
         assert decode_plan.plan_of(layer) is None
 
 
+def test_an_alibi_plan_replays_no_step_onto_an_empty_cache():
+    """A query alone (a cache rewound to nothing) is no decoding step: off the CPU the key-row route declines it."""
+    layer, cache, x = _decoded(_alibi())
+    cache.length = 0
+    given = (x, x, x, None, True, False, None, cache, None, None, None, None, None, None, None)
+    with torch.no_grad():
+        assert decode_plan.replay(layer, given) is None
+        cache.length = 1
+        assert decode_plan.replay(layer, given) is not None
+
+
 def test_a_term_that_loses_its_key_only_form_is_followed_by_the_next_step(monkeypatch):
     """An attribute of the term set after the plan was made (ALiBi made bidirectional) is not a setting of the
     layer, so the plan is not dropped: the replay asks the term each step and runs in full when it changed."""

@@ -95,7 +95,8 @@ def test_a_decoded_token_reads_no_tensor(monkeypatch, name, planned):
 
 @pytest.mark.parametrize("planned", [False, True], ids=["in full", "replayed"])
 def test_a_decoded_alibi_token_reads_no_tensor_where_no_key_row_route_runs(monkeypatch, planned):
-    """On a GPU the key-row routes (the CPU kernel's) decline, and the blockwise routes are asked: as here."""
+    """Where the key-row routes decline (a step whose heads want a gradient; off the CPU, a call with no more keys
+    than queries), the blockwise routes are asked: as here."""
     cpu_only = {"blockwise key row", "causal key rows"}
     monkeypatch.setattr(dispatch, "ROUTES", tuple(route for route in dispatch.ROUTES if route.name not in cpu_only))
     step = _decode("alibi", planned)

@@ -244,6 +244,25 @@ def test_flex_only_on_cuda():
     assert dict(dispatch.explain(call).declined)["flex"] == "not on CUDA"
 
 
+@pytest.mark.parametrize("wants_grad", [False, True], ids=["inference", "query wants a gradient"])
+def test_a_decoding_step_of_a_key_only_term_takes_the_key_row_on_cuda(wants_grad):
+    """One query after 12 cached keys, ALiBi's causal term, described as on CUDA: the step's row of bias,
+    not FlexAttention's compiled call; a query that wants a gradient keeps FlexAttention's autograd."""
+    q = torch.randn(1, H, 1, 16, requires_grad=wants_grad)
+    k, positions = torch.randn(1, H, 12, 16), torch.arange(12)
+    call = AttentionCall(
+        shape=(1, H, H, 1, 12, 16, 16), visibility=Visibility(1, 12, 11), device=torch.device("cuda"),
+        dtype=torch.float32, q=q, k=k, v=k, q_positions=positions[-1:], k_positions=positions,
+        term=ALiBiPositionalBias(H, causal=True),
+    )  # fmt: skip
+    explanation = dispatch.explain(call)
+    if wants_grad:
+        assert explanation.route == "flex", str(explanation)
+        assert dict(explanation.declined)["blockwise key row"].endswith("and not a decoding step")
+    else:
+        assert explanation.route == "blockwise key row", str(explanation)
+
+
 def test_a_forward_only_term_is_not_sent_to_flex():
     from test_score_term_contract import AbsoluteTerm
 

@@ -180,8 +180,8 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     if cache.holds_marks or plan.few_scores != dispatch.few_scores(1, cache.stored + 1):
         return None
     term = plan.term
-    if term is not None and not term.has_key_only_form():
-        return None  # the term lost the key-only form its route reads (an attribute of it set since)
+    if term is not None and (cache.stored == 0 or not term.has_key_only_form()):
+        return None  # a step with no earlier key is no decoding step; or the term lost its key-only form since
     first = cache.length if offset is None else offset
     heads = _project(module, plan, queries, first)
     if heads is None:

@@ -55,9 +55,9 @@ ROUTES: tuple[Route, ...] = (
     BANDED,
     CHUNKS,
     PREFIX,
+    KEY_ROW,  # before FLEX: on CUDA it takes the decoding steps alone (on CPU FLEX declines whatever the order)
     FLEX,
     CAUSAL_KEY_ROWS,
-    KEY_ROW,
     FUSED_SINKS,
     SLICED,
     BLOCKWISE_CLIPPED,
@@ -215,9 +215,10 @@ def _key_row_step(call: AttentionCall) -> tuple[Sequence[Route], Route] | None:
     when the full choice takes it, else None.
 
     The choice holds for later steps of a layer's kind: with no rule, every route before the key-row route
-    declines for the missing rule (a selection, valid lengths, a band, chunks, a prefix, a causal rule),
-    whatever the sizes; the key-row route's own test reads the term (fixed by the layer), the call's fixed
-    facts and grad mode (off: no parameter of the term wants a gradient), never the number of keys.
+    declines for the missing rule (a selection, valid lengths, a band, chunks, a prefix), whatever the sizes;
+    the key-row route's own test reads the term (fixed by the layer), the call's fixed facts and grad mode
+    (off: no parameter of the term wants a gradient), and off the CPU whether the query has more keys than
+    itself (a decoding step): the plan replays no step onto an empty cache.
     """
     if call.term is None or call.visibility.rules or call.compiling or torch.is_grad_enabled():
         return None

@@ -57,7 +57,7 @@ ROUTE_NOTES: dict[str, tuple[str, str]] = {
     ),
     "blockwise key row": (
         "a key-only score term as one row of float mask shared by every query, through the flash kernel",
-        "a score term that depends on the key alone (every query sees the same row)",
+        "a score term that depends on the key alone (every query sees the same row); off the CPU, a decoding step",
     ),
     "fused sinks": (
         "attention sinks in one call of the flash kernel, corrected by its log-sum-exp",

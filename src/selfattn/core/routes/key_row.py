@@ -1,5 +1,9 @@
 """A key-only score term (ALiBi's causal form) seen alike by every query: one row of float mask, flash blocks.
 
+A decoding step (:func:`takes_decode_step`, no rule) is one row of bias and :func:`decode_step`'s matmuls, which
+run on any device: on CUDA this route takes those steps before FlexAttention's compiled call would (its launch
+costs more than the step's work).
+
 Shape legend: b batch, h heads, lq queries, lk keys, dv value size.
 """
 
@@ -9,7 +13,7 @@ import torch
 
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
-from selfattn.core.routes._blocks import cpu_term_declines, plan_for, run_plan
+from selfattn.core.routes._blocks import blocks_decline, plan_for, run_plan
 from selfattn.core.routes._decode import decode_step, takes_decode_step
 from selfattn.core.routes._reasons import not_simple_term
 from selfattn.functional._block_common import _as_4d, _compute_dtype
@@ -19,8 +23,12 @@ __all__ = ["KEY_ROW"]
 
 
 def _declines(call: AttentionCall) -> str | None:
-    reason = cpu_term_declines(call)
-    if reason is None and call.visibility.causal:
+    if call.term is None:
+        return "no score term"
+    reason = blocks_decline(call)
+    if reason is None and not call.on_cpu and not (takes_decode_step(call) and not call.visibility.rules):
+        reason = "not on CPU (the flash kernel of these blocks is the CPU one) and not a decoding step"
+    elif reason is None and call.visibility.causal:
         reason = "causal: each query sees other keys"
     elif reason is None and not call.simple_term:
         reason = not_simple_term(call)
