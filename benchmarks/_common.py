@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -118,6 +119,7 @@ def measure(
     budget_s: float,
     warmup: int = 1,
     spread: dict | None = None,
+    rounds: dict | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each case, timed round-robin.
 
@@ -126,7 +128,8 @@ def measure(
     caches, or whose absence, it would otherwise always meet).
     Rounds continue until ``max_repeats``, or past ``min_repeats`` once the timed rounds have
     taken ``budget_s`` seconds. If ``spread`` is given, it receives ``(max - min) / median``
-    of each case, a plain gauge of how noisy the machine was.
+    of each case, a plain gauge of how noisy the machine was. If ``rounds`` is given, it receives each
+    case's list of times, round by round (for :func:`paired_ratio`).
     """
     sync = synchronizer(device)
     for _ in range(warmup):
@@ -145,9 +148,29 @@ def measure(
             sync()
             times[name].append(time.perf_counter() - t0)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
+    if rounds is not None:
+        rounds.update(times)
     if spread is not None:
         spread.update({name: (max(ts) - min(ts)) / medians[name] for name, ts in times.items()})
     return medians
+
+
+def paired_ratio(numerators: list[float], denominators: list[float]) -> tuple[float, float, float]:
+    """The median over rounds of ``numerator / denominator`` (two cases' times in the same round), and a
+    distribution-free 95% interval of that median (order statistics: the sign test's binomial bounds).
+
+    A round's two calls share the machine's load of that moment, so their ratio moves less than the
+    ratio of two medians taken apart when the load drifts over the run.
+    """
+    ratios = sorted(a / b for a, b in zip(numerators, denominators, strict=True))
+    n = len(ratios)
+    # The largest k with P(Binomial(n, 1/2) < k) <= 2.5%: [ratios[k - 1], ratios[n - k]] covers the median.
+    below, k = 0.0, 0
+    while k < n and below + math.comb(n, k) / 2**n <= 0.025:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    low, high = (ratios[k - 1], ratios[n - k]) if k > 0 else (ratios[0], ratios[-1])
+    return statistics.median(ratios), low, high
 
 
 def spread_note(spread: dict) -> str:

@@ -45,7 +45,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BENCHMARKS_MD, emit, load_average, log, machine_lines, measure, ratio, spread_note, table, verdict
+from _common import (
+    BENCHMARKS_MD, emit, load_average, log, machine_lines, measure, paired_ratio, ratio, spread_note, table, verdict,
+)  # fmt: skip
 
 import selfattn
 from selfattn import KVCache
@@ -303,15 +305,17 @@ def hf_rows(timing: dict, spread: dict, threads: int, device: torch.device) -> t
                 generated[impl] = run()
                 cases[impl] = run
             same = torch.equal(generated[baseline], generated["selfattn"])
-            r = measure(cases, device=device, spread=spread, **timing)
+            rounds: dict[str, list[float]] = {}
+            r = measure(cases, device=device, spread=spread, rounds=rounds, **timing)
             tps = {impl: batch * 64 / seconds for impl, seconds in r.items()}
-            x = tps["selfattn"] / tps[baseline]
+            x, low, high = paired_ratio(rounds[baseline], rounds["selfattn"])  # tokens/s: the baseline's time over ours
             rows.append(
                 [str(threads), family, str(batch), f"{tps[baseline]:.0f} ({baseline})", f"{tps['selfattn']:.0f}",
-                 ratio(x), ratio(tps["again"] / tps[baseline]), "yes" if same else "**no**"]
+                 paired(x, low, high), ratio(paired_ratio(rounds[baseline], rounds["again"])[0]),
+                 "yes" if same else "**no**"]
             )  # fmt: skip
             goal = f"{family} generate(64), batch {batch}, {threads} thread(s): tokens/s >= 1.0x of {baseline}"
-            targets.append([goal, ratio(x), verdict(x >= 1.0)])
+            targets.append([goal, paired(x, low, high), verdict(x >= 1.0)])
     return rows, targets
 
 
@@ -354,22 +358,28 @@ def lm_rows(timing: dict, spread: dict, threads: int, device: torch.device) -> t
     with torch.no_grad():
         same = torch.equal(model.generate(prompt, tokens), hands[0].generate(prompt, tokens))
         cases = {"selfattn": model, "by hand": hands[0], "again": hands[1]}
+        rounds: dict[str, list[float]] = {}
         r = measure(
             {name: functools.partial(lm.generate, prompt, tokens) for name, lm in cases.items()},
-            device=device, spread=spread, **timing,
+            device=device, spread=spread, rounds=rounds, **timing,
         )  # fmt: skip
     tps = {name: tokens / seconds for name, seconds in r.items()}
-    x = tps["selfattn"] / tps["by hand"]
+    x, low, high = paired_ratio(rounds["by hand"], rounds["selfattn"])  # tokens/s: the hand's time over ours
     row = [
         str(threads),
         f"{tps['by hand']:.0f}",
         f"{tps['selfattn']:.0f}",
-        ratio(x),
-        ratio(tps["again"] / tps["by hand"]),
+        paired(x, low, high),
+        ratio(paired_ratio(rounds["by hand"], rounds["again"])[0]),
     ]
     row.append("yes" if same else "**no**")
     goal = f"TransformerLM generate(256), 4 layers, {threads} thread(s): tokens/s >= 0.95x of SDPA by hand"
-    return [row], [[goal, ratio(x), verdict(x >= 0.95)]]
+    return [row], [[goal, paired(x, low, high), verdict(x >= 0.95)]]
+
+
+def paired(x: float, low: float, high: float) -> str:
+    """A paired ratio and its 95% interval, as the tables print it."""
+    return f"{x:.2f}x ({low:.2f}-{high:.2f})"
 
 
 # ---------------------------------------------------------------------------- report
@@ -401,8 +411,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # One call is 0.05-20 ms: a median of 15 such calls rests on a handful of them; 2,000 rounds take about a minute.
     calls = 50 if args.quick else 2000
     args.call_timing = {"min_repeats": calls, "max_repeats": calls, "budget_s": 60.0, "warmup": 20}
-    # generate() rows: 11 rounds at least (7 left ratios 0.05-0.2 apart between runs of the same code).
-    args.slow_timing = {"min_repeats": 2 if args.quick else 11, "max_repeats": 15, "budget_s": 150.0}
+    # generate() rows: 11 rounds at least (7 left ratios 0.05-0.2 apart between runs of the same code); up to 41
+    # while 40 s allow, for the paired ratios' intervals (a round took 0.12-0.23 s for one model, one run).
+    args.slow_timing = {"min_repeats": 2 if args.quick else 11, "max_repeats": 41, "budget_s": 40.0}
     return args
 
 
@@ -436,10 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         *machine_lines(args.device, load_at_start),
         f"- load average at end: {load_average()}; run took {time.perf_counter() - started:.0f} s",
         "",
-        "**Issue 31's CPU goals, read on this GPU** (no goal is set on a GPU; ratios of medians timed "
-        "round-robin in this run):"
-        if on_gpu
-        else "**Targets** (ratios of medians timed round-robin in this run):",
+        ("**Issue 31's CPU goals, read on this GPU** (no goal is set on a GPU; " if on_gpu else "**Targets** (")
+        + "ratios of medians timed round-robin in this run; for generate(), the median over rounds of the ratio "
+        "of the two models' times in one round, and its 95% interval):",
         "",
         table(["target", "measured", "status"], targets),
         "",
@@ -455,10 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         "its own with the plain layer (its whole-history pass would leave the next case cold), its time here "
         "that ratio times the plain layer's:",
         "hf": "**transformers generate()**, 64 new tokens after 8, tiny models (4 layers, d=128, 4 heads, "
-        '2 key/value heads), greedy; "baseline again": a second copy of the baseline model, timed in the same '
-        "rounds, against the first (what the machine's noise alone moves a ratio by):",
-        "lm": '**TransformerLM.generate**, 256 tokens after 8, 4 layers, d=256, 8 heads, rotary; "by hand again": '
-        "a second copy of the model by hand, timed in the same rounds, against the first (the noise floor):",
+        '2 key/value heads), greedy; tokens/s from each model\'s median round; "ratio": the median over rounds '
+        "of the baseline's time over selfattn's in the same round (a paired ratio), with its 95% interval; "
+        '"baseline again": the paired ratio of a second copy of the baseline model, timed in the same rounds, '
+        "against the first (what the machine's noise alone moves a ratio by):",
+        "lm": "**TransformerLM.generate**, 256 tokens after 8, 4 layers, d=256, 8 heads, rotary; ratios paired "
+        'as in the table above; "by hand again": a second copy of the model by hand, timed in the same rounds, '
+        "against the first (the noise floor):",
     }
     for name, rows in sections.items():
         lines += [titles[name], "", table(parts[name][1], rows), ""]
