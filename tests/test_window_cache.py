@@ -46,3 +46,25 @@ def test_cache_reports_the_bytes_it_holds():
     assert full.nbytes == 2 * 3 * 2 * 50 * 4 * float_bytes + 3 * 50 * long_bytes
     kept = 2 + 8 - 1  # sinks and the last window - 1 keys
     assert windowed.nbytes == 2 * 3 * 2 * kept * 4 * float_bytes + 3 * kept * long_bytes
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 2])
+@pytest.mark.parametrize("prompt", [3, 40], ids=["shorter than the window", "longer"])
+def test_a_windowed_cache_holds_copies_of_what_it_keeps(sink_tokens, prompt):
+    """What it stores shares no memory with the caller's keys (changed in place, they leave it as it was) nor
+    with a long prompt's keys it dropped (kept alive by a view, they would stay in memory); steps slide it."""
+    cache = KVCache(window=8, sink_tokens=sink_tokens)
+    keys = torch.randn(1, 2, prompt, 4)
+    cache.update(keys, keys + 1)
+    held = {t.untyped_storage().data_ptr() for t in (cache._keys, cache._values, cache._positions)}
+    assert keys.untyped_storage().data_ptr() not in held
+    kept = list(range(min(sink_tokens, prompt))) + list(range(max(prompt - 7, min(sink_tokens, prompt)), prompt))
+    expected = keys[:, :, kept]  # a copy (advanced indexing)
+    keys.add_(1.0)
+    nothing = torch.zeros(1, 2, 0, 4)
+    torch.testing.assert_close(cache.update(nothing, nothing).keys, expected, rtol=0, atol=0)
+    for step in range(10):  # one token at a time: the oldest key past the sinks leaves
+        token = torch.full((1, 2, 1, 4), float(step))
+        seen = cache.update(token, token)
+        assert seen.keys.shape[-2] == min(sink_tokens, prompt) + min(7, prompt - min(sink_tokens, prompt) + step) + 1
+        torch.testing.assert_close(seen.keys[:, :, -1:], token, rtol=0, atol=0)

@@ -408,17 +408,17 @@ class KVCache:
         # The stored keys count as the ones just before the new: exact for a window, and for sink
         # tokens the causal mask still lets every query see them (no other rule is allowed then).
         first_index = self.length - old
-        keep = self.window - 1
         total = all_keys.shape[-2]
         sinks = min(self.sink_tokens, total)
-        device = keys.device  # made there: a copy from the host would wait for the device
-        kept = torch.cat(
-            (torch.arange(sinks, device=device), torch.arange(max(total - keep, sinks), total, device=device))
-        )
+        recent = max(total - (self.window - 1), sinks)  # kept: the first `sinks` entries and those from `recent` on
 
         def pick(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-            # Copies, not views: the window slides, and nothing may keep the older keys alive.
-            return None if x is None else x.index_select(dim, kept)
+            # Copies, not views: the window slides, and nothing may keep the older keys alive (a view of a long
+            # prompt's keys would). With nothing dropped, the tensor cat made above is already a copy.
+            if x is None or (recent == sinks and old):
+                return x
+            kept = x.narrow(dim, recent, total - recent)
+            return torch.cat((x.narrow(dim, 0, sinks), kept), dim) if sinks else kept.clone()
 
         self._pending_window = (
             pick(all_keys, -2), pick(all_values, -2), pick(all_positions, -1), pick(all_padding, -1),
