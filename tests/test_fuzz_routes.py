@@ -783,12 +783,21 @@ def test_every_route_is_fuzzed():
     assert set(STRATEGIES) == {route.name for route in dispatch.ROUTES}
 
 
-@pytest.mark.parametrize(
-    "route", [pytest.param(name, marks=pytest.mark.gpu) if name == "flex" else name for name in STRATEGIES]
-)  # FlexAttention's route is CUDA only
-@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+_SLOW_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+
+@pytest.mark.parametrize("route", [name for name in STRATEGIES if name != "flex"])
+@settings(suppress_health_check=_SLOW_HEALTH)
 @given(data=st.data())
 def test_route_matches_float64(route, data):
     for _ in range(CASES_PER_EXAMPLE.get(route, 1)):
         case = data.draw(STRATEGIES[route](route), label="case")
         check(case)
+
+
+@pytest.mark.gpu  # FlexAttention's route is CUDA only
+@settings(suppress_health_check=_SLOW_HEALTH, max_examples=min(settings.default.max_examples, 8))
+@given(data=st.data())
+def test_flex_route_matches_float64(data):
+    """Fewer examples: each compiles FlexAttention for its shapes (25 had not finished after about two minutes on an H200, 2026-11-27)."""
+    check(data.draw(STRATEGIES["flex"]("flex"), label="case"))
