@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from selfattn.functional import apply_rotary, rotary_frequencies, sinusoidal_table
 from selfattn.positional import RotaryPositionalEncoding
-from selfattn.positional.rotary import MAX_ANGLE_TABLE_VALUES
+from selfattn.positional.rotary import MAX_ANGLE_TABLE_VALUES, ROWS_PAST_CAP
 
 
 def rotary_reference(x: np.ndarray, positions, *, base=10000.0, interleaved=True, rotary_dim=None, freqs=None):
@@ -267,6 +267,26 @@ def test_angle_table_rotates_bit_for_bit_as_forward(options, dtype):
         assert torch.equal(pair[0], computed) and torch.equal(pair[1], rope(keys, torch.arange(first, first + length)))
     assert rope.angle_table.dtype == torch.float64 and rope.angle_table.shape[0] >= 5002
     assert rope.angle_table.numel() <= MAX_ANGLE_TABLE_VALUES  # the rows past the cap were not kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_past_the_table_cap_form_their_rows_once_a_block(monkeypatch, dtype):
+    """Decoding one position at a time past the cap: every step's rotation equals ``forward``'s bit for bit, and the
+    rows are formed once per block of ROWS_PAST_CAP positions (and again where a step jumps back), not per step."""
+    rope = RotaryPositionalEncoding(16)
+    formed = []
+    form = rope._angle_rows
+    monkeypatch.setattr(rope, "_angle_rows", lambda positions: formed.append(positions.numel()) or form(positions))
+    gen = torch.Generator().manual_seed(3)
+    first = MAX_ANGLE_TABLE_VALUES // 32  # the cap's first position for 16 features
+    steps = [*range(first, first + ROWS_PAST_CAP + 5), first + 2]
+    for position in steps:
+        x, keys = torch.randn(1, 2, 1, 16, generator=gen).to(dtype), torch.randn(1, 1, 1, 16, generator=gen).to(dtype)
+        pair = rope.rotate_consecutive_pair(x, keys, position)
+        assert pair is not None
+        at = torch.tensor([position])
+        assert torch.equal(pair[0], rope(x, at)) and torch.equal(pair[1], rope(keys, at)), position
+    assert formed == [ROWS_PAST_CAP] * 3
 
 
 def test_angle_table_declines_what_it_cannot_serve():

@@ -37,6 +37,9 @@ CachedKeys = Literal["rerotate", "keep"]
 #: float64): 16 MiB, e.g. 16,384 positions of a head size of 64. Positions past it are rotated from angles formed per call.
 MAX_ANGLE_TABLE_VALUES = 1 << 21
 
+#: Positions whose angle rows are formed together past the table's size cap, and kept while the steps stay inside.
+ROWS_PAST_CAP = 1024
+
 
 class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
     """Rotate each query and key by its position, so their scores depend on distance only.
@@ -153,6 +156,8 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         # angle_table's cos and sin halves in the rotation's dtype, made once: (the table they came from, the dtype,
         # cos rows, signed sin rows).
         self._split_tables: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        # Rows past the cap (_rows_past_cap): (the table then, the dtype, the first position, cos rows, sin rows).
+        self._past_cap: tuple[torch.Tensor, torch.dtype, int, torch.Tensor, torch.Tensor] | None = None
         self.register_buffer("inv_freq", torch.empty(0, dtype=torch.float64, device=device), persistent=False)
         self._build_tables()
 
@@ -247,12 +252,31 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         ):
             return None
         if 2 * stop * self.rotary_dim > MAX_ANGLE_TABLE_VALUES:
-            rows = self._angle_rows(torch.arange(first, stop, device=device)).to(rotation_dtype(x))  # (l, 2r)
-            return rows[:, : self.rotary_dim], rows[:, self.rotary_dim :]
+            return self._rows_past_cap(first, length, rotation_dtype(x), device)
         if stop > self.angle_table.shape[0] or self.angle_table.device != device:
             self._grow_angle_table(stop)
         cos_table, sin_table = self._split_table(rotation_dtype(x))
         return cos_table.narrow(0, first, length), sin_table.narrow(0, first, length)  # two views: the cheapest reads
+
+    def _rows_past_cap(
+        self, first: int, length: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_consecutive_rows` past the table's size cap: read from :data:`ROWS_PAST_CAP` positions' rows formed
+        together and kept while the steps stay inside them (a long decoding forms rows once a block, not once a
+        step: on a GPU those are several launches). Each row depends on its own position alone: the same bits."""
+        held, table = self._past_cap, self.angle_table
+        if (
+            held is None
+            or held[0] is not table
+            or held[1] != dtype
+            or not 0 <= first - held[2] <= held[3].shape[0] - length
+        ):
+            count = max(length, ROWS_PAST_CAP)
+            rows = self._angle_rows(torch.arange(first, first + count, device=device)).to(dtype)  # (count, 2r)
+            r = self.rotary_dim
+            held = self._past_cap = (table, dtype, first, rows[:, :r].contiguous(), rows[:, r:].contiguous())
+        start = first - held[2]
+        return held[3].narrow(0, start, length), held[4].narrow(0, start, length)
 
     def _split_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``angle_table``'s cos and signed sin halves ``(n, r)`` each, contiguous, in ``dtype``: made once per table
