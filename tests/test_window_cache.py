@@ -68,3 +68,47 @@ def test_a_windowed_cache_holds_copies_of_what_it_keeps(sink_tokens, prompt):
         seen = cache.update(token, token)
         assert seen.keys.shape[-2] == min(sink_tokens, prompt) + min(7, prompt - min(sink_tokens, prompt) + step) + 1
         torch.testing.assert_close(seen.keys[:, :, -1:], token, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 2])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared positions", "positions per sequence"])
+def test_a_window_step_returns_and_keeps_what_an_update_does(sink_tokens, shared):
+    """KVCache.write_window_step (a layer's decoding plan writes each step of a windowed cache with it) against
+    update(..., commit=False) then commit, over steps that fill the window and slide it."""
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randn(2, 2, 3, 4, generator=gen)
+    step_cache, update_cache = KVCache(window=5, sink_tokens=sink_tokens), KVCache(window=5, sink_tokens=sink_tokens)
+    positions = None if shared else torch.tensor([[0, 1, 2], [4, 5, 6]])
+    for cache in (step_cache, update_cache):
+        cache.update(prompt, prompt * 2, positions=positions)
+    for first in range(3, 12):
+        token = torch.randn(2, 2, 1, 4, generator=gen)
+        stepped = step_cache.write_window_step(token, token * 2, first)
+        updated = update_cache.update(token, token * 2, positions=torch.tensor([first]), commit=False)
+        assert stepped is not None
+        for name, got, expected in zip(updated._fields, stepped, updated, strict=True):
+            if expected is None or isinstance(expected, int):
+                assert got == expected, (first, name)
+            else:
+                assert torch.equal(got, expected), (first, name)
+        step_cache.commit()
+        update_cache.commit()
+    nothing = torch.zeros(2, 2, 0, 4)
+    after_steps, after_updates = step_cache.update(nothing, nothing), update_cache.update(nothing, nothing)
+    assert torch.equal(after_steps.keys, after_updates.keys) and torch.equal(after_steps.positions, after_updates.positions)
+
+
+def test_a_window_step_writes_nothing_where_an_update_must_decide():
+    token = torch.randn(1, 2, 1, 4)
+    assert KVCache(window=4).write_window_step(token, token, 0) is None  # nothing stored yet
+    assert KVCache(max_len=8).write_window_step(token, token, 0) is None  # no window
+    cache = KVCache(window=4)
+    cache.update(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), padding=torch.tensor([[True, False]]))
+    assert cache.write_window_step(token, token, 2) is None  # padding held: the visibility reads it
+    cache = KVCache(window=4)
+    cache.update(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+    assert cache.write_window_step(torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4), 2) is None  # other heads
+    assert cache.write_window_step(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4), 2) is None  # two entries
+    assert cache.length == 2 and cache.write_window_step(token.double(), token.double(), 2) is None
+    with pytest.raises(ValueError, match="do not fit a cache"):
+        cache.update(torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4))  # what the full path then says

@@ -193,8 +193,10 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     else:  # the term reads the keys' positions
         positioned = cache.write_positioned_step(k, v, first)
         written, key_positions = (None, None) if positioned is None else (positioned[:2], positioned[2])
-    if written is None:  # a windowed cache (or a call that must raise): the full update
-        seen = cache.update(k, v, positions=torch.arange(first, first + 1, device=k.device), commit=False)
+    if written is None:  # a windowed cache: its step; or a call that must raise: the full update
+        seen = cache.write_window_step(k, v, first)
+        if seen is None:
+            seen = cache.update(k, v, positions=torch.arange(first, first + 1, device=k.device), commit=False)
         written, first_key, key_positions = (seen.keys, seen.values), seen.first_index, seen.positions
     keys, values = written
     verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's

@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 import torch
 
-from selfattn._validation import require_non_negative_int, require_positive_int, require_tensor
+from selfattn._cache_checks import check_entries
+from selfattn._validation import require_non_negative_int, require_positive_int
 
 __all__ = ["CachedKeys", "KVCache"]
 
@@ -202,7 +203,7 @@ class KVCache:
         Positions default to ``length .. length + l - 1``. Document ids must be given on every
         call of a cache that holds them, and on none of one that does not.
         """
-        self._check(keys, values)
+        check_entries(keys, values, self._keys if self.length else None, self._values if self.length else None)
         self._write_deferred()
         self._pending_deferred = False
         batch, new = keys.shape[0], keys.shape[-2]
@@ -317,6 +318,33 @@ class KVCache:
         assert positions is not None  # written, with every deferred one before them
         return stored_keys, stored_values, positions
 
+    def write_window_step(self, keys: torch.Tensor, values: torch.Tensor, first: int) -> CachedKeys | None:
+        """``update(keys, values, positions=arange(first, first + 1), commit=False)`` of one entry ``(b, hk, 1, dh)``
+        for a windowed cache holding entries of this shape, dtype and device, no padding nor documents: what a
+        layer's decoding plan writes each step of such a cache, without the checks those conditions hold by.
+        None where any fails (nothing is written): :meth:`update` then writes, or raises."""
+        stored_keys, stored_values, stored_positions = self._keys, self._values, self._positions
+        if (
+            self.window is None
+            or keys.shape[-2] != 1
+            or self.length == 0
+            or stored_positions is None
+            or stored_keys is None
+            or stored_values is None
+            or self.holds_marks
+            or self._pending_window is not None
+            or values.shape[:-1] != keys.shape[:-1]
+            or values.device != keys.device
+            or not self._fits(keys, values)
+        ):
+            return None
+        new_positions = stored_positions.new_full((keys.shape[0], 1), first)  # (b, 1), made on the device
+        all_keys = torch.cat((stored_keys, keys), dim=-2)  # (b, hk, old + 1, dh)
+        all_values = torch.cat((stored_values, values), dim=-2)
+        all_positions = torch.cat((stored_positions, new_positions), dim=-1)  # (b, old + 1)
+        self._pending_shared, self._pending_last = self._shared_positions, None
+        return self._slide(all_keys, all_values, all_positions, None, None, self.stored, 1)
+
     def _write_step(
         self, keys: torch.Tensor, values: torch.Tensor, first: int, *, defer: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -405,6 +433,24 @@ class KVCache:
                 old_padding = torch.zeros(positions.shape[0], old, dtype=torch.bool, device=positions.device)
             new_padding = torch.zeros_like(positions, dtype=torch.bool) if padding is None else padding.to(torch.bool)
             all_padding = torch.cat((old_padding, new_padding), dim=-1)  # (b, old + l)
+        seen = self._slide(all_keys, all_values, all_positions, all_padding, all_documents, old, keys.shape[-2])
+        if commit:
+            self.commit()
+        return seen
+
+    def _slide(
+        self,
+        all_keys: torch.Tensor,
+        all_values: torch.Tensor,
+        all_positions: torch.Tensor,
+        all_padding: torch.Tensor | None,
+        all_documents: torch.Tensor | None,
+        old: int,
+        new: int,
+    ) -> CachedKeys:
+        """What a windowed cache's queries see (its ``old`` stored entries and the ``new`` ones), with what it keeps
+        after them pending until :meth:`commit`."""
+        assert self.window is not None
         # The stored keys count as the ones just before the new: exact for a window, and for sink
         # tokens the causal mask still lets every query see them (no other rule is allowed then).
         first_index = self.length - old
@@ -424,11 +470,8 @@ class KVCache:
             pick(all_keys, -2), pick(all_values, -2), pick(all_positions, -1), pick(all_padding, -1),
             pick(all_documents, -1),
         )  # type: ignore[assignment]  # fmt: skip
-        self._pending = keys.shape[-2]
-        seen = self._seen(all_keys, all_values, all_positions, all_padding, first_index, all_documents)
-        if commit:
-            self.commit()
-        return seen
+        self._pending = new
+        return self._seen(all_keys, all_values, all_positions, all_padding, first_index, all_documents)
 
     def _seen(
         self,
@@ -454,36 +497,3 @@ class KVCache:
             and values.dtype == stored_values.dtype
             and keys.device == stored_keys.device
         )
-
-    def _check(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for name, t in (("keys", keys), ("values", values)):
-            require_tensor(name, t)
-            if t.dim() < 2:
-                raise ValueError(f"{name} must have shape (b, h, l, features), got {tuple(t.shape)}")
-        if values.shape[:-1] != keys.shape[:-1]:
-            raise ValueError(
-                f"values of shape {tuple(values.shape)} do not match keys of shape {tuple(keys.shape)} "
-                "(same batch, heads and length expected)"
-            )
-        if values.dtype != keys.dtype or values.device != keys.device:
-            raise ValueError(
-                f"keys and values must share dtype and device, got keys {keys.dtype} on {keys.device} "
-                f"and values {values.dtype} on {values.device}"
-            )
-        stored_keys, stored_values = self._keys, self._values
-        if self.length == 0 or stored_keys is None or stored_values is None:
-            return
-        if keys.dtype != stored_keys.dtype or keys.device != stored_keys.device:
-            raise ValueError(
-                f"keys of dtype {keys.dtype} on {keys.device} do not fit a cache holding {stored_keys.dtype} "
-                f"on {stored_keys.device}; call reset() to start over"
-            )
-        if keys.shape[:-2] != stored_keys.shape[:-2] or keys.shape[-1] != stored_keys.shape[-1]:
-            raise ValueError(
-                f"keys of shape {tuple(keys.shape)} do not fit a cache holding {tuple(stored_keys.shape)}; "
-                "use one cache per layer and per batch"
-            )
-        if values.shape[-1] != stored_values.shape[-1]:
-            raise ValueError(
-                f"values of shape {tuple(values.shape)} do not fit a cache holding {tuple(stored_values.shape)}"
-            )
