@@ -95,7 +95,9 @@ def test_a_window_step_returns_and_keeps_what_an_update_does(sink_tokens, shared
         update_cache.commit()
     nothing = torch.zeros(2, 2, 0, 4)
     after_steps, after_updates = step_cache.update(nothing, nothing), update_cache.update(nothing, nothing)
-    assert torch.equal(after_steps.keys, after_updates.keys) and torch.equal(after_steps.positions, after_updates.positions)
+    assert torch.equal(after_steps.keys, after_updates.keys) and torch.equal(
+        after_steps.positions, after_updates.positions
+    )
 
 
 def test_a_window_step_writes_nothing_where_an_update_must_decide():
