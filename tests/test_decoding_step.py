@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,14 +115,17 @@ def test_training_keeps_the_routes_own_functions():
 )  # fmt: skip
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("kv_heads", [HK, H], ids=["grouped", "a key head per query head"])
-@pytest.mark.parametrize("num_keys", [5, 31, 32, 600], ids=["5 keys", "31 keys", "32 keys", "600 keys (rows layout)"])
+@pytest.mark.parametrize(
+    "num_keys", [5, 7, 8, 15, 16, 31, 32, 600], ids=lambda n: f"{n} keys" + (" (rows layout)" if n == 600 else "")
+)
 def test_a_nan_query_gives_nan_in_a_decoding_step(no_copy_of_the_keys, options, bad, kv_heads, num_keys):
     if bad == float("inf") and "softcap" in options:
         pytest.skip("capped, an infinite score is finite: the formula gives a number")
     q = torch.randn(1, H, 1, D)
     q[0, 1, 0, 2] = bad
-    # 5 keys: where PyTorch's CPU kernel gives a NaN query a row of zeros (the guard must make it NaN); from 32
-    # keys the kernel gives NaN itself (the next test pins that) and the unmasked step adds no guard.
+    # 5 keys: where PyTorch's CPU kernel gives a NaN query a finite row (the guard must make it NaN); from one
+    # vector of keys (8 with AVX2, 16 with AVX-512, 32 elsewhere) the kernel gives NaN itself (the next test pins
+    # that) and the unmasked step adds no guard.
     k, v = torch.randn(1, kv_heads, num_keys, D), torch.randn(1, kv_heads, num_keys, D)
     with torch.no_grad():
         for _ in range(2):  # the second call from the functional memory
@@ -130,20 +136,21 @@ def test_a_nan_query_gives_nan_in_a_decoding_step(no_copy_of_the_keys, options, 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    num_keys=st.integers(32, 1200), head_dim=st.sampled_from([8, 16, 32, 64, 128, 256]),
+    keys_past=st.one_of(st.integers(0, 40), st.integers(0, 1200)), head_dim=st.sampled_from([8, 16, 32, 64, 128, 256]),
     heads=st.sampled_from([(8, 8), (8, 2), (4, 1)]), num_queries=st.integers(1, 4),
     dtype=st.sampled_from([torch.float32, torch.float64]), threads=st.sampled_from([1, 2]),
     bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]), seed=st.integers(0, 2**16),
 )  # fmt: skip
-def test_the_cpu_kernel_gives_a_nan_query_a_nan_row_from_32_keys(
-    num_keys, head_dim, heads, num_queries, dtype, threads, bad, seed
+def test_the_cpu_kernel_gives_a_nan_query_a_nan_row_from_one_vector_of_keys(
+    keys_past, head_dim, heads, num_queries, dtype, threads, bad, seed
 ):
-    """What fused_unmasked relies on to leave out its guard from _KERNEL_SPREADS_NAN_FROM_KEYS keys: PyTorch's own
-    kernel gives a query holding a NaN or an infinity a row of NaN, and no other row a NaN. If a PyTorch release
-    changes that, this fails, and the threshold must go (the guard then runs for every size, as below it)."""
+    """What fused_unmasked relies on to leave out its guard from _KERNEL_SPREADS_NAN_FROM_KEYS keys (one vector of
+    the dtype's lanes on this machine's capability): PyTorch's own kernel gives a query holding a NaN or an
+    infinity a row of NaN, and no other row a NaN. If a PyTorch release or a CPU changes that, this fails, and the
+    threshold must go (the guard then runs for every size, as below it)."""
     from selfattn.functional._unmasked import _KERNEL_SPREADS_NAN_FROM_KEYS
 
-    assert num_keys >= _KERNEL_SPREADS_NAN_FROM_KEYS == 32
+    num_keys = _KERNEL_SPREADS_NAN_FROM_KEYS[dtype] + keys_past
     gen = torch.Generator().manual_seed(seed)
     h, hk = heads
     q = torch.randn(2, h, num_queries, head_dim, generator=gen, dtype=dtype)
@@ -161,6 +168,30 @@ def test_the_cpu_kernel_gives_a_nan_query_a_nan_row_from_32_keys(
     others = torch.ones(out.shape[:3], dtype=torch.bool)
     others[where] = False
     assert not out[others].isnan().any()
+
+
+_AVX2_PROBE = """
+import torch, torch.nn.functional as F
+from selfattn.functional._unmasked import _KERNEL_SPREADS_NAN_FROM_KEYS
+assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+for dtype, fewest in _KERNEL_SPREADS_NAN_FROM_KEYS.items():
+    for num_keys in (fewest - 1, fewest, fewest + 1):
+        q, k, v = torch.randn(1, 2, 1, 16, dtype=dtype), torch.randn(1, 2, num_keys, 16, dtype=dtype), torch.randn(1, 2, num_keys, 16, dtype=dtype)
+        q[0, 1, 0, 3] = float("nan")
+        print(dtype, num_keys, bool(F.scaled_dot_product_attention(q, k, v)[0, 1].isnan().all()))
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="an x86 CPU with AVX2")
+def test_with_avx2_the_guard_covers_the_keys_below_one_of_its_vectors():
+    """Forced to AVX2 (``ATEN_CPU_CAPABILITY``), the thresholds are AVX2's vector (8 float32 or 4 float64 keys),
+    and PyTorch's kernel gives a NaN query a finite row just below them and a row of NaN from them on."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", _AVX2_PROBE], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[:-1] == [
+        "torch.float32 7 False", "torch.float32 8 True", "torch.float32 9 True",
+        "torch.float64 3 False", "torch.float64 4 True", "torch.float64 5 True",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["softcap", "softcap and sinks"])
@@ -187,9 +218,9 @@ def test_a_masked_decoding_step_hides_its_keys(no_copy_of_the_keys, with_sinks):
 @pytest.mark.parametrize("grad_mode", [False, True], ids=["no grad", "grad mode"])
 def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mode):
     """unmasked_step reads the kind's facts once (at 40 keys here) and then only the number of keys: at sizes on
-    both sides of its thresholds (the NaN guard's 32 keys, the rows layout's 512) it gives fused_unmasked's
-    answer bit for bit, the formula's within rounding, and a query holding NaN or an infinity a row of NaN (below
-    32 keys too, where PyTorch's kernel gives some such queries zeros)."""
+    both sides of its thresholds (the NaN guard's one vector of keys, the rows layout's 512) it gives
+    fused_unmasked's answer bit for bit, the formula's within rounding, and a query holding NaN or an infinity a
+    row of NaN (below one vector of keys too, where PyTorch's kernel gives some such queries a finite row)."""
     from selfattn.functional._unmasked import fused_unmasked, unmasked_step
 
     h, hk = heads
@@ -201,7 +232,7 @@ def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mod
 
     with torch.set_grad_enabled(grad_mode):
         step = unmasked_step(*heads_of(40), 0.3)
-        for num_keys in (1, 7, 31, 32, 33, 511, 512, 700):
+        for num_keys in (1, 3, 4, 7, 8, 15, 16, 31, 32, 33, 511, 512, 700):
             q, k, v = heads_of(num_keys)
             q[1, 0, 0, 2], q[1, 1, 0, 3], q[1, 2, 0, 4] = float("inf"), float("-inf"), float("nan")
             out = step(q, k, v)

@@ -148,4 +148,7 @@ def is_compiling() -> bool:
 
 def in_func_transform() -> bool:
     """Whether a ``torch.func`` transform (grad, vmap, ...) is running: autograd Functions without functorch rules cannot."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return _peek_interpreter_stack() is not None
+
+
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack  # bound once: a decoding step reads it
