@@ -104,18 +104,35 @@ def _module_name(path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """selfattn module -> the selfattn modules it imports, at the top or inside a function."""
+    """selfattn module -> the selfattn modules it imports, at the top or inside a function, and the packages above
+    each (importing ``a.b.c`` runs ``a.b``'s ``__init__`` first); imports for type checkers alone are left out."""
     modules = {_module_name(path): path for path in SRC.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         imported = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _run_nodes(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
             elif isinstance(node, ast.Import):
                 imported |= {alias.name for alias in node.names}
-        graph[name] = {other for other in imported if other in modules and other != name}
+        imported |= {".".join(other.split(".")[:end]) for other in imported for end in range(2, other.count(".") + 1)}
+        graph[name] = {
+            other for other in imported if other in modules and other != name and not name.startswith(f"{other}.")
+        }
     return graph
+
+
+def _run_nodes(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of ``tree`` outside ``if TYPE_CHECKING:`` blocks (never run)."""
+    nodes, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        nodes.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -164,3 +181,12 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_no_import_cycles_among_selfattn_modules() -> None:
     assert cycles(import_graph()) == []
+
+
+def test_a_route_imported_before_anything_else_loads() -> None:
+    """Importing a route's module first runs ``selfattn.functional``'s ``__init__`` before the route's own imports
+    finish: the package's names load on first use, so that leads back to no half-loaded module."""
+    for first in ("selfattn.core.routes._decode", "selfattn.core.routes.key_row", "selfattn.core.dispatch"):
+        done = run_python(f"import {first}\nfrom selfattn.functional import attention\nprint(attention.__module__)")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "selfattn.functional._attention"
