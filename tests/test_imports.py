@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 from python_subprocess import run_python
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "selfattn"
@@ -190,3 +191,19 @@ def test_a_route_imported_before_anything_else_loads() -> None:
         done = run_python(f"import {first}\nfrom selfattn.functional import attention\nprint(attention.__module__)")
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "selfattn.functional._attention"
+
+
+def test_every_name_of_the_functional_package_loads_from_its_home() -> None:
+    import importlib
+
+    import selfattn.functional as functional
+
+    homes = functional._HOMES
+    assert set(homes) == set(functional.__all__)
+    for name, home in homes.items():
+        assert getattr(functional, name) is getattr(importlib.import_module(home), name)
+    namespace: dict[str, object] = {}
+    exec("from selfattn.functional import *", namespace)
+    assert set(functional.__all__) <= set(namespace)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        functional.no_such_name  # noqa: B018
