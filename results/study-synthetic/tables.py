@@ -43,12 +43,10 @@ def _steps_to_learn(runs: list[dict[str, Any]]) -> str:
 
 def _beyond_at_checks(runs: list[dict[str, Any]]) -> str:
     """Exact match past the training lengths in the checks made during training (12 lengths over L+1..4L, 16
-    samples each), mean over seeds: at the first check at 99% in range (the early-stopping reading; runs that
-    never got there are left out) and at the last check (the compute-matched one)."""
+    samples each), over seeds: at the first check at 99% in range (the early-stopping reading; runs that never
+    got there are left out) and at the last check (the compute-matched one)."""
     at_stop = [next(c[2] for c in r["checks"] if c[0] == r["steps_to_learn"]) for r in runs if r.get("steps_to_learn")]
-    last = [r["checks"][-1][2] for r in runs]
-    stop = f"{100 * statistics.fmean(at_stop):.1f}" if at_stop else "-"
-    return f"{stop} | {100 * statistics.fmean(last):.1f}"
+    return f"{_cell(at_stop) if at_stop else '-'} | {_cell([r['checks'][-1][2] for r in runs])}"
 
 
 def tables(runs: list[dict[str, Any]]) -> list[str]:

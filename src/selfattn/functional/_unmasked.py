@@ -29,15 +29,15 @@ __all__ = ["causal_square_step", "fused_unmasked", "unmasked_step"]
 _ROWS_MIN_KEYS = 512
 
 #: Bytes of the vectors PyTorch's CPU kernels use, by the capability it reports (measured with
-#: ``ATEN_CPU_CAPABILITY``): below one vector of keys the kernel's row maximum skips a NaN, so a NaN (or
-#: infinite) query gets a finite row (16 float32 or 8 float64 keys with AVX-512, 8 or 4 with AVX2).
+#: ``ATEN_CPU_CAPABILITY``): below one vector of keys the kernel's row maximum skips a NaN, so a NaN query gets
+#: a finite row (16 float32 or 8 float64 keys with AVX-512, 8 or 4 with AVX2).
 _VECTOR_BYTES = {"AVX512": 64, "AVX2": 32}
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
 
-#: Fewest keys, by dtype, from which the CPU kernel gives a NaN (or infinite) query a row of NaN itself, so
-#: :func:`fused_unmasked` needs no guard: one vector of the dtype's lanes, and 32 keys (two vectors of AVX-512's
-#: float32 lanes) where the capability is another. tests/test_decoding_step.py pins the kernel's behaviour from
-#: there on.
+#: Fewest keys, by dtype, from which the CPU kernel gives a NaN query a row of NaN itself, so
+#: :func:`fused_unmasked` needs no guard on its output: one vector of the dtype's lanes, and 32 keys (two vectors
+#: of AVX-512's float32 lanes) where the capability is another. tests/test_decoding_step.py pins the kernel's
+#: behaviour from there on.
 _KERNEL_SPREADS_NAN_FROM_KEYS = {
     dtype: _VECTOR_BYTES[_CAPABILITY] // dtype.itemsize if _CAPABILITY in _VECTOR_BYTES else 32
     for dtype in (torch.float32, torch.float64)
@@ -130,9 +130,13 @@ def _direct_kind(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _direct_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, grouped: bool) -> torch.Tensor:
-    """The kernel, and below one vector of keys :func:`_fused_kernel`'s NaN-query guard (none of its general cases)."""
-    out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=grouped)  # (b, h, lq, dv)
-    # a NaN query: the kernel's own row of NaN, or below one vector of keys NaN added to its finite row
-    if k.shape[2] >= _KERNEL_SPREADS_NAN_FROM_KEYS[q.dtype]:
-        return out
-    return out.add_(q.sum(dim=-1, keepdim=True), alpha=0)
+    """The kernel with :func:`_fused_kernel`'s NaN-query guard in the form each number of keys needs (none of its
+    general cases): a query holding NaN or an infinity gets a row of NaN."""
+    if k.shape[2] < _KERNEL_SPREADS_NAN_FROM_KEYS[q.dtype]:
+        out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=grouped)
+        return out.add_(q.sum(dim=-1, keepdim=True), alpha=0)  # NaN added to the kernel's finite row
+    # From one vector of keys the kernel spreads a NaN query's NaN itself, but an infinite one can make every
+    # score of its row -inf (each key of the opposite sign there), which the kernel reads as a row that sees no
+    # key: zeros. q + 0 * q turns each infinity into NaN (and leaves finite numbers as they are): one operation.
+    q = q.add(q, alpha=0)
+    return F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=grouped)  # (b, h, lq, dv)
