@@ -376,7 +376,8 @@ def fused_cases(draw, route: str) -> Case:
     """PyTorch's kernel: plain, masked, biased or causal (functional); masks and a float attn_mask (module)."""
     batch, (heads, kv) = draw(st.integers(1, 3)), draw(HEADS)
     lq = draw(st.integers(1, 12))
-    lk = lq if draw(st.booleans()) else draw(st.integers(1, 12))
+    # up to 40 keys: a decoding step's kernel call changes form at one vector of keys (8, 16 or 32)
+    lk = lq if draw(st.booleans()) else draw(st.one_of(st.integers(1, 12), st.integers(13, 40)))
     if draw(st.booleans()):
         opts = draw(functional_options()) | {"causal": lq <= lk and draw(st.booleans())}
         opts |= {"mask": draw(st.sampled_from([None, "full", "rows", "keys", "shared"])), "bias": draw(st.booleans())}
@@ -515,13 +516,25 @@ def _decoding(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def run_functional(case: Case) -> tuple[dict, dict]:
-    """``attention`` and the reference on the same heads: ``(actual, expected)`` dicts of outputs and gradients."""
+def run_functional(case: Case, poison: tuple[float, bool] | None = None) -> tuple[dict, dict]:
+    """``attention`` and the reference on the same heads: ``(actual, expected)`` dicts of outputs and gradients.
+
+    ``poison``: ``(value, oppose)`` puts ``value`` (NaN or an infinity) in one element of the last query of the
+    last head (``oppose``: every key that head reads has the opposite sign there, so an infinity makes every score
+    of that row -inf), and runs the call without gradients (the decoding steps' paths); no gradient is compared.
+    """
     o, gen, dtype = case.opts, torch.Generator().manual_seed(case.seed), DTYPES[case.dtype]
     lead = () if o.get("three_d") else (case.batch,)
     q_shape, kv_shape = (*lead, case.heads, case.lq, o["dk"]), (*lead, case.kv_heads, case.lk)
     q, k = _heads(gen, q_shape, o["layouts"][0], dtype), _heads(gen, (*kv_shape, o["dk"]), o["layouts"][1], dtype)
     v = _heads(gen, (*kv_shape, o["dv"]), o["layouts"][2], dtype)
+    if poison is not None:
+        with torch.no_grad():
+            value, oppose = poison
+            q[..., -1, -1, 0] = value
+            if oppose:
+                keys = k[..., -1, :, 0]  # the last key/value head: the last query head's
+                keys.copy_(keys.abs() * (1.0 if value < 0 else -1.0))
     kwargs = {"causal": o.get("causal", False), "scale": o.get("scale"), "softcap": o.get("softcap")}
     kwargs["return_weights"] = o.get("return_weights", False)
     if o.get("mask"):
@@ -537,7 +550,7 @@ def run_functional(case: Case) -> tuple[dict, dict]:
         call.block_size = o["block_size"]
     else:
         call = describe_attention(q, k, v, **kwargs)
-    with _decoding(o.get("threads")):
+    with _decoding(o.get("threads")), torch.no_grad() if poison is not None else contextlib.nullcontext():
         route = dispatch.explain(call).route
         assert route == case.route, f"the case took {route!r}"
         result = attention(q, k, v, **kwargs) if picks is None else dispatch.run(call)
@@ -564,7 +577,7 @@ def run_functional(case: Case) -> tuple[dict, dict]:
         {"out": out, "weights": weights},
         {"out": ref_out, "weights": ref_weights if weights is not None else None},
     )
-    if o.get("threads"):
+    if o.get("threads") or poison is not None:
         return actual, expected  # computed without grad mode: no gradient to compare
     _backward(actual, case.seed + 1)
     _backward(expected, case.seed + 1)
@@ -801,3 +814,41 @@ def test_route_matches_float64(route, data):
 def test_flex_route_matches_float64(data):
     """Fewer examples: each compiles FlexAttention for its shapes (25 had not finished after about two minutes on an H200, 2026-11-27)."""
     check(data.draw(STRATEGIES["flex"]("flex"), label="case"))
+
+
+def assert_nan_where_the_formula_has_nan(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None,
+                                         dtype: str) -> None:  # fmt: skip
+    """Rows (the last dimension) where ``expected`` holds NaN are NaN in ``actual``; the other rows are finite and
+    within the dtype's tolerance, except the poisoned query's, which may be NaN where the formula is not (a query
+    holding NaN or an infinity gets a NaN row, as the fused kernel's guard gives, where sinks or a softcap make the
+    formula finite)."""
+    if expected is None:
+        return
+    assert actual is not None, f"{name}: no value where the reference has one"
+    actual = actual.detach().to("cpu", torch.float64)
+    nan_expected, nan_actual = expected.isnan().any(-1), actual.isnan()
+    assert nan_actual.all(-1)[nan_expected].all(), f"{name}: a number where the formula gives NaN"
+    poisoned = torch.zeros_like(nan_expected)
+    poisoned[..., -1, -1] = True  # the last query of the last head
+    assert not nan_actual.any(-1)[~nan_expected & ~poisoned].any(), f"{name}: NaN in a row the poison cannot reach"
+    finite = ~nan_expected & ~nan_actual.any(-1)
+    assert_close(name, actual[finite], expected[finite], dtype)
+
+
+#: The routes whose strategies draw functional calls (the others' cases are layers, whose projections spread a
+#: poisoned token everywhere).
+FUNCTIONAL_ROUTES = ["sparse selection", "fused sinks", "sliced", "blockwise", "explicit", "explicit softcap/sinks",
+                     "split keys", "fused"]  # fmt: skip
+
+
+@pytest.mark.parametrize("route", FUNCTIONAL_ROUTES)
+@settings(suppress_health_check=_SLOW_HEALTH)
+@given(data=st.data(), value=st.sampled_from([math.nan, math.inf, -math.inf]), oppose=st.booleans())
+def test_route_gives_nan_where_the_formula_does(route, data, value, oppose):
+    """A query holding NaN or an infinity, often against keys that all oppose it (every score of its row -inf,
+    which PyTorch's kernel reads as a row that sees no key): the float64 formula's NaN rows are NaN, the rest as
+    in the formula; without gradients, as decoding runs."""
+    case = data.draw(STRATEGIES[route](route).filter(lambda c: c.api == "functional"), label="case")
+    actual, expected = run_functional(case, poison=(value, oppose))
+    for name, reference in expected.items():
+        assert_nan_where_the_formula_has_nan(name, actual.get(name), reference, case.dtype)

@@ -72,7 +72,9 @@ def _weights(
     if lse is None:
         masked = scores.masked_fill(~seen, float("-inf"))
         lse = torch.logsumexp(masked, dim=-1)
-        lse = torch.where(torch.isfinite(lse), lse, 0.0)
+        # 0 where the row sees no key, decided by what it sees: an infinite query's scores may all be -inf (or
+        # one +inf), and the formula's NaN must stay, not become a zero row
+        lse = torch.where(seen.any(dim=-1), lse, 0.0)
     weights = torch.where(seen, torch.exp(scores - lse[..., None]), 0.0)
     return weights, lse
 
