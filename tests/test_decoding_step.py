@@ -197,6 +197,29 @@ def test_an_infinite_query_that_every_key_opposes_gets_a_nan_row(num_keys, kv_he
             assert not out[others].isnan().any()
 
 
+@pytest.mark.parametrize("options", [{}, {"sinks": "zeros"}, {"causal": True}], ids=["plain", "sinks", "causal"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kv_heads", [HK, H], ids=["grouped", "a key head per query head"])
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["inference", "a gradient wanted"])
+def test_a_single_key_whose_score_is_not_finite_gives_nan(options, bad, kv_heads, grad_mode):
+    """One key: PyTorch's kernel gives each query the key's value whatever its score, where the formula's softmax
+    of one NaN or infinite score is NaN. The guard forms each query's one score (a key holding NaN or an infinity,
+    with a query of either sign there)."""
+    if "sinks" in options:
+        options = {"sinks": torch.zeros(H)}
+    q = torch.randn(1, H, 1, D).abs()  # every score of key element 2 has the key's sign
+    k, v = torch.randn(1, kv_heads, 1, D), torch.randn(1, kv_heads, 1, D)
+    k[0, 1 if kv_heads == HK else 2, 0, 2] = bad
+    with torch.set_grad_enabled(grad_mode):
+        q.requires_grad_(grad_mode)
+        for _ in range(2):  # the second call from the functional memory
+            out = attention(q, k, v, **options)
+            hit = H // kv_heads if kv_heads == HK else 1  # query heads reading the key/value head holding it
+            first = 2 if kv_heads == H else hit
+            assert out[0, first : first + hit].isnan().all()
+            assert not out[0, [h for h in range(H) if not first <= h < first + hit]].isnan().any()
+
+
 _AVX2_PROBE = """
 import torch, torch.nn.functional as F
 from selfattn.functional._unmasked import _KERNEL_SPREADS_NAN_FROM_KEYS

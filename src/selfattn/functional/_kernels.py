@@ -333,6 +333,19 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask, **options)
 
 
+def _nan_guard(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(..., h, lq, 1)``, not finite exactly where PyTorch's kernel may give a finite row the formula makes NaN:
+    each query's sum, and with one key each query's score (the kernel gives a single key's value whatever its
+    score; the formula's softmax of one infinite or NaN score is NaN). Added to the output times 0."""
+    if k.shape[-2] != 1:
+        return q.sum(dim=-1, keepdim=True, dtype=dtype)
+    *lead, heads, num_queries, head_dim = q.shape
+    kv_heads = k.shape[-3]
+    grouped = q.reshape(*lead, kv_heads, heads // kv_heads, num_queries, head_dim)  # (b, hk, g, lq, d)
+    scores = (grouped * k.unsqueeze(-3)).sum(dim=-1, dtype=dtype)  # (b, hk, g, lq): each query's one score
+    return scores.reshape(*lead, heads, num_queries, 1)
+
+
 def _fused_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -361,7 +374,7 @@ def _fused_kernel(
     # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large
     # finite half-precision queries from overflowing into a NaN nobody asked for.
     sum_dtype = _SUM_DTYPES.get(q.dtype) or _SUM_DTYPES.setdefault(q.dtype, torch.promote_types(q.dtype, torch.float32))
-    query_sums = q.sum(dim=-1, keepdim=True, dtype=sum_dtype)  # (b, h, lq, 1)
+    query_sums = _nan_guard(q, k, sum_dtype)  # (b, h, lq, 1)
     if _host_check_pays(out) and bool(query_sums.isfinite().all()):
         return out  # on CPU a host check of the sums costs less than one more pass over a large output
     if sum_dtype == out.dtype:

@@ -21,6 +21,7 @@ from selfattn.functional._kernels import (
     _SDPA_HAS_GQA,
     _fused_kernel,
     _kernel_layout,
+    _nan_guard,
 )
 
 __all__ = ["causal_square_step", "fused_unmasked", "unmasked_step"]
@@ -130,11 +131,12 @@ def _direct_kind(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _direct_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, grouped: bool) -> torch.Tensor:
-    """The kernel with :func:`_fused_kernel`'s NaN-query guard in the form each number of keys needs (none of its
-    general cases): a query holding NaN or an infinity gets a row of NaN."""
+    """The kernel with :func:`_fused_kernel`'s NaN guard in the form each number of keys needs (none of its general
+    cases): a query holding NaN or an infinity gets a row of NaN, and so does one whose single key gives it a score
+    that is not finite."""
     if k.shape[2] < _KERNEL_SPREADS_NAN_FROM_KEYS[q.dtype]:
         out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=grouped)
-        return out.add_(q.sum(dim=-1, keepdim=True), alpha=0)  # NaN added to the kernel's finite row
+        return out.add_(_nan_guard(q, k), alpha=0)  # NaN added to the kernel's finite row
     # From one vector of keys the kernel spreads a NaN query's NaN itself, but an infinite one can make every
     # score of its row -inf (each key of the opposite sign there), which the kernel reads as a row that sees no
     # key: zeros. q + 0 * q turns each infinity into NaN (and leaves finite numbers as they are): one operation.

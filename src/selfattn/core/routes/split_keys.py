@@ -26,6 +26,7 @@ import torch
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._reasons import holding
+from selfattn.functional._kernels import _nan_guard
 
 __all__ = ["SPLIT_KEYS", "SPLIT_MIN_KEYS", "split_chunks", "split_keys_attention"]
 
@@ -130,7 +131,10 @@ def _partials(
     ``q`` ``(b, 1, r, d)`` is repeated (a view) over the ``c`` heads of ``k`` and ``v`` ``(b, c, L, d)``.
     The kernel gives a row that sees no key a zero output and a log-sum-exp of 0.
     """
-    out, lse = _FLASH_CPU(q.expand(-1, k.shape[1], -1, -1), k, v, attn_mask=mask, scale=scale)
+    q = q.expand(-1, k.shape[1], -1, -1)  # (b, c, r, d)
+    out, lse = _FLASH_CPU(q, k, v, attn_mask=mask, scale=scale)
+    if k.shape[2] == 1:  # the kernel gives a single key its whole weight whatever its score: keep the formula's NaN
+        lse = lse + _nan_guard(q, k).squeeze(-1).mul(0).to(lse.dtype)
     if mask is not None:
         lse = lse.masked_fill(~(mask > float("-inf")).any(dim=-1), float("-inf"))
     return out, lse
@@ -160,7 +164,8 @@ def split_keys_attention(call: AttentionCall, chunks: int) -> torch.Tensor:
     merge = torch.promote_types(outs.dtype, torch.float32)
     total = weights.sum(dim=1, keepdim=True)[..., None]  # (b, 1, r, 1): 0 where a row sees no key
     out = (outs.to(merge) * weights[..., None]).sum(dim=1, keepdim=True)
-    out = torch.where(total > 0, out / total, 0.0)  # a row that sees no key gets zeros, as from the fused route
+    # a row that sees no key gets zeros, as from the fused route; a NaN (a NaN score in a chunk) stays NaN
+    out = torch.where(total == 0, 0.0, out / total)
     # The kernel gives a query holding NaN or inf a zero row; the formula gives NaN (as the fused route does).
     out = out + q.sum(dim=-1, keepdim=True, dtype=merge).mul(0)
     return out.to(call.dtype)  # (b, 1, r, d)
