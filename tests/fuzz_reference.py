@@ -130,7 +130,11 @@ def attend(q, k, v, seen, *, scale, bias=None, softcap=None, sinks=None):
         total = total + torch.exp(sink - shift)
     empty = ~seen.any(dim=-1, keepdim=True)
     weights = torch.where(empty, torch.zeros_like(exps), exps / torch.where(empty, torch.ones_like(total), total))
-    return weights @ v, weights
+    if torch.isfinite(v).all():
+        return weights @ v, weights
+    # a key the row does not see adds nothing, whatever its value (weights @ v would add 0 * NaN)
+    terms = weights.unsqueeze(-1) * v.unsqueeze(-3)  # (b, h, lq, lk, dv)
+    return torch.where(seen.unsqueeze(-1), terms, 0.0).sum(dim=-2), weights
 
 
 # ---------------------------------------------------------------------------------------- encodings

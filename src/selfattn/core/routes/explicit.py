@@ -38,6 +38,11 @@ def _run(call: AttentionCall) -> Output:
     if call.term is not None and call.value_term:
         assert call.q_positions is not None and call.k_positions is not None
         out = out + call.term.value_term(dropped, q_positions=call.q_positions, k_positions=call.k_positions)
+    if call.term is not None and call.softcap is None:
+        # A term's bias formed from a query holding an infinity can be -inf at every key, which attention_weights
+        # reads as a mask (a row that sees no key: zeros); the formula's row is NaN, as the fused route gives.
+        guard = call.q.sum(dim=-1, keepdim=True).mul(0)  # (b, h, lq, 1)
+        out, weights = out + guard.to(out.dtype), weights + guard.to(weights.dtype)
     return Output(out, weights if call.return_weights else None)
 
 
