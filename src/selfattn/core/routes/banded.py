@@ -71,7 +71,10 @@ def _run(call: AttentionCall) -> Output:
         q_b, kv_bands(k), kv_bands(v), mask=mask, bias=bias, causal=False, dropout_p=call.dropout_p, scale=call.scale
     )  # (b * blocks, h, block, dh)
     out = out.view(batch, num_blocks, heads, block, -1).transpose(1, 2)  # (b, h, blocks, block, dh)
-    return Output(out.reshape(batch, heads, num_blocks * block, -1)[:, :, :length])
+    out = out.reshape(batch, heads, num_blocks * block, -1)[:, :, :length]
+    if bias is not None:  # a term's bias formed from an infinite query can hide every key (-inf): NaN, as the formula
+        out = out + q.sum(dim=-1, keepdim=True).mul(0).to(out.dtype)
+    return Output(out)
 
 
 BANDED = Route("banded", _declines, _run)
