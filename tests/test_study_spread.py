@@ -12,7 +12,7 @@ import pytest
 from selfattn.study.options import study_settings, text_settings
 from selfattn.study.provenance import code_version, code_versions, mixed_versions_warning
 from selfattn.study.runner import summarize
-from selfattn.study.spread import best_and_ties, differs, interval95, t_quantile_975
+from selfattn.study.spread import best_and_ties, differs, interval95, prediction95, t_quantile_975
 from selfattn.study.summary import summary_lines
 from selfattn.study.text_tables import summarize_text, text_table
 
@@ -24,6 +24,16 @@ def test_interval_is_t_times_the_standard_error() -> None:
     assert found["mean"] == pytest.approx(0.46) and found["sd"] == pytest.approx(sd)
     assert found["half_width"] == pytest.approx(2.776 * sd / math.sqrt(5))
     assert interval95([0.7])["half_width"] is None  # one seed: no interval
+
+
+def test_a_new_runs_interval_is_wider_than_the_means_by_sqrt_of_n_plus_one() -> None:
+    values = [0.2, 0.5, 0.3, 0.4, 0.9]
+    sd = math.sqrt(sum((v - 0.46) ** 2 for v in values) / 4)
+    found = prediction95(values)
+    assert found is not None
+    assert found["high"] == pytest.approx(0.46 + 2.776 * sd * math.sqrt(1.2))
+    assert found["low"] == pytest.approx(0.46 - 2.776 * sd * math.sqrt(1.2))
+    assert prediction95([0.7]) is None  # one seed predicts no spread
 
 
 def test_t_quantile_past_the_table_is_close_to_the_true_value() -> None:

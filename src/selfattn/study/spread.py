@@ -13,7 +13,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-__all__ = ["best_and_ties", "differs", "interval95", "t_quantile_975"]
+__all__ = ["best_and_ties", "differs", "interval95", "prediction95", "t_quantile_975"]
 
 # Student's t at 0.975 for 1..30 degrees of freedom (the seeds minus one).
 _T_975 = (
@@ -49,6 +49,22 @@ def interval95(values: Sequence[float]) -> dict[str, float | int | None]:
     sd = statistics.stdev(values)
     half = t_quantile_975(len(values) - 1) * sd / math.sqrt(len(values))
     return {"mean": mean, "sd": sd, "half_width": half, "low": mean - half, "high": mean + half, "seeds": len(values)}
+
+
+def prediction95(values: Sequence[float]) -> dict[str, float] | None:
+    """``{"low", "high"}``: where one more run, with a seed not among ``values``, lands 95% of the time.
+
+    ``mean ± t(0.975, n - 1) * sd * sqrt(1 + 1 / n)``, for runs whose readings scatter normally
+    around the cell's mean: wider than :func:`interval95`, which bounds the mean, not a run. A
+    rerun of a single run is checked against this. None for one value (no spread to predict from).
+    """
+    interval = interval95(values)
+    if interval["half_width"] is None:
+        return None
+    n = len(values)
+    half = t_quantile_975(n - 1) * float(interval["sd"] or 0.0) * math.sqrt(1 + 1 / n)
+    mean = float(interval["mean"] or 0.0)
+    return {"low": mean - half, "high": mean + half}
 
 
 def differs(first: Sequence[float], second: Sequence[float]) -> bool:
