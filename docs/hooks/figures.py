@@ -35,6 +35,14 @@ FIGURES: dict[str, list[str]] = {
 }  # fmt: skip
 
 
+# figure file -> a figure the study drew from its runs, kept under results/ with them (hours of training, so
+# copied at build time rather than drawn).
+STUDY_FIGURES: dict[str, str] = {
+    "text-L64-perplexity-by-position.png": "results/study-text/L64/figures/perplexity_by_position.png",
+    "text-L64-context-gain.png": "results/study-text/L64/figures/context_gain.png",
+}
+
+
 def draw(name: str, argv: list[str], folder: Path) -> bytes:
     """Run ``selfattn ARGV FOLDER/NAME`` in this process and return the file's bytes."""
     from selfattn.cli.main import main
@@ -54,6 +62,11 @@ def on_files(files: Files, config: Any) -> Files:
         for name, argv in FIGURES.items():
             log.info("drawing figures/%s: selfattn %s", name, " ".join(argv))
             files.append(File.generated(config, f"figures/{name}", content=draw(name, argv, Path(folder))))
+    root = Path(config["config_file_path"]).parent
+    for name, kept in STUDY_FIGURES.items():
+        if not (root / kept).is_file():
+            raise PluginError(f"figures/{name}: the study's figure {kept} is missing")
+        files.append(File.generated(config, f"figures/{name}", content=(root / kept).read_bytes()))
     return files
 
 
