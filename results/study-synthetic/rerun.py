@@ -15,13 +15,13 @@ prediction interval (about one rerun in twenty does not, by chance).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from selfattn._atomic import write_json
 from selfattn.study.provenance import code_version
 from selfattn.study.training import RunSpec, StudyConfig, encoding_label, train_run
 
@@ -43,9 +43,7 @@ def train(out: Path, cells: list[str]) -> None:
             continue
         run = {**spec.as_dict(), **train_run(spec, config, checkpoint=out / f"{spec.key}.pt")}
         run["code_version"] = code_version()
-        partial = target.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(run))
-        os.replace(partial, target)
+        write_json(target, run)
         print(f"{spec.key}: trained in {run['train_cpu_seconds']:.0f} s of CPU", flush=True)
 
 

@@ -13,12 +13,12 @@ seed's reading, the seeds' range and the 95% prediction interval for one new run
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from selfattn._atomic import write_json
 from selfattn.study.corpus import load_corpus, split_corpus
 from selfattn.study.provenance import code_version
 from selfattn.study.text import TextConfig, train_text_run
@@ -43,9 +43,7 @@ def train(grid: Path, out: Path, cells: list[str]) -> None:
             continue
         run = {**spec.as_dict(), **train_text_run(spec, config, corpus, checkpoint=out / f"{spec.key}.pt")}
         run["code_version"] = code_version()
-        partial = target.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(run))
-        os.replace(partial, target)
+        write_json(target, run)
         print(f"{spec.key}: trained in {run['train_cpu_seconds']:.0f} s of CPU", flush=True)
 
 
