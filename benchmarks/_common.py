@@ -120,6 +120,7 @@ def measure(
     warmup: int = 1,
     spread: dict | None = None,
     rounds: dict | None = None,
+    prepare: dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each case, timed round-robin.
 
@@ -129,11 +130,15 @@ def measure(
     Rounds continue until ``max_repeats``, or past ``min_repeats`` once the timed rounds have
     taken ``budget_s`` seconds. If ``spread`` is given, it receives ``(max - min) / median``
     of each case, a plain gauge of how noisy the machine was. If ``rounds`` is given, it receives each
-    case's list of times, round by round (for :func:`paired_ratio`).
+    case's list of times, round by round (for :func:`paired_ratio`). ``prepare[name]``, if given, is called
+    untimed before each call of that case (e.g. one model switched to the case's attention implementation).
     """
     sync = synchronizer(device)
+    prepare = prepare or {}
     for _ in range(warmup):
-        for fn in cases.values():
+        for name, fn in cases.items():
+            if name in prepare:
+                prepare[name]()
             fn()
             sync()
     times: dict[str, list[float]] = {name: [] for name in cases}
@@ -142,6 +147,8 @@ def measure(
         if round_index >= min_repeats and time.perf_counter() - started > budget_s:
             break
         for name, fn in cases.items() if round_index % 2 == 0 else reversed(cases.items()):
+            if name in prepare:
+                prepare[name]()
             sync()
             t0 = time.perf_counter()
             fn()

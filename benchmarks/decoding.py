@@ -290,23 +290,28 @@ def hf_rows(timing: dict, spread: dict, threads: int, device: torch.device) -> t
     register()
     rows, targets = [], []
     for family, baseline in (("llama", "sdpa"), ("gemma2", "eager"), ("gpt_oss", "eager")):
-        models = {impl: _hf_model(family, impl).to(device) for impl in (baseline, "selfattn")}
-        models["again"] = _hf_model(family, baseline).to(device)  # the baseline against itself: the noise floor
+        # One model switched between the implementations before each round's call (untimed): the same weights in
+        # the same memory, so only the attention function differs (two copies of one model differ by a few %).
+        model = _hf_model(family, baseline).to(device)
+        implementations = {baseline: baseline, "selfattn": "selfattn", "again": baseline}
+        prepare = {
+            case: functools.partial(model.set_attn_implementation, impl) for case, impl in implementations.items()
+        }
         for batch in (1, 4):
             prompt = torch.randint(2, 128, (batch, 8), generator=torch.Generator().manual_seed(batch)).to(device)
+
+            def run(model: nn.Module = model, prompt: torch.Tensor = prompt) -> torch.Tensor:
+                with torch.no_grad():
+                    return model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+
             generated = {}
-            cases = {}
-            for impl, model in models.items():
-
-                def run(model: nn.Module = model, prompt: torch.Tensor = prompt) -> torch.Tensor:
-                    with torch.no_grad():
-                        return model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
-
-                generated[impl] = run()
-                cases[impl] = run
+            for case in implementations:
+                prepare[case]()
+                generated[case] = run()
+            cases = dict.fromkeys(implementations, run)
             same = torch.equal(generated[baseline], generated["selfattn"])
             rounds: dict[str, list[float]] = {}
-            r = measure(cases, device=device, spread=spread, rounds=rounds, **timing)
+            r = measure(cases, device=device, spread=spread, rounds=rounds, prepare=prepare, **timing)
             tps = {impl: batch * 64 / seconds for impl, seconds in r.items()}
             x, low, high = paired_ratio(rounds[baseline], rounds["selfattn"])  # tokens/s: the baseline's time over ours
             rows.append(
@@ -465,10 +470,11 @@ def main(argv: list[str] | None = None) -> int:
         "its own with the plain layer (its whole-history pass would leave the next case cold), its time here "
         "that ratio times the plain layer's:",
         "hf": "**transformers generate()**, 64 new tokens after 8, tiny models (4 layers, d=128, 4 heads, "
-        '2 key/value heads), greedy; tokens/s from each model\'s median round; "ratio": the median over rounds '
-        "of the baseline's time over selfattn's in the same round (a paired ratio), with its 95% interval; "
-        '"baseline again": the paired ratio of a second copy of the baseline model, timed in the same rounds, '
-        "against the first (what the machine's noise alone moves a ratio by):",
+        "2 key/value heads), greedy; one model per family, switched to each attention implementation (untimed) "
+        'before each of its calls; tokens/s from each implementation\'s median round; "ratio": the median over '
+        "rounds of the baseline's time over selfattn's in the same round (a paired ratio), with its 95% interval; "
+        '"baseline again": the paired ratio of the baseline timed a second time in the same rounds against the '
+        "first (what the machine's noise alone moves a ratio by):",
         "lm": "**TransformerLM.generate**, 256 tokens after 8, 4 layers, d=256, 8 heads, rotary; ratios paired "
         'as in the table above; "by hand again": a second copy of the model by hand, timed in the same rounds, '
         "against the first (the noise floor):",

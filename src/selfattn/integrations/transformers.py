@@ -396,16 +396,26 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
     ``kwargs["config"]`` names the model (transformers passes it); a model it cannot look up gets
     eager's masks, the form every model's own code was written for.
     """
-    from transformers.masking_utils import eager_mask, sdpa_mask
-
     config = kwargs.get("config")
-    model_type = getattr(config, "model_type", None)
+    try:  # past the config's own __getattribute__ (its attribute map): a microsecond of every decoded token
+        model_type = object.__getattribute__(config, "model_type")
+    except AttributeError:
+        model_type = None
     if model_type in CUT_QUERIES and kwargs.get("q_length") != 1:  # one query (decoding) is never cut
         kwargs["allow_is_causal_skip"] = False  # a mask, cut with the queries, rather than None
-    build = sdpa_mask if model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type) else eager_mask
-    if build is sdpa_mask and not args and _window_hides_nothing(kwargs, config):
+    build, builds_sdpa_masks = _mask_builder(model_type)
+    if builds_sdpa_masks and not args and _window_hides_nothing(kwargs, config):
         kwargs["local_size"] = None  # causality and padding alone decide: transformers may skip the mask
     return build(*args, **kwargs)
+
+
+@functools.cache
+def _mask_builder(model_type: str | None) -> tuple[Any, bool]:
+    """``(transformers' mask function for the model, whether it is sdpa's)``, looked up once per model type."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    builds_sdpa_masks = model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type)
+    return (sdpa_mask if builds_sdpa_masks else eager_mask), builds_sdpa_masks
 
 
 def _window_hides_nothing(kwargs: dict[str, Any], config: Any) -> bool:
@@ -418,8 +428,11 @@ def _window_hides_nothing(kwargs: dict[str, Any], config: Any) -> bool:
     for the model's sliding window: chunked attention passes its chunk size in the same keyword, and a
     chunk hides the keys of the one before it however near they are.
     """
+    window = kwargs.get("local_size")
+    if window is None:
+        return False  # no window: nothing to drop (the common case, read first)
     q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
-    q_offset, kv_offset, window = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0), kwargs.get("local_size")
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
     if not all(type(n) is int for n in (q_length, kv_length, q_offset, kv_offset, window)):
         return False  # a tensor offset (static caches), or no window
     if window != getattr(config, "sliding_window", None) or window == getattr(config, "attention_chunk_size", None):
