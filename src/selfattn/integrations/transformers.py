@@ -455,7 +455,6 @@ PASS_MASKS_THROUGH = frozenset({"gemma2", "gpt_oss"})
 CUT_QUERIES = frozenset({"gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"})
 
 
-@functools.cache
 def _supports_sdpa(model_type: str | None) -> bool:
     """Whether transformers' model of ``model_type`` declares ``sdpa`` support (False when it cannot be found)."""
     import transformers
