@@ -51,6 +51,29 @@ def test_a_nan_key_or_value_a_query_sees_gives_nan_on_both_paths() -> None:
             assert out.isnan().any(dim=-1).all(), which
 
 
+@pytest.mark.parametrize("num_keys", [3, 40])  # below and past the kernel's one vector of keys
+def test_an_infinite_key_or_value_reads_as_attention_docstring_says(num_keys: int) -> None:
+    """+inf score: NaN row; -inf score: that key weighs zero (the other keys' answer); infinite value: inf
+    there; every visible score -inf from infinite keys: zeros fused, NaN explicit (the documented difference)."""
+    q, k, v = qkv(lq=1, lk=num_keys)
+    q = q.abs() + 0.1  # every query element positive: a key's sign decides its score's
+    for sign in (1.0, -1.0):
+        keys = k.clone()
+        keys[..., 1, :] = sign * float("inf")
+        for out in both_paths(q, keys, v):
+            if sign > 0:
+                assert out.isnan().all()
+            else:
+                others = [j for j in range(num_keys) if j != 1]
+                torch.testing.assert_close(out, attention(q, k[..., others, :], v[..., others, :]))
+    values = v.clone()
+    values[..., 1, 0] = float("inf")
+    for out in both_paths(q, k, values):
+        assert out[..., 0].isposinf().all() and out[..., 1:].isfinite().all()
+    fused, explicit = both_paths(q, torch.full_like(k, NEG_INF), v)
+    assert fused.eq(0).all() and explicit.isnan().all()
+
+
 def test_multi_head_attention_propagates_nan() -> None:
     torch.manual_seed(0)
     mha = MultiHeadAttention(8, 2).eval()
