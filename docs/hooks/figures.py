@@ -42,6 +42,8 @@ STUDY_FIGURES: dict[str, str] = {
     "text-L64-context-gain.png": "results/study-text/L64/figures/context_gain.png",
     "text-L128-perplexity-by-position.png": "results/study-text/L128/figures/perplexity_by_position.png",
     "text-L128-context-gain.png": "results/study-text/L128/figures/context_gain.png",
+    "text-L256-perplexity-by-position.png": "results/study-text/L256/figures/perplexity_by_position.png",
+    "text-L256-context-gain.png": "results/study-text/L256/figures/context_gain.png",
 }
 
 
