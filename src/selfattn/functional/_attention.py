@@ -59,13 +59,8 @@ def attention(
     A query that may attend to no key (every key masked, by ``mask``, ``causal`` or a ``-inf``
     bias) gets an output row of zeros and weights of zeros. The textbook instead spreads it
     uniformly over the masked keys, and a plain softmax gives NaN; neither is an answer anyone
-    asked for. A NaN or infinity in a query, or NaN in a key or value it sees, gives NaN in that
-    query's output on both paths, never a zero; an infinite value it weighs gives an infinity or
-    NaN there. An infinite key gives the query a score of +inf, -inf or NaN: +inf and NaN make
-    its row NaN, while -inf weighs that key zero (the softmax's limit), on both paths. One case
-    still differs: a query whose every visible score is -inf, each from an infinite key, gets
-    zeros from the fused kernel (which reads it as a query that sees no key) and NaN from the
-    explicit path; telling the two apart would cost the fused path a pass over the keys.
+    asked for. NaN or an infinity in a query, NaN in a key or value it sees, or a +inf score gives NaN
+    in its row on both paths; a -inf score from an infinite key weighs that key zero (a row of only such: zeros fused, NaN explicit).
 
     Second-order gradients (``create_graph=True``) work: such a backward pass goes through
     PyTorch's math kernel, whose ops are all differentiable (without dropout).
