@@ -52,9 +52,9 @@ def test_a_nan_key_or_value_a_query_sees_gives_nan_on_both_paths() -> None:
 
 
 @pytest.mark.parametrize("num_keys", [3, 40])  # below and past the kernel's one vector of keys
-def test_an_infinite_key_or_value_reads_as_attention_docstring_says(num_keys: int) -> None:
+def test_infinite_keys_and_values_on_both_paths(num_keys: int) -> None:
     """+inf score: NaN row; -inf score: that key weighs zero (the other keys' answer); infinite value: inf
-    there; every visible score -inf from infinite keys: zeros fused, NaN explicit (the documented difference)."""
+    there; every visible score -inf from infinite keys: zeros fused, NaN explicit (attention's docstring)."""
     q, k, v = qkv(lq=1, lk=num_keys)
     q = q.abs() + 0.1  # every query element positive: a key's sign decides its score's
     for sign in (1.0, -1.0):
