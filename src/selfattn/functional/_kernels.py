@@ -368,6 +368,11 @@ def _fused_kernel(
     options: dict[str, Any] = {"dropout_p": dropout_p, "is_causal": is_causal, "scale": scale}
     if grouped and _SDPA_HAS_GQA:
         options["enable_gqa"] = True
+    if q.is_cuda and k.shape[-2] > 1:
+        # Each CUDA backend gives a query holding NaN a row of NaN, but one holding an infinity that makes every
+        # score of its row -inf a row of zeros (tests/test_cuda_nan_rows.py): q + 0 * q turns each infinity into
+        # NaN and leaves finite numbers as they are, one launch where the guard below takes two.
+        return _sdpa(q.add(q, alpha=0), k, v, attn_mask, options)
     out = _sdpa(q, k, v, attn_mask, options)
     # PyTorch's CPU kernel returns a zero row for a query holding NaN or inf; the formula says NaN.
     # Adding 0 * (the query's sum) gives NaN exactly there, for one reduction and no host sync (an
