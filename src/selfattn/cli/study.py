@@ -110,7 +110,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
         "--exercises",
         action="store_true",
         help="instead of the grid: CNN/RNN/self-attention trained on long-range dependencies and deep stacks of "
-        "depth 1..8 trained until they level off (DIR/exercises.json; with --quick a smoke test)",
+        "depth 1..8 trained to 99%% or for 3000 steps (DIR/exercises.json; with --quick a smoke test)",
     )
     add_progress_flag(parser)
     parser.set_defaults(handler=run)

@@ -236,8 +236,10 @@ def exercise_lines(results: dict[str, Any]) -> list[str]:
             if not entry["trains"]
         ]
         count = sum(len(entries) for by_variant in stacks["stacks"].values() for entries in by_variant.values())
+        patience = stacks["config"].get("patience")
+        stop = f"{stacks['config']['max_steps']} steps" + (f", patience {patience}" if patience is not None else "")
         lines.append(
-            f"deep stacks trained to level-off: {count - len(not_trained)} of {count} train; "
+            f"deep stacks ({stop}): {count - len(not_trained)} of {count} train (above chance + 0.05); "
             f"did not train: {', '.join(not_trained) or 'none'}"
         )
     return lines
