@@ -74,6 +74,26 @@ def test_infinite_keys_and_values_on_both_paths(num_keys: int) -> None:
     assert fused.eq(0).all() and explicit.isnan().all()
 
 
+def test_nan_behind_a_mask_reaches_the_row_as_attention_says() -> None:
+    """A masked value weighs 0, and 0 * NaN is NaN on both paths; a masked key's NaN score reaches the fused
+    kernel's row (it adds the mask to the scores) but not the explicit path's (it fills them). The causal rule
+    hides a key's NaN on both (attention's docstring)."""
+    q, k, v = qkv(lq=3, lk=40, d=8)
+    mask = torch.ones(3, 40, dtype=torch.bool)
+    mask[:, :10] = False
+    keys, values = k.clone(), v.clone()
+    keys[..., 3, 2], values[..., 4, 2] = NAN, NAN
+    fused, explicit = both_paths(q, keys, v, mask=mask)
+    assert fused.isnan().all() and explicit.isfinite().all()
+    torch.testing.assert_close(explicit, attention(q, k, v, mask=mask))
+    for out in both_paths(q, k, values, mask=mask):
+        assert out[..., 2].isnan().all() and out[..., [0, 1, 3, 4, 5, 6, 7]].isfinite().all()
+    square_q, square_k, square_v = qkv(lq=40, lk=40, d=8)
+    square_k[..., 30, 1] = NAN
+    for out in both_paths(square_q, square_k, square_v, causal=True):
+        assert out[..., 30:, :].isnan().all() and out[..., :30, :].isfinite().all()
+
+
 def test_multi_head_attention_propagates_nan() -> None:
     torch.manual_seed(0)
     mha = MultiHeadAttention(8, 2).eval()

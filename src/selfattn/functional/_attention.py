@@ -57,10 +57,10 @@ def attention(
     matmul-softmax-matmul that also returns the weights. Both paths give the same result.
 
     A query that may attend to no key (every key masked, by ``mask``, ``causal`` or a ``-inf`` bias) gets an output
-    row of zeros and weights of zeros. The textbook instead spreads it uniformly over the masked keys, and a plain
-    softmax gives NaN; neither is an answer anyone asked for. NaN or an infinity in a query, NaN in a key or value it
-    sees, or a +inf score: NaN in its row on both paths; a -inf score from an infinite key weighs it zero (NaN on
-    CUDA's float32 kernel; a row of only such scores: zeros fused, NaN explicit).
+    row of zeros and weights of zeros (the textbook spreads it over the masked keys; a plain softmax gives NaN). NaN
+    or an infinity in a query, NaN in a key or value it sees, or a +inf score: NaN in its row on both paths, and NaN
+    in a value a ``mask`` hides (0 * NaN), or on the fused path in a key it hides, reaches it too; a -inf score from
+    an infinite key weighs it zero (NaN on CUDA's float32 kernel; a row of only such scores: zeros fused, NaN explicit).
 
     Second-order gradients (``create_graph=True``) work: such a backward pass goes through
     PyTorch's math kernel, whose ops are all differentiable (without dropout).
