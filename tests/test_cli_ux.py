@@ -132,7 +132,7 @@ def test_the_text_table_shows_no_spread_with_one_seed() -> None:
     assert text_table(_text_results(2))[2] == "| rotary | 3.250 ± 0.500 |"
 
 
-def test_resume_on_a_folder_without_a_study_says_it_starts_fresh(
+def test_resume_without_settings_says_it_starts_fresh_or_keeps_the_runs_unchecked(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = argparse.Namespace(resume=True)
@@ -140,6 +140,13 @@ def test_resume_on_a_folder_without_a_study_says_it_starts_fresh(
     assert capsys.readouterr().err == (
         f"selfattn study: --resume: {str(tmp_path / 'empty')!r} holds no earlier study (no config.json); "
         "starting fresh\n"
+    )
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "copy-none-s0.json").write_text("{}")
+    _say_if_nothing_to_resume(args, tmp_path)
+    assert capsys.readouterr().err == (
+        f"selfattn study: --resume: {str(tmp_path)!r} holds no config.json, so the settings of its 1 run file(s) "
+        "cannot be checked; they are kept\n"
     )
     (tmp_path / "config.json").write_text("{}")
     _say_if_nothing_to_resume(args, tmp_path)

@@ -139,15 +139,18 @@ def _until_interrupted(work: Callable[[], T], rerun: str) -> tuple[bool, T | Non
 
 
 def _say_if_nothing_to_resume(args: argparse.Namespace, folder: Path) -> None:
-    """``--resume`` on a folder no study has written into: say that it starts fresh (once, from rank 0)."""
+    """``--resume`` on a folder without an earlier call's settings: say that it starts fresh, or, where run files
+    are there all the same, that they are kept unchecked (once, from rank 0)."""
     import os
 
     if args.resume and not (folder / "config.json").is_file() and os.environ.get("RANK", "0") == "0":
-        print(
-            f"selfattn study: --resume: {str(folder)!r} holds no earlier study (no config.json); starting fresh",
-            file=sys.stderr,
-            flush=True,
+        kept = sum(1 for _ in folder.rglob("*.json")) if folder.is_dir() else 0
+        what = (
+            f"holds no config.json, so the settings of its {kept} run file(s) cannot be checked; they are kept"
+            if kept
+            else "holds no earlier study (no config.json); starting fresh"
         )
+        print(f"selfattn study: --resume: {str(folder)!r} {what}", file=sys.stderr, flush=True)
 
 
 def _refuse_text_only_encodings(args: argparse.Namespace) -> None:
