@@ -266,7 +266,8 @@ def test_a_masked_decoding_step_hides_its_keys(no_copy_of_the_keys, with_sinks):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("grad_mode", [False, True], ids=["no grad", "grad mode"])
-def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mode):
+@pytest.mark.parametrize("scale", [0.3, 1 / math.sqrt(D)], ids=["a scale", "the kernel's default (left to it)"])
+def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mode, scale):
     """unmasked_step reads the kind's facts once (at 40 keys here) and then only the number of keys: at sizes on
     both sides of its thresholds (the NaN guard's one vector of keys, the rows layout's 512) it gives
     fused_unmasked's answer bit for bit, the formula's within rounding, and a query holding NaN or an infinity a
@@ -281,14 +282,14 @@ def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mod
         return tuple(torch.randn(*shape, generator=gen, dtype=dtype) for shape in shapes)  # type: ignore[return-value]
 
     with torch.set_grad_enabled(grad_mode):
-        step = unmasked_step(*heads_of(40), 0.3)
+        step = unmasked_step(*heads_of(40), scale)
         for num_keys in (1, 3, 4, 7, 8, 15, 16, 31, 32, 33, 511, 512, 700):
             q, k, v = heads_of(num_keys)
             q[1, 0, 0, 2], q[1, 1, 0, 3], q[1, 2, 0, 4] = float("inf"), float("-inf"), float("nan")
             out = step(q, k, v)
-            torch.testing.assert_close(out, fused_unmasked(q, k, v, scale=0.3), rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(out, fused_unmasked(q, k, v, scale=scale), rtol=0, atol=0, equal_nan=True)
             assert out[1, :3].isnan().all() and not out[1, 3].isnan().any() and not out[0].isnan().any()
-            expected = _formula(q[:1] * (0.3 * math.sqrt(D)), k[:1], v[:1])
+            expected = _formula(q[:1] * (scale * math.sqrt(D)), k[:1], v[:1])
             tolerance = 1e-12 if dtype == torch.float64 else 1e-5
             np.testing.assert_allclose(out[:1].double().numpy(), expected, atol=tolerance, rtol=tolerance)
         # in grad mode the kind does not say whether a tensor wants a gradient: one that does gets the autograd
@@ -296,7 +297,7 @@ def test_a_step_made_for_a_kind_computes_every_size_of_it(heads, dtype, grad_mod
         # choose its flash kernel, whose backward has no gradient)
         for wanting, num_keys in itertools.product(range(3 if grad_mode else 0), (7, 40)):
             heads = [t.requires_grad_(i == wanting) for i, t in enumerate(heads_of(num_keys, value_size=D))]
-            out, expected = step(*heads), fused_unmasked(*heads, scale=0.3)
+            out, expected = step(*heads), fused_unmasked(*heads, scale=scale)
             torch.testing.assert_close(out, expected, rtol=0, atol=0)
             torch.testing.assert_close(_two_orders(out, heads[wanting]), _two_orders(expected, heads[wanting]))
 

@@ -6,6 +6,7 @@ path's answer bit for bit; a step of another kind (a mask, other heads) must not
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -90,13 +91,13 @@ def test_a_prefill_leaves_the_plan_for_the_decoding_steps_after_it(monkeypatch):
     the next generate()'s first decoding step replays; a step of another unmasked kind replaces it."""
     module = _module()
     backend.attention_forward(module, *_step(7), None)
-    plan = _hf_plan._PLANS[module][0]
+    plan = _hf_plan.plans_of(module)[0]
     gen = torch.Generator().manual_seed(3)
     prefill = (torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen))
     backend.attention_forward(module, prefill[0], prefill[1], prefill[1], None)  # 5 queries, causal: in full
     mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
     backend.attention_forward(module, *_step(8, seed=2), mask)  # a mask: in full
-    assert _hf_plan._PLANS[module][0] is plan
+    assert _hf_plan.plans_of(module)[0] is plan
     q, k, v = _step(9, seed=1)
     monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
     full, _ = backend.attention_forward(_module(), q, k, v, None)
@@ -106,7 +107,7 @@ def test_a_prefill_leaves_the_plan_for_the_decoding_steps_after_it(monkeypatch):
     assert torch.equal(replayed, full)
     monkeypatch.undo()
     backend.attention_forward(module, *_step(8, heads=2), None)  # another unmasked kind: a new plan
-    assert _hf_plan._PLANS[module][0] is not plan
+    assert _hf_plan.plans_of(module)[0] is not plan
 
 
 def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
@@ -123,7 +124,7 @@ def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
     options = {"max_new_tokens": 10, "do_sample": False, "min_new_tokens": 10}
     with torch.no_grad():
         planned = model.generate(prompt, **options)
-        assert all(layer.self_attn in _hf_plan._PLANS for layer in model.model.layers)
+        assert all(_hf_plan.plans_of(layer.self_attn) is not None for layer in model.model.layers)
         monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
         full = model.generate(prompt, **options)
     assert torch.equal(planned, full)
@@ -140,7 +141,7 @@ def test_a_route_with_a_step_form_runs_it_without_describing_the_call(monkeypatc
     module = _module()
     with torch.no_grad():  # as generate() runs
         backend.attention_forward(module, *_step(7), None, **options)
-        plan = _hf_plan._PLANS[module][0]
+        plan = _hf_plan.plans_of(module)[0]
         assert plan is not None and (plan.step is not None) is stepped
         monkeypatch.setattr(_hf_plan.dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # the suite's check describes them
         described: list[object] = []
@@ -243,9 +244,9 @@ def test_a_replayed_prefill_equals_the_full_path(monkeypatch, options):
     against the float64 formula too."""
     module = _module()
     backend.attention_forward(module, *_step(7), None)  # a decoding step's plan
-    decoding_plan = _hf_plan._PLANS[module][0]
+    decoding_plan = _hf_plan.plans_of(module)[0]
     backend.attention_forward(module, *_square(6), None, **options)  # in full: the prefill's plan is made
-    assert _hf_plan._PLANS[module][0] is decoding_plan and _hf_plan._PLANS[module][1] is not None
+    assert _hf_plan.plans_of(module)[0] is decoding_plan and _hf_plan.plans_of(module)[1] is not None
     q, k, v = _square(6, seed=1)
     monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
     full, _ = backend.attention_forward(_module(), q, k, v, None, **options)
@@ -276,9 +277,50 @@ def test_a_prefill_whose_rule_needs_a_mask_is_not_planned(monkeypatch, shapes, o
     q = torch.randn(2, 4, num_queries, 8, generator=gen)
     k, v = torch.randn(2, 2, num_keys, 8, generator=gen), torch.randn(2, 2, num_keys, 8, generator=gen)
     first, _ = backend.attention_forward(module, q, k, v, None, **options)
-    assert _hf_plan._PLANS.get(module, (None, None))[1] is None
+    assert (_hf_plan.plans_of(module) or (None, None))[1] is None
     calls: list[str] = []
     original = backend.check_keywords
     monkeypatch.setattr(backend, "check_keywords", lambda extra: calls.append("full") or original(extra))
     again, _ = backend.attention_forward(module, q, k, v, None, **options)
     assert calls == ["full"] and torch.equal(first, again)
+
+
+def test_a_layers_plans_go_with_it_and_are_not_another_layers():
+    """Plans are kept by the layer's id beside a weak reference: a dead layer's entry goes, and a new layer (which
+    may get the dead one's id) starts with none."""
+    module = _module()
+    backend.attention_forward(module, *_step(7), None)
+    key = id(module)
+    assert _hf_plan.plans_of(module) is not None and key in _hf_plan._PLANS
+    del module
+    gc.collect()
+    assert key not in _hf_plan._PLANS
+    assert _hf_plan.plans_of(_module()) is None
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass (a wrapper a user might pass): not exactly ``torch.Tensor``."""
+
+
+def test_a_tensor_subclass_runs_in_full(monkeypatch):
+    module = _module()
+    backend.attention_forward(module, *_step(7), None)
+    calls: list[str] = []
+    original = backend.check_keywords
+    monkeypatch.setattr(backend, "check_keywords", lambda extra: calls.append("full") or original(extra))
+    q, k, v = _step(8, seed=1)
+    plain, _ = backend.attention_forward(module, q, k, v, None)
+    assert calls == []  # replayed
+    wrapped, _ = backend.attention_forward(module, q.as_subclass(_Subclass), k, v, None)
+    assert calls == ["full"]
+    assert torch.equal(wrapped.as_subclass(torch.Tensor), plain)
+
+
+def test_the_kind_holds_the_dispatchers_size_fact(monkeypatch):
+    """The kind reads the dispatcher's one size fact inline (no helper call per step): it must stay
+    ``dispatch.few_scores``, also where a test lowers the threshold."""
+    q, k, v = _step(9)
+    for threshold, few in ((10_000, True), (9, False), (10, True)):  # a step of 9 scores
+        monkeypatch.setattr(_hf_plan._block_sliced, "SLICED_MIN_SCORES", threshold)
+        kind = _hf_plan.unmasked_kind(_module(), q, k, v, 0.0, None, None, None, None, None, {}, False, ())
+        assert kind is not None and kind[-1] is few is _hf_plan.dispatch.few_scores(1, 9)

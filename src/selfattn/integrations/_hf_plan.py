@@ -4,7 +4,7 @@ On a decoding step transformers passes most layers no mask (Llama's, Gemma 2's g
 full ones): one query sees every cached key. A prefill with no padding passes none either: each query sees
 the keys up to its own (the causal rule on a square). :func:`~selfattn.integrations.transformers.attention_forward`
 runs the first such call of a layer in full (every keyword read and checked, the call described, the
-dispatcher asked), then keeps for the layer (in a weak dictionary beside it) a :class:`StepPlan`: the call's kind,
+dispatcher asked), then keeps for the layer (beside it, by a weak reference) a :class:`StepPlan`: the call's kind,
 the route the dispatcher chose for it (from its memory, so ``explain`` names the same), and the
 call's checked options (scale, softcap, sinks, dropout). A later call of the same kind runs that route
 from the heads, with none of the checks re-done (they hold by the kind): by the route's step form
@@ -15,33 +15,39 @@ query (decoding steps) and one for several (prefills, encoder passes), so the tw
 
 The kind (:func:`unmasked_kind`): no ``attention_mask`` and none of the keywords that restrict or reweigh
 attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed lengths, weights
-wanted); the shapes of the query, key and value heads except, for one query, the keys' length (several
-queries need as many keys, and a window, if any, no shorter than them); their dtypes and device; ``dropout``,
-``scaling``, ``softcap``, ``sliding_window``, ``is_causal`` and, for several queries, whether the causal rule
-holds (``is_causal``, else the layer's); the sink tensor itself (``s_aux``) and its shape; the names of the
-other keywords (given a value or None); grad mode; a ``torch.func`` transform; and the dispatcher's one size fact
-(:func:`~selfattn.core.dispatch.few_scores`). A call of another kind runs in full and replaces the plan of its
-number of queries, or drops it; a call no plan serves (a mask) leaves the plans. No tensor value is read.
+wanted); query, key and value heads of exactly ``torch.Tensor`` (a subclass runs in full); their shapes except,
+for one query, the keys' length (several queries need as many keys, and a window, if any, no shorter than
+them); their dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal`` and,
+for several queries, whether the causal rule holds (``is_causal``, else the layer's); the sink tensor itself
+(``s_aux``) and its shape; the names of the other keywords (given a value or None); grad mode; a ``torch.func``
+transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`). A call of another
+kind runs in full and replaces the plan of its number of queries, or drops it; a call no plan serves (a mask)
+leaves the plans. No tensor value is read. Every layer of every generated token reads all this, inside
+``generate()``, where a Python function call costs several times what it costs in a tight loop: the kind and the
+plan's lookup are read with builtins, not helper functions.
 
 Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head size, dv value head size.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 
-import selfattn._validation as _validation
 import selfattn.core.dispatch as dispatch
+import selfattn.functional._block_sliced as _block_sliced
+from selfattn._validation import _peek_interpreter_stack
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Route, Step
 from selfattn.masks import Visibility
 from selfattn.masks import causal as causal_rule
 
-__all__ = ["StepPlan", "remember", "replay", "unmasked_kind"]
+__all__ = ["StepPlan", "plans_of", "remember", "replay", "unmasked_kind"]
 
 
 class StepPlan(NamedTuple):
@@ -55,8 +61,16 @@ class StepPlan(NamedTuple):
     causal: bool  # several queries under the causal rule (a prefill)
 
 
-#: Each transformers attention layer's plans (one query, several), beside the layer: a copy or a pickle carries none.
-_PLANS: weakref.WeakKeyDictionary[Any, tuple[StepPlan | None, StepPlan | None]] = weakref.WeakKeyDictionary()
+#: Each transformers attention layer's plans (one query, several), by ``id(layer)`` beside a weak reference to the
+#: layer: a copy or a pickle carries none, and an entry goes with its layer. A step reads it with builtins only
+#: (a weak dictionary's ``get`` is a Python call: a decoding step's microsecond).
+_PLANS: dict[int, tuple[weakref.ref[Any], tuple[StepPlan | None, StepPlan | None]]] = {}
+
+
+def plans_of(module: Any) -> tuple[StepPlan | None, StepPlan | None] | None:
+    """The layer's plans (one query, several), or None when it has none."""
+    entry = _PLANS.get(id(module))
+    return entry[1] if entry is not None and entry[0]() is module else None
 
 
 def unmasked_kind(
@@ -72,12 +86,8 @@ def unmasked_kind(
     for given in restricting:  # a loop, not any() over a generator: each step's microseconds
         if given is not None:
             return None
-    if (
-        not isinstance(query, torch.Tensor)
-        or not isinstance(key, torch.Tensor)
-        or not isinstance(value, torch.Tensor)
-        or torch.compiler.is_compiling()
-    ):
+    # exactly Tensor (a subclass runs in full): cheaper than isinstance, and a decoding step reads it three times
+    if not type(query) is type(key) is type(value) is torch.Tensor or torch.compiler.is_compiling():
         return None
     query_shape, key_shape, value_shape = query.shape, key.shape, value.shape
     if len(query_shape) != 4 or len(key_shape) != 4 or len(value_shape) != 4:
@@ -98,18 +108,28 @@ def unmasked_kind(
         dropout, scaling, is_causal, causal, sliding_window, softcap,
         id(s_aux), None if s_aux is None else s_aux.shape,  # the plan holds the tensor: its id is not reused
         tuple(extra),  # every name, None or not: names are what the full path's keyword check reads
-        torch.is_grad_enabled(), _validation.in_func_transform(), dispatch.few_scores(num_queries, num_keys),
+        torch.is_grad_enabled(), _peek_interpreter_stack() is not None,  # grad mode; a torch.func transform or not
+        num_queries * num_keys < _block_sliced.SLICED_MIN_SCORES,  # dispatch.few_scores inline: a frame less per step
     )  # fmt: skip
 
 
 def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: AttentionCall | None) -> None:
     """After a call run in full: keep a plan for its kind (``call`` is the call as ``attention`` described it)."""
     if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling() or kind is None or call is None:
-        return  # a stand-in for a layer (tests), a graph (the weak dictionary not read), or a call no plan serves
+        return  # a stand-in for a layer (tests), a graph (the plans not read), or a call no plan serves
         # (a mask): the layer's plans stay for the unmasked calls that follow
-    several = call.num_queries != 1
-    plans, plan = _PLANS.get(module, (None, None)), _plan(kind, call, several)
-    _PLANS[module] = (plans[0], plan) if several else (plan, plans[1])  # this number of queries' plan replaced
+    several, key = call.num_queries != 1, id(module)
+    entry = _PLANS.get(key)
+    if entry is None or entry[0]() is not module:  # the layer's first plan
+        entry = (weakref.ref(module, functools.partial(_forget, key)), (None, None))
+    plans, plan = entry[1], _plan(kind, call, several)
+    _PLANS[key] = (entry[0], (plans[0], plan) if several else (plan, plans[1]))  # this number of queries' replaced
+
+
+def _forget(key: int, reference: weakref.ref[Any]) -> None:
+    """A layer's reference died: its plans go (unless the id is already another layer's)."""
+    if (entry := _PLANS.get(key)) is not None and entry[0] is reference:
+        del _PLANS[key]
 
 
 def _plan(kind: tuple[object, ...], call: AttentionCall, several: bool) -> StepPlan | None:
@@ -135,15 +155,15 @@ def replay(
     value: torch.Tensor,
 ) -> torch.Tensor | None:  # fmt: skip
     """The call's ``(b, h, lq, dv)`` output by the layer's plan for ``kind``, or None when it has none."""
-    plans = _PLANS.get(module) if kind is not None and isinstance(module, torch.nn.Module) else None
-    if plans is None:
+    if kind is None or (entry := _PLANS.get(id(module))) is None or entry[0]() is not module:
         return None
+    plans = entry[1]
     plan = plans[0] if query.shape[2] == 1 else plans[1]
     if plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
         return None
     verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's
     if plan.step is not None and not verify:
-        if not torch.autograd.profiler._is_profiler_enabled:  # run_step's own test, a frame less per step
+        if not _autograd_profiler._is_profiler_enabled:  # run_step's own test, a frame less per step
             return plan.step(query, key, value)
         return dispatch.run_step(plan.route, plan.step, query, key, value)
     visibility = Visibility.lower_right(query.shape[2], key.shape[-2], causal_rule() if plan.causal else None)
