@@ -65,3 +65,8 @@ def test_accuracy_past_l_over_training_is_drawn_from_the_checks(tmp_path: Path) 
     names = figures.training_checks_figure({"runs": tracked + older}, "copy", tmp_path)
     assert names == ["training_copy.png", "training_copy.svg"] and (tmp_path / names[0]).stat().st_size > 1000
     assert figures.training_checks_figure({"runs": older}, "copy", tmp_path / "none") == []
+
+
+def test_lines_past_one_colour_cycle_still_look_apart() -> None:
+    looks = [tuple(sorted(figures._line_look(index).items())) for index in range(60)]
+    assert len(set(looks)) == 60

@@ -150,6 +150,16 @@ def _band_centres(bands: list[dict[str, Any]]) -> np.ndarray:
     return np.array([np.sqrt(max(band["start"], 1) * band["stop"]) for band in bands])
 
 
+#: Markers of the lines past the colour cycle's ten: a line is told by its colour and marker together.
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def _line_look(index: int) -> dict[str, Any]:
+    """The ``index``-th line's colour and marker: no two of the first 60 lines look the same (the text study draws
+    about 20, more than one colour cycle)."""
+    return {"color": f"C{index % 10}", "marker": _MARKERS[index // 10 % len(_MARKERS)]}
+
+
 def perplexity_by_position_figure(
     summary: dict[str, dict[str, dict[str, Any]]], train_len: int, folder: Path
 ) -> list[str]:
@@ -172,8 +182,8 @@ def perplexity_by_position_figure(
         means = np.array([band["perplexity"]["mean"] for band in bands])
         halves = np.array([band["perplexity"].get("half_width") or 0.0 for band in bands])
         style = "--" if row.startswith("rotary+") else "-"
-        ax.errorbar(_band_centres(bands), means, yerr=halves, fmt=style, marker="o", markersize=3, capsize=2,
-                    color=f"C{index % 10}", label=row)  # fmt: skip
+        ax.errorbar(_band_centres(bands), means, yerr=halves, fmt=style, markersize=4, capsize=2, label=row,
+                    **_line_look(index))  # fmt: skip
     ax.axvline(train_len, color="black", linewidth=0.8)
     ax.text(train_len, ax.get_ylim()[1], " L", va="top", fontsize=8)
     ax.set(xscale="log", yscale="log", xlabel="position in the window (band centre)", ylabel="perplexity per byte",
@@ -196,8 +206,8 @@ def context_gain_figure(gains: dict[str, list[dict[str, Any]]], train_len: int, 
     for index, (encoding, bands) in enumerate(gains.items()):
         means = np.array([band["gain"]["mean"] for band in bands])
         halves = np.array([band["gain"].get("half_width") or 0.0 for band in bands])
-        ax.errorbar(_band_centres(bands), means, yerr=halves, marker="o", markersize=3, capsize=2,
-                    color=f"C{index % 10}", label=encoding)  # fmt: skip
+        ax.errorbar(_band_centres(bands), means, yerr=halves, markersize=4, capsize=2, label=encoding,
+                    **_line_look(index))  # fmt: skip
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set(xscale="log", xlabel=f"position in the window (band centre; context past L = {train_len} bytes)",
            ylabel="gain from context past L (nats per byte)",
