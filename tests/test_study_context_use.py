@@ -25,17 +25,18 @@ WIDTH = 3
 
 
 class LocalWindowModel(nn.Module):
-    """Logits at ``t`` from bytes ``t - WIDTH + 1 .. t`` only: a causal convolution, position-free."""
+    """Logits at ``t`` from bytes ``t - width + 1 .. t`` only: a causal convolution, position-free."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
+        self.width = width
         self.embedding = nn.Embedding(VOCAB, 8)
-        self.conv = nn.Conv1d(8, 8, WIDTH)
+        self.conv = nn.Conv1d(8, 8, width)
         self.out = nn.Linear(8, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens).transpose(1, 2)  # (w, 8, l)
-        x = nn.functional.pad(x, (WIDTH - 1, 0))  # causal: position t sees t - WIDTH + 1 .. t
+        x = nn.functional.pad(x, (self.width - 1, 0))  # causal: position t sees t - width + 1 .. t
         return self.out(torch.tanh(self.conv(x)).transpose(1, 2))  # (w, l, v)
 
 
@@ -186,3 +187,28 @@ def test_dynamic_scaling_token_by_token_follows_the_current_length(data: torch.T
     # token by token (position 0 sees itself alone, where no rotation matters).
     assert (step[:, 1:23] - whole[:, 1:23]).abs().amax(dim=0).gt(1e-8).all()
     torch.testing.assert_close(step[:, [0, 23]], whole[:, [0, 23]], rtol=0, atol=1e-10)
+
+
+@torch.no_grad()
+def test_the_sliding_window_reading_sees_from_half_of_l_to_all_of_it(data: torch.Tensor) -> None:
+    """The study's third reading: windows of L moved L / 2 at a time, each byte past L predicted from between
+    L / 2 + 1 and L bytes. A model that reads the last WIDTH = L / 2 + 1 bytes gains nothing from the whole
+    window; one that reads every byte does."""
+    from dataclasses import replace
+
+    from selfattn.study.text import QUICK_TEXT, evaluate_context_gain
+
+    config = replace(QUICK_TEXT, train_len=4, eval_factors=(1, 2, 4), eval_tokens=64)
+    assert config.sliding_stride == 2 and config.train_len - config.sliding_stride + 1 == WIDTH
+    torch.manual_seed(1)
+    local = evaluate_context_gain(LocalWindowModel(), data, config, sliding=True)
+    assert [(row["start"], row["stop"]) for row in local] == [(4, 16)]  # the band past L
+    assert all(abs(row["gain"]) < 1e-12 for row in local)
+    torch.manual_seed(1)
+    every_byte = evaluate_context_gain(RunningMeanModel(), data, config, sliding=True)
+    assert len(every_byte) == 1 and abs(every_byte[0]["gain"]) > 1e-6
+    # A model that reads exactly L bytes: the last-L reading finds no gain, the sliding one (some bytes see L / 2 + 1)
+    torch.manual_seed(1)
+    whole_l = LocalWindowModel(width=config.train_len)
+    assert abs(evaluate_context_gain(whole_l, data, config)[0]["gain"]) < 1e-12
+    assert abs(evaluate_context_gain(whole_l, data, config, sliding=True)[0]["gain"]) > 1e-6

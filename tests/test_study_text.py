@@ -160,10 +160,15 @@ def test_quick_cli_writes_perplexity_by_length_and_the_scalings(
     table = (out / "text.md").read_text()
     assert table.startswith("| encoding | L=16 |")
     # The context-gain table: rotary past L, from its last 16 bytes only; learned has no row.
-    assert "| encoding | 16-32 | 32-64 | 64-128 | 128-256 |" in table
+    assert "| row | 16-32 | 32-64 | 64-128 | 128-256 |" in table
     assert "| row | window | 0-16 | 16-32 | 32-64 | 64-128 | 128-256 |" in table and "| rotary | 256 |" in table
     gains = table.split("Context gain")[1].split("Attention by query position")[0]
     assert "| rotary |" in gains and "| learned |" not in gains
+    # The sliding-window reading (windows of 16 bytes moved 8 at a time) and each scaling's gain, rotary's rows.
+    sliding = table.split("sliding windows of 16 bytes moved 8 at a time")[1].split("Context gain")[0]
+    assert "| rotary |" in sliding and "| learned |" not in sliding
+    scaled = table.split("rotary scaled for the longest length")[1].split("Attention by query position")[0]
+    assert all(f"| rotary+{kind} |" in scaled for kind in SCALINGS)
     # Attention distance and entropy: every encoding, learned at L only (its table ends there).
     attention = table.split("Attention by query position")[1]
     assert "| rotary |" in attention and "| learned |" in attention

@@ -63,6 +63,7 @@ from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare
 from selfattn.study.text_tables import (
     summarize_attention,
     summarize_context_gain,
+    summarize_scaling_gains,
     summarize_text,
     text_figures,
     text_table,
@@ -195,6 +196,11 @@ class TextConfig:
         if count == 1:
             return [0]
         return [round(i * (windows - 1) / (count - 1)) * self.longest for i in range(count)]
+
+    @property
+    def sliding_stride(self) -> int:
+        """The sliding-window reading's step: half of ``L`` (each scored byte sees ``L / 2`` to ``L`` bytes)."""
+        return max(1, self.train_len // 2)
 
     @property
     def gain_every(self) -> int:
@@ -355,23 +361,43 @@ def evaluate_text(
     return scores, skipped
 
 
-def evaluate_context_gain(model: TransformerLM, held_out: torch.Tensor, config: TextConfig) -> list[dict[str, Any]]:
+def evaluate_context_gain(
+    model: TransformerLM, held_out: torch.Tensor, config: TextConfig, *, sliding: bool = False
+) -> list[dict[str, Any]]:
     """Does the model gain from the bytes past ``L``? At the longest evaluated length, bytes at
     positions ``>= L`` scored with their whole window and again from their last ``L`` bytes only
     (:func:`~selfattn.study.context_use.context_gain`, by band of positions), on the sample of
-    :meth:`TextConfig.sample_starts` and every :attr:`TextConfig.gain_every`-th position. Empty
-    when the longest length is ``L``."""
+    :meth:`TextConfig.sample_starts` and every :attr:`TextConfig.gain_every`-th position. With
+    ``sliding`` the second reading is the sliding-window evaluation instead: windows of ``L`` bytes moved
+    :attr:`TextConfig.sliding_stride` bytes at a time, each scoring its last ones (every byte past ``L``
+    scored, each from between ``L - stride + 1`` and ``L`` bytes). Empty when the longest length is ``L``."""
     length = config.longest
     if length <= config.train_len:
         return []
     starts = config.sample_starts(config.scored_tokens(len(held_out)))
     tokens = len(starts) * length
     full = nll_by_position(model, held_out, length, tokens, starts=starts)
+    spacing = {"stride": config.sliding_stride} if sliding else {"every": config.gain_every}
     short = truncated_context_nll(
-        model, held_out, length, tokens, context=config.train_len, scored_from=config.train_len,
-        every=config.gain_every, starts=starts,
+        model, held_out, length, tokens, context=config.train_len, scored_from=config.train_len, starts=starts,
+        **spacing,
     )  # fmt: skip
     return context_gain(full, short, position_bands(length, config.train_len))
+
+
+def evaluate_scaling_gains(
+    model: TransformerLM, held_out: torch.Tensor, config: TextConfig
+) -> dict[str, list[dict[str, Any]]]:
+    """Rotary with each scaling set for the longest length (as :func:`evaluate_scalings`): its context gain as
+    :func:`evaluate_context_gain` reads it, both readings through the scaled model (``{"yarn": [...]}``)."""
+    device = next(model.parameters()).device
+    weights = model.state_dict()
+    gains = {}
+    for kind in SCALINGS:
+        scaled = build_text_model("rotary", config, scaling=_scaling(kind, config.longest, config))
+        scaled.load_state_dict(weights)  # the frequencies are not in the state dict: they are the scaling's
+        gains[kind] = evaluate_context_gain(scaled.to(device), held_out, config)
+    return gains
 
 
 def evaluate_scalings(
@@ -485,6 +511,8 @@ def train_text_run(
     scores, skipped = evaluate_text(model, spec.encoding, held_out, config)
     scalings = evaluate_scalings(model, held_out, config) if spec.encoding == "rotary" else {}
     gain = [] if spec.encoding == "learned" else evaluate_context_gain(model, held_out, config)
+    sliding = [] if spec.encoding == "learned" else evaluate_context_gain(model, held_out, config, sliding=True)
+    scaling_gains = evaluate_scaling_gains(model, held_out, config) if spec.encoding == "rotary" else {}
     # Where the model attends at the longest length it serves: distance and entropy by band of positions.
     longest = config.train_len if spec.encoding == "learned" else max(config.eval_lengths)
     attention = attention_on_text(model, held_out, longest, config.train_len)
@@ -496,6 +524,8 @@ def train_text_run(
         "skipped": skipped,
         "scalings": scalings,
         "context_gain": gain,
+        "sliding_gain": sliding,
+        "scaling_context_gain": scaling_gains,
         "attention": attention,
         "train_seconds": state.train_seconds,
         "train_cpu_seconds": state.cpu_seconds,
@@ -585,6 +615,8 @@ def run_text_study(
             "runs": runs,
             "summary": summarize_text(runs),
             "context_gain": summarize_context_gain(runs),
+            "sliding_gain": summarize_context_gain(runs, key="sliding_gain"),
+            "scaling_context_gain": summarize_scaling_gains(runs),
             "attention": summarize_attention(runs),
         }
         write_json(out / "results.json", results)

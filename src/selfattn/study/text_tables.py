@@ -22,6 +22,7 @@ __all__ = [
     "context_gain_table",
     "summarize_attention",
     "summarize_context_gain",
+    "summarize_scaling_gains",
     "summarize_text",
     "text_figures",
     "text_table",
@@ -105,12 +106,15 @@ def summarize_text(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[s
     return summary
 
 
-def summarize_context_gain(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """``{encoding: [{"start", "stop", "gain": {"mean", "sd"}, "seeds"}]}``: the gain from context past ``L`` over seeds."""
+def summarize_context_gain(
+    runs: Sequence[dict[str, Any]], *, key: str = "context_gain"
+) -> dict[str, list[dict[str, Any]]]:
+    """``{encoding: [{"start", "stop", "gain": {"mean", "sd"}, "seeds"}]}``: the gain from context past ``L`` over
+    seeds, as each run's ``key`` holds it (``"sliding_gain"``: the sliding-window reading's)."""
     by_encoding: dict[str, list[list[dict[str, Any]]]] = {}
     for run in runs:
-        if run.get("context_gain"):  # absent in runs from before this reading, and for learned
-            by_encoding.setdefault(run["encoding"], []).append(run["context_gain"])
+        if run.get(key):  # absent in runs from before this reading, and for learned
+            by_encoding.setdefault(run["encoding"], []).append(run[key])
     return {
         encoding: [
             {"start": band[0]["start"], "stop": band[0]["stop"], "gain": _mean_sd([row["gain"] for row in band]),
@@ -121,17 +125,30 @@ def summarize_context_gain(runs: Sequence[dict[str, Any]]) -> dict[str, list[dic
     }  # fmt: skip
 
 
-def context_gain_table(gains: dict[str, list[dict[str, Any]]], train_len: int) -> list[str]:
-    """Markdown lines: per encoding and band of positions past ``L``, the loss from the last ``L`` bytes only
-    minus the loss with the whole window (nats per byte; > 0 where the bytes past ``L`` helped)."""
+def summarize_scaling_gains(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """As :func:`summarize_context_gain`, per scaling of the rotary runs (rows ``rotary+KIND``)."""
+    scaled = [
+        {"encoding": f"{run['encoding']}+{kind}", "context_gain": gain}
+        for run in runs
+        for kind, gain in (run.get("scaling_context_gain") or {}).items()
+    ]
+    return summarize_context_gain(scaled)
+
+
+def context_gain_table(
+    gains: dict[str, list[dict[str, Any]]], train_len: int, *, short: str | None = None
+) -> list[str]:
+    """Markdown lines: per row and band of positions past ``L``, the loss from the shorter context (``short``:
+    by default the last ``L`` bytes only) minus the loss with the whole window (nats per byte; > 0 where the bytes
+    past ``L`` helped)."""
     if not gains:
         return []
+    short = short or f"the last {train_len} bytes only"
     bands = [(row["start"], row["stop"]) for row in next(iter(gains.values()))]
     lines = [
-        f"Context gain (nats per byte, the last {train_len} bytes only minus the whole window; > 0: the model used "
-        f"the bytes past L):",
+        f"Context gain (nats per byte, {short} minus the whole window; > 0: the model used the bytes past L):",
         "",
-        f"| encoding | {' | '.join(f'{a}-{b}' for a, b in bands)} |",
+        f"| row | {' | '.join(f'{a}-{b}' for a, b in bands)} |",
         f"|---|{'---|' * len(bands)}",
     ]
     for encoding, rows in gains.items():
@@ -236,6 +253,16 @@ def text_table(results: dict[str, Any]) -> list[str]:
     for extra in (
         by_position_table(summary),
         context_gain_table(results.get("context_gain", {}), config["train_len"]),
+        context_gain_table(
+            results.get("sliding_gain", {}),
+            config["train_len"],
+            short=f"sliding windows of {config['train_len']} bytes moved {max(1, config['train_len'] // 2)} at a time",
+        ),
+        context_gain_table(
+            results.get("scaling_context_gain", {}),
+            config["train_len"],
+            short=f"the last {config['train_len']} bytes only, rotary scaled for the longest length,",
+        ),
         attention_table(results.get("attention", {})),
     ):
         lines += ["", *extra] if extra else []
