@@ -97,6 +97,11 @@ def test_exercises_write_each_run_resume_and_refuse_other_settings(tmp_path, mon
     assert results["deep_stack_by_depth"]["stacks"]["sinusoidal"]["residual"][0]["depth"] == 1
     assert results["long_range"]["settings"]["budget"] == 50 and results["long_range"]["chance"] == 0.1
     assert results["quick"] is False
+    version = exercises.code_version()
+    assert results["code_versions"] == [version]
+    assert all(
+        json.loads(f.read_text())["code_version"] == version for f in (tmp_path / "exercises").rglob("*-s0.json")
+    )
     assert exercises.load_exercises(tmp_path) == saved and exercises.load_exercises(tmp_path / "nothing") is None
     assert any(
         line.startswith("deep stacks (50 steps, patience 4): 3 of 3 train")
@@ -110,6 +115,12 @@ def test_exercises_write_each_run_resume_and_refuse_other_settings(tmp_path, mon
     monkeypatch.setattr(exercises, "trained_by_depth", no_training)
     resumed = exercises.run_exercises(tmp_path, TINY_EXERCISES, resume=True)
     assert resumed["long_range"]["runs"] == results["long_range"]["runs"]
+    assert not any(line.startswith("WARNING") for line in exercises.exercise_lines(resumed))
+    older = tmp_path / "exercises" / "long_range" / "cnn-n2-s0.json"
+    older.write_text(json.dumps({**json.loads(older.read_text()), "code_version": "0000000"}))
+    mixed = exercises.run_exercises(tmp_path, TINY_EXERCISES, resume=True)
+    assert mixed["code_versions"] == sorted(["0000000", version])
+    assert exercises.exercise_lines(mixed)[-1].startswith("WARNING: these runs come from 2 code versions")
     with pytest.raises(ValueError, match=r"--resume: .* other settings \(distances differ\)"):
         exercises.run_exercises(tmp_path, dataclasses.replace(TINY_EXERCISES, distances=(3,)), resume=True)
     (tmp_path / "a-file").write_text("")

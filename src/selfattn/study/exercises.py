@@ -11,8 +11,8 @@ Two experiments, each made of short runs:
 Output, beside the grid's files of the same study folder::
 
     DIR/exercises/config.json        the settings (checked on --resume)
-    DIR/exercises/long_range/*.json  one finished run each (model, distance, seed)
-    DIR/exercises/by_depth/*.json    one trained and probed stack each (encoding, variant, depth)
+    DIR/exercises/long_range/*.json  one finished run each (model, distance, seed), with its code_version
+    DIR/exercises/by_depth/*.json    one trained and probed stack each (encoding, variant, depth), the same
     DIR/exercises.json               the merged results (see :func:`run_exercises`)
 
 Every file is written atomically. A killed call continues with ``--resume``: finished runs
@@ -36,6 +36,7 @@ from selfattn._atomic import check_folder, write_json
 from selfattn.study.deep_stack import ENCODINGS as DEPTH_ENCODINGS
 from selfattn.study.deep_stack import trained_by_depth
 from selfattn.study.long_range import MODELS, summarize_by_distance, train_at_distance
+from selfattn.study.provenance import code_version, code_versions, mixed_versions_warning
 from selfattn.study.runner import refuse_other_settings
 
 __all__ = ["QUICK_EXERCISES", "ExerciseConfig", "exercise_lines", "load_exercises", "run_exercises"]
@@ -141,7 +142,7 @@ def run_exercises(
     """Train (or finish) both experiments in ``out``; write and return ``out/exercises.json``.
 
     Returns:
-        ``{"config": config.as_dict(), "quick" (the settings are QUICK_EXERCISES'), "long_range": {"settings" (every keyword of
+        ``{"config": config.as_dict(), "code_versions" (of the runs), "quick" (the settings are QUICK_EXERCISES'), "long_range": {"settings" (every keyword of
         train_at_distance but the seed), "runs": [...], "by_distance":
         summarize_by_distance(runs), "chance": 1 / vocab_size, "seconds"}, "deep_stack_by_depth":
         trained_by_depth's result for every stack, "seconds": wall time of this call}``.
@@ -165,12 +166,13 @@ def run_exercises(
     tick = progress or (lambda description: None)
     found: dict[str, list[dict[str, Any]]] = {"long_range": [], "by_depth": []}
     jobs = [*_long_range_jobs(config), *_by_depth_jobs(config)]
+    version = code_version()
     for index, (key, job) in enumerate(jobs, 1):
         path = folder / f"{key}.json"
         if path.exists():
             result = json.loads(path.read_text())
         else:
-            result = job()
+            result = {**job(), "code_version": version}
             write_json(path, result)
         found[key.split("/")[0]].append(result)
         tick(f"{index}/{len(jobs)} {key}")
@@ -178,6 +180,7 @@ def run_exercises(
     settings = _LONG_RANGE_DEFAULTS | config.long_range
     results = {
         "config": saved,
+        "code_versions": code_versions([*found["long_range"], *found["by_depth"]]),
         "quick": config == QUICK_EXERCISES,
         "long_range": {
             "settings": settings,
@@ -242,4 +245,5 @@ def exercise_lines(results: dict[str, Any]) -> list[str]:
             f"deep stacks ({stop}): {count - len(not_trained)} of {count} train (above chance + 0.05); "
             f"did not train: {', '.join(not_trained) or 'none'}"
         )
-    return lines
+    warning = mixed_versions_warning(list(results.get("code_versions", [])))
+    return lines + ([warning] if warning else [])
