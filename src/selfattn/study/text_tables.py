@@ -194,14 +194,19 @@ def attention_table(attention: dict[str, list[dict[str, Any]]]) -> list[str]:
         return []
     widest = max(attention.values(), key=len)
     lines = [
-        "Attention by query position (mean over layers, heads and seeds): mean distance back / entropy in nats; "
-        "uniform attention over every earlier key has the entropy in the header:",
+        "Attention by query position (mean over layers, heads and seeds ± the half-width of the 95% interval over the "
+        "seeds): mean distance back / entropy in nats; uniform attention over every earlier key has the entropy in "
+        "the header:",
         "",
         "| encoding | " + " | ".join(f"{b['start']}-{b['stop']} ({b['uniform_entropy']:.2f})" for b in widest) + " |",
         f"|---|{'---|' * len(widest)}",
     ]
     for encoding, bands in attention.items():
-        cells = [f"{b['distance']['mean']:.1f} / {b['entropy']['mean']:.2f}" for b in bands]
+        cells = [
+            f"{b['distance']['mean']:.1f}{_plus_minus(b['distance'], 1)} / {b['entropy']['mean']:.2f}"
+            f"{_plus_minus(b['entropy'], 2)}"
+            for b in bands
+        ]
         lines.append(f"| {encoding} | {' | '.join(cells + [''] * (len(widest) - len(cells)))} |")
     return lines
 
@@ -223,7 +228,7 @@ def scored_lines(config: dict[str, Any]) -> list[str]:
 
 
 def text_table(results: dict[str, Any]) -> list[str]:
-    """The perplexity table as Markdown lines: mean ± the 95% interval's half-width over seeds, the mean alone with one seed (beyond-L perplexity in brackets)."""
+    """The perplexity table as Markdown lines: mean ± the 95% interval's half-width over seeds, the mean alone with one seed (beyond-L perplexity in brackets, with its half-width)."""
     config, summary = results["config"], results["summary"]
     lengths = [str(f * config["train_len"]) for f in config["eval_factors"]]
     lines = [
@@ -241,7 +246,7 @@ def text_table(results: dict[str, Any]) -> list[str]:
             else:
                 text = f"{cell['perplexity']['mean']:.3f}{_plus_minus(cell['perplexity'], 3)}"
                 if cell["beyond"] is not None:
-                    text += f" ({cell['beyond']['mean']:.2f})"
+                    text += f" ({cell['beyond']['mean']:.2f}{_plus_minus(cell['beyond'], 2)})"
                 cells.append(text)
         lines.append(f"| {row} | {' | '.join(cells)} |")
     notes = {cell["skipped"] for by_length in summary.values() for cell in by_length.values() if "skipped" in cell}
