@@ -70,6 +70,6 @@ def test_text_runs_record_attention_past_l_and_the_table_shows_it() -> None:
     runs = [{"encoding": "none", "attention": bands}, {"encoding": "none", "attention": bands}]
     table = "\n".join(attention_table(summarize_attention(runs)))
     assert f"16-32 ({bands[2]['uniform_entropy']:.2f})" in table
-    assert f"| none | 1.8 / {bands[0]['entropy'][0]:.2f} |" in table
+    assert f"| none | 1.8 ± 0.0 / {bands[0]['entropy'][0]:.2f} ± 0.00 |" in table  # two equal seeds: no spread
     with pytest.raises(ValueError, match="data holds 64 bytes; 3 windows of 32 need 96"):
         attention_on_text(model, data, 32, 8, windows=3)
