@@ -36,6 +36,10 @@ def train(out: Path, cells: list[str]) -> None:
         print(f"{task}-{name}-s{seed}: {run['train_cpu_seconds']:.0f} s of CPU to train", flush=True)
 
 
+def _short(version: str) -> str:
+    return version[:7] + ("+dirty" if version.endswith("+dirty") else "")
+
+
 def _band(run: dict[str, Any], low: int, high: int) -> float:
     return 100 * statistics.fmean(run["accuracy_by_length"][str(n)] for n in range(low, high + 1))
 
@@ -48,7 +52,8 @@ def check(out: Path) -> int:
         cell, seed = path.stem.rsplit("-s", 1)  # TASK-VARIANT, SEED
         kept = {int(p.stem.rsplit("-s", 1)[1]): json.loads(p.read_text()) for p in (HERE / "runs").glob(f"{cell}-s*")}
         print(
-            f"{path.stem} (code {rerun['code_version'][:7]}; the kept runs' {next(iter(kept.values()))['code_version'][:7]}):"
+            f"{path.stem} (code {_short(rerun['code_version'])}; the kept runs' "
+            f"{_short(next(iter(kept.values()))['code_version'])}):"
         )
         for low, high in ((1, limit), (limit + 1, longest)):
             values = [_band(run, low, high) for run in kept.values()]
