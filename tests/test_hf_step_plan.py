@@ -47,6 +47,14 @@ def _refuse_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backend, "check_keywords", refuse)
 
 
+def _count_full_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A list that gets "full" each time a call runs the full path (its keyword check), not a plan."""
+    calls: list[str] = []
+    original = backend.check_keywords
+    monkeypatch.setattr(backend, "check_keywords", lambda extra: calls.append("full") or original(extra))
+    return calls
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"scaling": 0.3}, {"softcap": 5.0}, {"s_aux": torch.linspace(-1.0, 1.0, 4)}, {"sliding_window": 4}],
@@ -70,9 +78,7 @@ def test_a_replayed_step_equals_the_full_path(monkeypatch, options, grad_mode):
 def test_a_step_of_another_kind_runs_in_full(monkeypatch):
     module = _module()
     backend.attention_forward(module, *_step(7), None)
-    calls: list[str] = []
-    original = backend.check_keywords
-    monkeypatch.setattr(backend, "check_keywords", lambda extra: calls.append("full") or original(extra))
+    calls = _count_full_calls(monkeypatch)
     q, k, v = _step(8, seed=1)
     mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
     mask[:, ..., :3] = False
@@ -278,9 +284,7 @@ def test_a_prefill_whose_rule_needs_a_mask_is_not_planned(monkeypatch, shapes, o
     k, v = torch.randn(2, 2, num_keys, 8, generator=gen), torch.randn(2, 2, num_keys, 8, generator=gen)
     first, _ = backend.attention_forward(module, q, k, v, None, **options)
     assert (_hf_plan.plans_of(module) or (None, None))[1] is None
-    calls: list[str] = []
-    original = backend.check_keywords
-    monkeypatch.setattr(backend, "check_keywords", lambda extra: calls.append("full") or original(extra))
+    calls = _count_full_calls(monkeypatch)
     again, _ = backend.attention_forward(module, q, k, v, None, **options)
     assert calls == ["full"] and torch.equal(first, again)
 
@@ -305,9 +309,7 @@ class _Subclass(torch.Tensor):
 def test_a_tensor_subclass_runs_in_full(monkeypatch):
     module = _module()
     backend.attention_forward(module, *_step(7), None)
-    calls: list[str] = []
-    original = backend.check_keywords
-    monkeypatch.setattr(backend, "check_keywords", lambda extra: calls.append("full") or original(extra))
+    calls = _count_full_calls(monkeypatch)
     q, k, v = _step(8, seed=1)
     plain, _ = backend.attention_forward(module, q, k, v, None)
     assert calls == []  # replayed

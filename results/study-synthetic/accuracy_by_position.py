@@ -21,10 +21,10 @@ import torch
 from selfattn._atomic import write_json
 from selfattn.study.spread import interval95
 from selfattn.study.tasks import get_task, make_batch
-from selfattn.study.training import RunSpec, build_model, evaluated_weights
+from selfattn.study.training import RunSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_cause import ENCODINGS, SAMPLES, _config  # this folder's script
+from attention_cause import ENCODINGS, SAMPLES, _config, load_evaluated  # this folder's script
 
 POSITION_BANDS = ((1, 10), (11, 20), (21, 30), (31, 40))
 LENGTH_BANDS = {"1..20": range(1, 21), "21..40": range(21, 41)}
@@ -58,9 +58,7 @@ def main(argv: list[str]) -> int:
             per_seed: dict[str, list[list[float]]] = {band: [] for band in LENGTH_BANDS}
             for seed in range(5):  # the grid's seeds
                 spec = RunSpec(task, encoding, seed)
-                model = build_model(spec, config)
-                model.load_state_dict(evaluated_weights(checkpoints / f"{spec.key}.pt"))
-                model.eval()
+                model = load_evaluated(checkpoints, spec, config)
                 generator = torch.Generator().manual_seed(2000 + seed)
                 for band, lengths in LENGTH_BANDS.items():
                     per_seed[band].append(right_by_position(model, task, lengths, generator))

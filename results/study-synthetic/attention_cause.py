@@ -39,6 +39,13 @@ def _config() -> StudyConfig:
     return StudyConfig(**{f.name: saved[f.name] for f in fields(StudyConfig) if f.name in saved})
 
 
+def load_evaluated(checkpoints: Path, spec: RunSpec, config: StudyConfig) -> torch.nn.Module:
+    """The run's model with the weights it was evaluated with (the weight average), in evaluation mode."""
+    model = build_model(spec, config)
+    model.load_state_dict(evaluated_weights(checkpoints / f"{spec.key}.pt"))
+    return model.eval()
+
+
 @torch.no_grad()
 def source_weight(model: torch.nn.Module, task: str, n: int, generator: torch.Generator) -> float:
     """Mean over samples and answer positions of the largest weight a head of a layer puts on the source."""
@@ -84,9 +91,7 @@ def main(argv: list[str]) -> int:
             exact: dict[str, list[float]] = {band: [] for band in bands}
             for seed in range(5):  # the grid's seeds
                 spec = RunSpec(task, encoding, seed)
-                model = build_model(spec, config)
-                model.load_state_dict(evaluated_weights(checkpoints / f"{spec.key}.pt"))
-                model.eval()
+                model = load_evaluated(checkpoints, spec, config)
                 generator = torch.Generator().manual_seed(1000 + seed)
                 run = grid[spec.key]
                 for band, lengths in bands.items():
