@@ -24,7 +24,7 @@ transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.fe
 kind runs in full and replaces the plan of its number of queries, or drops it; a call no plan serves (a mask)
 leaves the plans. No tensor value is read. Every layer of every generated token reads all this, inside
 ``generate()``, where a Python function call costs several times what it costs in a tight loop: the kind and the
-plan's lookup are read with builtins, not helper functions.
+plan's lookup call no helper of this package (torch's ``is_compiling`` is the one Python call left).
 
 Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head size, dv value head size.
 """
