@@ -59,6 +59,7 @@ def reevaluate(grid: Path, checkpoints: Path) -> None:
     kept = {path.stem: json.loads(path.read_text()) for path in (grid / "runs").glob("text-*.json")}
     runs = [kept[f"text-{run['encoding']}-s{run['seed']}"] for run in results["runs"]]  # the grid's order
     results["runs"] = runs = [{k: v for k, v in run.items() if k != "loss_curve"} for run in runs]
+    results["config"]["sliding_stride"] = config.sliding_stride
     results["sliding_gain"] = summarize_context_gain(runs, key="sliding_gain")
     results["scaling_context_gain"] = summarize_scaling_gains(runs)
     write_json(grid / "results.json", results)

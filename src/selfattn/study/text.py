@@ -609,6 +609,7 @@ def run_text_study(
             "world_size": env.world,
             "data_parallel": data_parallel,
             "corpus": held_out_description(corpus, config, scored),
+            "sliding_stride": config.sliding_stride,
         }
         results = {
             "config": full_config,

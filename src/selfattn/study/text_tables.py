@@ -261,7 +261,7 @@ def text_table(results: dict[str, Any]) -> list[str]:
         context_gain_table(
             results.get("sliding_gain", {}),
             config["train_len"],
-            short=f"sliding windows of {config['train_len']} bytes moved {max(1, config['train_len'] // 2)} at a time",
+            short=f"sliding windows of {config['train_len']} bytes moved {config.get('sliding_stride')} at a time",
         ),
         context_gain_table(
             results.get("scaling_context_gain", {}),
