@@ -390,14 +390,17 @@ def evaluate_scaling_gains(
 ) -> dict[str, list[dict[str, Any]]]:
     """Rotary with each scaling set for the longest length (as :func:`evaluate_scalings`): its context gain as
     :func:`evaluate_context_gain` reads it, both readings through the scaled model (``{"yarn": [...]}``)."""
-    device = next(model.parameters()).device
-    weights = model.state_dict()
-    gains = {}
-    for kind in SCALINGS:
-        scaled = build_text_model("rotary", config, scaling=_scaling(kind, config.longest, config))
-        scaled.load_state_dict(weights)  # the frequencies are not in the state dict: they are the scaling's
-        gains[kind] = evaluate_context_gain(scaled.to(device), held_out, config)
-    return gains
+    return {
+        kind: evaluate_context_gain(_rotary_scaled(model, kind, config.longest, config), held_out, config)
+        for kind in SCALINGS
+    }
+
+
+def _rotary_scaled(model: TransformerLM, kind: str, length: int, config: TextConfig) -> TransformerLM:
+    """``model``'s trained weights in a rotary model with the scaling ``kind`` set for ``length``, on its device."""
+    scaled = build_text_model("rotary", config, scaling=_scaling(kind, length, config))
+    scaled.load_state_dict(model.state_dict())  # the frequencies are not in the state dict: they are the scaling's
+    return scaled.to(next(model.parameters()).device)
 
 
 def evaluate_scalings(
@@ -412,17 +415,13 @@ def evaluate_scalings(
     sample of :meth:`TextConfig.sample_starts`, and ``dynamic-sample`` gives the one-pass
     reading on those same bytes beside it.
     """
-    device = next(model.parameters()).device
-    weights = model.state_dict()
     tokens = config.scored_tokens(len(held_out))
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for kind in SCALINGS:
         for length in config.eval_lengths:
             if length <= config.train_len:
                 continue
-            scaled = build_text_model("rotary", config, scaling=_scaling(kind, length, config))
-            scaled.load_state_dict(weights)  # the frequencies are not in the state dict: they are the scaling's
-            scaled.to(device)
+            scaled = _rotary_scaled(model, kind, length, config)
             bands = position_bands(length, config.train_len)
             nll = nll_by_position(scaled, held_out, length, tokens)
             results.setdefault(kind, {})[str(length)] = _perplexities(nll, config.train_len, bands)
