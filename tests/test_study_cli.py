@@ -50,12 +50,14 @@ def test_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         "train_seconds",
     } <= set(run)
     assert list(run["accuracy_by_length"]) == [str(n) for n in range(1, 9)]
-    assert set(results["summary"]["copy"]["learned"]) >= {"in_distribution", "beyond", "spread"}
+    assert set(results["summary"]["copy"]["learned"]) >= {"in_distribution", "beyond", "spread", "answer_use"}
+    assert run["answer_use"]["window"] == 10 and len(run["answer_use"]["full"]) == 3  # answer positions 1-2, 3-4, 5-8
     html = (out / "study.html").read_text()
+    assert "Does a model use its input past L?" in html and html.count("<th>far, window</th>") == 2 * 3
     assert "Relative vs absolute" in html and "Learned vs fixed" in html and "cannot extrapolate" in html
     assert "a smoke test of the pipeline, not a measurement" in html  # --quick settings
     assert "trained models answer the chapter's exercises" not in html
-    for stem in ("accuracy_copy", "accuracy_reverse", "learned_vs_sinusoidal"):
+    for stem in ("accuracy_copy", "accuracy_reverse", "learned_vs_sinusoidal", "answer_use_copy", "answer_use_reverse"):
         assert (out / "figures" / f"{stem}.png").stat().st_size > 0
         assert (out / "figures" / f"{stem}.svg").read_text().lstrip().startswith("<?xml")
     assert "study: 4 runs" in capsys.readouterr().out

@@ -121,3 +121,14 @@ def test_text_table_prints_intervals_and_ties() -> None:
     half = 4.303 * statistics.stdev(values["t5"]) / math.sqrt(3)
     assert f"| t5 | 4.310 ± {half:.3f} |" in table
     assert "Lowest at 64: t5; its 95% interval overlaps rotary (no difference claimed)." in table
+
+
+def test_text_table_names_encodings_with_more_seeds_than_the_grid() -> None:
+    values = {"rotary": [4.33, 4.32, 4.34], "alibi": [4.41, 4.41, 4.41, 4.40, 4.38]}
+    runs = [_text_run(name, seed, v) for name, seeds in values.items() for seed, v in enumerate(seeds)]
+    config = {"train_len": 64, "eval_factors": [1], "code_versions": ["abc"]}
+    uneven = {"config": {**config, "seeds_by_encoding": {"rotary": 3, "alibi": 5}}, "runs": runs,
+              "summary": summarize_text(runs)}  # fmt: skip
+    assert "Seeds: 3 per encoding, except alibi 5." in text_table(uneven)
+    even = {**uneven, "config": {**config, "seeds_by_encoding": {"rotary": 3, "alibi": 3}}}
+    assert not any(line.startswith("Seeds:") for line in text_table(even))

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from selfattn.study.answer_use import summarize_answer_use
 from selfattn.study.provenance import code_versions
 from selfattn.study.spread import best_and_ties, interval95
 from selfattn.study.training import encoding_label
@@ -88,10 +89,49 @@ def tables(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def answer_tables(runs: list[dict[str, Any]]) -> list[str]:
+    """Answer tokens right by position past L, whole sample | window (``answer_use``), mean ± half-width over seeds."""
+    lines: list[str] = []
+    for task in sorted({r["task"] for r in runs}):
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for run in (r for r in runs if r["task"] == task and r.get("answer_use")):
+            groups.setdefault(encoding_label(run), []).append(run)
+        if not groups:
+            continue
+        cells = {label: summarize_answer_use(members) for label, members in groups.items()}
+        first = next(iter(cells.values()))
+        assert first is not None
+        heads = [f"{a}-{b}" for a, b in first["bands"]]
+        lines += [
+            f"**{task}** past L (lengths {int(groups[next(iter(groups))][0]['train_max_len']) + 1} on; answer tokens "
+            f"right, %, by position in the answer: all from the whole sample | the tokens with more than "
+            f"{first['window'] - 1} before them, from the whole sample | from BOS + their last {first['window'] - 1}):",
+            "",
+            f"| encoding | {' | '.join(f'{head}: all | far, whole | far, window' for head in heads)} |",
+            "|---|" + "---|---|---|" * len(heads),
+        ]
+        for label, cell in sorted(cells.items(), key=lambda item: -item[1]["full"][0]["mean"]):  # type: ignore[index]
+            texts = [
+                _interval_text(cell[reading][i])
+                for i in range(len(heads))
+                for reading in ("full", "far_full", "far_window")
+            ]
+            lines.append(f"| {label} | {' | '.join(texts)} |")
+        lines.append("")
+    return lines
+
+
+def _interval_text(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    half = cell.get("half_width")
+    return f"{100 * cell['mean']:.1f}" if half is None else f"{100 * cell['mean']:.1f} ± {100 * half:.1f}"
+
+
 def main(argv: list[str]) -> int:
     folder = Path(argv[0]) if argv else Path(__file__).resolve().parent / "runs"
     runs = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
-    print("\n".join(tables(runs)))
+    print("\n".join([*tables(runs), "", *answer_tables(runs)]))
     return 0
 
 

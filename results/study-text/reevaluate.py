@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,16 @@ import torch
 
 from selfattn._atomic import write_json, write_text
 from selfattn.study.corpus import load_corpus, split_corpus
-from selfattn.study.provenance import code_version
+from selfattn.study.provenance import code_version, code_versions
 from selfattn.study.text import TextConfig, build_text_model, evaluate_context_gain, evaluate_scaling_gains
-from selfattn.study.text_tables import summarize_context_gain, summarize_scaling_gains, text_figures, text_table
+from selfattn.study.text_tables import (
+    summarize_attention,
+    summarize_context_gain,
+    summarize_scaling_gains,
+    summarize_text,
+    text_figures,
+    text_table,
+)
 
 
 def _config(grid: Path) -> TextConfig:
@@ -55,11 +63,24 @@ def reevaluate(grid: Path, checkpoints: Path) -> None:
         run["reevaluated"] = {"code_version": version, "keys": ["sliding_gain", "scaling_context_gain"]}
         write_json(path, run)
         print(f"{path.stem}: {time.process_time() - started:.0f} s of CPU", flush=True)
+    rebuild(grid, config)
+
+
+def rebuild(grid: Path, config: TextConfig) -> None:
+    """``results.json``, ``text.md`` and figures from every run file in ``runs/``, seeds beyond the grid's included."""
     results = json.loads((grid / "results.json").read_text())
-    kept = {path.stem: json.loads(path.read_text()) for path in (grid / "runs").glob("text-*.json")}
-    runs = [kept[f"text-{run['encoding']}-s{run['seed']}"] for run in results["runs"]]  # the grid's order
-    results["runs"] = runs = [{k: v for k, v in run.items() if k != "loss_curve"} for run in runs]
+    encodings = results["config"]["encodings"]
+    kept = [json.loads(path.read_text()) for path in (grid / "runs").glob("text-*.json")]
+    kept.sort(key=lambda run: (encodings.index(run["encoding"]), run["seed"]))  # the grid's order
+    results["runs"] = runs = [{k: v for k, v in run.items() if k != "loss_curve"} for run in kept]
+    seeds = Counter(run["encoding"] for run in runs)
+    if len(set(seeds.values())) > 1:  # more seeds for some encodings than the grid's
+        results["config"]["seeds_by_encoding"] = dict(seeds)
+    results["config"]["code_versions"] = code_versions(runs)
     results["config"]["sliding_stride"] = config.sliding_stride
+    results["summary"] = summarize_text(runs)
+    results["context_gain"] = summarize_context_gain(runs)
+    results["attention"] = summarize_attention(runs)
     results["sliding_gain"] = summarize_context_gain(runs, key="sliding_gain")
     results["scaling_context_gain"] = summarize_scaling_gains(runs)
     write_json(grid / "results.json", results)

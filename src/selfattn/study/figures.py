@@ -15,6 +15,7 @@ from selfattn.study.training import encoding_label
 
 __all__ = [
     "accuracy_figure",
+    "answer_use_figure",
     "context_gain_figure",
     "cosine_similarity",
     "learned_table_figure",
@@ -214,3 +215,38 @@ def context_gain_figure(gains: dict[str, list[dict[str, Any]]], train_len: int, 
            title="Does the model use the bytes past L? (> 0: yes)")  # fmt: skip
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return save_figure(fig, folder, "context_gain")
+
+
+def answer_use_figure(cells: dict[str, dict[str, Any]], task: str, folder: Path) -> list[str]:
+    """Past L: answer tokens right by position in the answer (left), and what the tokens beyond a window of L's
+    length add (right: whole sample minus ``BOS`` + window, on the answer tokens a window shortens).
+
+    ``cells`` is one task's summary (``{encoding: {"answer_use": ...}}``); one line per encoding,
+    the mean over seeds with bars for the 95% interval. Empty when no encoding has the readings.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {label: s["answer_use"] for label, s in cells.items() if s.get("answer_use")}
+    if not rows:
+        return []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for index, (label, use) in enumerate(rows.items()):
+        centres = [np.sqrt(a * b) for a, b in use["bands"]]
+        shown = [(x, cell) for x, cell in zip(centres, use["full"], strict=True) if cell]
+        left.errorbar([x for x, _ in shown], [100 * c["mean"] for _, c in shown], markersize=4, capsize=2,
+                      yerr=[100 * (c.get("half_width") or 0.0) for _, c in shown], label=label, **_line_look(index))  # fmt: skip
+        gains = [(x, gain) for x, gain in zip(centres, use["far_gain"], strict=True) if gain]
+        right.errorbar([x for x, _ in gains], [100 * g["mean"] for _, g in gains], markersize=4, capsize=2,
+                       yerr=[100 * (g.get("half_width") or 0.0) for _, g in gains], label=label, **_line_look(index))  # fmt: skip
+    window = next(iter(rows.values()))["window"]
+    left.set(xscale="log", xlabel="position in the answer (band centre)", ylabel="answer tokens right (%)",
+             title=f"{task}, lengths past L: whole sample")  # fmt: skip
+    right.axhline(0.0, color="grey", linewidth=0.8)
+    right.set(xscale="log", xlabel="position in the answer (band centre)",
+              ylabel="whole sample minus window (points)",
+              title=f"gain from tokens beyond BOS + the last {window - 1} (> 0: used)")  # fmt: skip
+    right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return save_figure(fig, folder, f"answer_use_{task}")

@@ -15,7 +15,7 @@ import torch
 
 from selfattn._atomic import write_text
 from selfattn.positional.learned import LearnedPositionalEncoding
-from selfattn.study.figures import accuracy_figure, learned_table_figure, training_checks_figure
+from selfattn.study.figures import accuracy_figure, answer_use_figure, learned_table_figure, training_checks_figure
 from selfattn.study.tasks import get_task
 from selfattn.study.training import QUICK, RunSpec, StudyConfig, build_model, encoding_label, evaluated_weights
 
@@ -81,6 +81,31 @@ def _cell_texts(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[dict[str
                 f"; not told apart from it by the seeds: {', '.join(tied)}." if tied else "; every other differs."
             )
     return cells, ties
+
+
+def _answer_rows(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per task with the readings: its bands, window and one row per encoding of ``(all, far whole, far window)``
+    texts per band."""
+    from selfattn.study.summary import _percent
+
+    tables: dict[str, dict[str, Any]] = {}
+    for task, by in summary.items():
+        rows = {label: s["answer_use"] for label, s in by.items() if s.get("answer_use")}
+        if not rows:
+            continue
+        first = next(iter(rows.values()))
+        tables[task] = {
+            "bands": [f"{a}-{b}" for a, b in first["bands"]],
+            "window": first["window"],
+            "rows": {
+                label: [
+                    tuple(_percent(use[reading][i]) for reading in ("full", "far_full", "far_window"))
+                    for i in range(len(first["bands"]))
+                ]
+                for label, use in rows.items()
+            },
+        }
+    return tables
 
 
 def learned_table_analysis(out: Path, results: dict[str, Any], figures: Path) -> dict[str, Any] | None:
@@ -149,6 +174,8 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
     figure_names = {task: accuracy_figure(results, task, figures) for task in summary}
     training_figures = {task: training_checks_figure(results, task, figures) for task in summary}
     cells, ties = _cell_texts(summary)
+    answers = _answer_rows(summary)
+    answer_figures = {task: answer_use_figure(summary[task], task, figures) for task in answers}
     shortfalls = [
         _shortfall(results, task, label, s["in_distribution"], int(config["train_len"]))
         for task in ("copy", "reverse")
@@ -191,6 +218,8 @@ def write_report(out: Path, results: dict[str, Any]) -> Path:
         cells=cells,
         ties=ties,
         learned=learned,
+        answers=answers,
+        answer_figures=answer_figures,
         deep_stack=results.get("deep_stack"),
         pct=_pct,
     )

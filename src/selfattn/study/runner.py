@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from selfattn._atomic import check_folder, write_json
+from selfattn.study.answer_use import summarize_answer_use
 from selfattn.study.provenance import code_version, code_versions
 from selfattn.study.spread import interval95
 from selfattn.study.tasks import get_task
@@ -125,6 +126,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
             "steps": statistics.fmean(int(r["steps"]) for r in members) if all("steps" in r for r in members) else None,
             # The early-stopping reading, per seed: the first check at learned_at in range (None: never reached).
             "steps_to_learn": [r.get("steps_to_learn") for r in members],
+            # Answer tokens right by position past L, whole sample against a window (None for older runs).
+            "answer_use": summarize_answer_use(members),
         }
     return summary
 

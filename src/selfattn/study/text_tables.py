@@ -9,6 +9,7 @@ difference among those is claimed.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -227,6 +228,15 @@ def scored_lines(config: dict[str, Any]) -> list[str]:
     ]
 
 
+def _seeds_lines(seeds_by_encoding: dict[str, int] | None) -> list[str]:
+    """One line when encodings have different numbers of seeds (seeds added to some after the grid), else none."""
+    if not seeds_by_encoding or len(set(seeds_by_encoding.values())) == 1:
+        return []
+    usual = Counter(seeds_by_encoding.values()).most_common(1)[0][0]
+    others = ", ".join(f"{encoding} {n}" for encoding, n in seeds_by_encoding.items() if n != usual)
+    return ["", f"Seeds: {usual} per encoding, except {others}."]
+
+
 def text_table(results: dict[str, Any]) -> list[str]:
     """The perplexity table as Markdown lines: mean ± the 95% interval's half-width over seeds, the mean alone with one seed (beyond-L perplexity in brackets, with its half-width)."""
     config, summary = results["config"], results["summary"]
@@ -252,6 +262,7 @@ def text_table(results: dict[str, Any]) -> list[str]:
     notes = {cell["skipped"] for by_length in summary.values() for cell in by_length.values() if "skipped" in cell}
     lines += [""] + [f"n/a: {note}." for note in sorted(notes)]
     lines += scored_lines(config)
+    lines += _seeds_lines(config.get("seeds_by_encoding"))
     lines += _best_lines(summary, lengths)
     warning = mixed_versions_warning(list(config.get("code_versions", [])))
     lines += [warning] if warning else []

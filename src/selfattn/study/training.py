@@ -26,6 +26,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from selfattn._atomic import atomic_write_path
 from selfattn._validation import require_positive_int
 from selfattn.models import TransformerLM
+from selfattn.study.answer_use import ANSWER_SAMPLES, answer_use
 from selfattn.study.encodings import P_ROPE, encoding_setting
 from selfattn.study.tasks import TASKS, VOCAB_SIZE, Task, get_task, make_batch
 
@@ -453,6 +454,20 @@ def evaluate(
     return evaluate_lengths(model, task, spec, config, chunk_tokens=chunk_tokens)[0]
 
 
+def answer_readings(model: nn.Module, task: Task, spec: RunSpec, config: StudyConfig) -> dict[str, Any] | None:
+    """:func:`~selfattn.study.answer_use.answer_use` on the run's own sample stream, or None where it does not apply.
+
+    None with randomized positions (the window reading would need positions of its own) and
+    when nothing past the training lengths is evaluated.
+    """
+    if spec.randomized_positions or config.eval_len <= config.train_len:
+        return None
+    return answer_use(
+        model, task, train_len=config.train_len, eval_len=config.eval_len, samples=ANSWER_SAMPLES,
+        generator=_generator("answer", spec.seed, spec.task),
+    )  # fmt: skip
+
+
 @dataclass
 class _State:
     step: int = 0
@@ -678,6 +693,7 @@ def train_run(
 
     eval_started = time.process_time()
     accuracy, tokens_right = evaluate_lengths(evaluated, task, spec, config)
+    answers = answer_readings(evaluated, task, spec, config)
     return {
         **spec.as_dict(),
         "steps": state.step,
@@ -689,6 +705,8 @@ def train_run(
         "train_max_len": config.train_len,
         "accuracy_by_length": accuracy,
         "token_accuracy_by_length": tokens_right,
+        # Answer tokens right by position past L, with the whole sample and with a window of L's length.
+        "answer_use": answers,
         "train_seconds": state.train_seconds,
         # CPU time of this process: on a shared machine, what the run costs a quiet core.
         "train_cpu_seconds": state.cpu_seconds,
