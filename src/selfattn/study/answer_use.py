@@ -49,7 +49,8 @@ READINGS = ("in_range", "full", "far_full", "far_window")
 def _window_predictions(model: nn.Module, tokens: torch.Tensor, scored: torch.Tensor, window: int) -> torch.Tensor:
     """Argmax at each scored column ``t`` from ``BOS`` + ``tokens[:, t - window + 2 : t + 1]``: ``(b, t)``."""
     b = tokens.shape[0]
-    index = scored[:, None] - window + 2 + torch.arange(window - 1, device=tokens.device)  # (t, w - 1): the last w - 1 tokens to each t
+    offsets = torch.arange(window - 1, device=tokens.device)
+    index = scored[:, None] - window + 2 + offsets  # (t, w - 1): the last w - 1 tokens to each t
     pieces = tokens[:, index]  # (b, t, w - 1)
     starts = torch.full((b, len(scored), 1), BOS, dtype=tokens.dtype, device=tokens.device)
     windows = torch.cat([starts, pieces], dim=-1).reshape(b * len(scored), window)  # (b * t, w)
