@@ -84,14 +84,16 @@ def test_a_model_that_reads_only_the_last_token_reads_the_same_through_a_window(
                      generator=torch.Generator().manual_seed(0))  # fmt: skip
     assert use["window"] == 10  # BOS, 4 inputs, SEP, 4 answer tokens
     assert use["bands"] == [[1, 2], [3, 4], [5, 8], [9, 16]]
-    assert use["far_full"] == use["far_window"] and None not in use["far_full"]
+    assert use["far_full"] == use["far_window"] and None not in use["far_full"][:3]
+    assert use["far_full"][3] is None  # answer positions 9-16 exist only past 2L, where a window cuts off the source
 
 
 def test_a_model_that_counts_from_the_start_loses_its_answers_to_a_window() -> None:
     use = answer_use(CopyOracle(), get_task("copy"), train_len=4, eval_len=16, samples=8,
                      generator=torch.Generator().manual_seed(0))  # fmt: skip
-    assert use["in_range"][:2] == [1.0, 1.0] and use["full"] == use["far_full"] == [1.0, 1.0, 1.0, 1.0]
-    assert all(window < 0.5 for window in use["far_window"])  # chance is 1 in 10 symbols
+    assert use["in_range"][:2] == [1.0, 1.0] and use["full"] == [1.0, 1.0, 1.0, 1.0]
+    assert use["far_full"] == [1.0, 1.0, 1.0, None]
+    assert all(window < 0.5 for window in use["far_window"][:3])  # chance is 1 in 10 symbols
 
 
 def test_the_same_samples_feed_both_readings() -> None:

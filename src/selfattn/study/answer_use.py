@@ -11,10 +11,12 @@ given the right tokens before it) answer both:
   training showed (``BOS input SEP answer`` at length ``L``). ``BOS`` stays because every
   training sample began with it: a window without it would test a sequence no model has seen.
 
-Both are read on the answer tokens that have more than ``W - 1`` tokens before them (the ones a
-window shortens). Where the window reads higher, the tokens past ``W`` hurt the model; where the
-whole sample reads higher, it uses them. On copy answer token ``j`` repeats the input token ``n``
-back (inside a window while ``n < W - 1``); on reverse ``2 j + 1`` back (while ``2 j + 1 < W - 1``).
+Both are read at the lengths ``L + 1 .. 2 L`` on the answer tokens that have more than ``W - 1``
+tokens before them (the ones a window shortens). The window reaches ``W - 2 = 2 L`` tokens back:
+on copy it holds every answer token's source there (answer token ``j`` repeats the input token
+``n <= 2 L`` back), on reverse the sources of the first ``L`` answer tokens (``2 j + 1`` back), so
+what it takes away there is context, not the answer. Where the window reads higher, the tokens
+beyond it hurt the model; where the whole sample reads higher, the model uses them.
 
 Shape legend: b samples, l sample length, t answer tokens, w window length ``W``.
 """
@@ -40,7 +42,7 @@ __all__ = [
     "summarize_answer_use",
 ]
 
-# Samples per length: past L = 20 each band then holds 9,600-16,160 answer tokens; about 16 CPU-s a grid run.
+# Samples per length: past L = 20 each band of the whole-sample reading holds 9,600-16,160 answer tokens.
 ANSWER_SAMPLES = 16
 READINGS = ("in_range", "full", "far_full", "far_window")
 
@@ -126,8 +128,9 @@ def answer_use(
         (:meth:`Task.sequence_len` at ``train_len``), the bands (:func:`answer_bands`) as ``[first, last]``, and per
         band the share of answer tokens right (None where no token falls in the band): ``in_range`` at lengths
         ``1 .. train_len`` (every sample fits in ``W``); ``full`` at ``train_len + 1 .. eval_len``, every answer
-        token with the whole sample; ``far_full`` and ``far_window`` the answer tokens of those lengths with more
-        than ``W - 1`` tokens before them (the ones a window shortens), with the whole sample and with the window.
+        token with the whole sample; ``far_full`` and ``far_window`` the answer tokens of the lengths
+        ``train_len + 1 .. 2 train_len`` with more than ``W - 1`` tokens before them (the ones a window
+        shortens), with the whole sample and with the window.
     """
     require_positive_int("samples", samples)
     require_positive_int("train_len", train_len)
@@ -144,8 +147,10 @@ def answer_use(
         if n <= train_len:
             in_range.append(whole)
             continue
-        near = (targets[0] != -100).nonzero().flatten() < window  # (t,): tokens the window leaves whole
         full.append(whole)
+        if n > 2 * train_len:  # the window would cut the answer's source off (copy, reverse): no reading of context
+            continue
+        near = (targets[0] != -100).nonzero().flatten() < window  # (t,): tokens the window leaves whole
         far_full.append(whole.masked_fill(near, float("nan")))
         windowed = answer_accuracy_by_position(model, tokens, targets, window=window)
         far_window.append(windowed.masked_fill(near, float("nan")))
