@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 from study_settings import TINY
 
+from selfattn._atomic import write_json
 from selfattn.study.literature import t5_bucket_starts
 from selfattn.study.training import (
     RunSpec,
@@ -135,6 +137,16 @@ def test_literature_runs_two_tasks_with_seeds_and_intervals(tmp_path: Path) -> N
     assert row["exact_match_to_2L"]["seeds"] == 2 and len(row["exact_match_to_2L_per_seed"]) == 2
     lines = "\n".join(literature_lines(results))
     assert "copy (mean ± half-width of the 95% interval over 2 seeds):" in lines and "best to 2L:" in lines
+    assert "seeds_by_variant" not in results
+    # A seed added to one variant later is read with the others; a deeper variant's file is not taken for it.
+    kept = json.loads((tmp_path / "runs" / "copy-none-s0.json").read_text())
+    write_json(tmp_path / "runs" / "copy-none-s4.json", {**kept, "seed": 4})
+    write_json(tmp_path / "runs" / "copy-none-12-layers-s5.json", {**kept, "seed": 5})
+    again = run_literature(tmp_path, tasks=("copy", "reverse"), seeds=2, variants=["none", "t5-init"], config=config)
+    assert again["variants"]["copy"]["none"]["exact_match_to_2L"]["seeds"] == 3
+    assert again["variants"]["reverse"]["none"]["exact_match_to_2L"]["seeds"] == 2
+    assert again["seeds_by_variant"] == {"copy/none": 3}
+    assert "copy (mean ± half-width of the 95% interval over 2 seeds; none 3):" in literature_lines(again)
 
 
 def test_depth_variants_train_the_papers_model_sizes(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -202,6 +203,13 @@ def _train_variant(out: Path, task: str, name: str, seed: int, config: StudyConf
     return dict(json.loads(path.read_text()))
 
 
+def _further_seeds(out: Path, task: str, name: str, seeds: int) -> list[Path]:
+    """Run files of ``task`` and variant ``name`` in ``out`` with a seed of ``seeds`` or more, by seed."""
+    pattern = re.compile(rf"{re.escape(task)}-{re.escape(name)}-s(\d+)")
+    found = {int(m.group(1)): p for p in (out / "runs").glob("*.json") if (m := pattern.fullmatch(p.stem))}
+    return [found[seed] for seed in sorted(found) if seed >= seeds]
+
+
 def run_literature(
     out: Path,
     *,
@@ -213,7 +221,9 @@ def run_literature(
     """Train the variants on ``tasks`` x ``seeds`` (resuming what ``out`` holds); write and return ``literature.json``.
 
     Each variant's cells are the mean over seeds with a 95% interval
-    (:func:`~selfattn.study.spread.interval95`); ``code_versions`` lists the code the runs came from.
+    (:func:`~selfattn.study.spread.interval95`) over seeds ``0 .. seeds - 1`` and any further seeds whose run
+    files ``out`` holds (seeds added to some variants later; ``seeds_by_variant`` then names them);
+    ``code_versions`` lists the code the runs came from.
     """
     for name in variants or ():
         if name not in CAUSE_VARIANTS:
@@ -227,15 +237,24 @@ def run_literature(
         for name in variants or list(CAUSE_VARIANTS):
             encoding, randomized, options = CAUSE_VARIANTS[name]
             members = [_train_variant(out, task, name, seed, config, version) for seed in range(seeds)]
+            members += [json.loads(path.read_text()) for path in _further_seeds(out, task, name, seeds)]
             every += members
             rows.setdefault(task, {})[name] = {
                 "encoding": encoding, "randomized_positions": randomized, "options": options,
                 "model": MODEL_SIZES.get(name, {}),
                 **_variant_row(members, config),
             }  # fmt: skip
+    counts = {
+        f"{task}/{name}": row["exact_match_to_2L"]["seeds"] for task, by in rows.items() for name, row in by.items()
+    }
     results = {
         "tasks": list(tasks),
         "seeds": seeds,
+        **(
+            {"seeds_by_variant": {k: n for k, n in counts.items() if n != seeds}}
+            if set(counts.values()) != {seeds}
+            else {}
+        ),
         "config": config.as_dict(),
         "code_versions": code_versions(every),
         "shaw_clip_in_study": {task: shaw_max_distance(task, config) for task in tasks},
@@ -259,7 +278,10 @@ def literature_lines(results: dict[str, Any]) -> list[str]:
 
     lines = []
     for task, by in results["variants"].items():
-        lines.append(f"{task} (mean ± half-width of the 95% interval over {results['seeds']} seeds):")
+        more = [f"{key.split('/', 1)[1]} {n}" for key, n in results.get("seeds_by_variant", {}).items()
+                if key.startswith(f"{task}/")]  # fmt: skip
+        extra = f"; {', '.join(more)}" if more else ""
+        lines.append(f"{task} (mean ± half-width of the 95% interval over {results['seeds']} seeds{extra}):")
         for name, row in by.items():
             lines.append(
                 f"  {name:20s} in range {_percent(row['exact_match_in_range'])}  21..40 exact "
