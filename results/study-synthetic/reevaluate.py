@@ -19,17 +19,25 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from selfattn._atomic import write_json
-from selfattn.study.provenance import code_version
+from selfattn.study.provenance import code_version, code_versions
 from selfattn.study.report import write_report
 from selfattn.study.runner import summarize
 from selfattn.study.tasks import get_task
-from selfattn.study.training import RunSpec, StudyConfig, answer_readings, build_model, evaluated_weights
+from selfattn.study.training import (
+    RunSpec,
+    StudyConfig,
+    answer_readings,
+    build_model,
+    encoding_label,
+    evaluated_weights,
+)
 
 
 def _config(grid: Path) -> StudyConfig:
@@ -57,12 +65,26 @@ def reevaluate(grid: Path, checkpoints: Path, shard: int, shards: int) -> None:
 
 
 def rebuild(grid: Path) -> None:
+    """``results.json``, ``study.html`` and figures from every run file in ``runs/``, seeds beyond the grid's included."""
     results = json.loads((grid / "results.json").read_text())
-    kept = {path.stem: json.loads(path.read_text()) for path in (grid / "runs").glob("*.json")}
-    keys = [
-        RunSpec(r["task"], r["encoding"], r["seed"], bool(r.get("randomized_positions"))).key for r in results["runs"]
-    ]
-    results["runs"] = runs = [{k: v for k, v in kept[key].items() if k != "loss_curve"} for key in keys]  # grid order
+    config = results["config"]
+    kept = [json.loads(path.read_text()) for path in (grid / "runs").glob("*.json")]
+    order = {name: i for i, name in enumerate(config["encodings"])}
+    kept.sort(
+        key=lambda r: (
+            config["tasks"].index(r["task"]),
+            order[r["encoding"]],
+            bool(r["randomized_positions"]),
+            r["seed"],
+        )
+    )  # the grid's order; fmt: skip
+    results["runs"] = runs = [{k: v for k, v in run.items() if k != "loss_curve"} for run in kept]
+    cells = Counter(f"{run['task']}/{encoding_label(run)}" for run in runs)
+    extra = {cell: n for cell, n in cells.items() if n != config["seeds"]}
+    config.pop("seeds_by_cell", None)
+    if extra:  # seeds added to some cells after the grid
+        config["seeds_by_cell"] = extra
+    config["code_versions"] = code_versions(runs)
     results["summary"] = summarize(runs)
     write_json(grid / "results.json", results)
     write_report(grid, results)
