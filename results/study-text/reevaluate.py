@@ -27,14 +27,7 @@ from selfattn._atomic import write_json, write_text
 from selfattn.study.corpus import load_corpus, split_corpus
 from selfattn.study.provenance import code_version, code_versions
 from selfattn.study.text import TextConfig, build_text_model, evaluate_context_gain, evaluate_scaling_gains
-from selfattn.study.text_tables import (
-    summarize_attention,
-    summarize_context_gain,
-    summarize_scaling_gains,
-    summarize_text,
-    text_figures,
-    text_table,
-)
+from selfattn.study.text_tables import summarize_text_runs, text_figures, text_table
 
 
 def _config(grid: Path) -> TextConfig:
@@ -78,11 +71,7 @@ def rebuild(grid: Path, config: TextConfig) -> None:
         results["config"]["seeds_by_encoding"] = dict(seeds)
     results["config"]["code_versions"] = code_versions(runs)
     results["config"]["sliding_stride"] = config.sliding_stride
-    results["summary"] = summarize_text(runs)
-    results["context_gain"] = summarize_context_gain(runs)
-    results["attention"] = summarize_attention(runs)
-    results["sliding_gain"] = summarize_context_gain(runs, key="sliding_gain")
-    results["scaling_context_gain"] = summarize_scaling_gains(runs)
+    results.update(summarize_text_runs(runs))
     write_json(grid / "results.json", results)
     write_text(grid / "text.md", "\n".join(text_table(results) + text_figures(results, grid / "figures")) + "\n")
 

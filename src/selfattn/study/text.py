@@ -60,14 +60,7 @@ from selfattn.study.corpus import VOCAB_SIZE, Corpus, load_corpus, split_corpus,
 from selfattn.study.encodings import encoding_setting
 from selfattn.study.provenance import code_versions
 from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
-from selfattn.study.text_tables import (
-    summarize_attention,
-    summarize_context_gain,
-    summarize_scaling_gains,
-    summarize_text,
-    text_figures,
-    text_table,
-)
+from selfattn.study.text_tables import summarize_text_runs, text_figures, text_table
 from selfattn.study.training import (
     ENCODINGS,
     P_ROPE,
@@ -610,15 +603,7 @@ def run_text_study(
             "corpus": held_out_description(corpus, config, scored),
             "sliding_stride": config.sliding_stride,
         }
-        results = {
-            "config": full_config,
-            "runs": runs,
-            "summary": summarize_text(runs),
-            "context_gain": summarize_context_gain(runs),
-            "sliding_gain": summarize_context_gain(runs, key="sliding_gain"),
-            "scaling_context_gain": summarize_scaling_gains(runs),
-            "attention": summarize_attention(runs),
-        }
+        results = {"config": full_config, "runs": runs, **summarize_text_runs(runs)}
         write_json(out / "results.json", results)
         write_text(out / "text.md", "\n".join(text_table(results) + text_figures(results, out / "figures")) + "\n")
         return results

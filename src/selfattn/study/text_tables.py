@@ -25,6 +25,7 @@ __all__ = [
     "summarize_context_gain",
     "summarize_scaling_gains",
     "summarize_text",
+    "summarize_text_runs",
     "text_figures",
     "text_table",
 ]
@@ -226,6 +227,18 @@ def scored_lines(config: dict[str, Any]) -> list[str]:
         f"bytes spread evenly over them ({sample[0]}; ...; {sample[-1]}), the gain at "
         + ("every position past L." if every == 1 else f"one position in {every} past L (L, L + {every}, ...).")
     ]
+
+
+def summarize_text_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every summary ``results.json`` holds beside its config and runs: perplexity, both context gains, each
+    scaling's gain and attention, over the seeds of each encoding."""
+    return {
+        "summary": summarize_text(runs),
+        "context_gain": summarize_context_gain(runs),
+        "sliding_gain": summarize_context_gain(runs, key="sliding_gain"),
+        "scaling_context_gain": summarize_scaling_gains(runs),
+        "attention": summarize_attention(runs),
+    }
 
 
 def _seeds_lines(seeds_by_encoding: dict[str, int] | None) -> list[str]:
