@@ -9,7 +9,7 @@ query projection ``W_q`` of the trained rotary and sinusoidal models is multipli
 ``c``: a softmax temperature ``1 / c``, the same at every position; rotary's rotation is linear, so it commutes),
 and the models are read again at the longest length, on the sample of windows the context gain reads
 (:meth:`selfattn.study.text.TextConfig.sample_starts`): perplexity and attention entropy by band of positions,
-mean over the seeds ± the half-width of the 95% interval. ``c = 1`` is the trained model. Beside them, the same
+mean over the seeds (every seed GRID/runs holds) ± the half-width of the 95% interval. ``c = 1`` is the trained model. Beside them, the same
 bytes' perplexity from the training bytes' frequencies alone (no context at all): the level a model that ignores
 its context would read.
 """
@@ -36,7 +36,6 @@ from selfattn.study.text import TextConfig, build_text_model
 
 FACTORS = (1.0, 0.5, 0.25)
 ENCODINGS = ("rotary", "sinusoidal")
-SEEDS = (0, 1, 2)
 
 
 def _config(grid: Path) -> TextConfig:
@@ -102,7 +101,10 @@ def main(argv: list[str]) -> int:
     }
     for encoding in ENCODINGS:
         per_seed: dict[float, list[dict[str, list[float]]]] = {factor: [] for factor in FACTORS}
-        for seed in SEEDS:
+        seeds = sorted(
+            json.loads(path.read_text())["seed"] for path in (grid / "runs").glob(f"text-{encoding}-s*.json")
+        )
+        for seed in seeds:
             model = build_text_model(encoding, config)
             model.load_state_dict(torch.load(checkpoints / f"text-{encoding}-s{seed}.pt", map_location="cpu")["model"])
             for factor in FACTORS:
