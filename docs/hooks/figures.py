@@ -44,6 +44,8 @@ STUDY_FIGURES: dict[str, str] = {
     "text-L128-context-gain.png": "results/study-text/L128/figures/context_gain.png",
     "text-L256-perplexity-by-position.png": "results/study-text/L256/figures/perplexity_by_position.png",
     "text-L256-context-gain.png": "results/study-text/L256/figures/context_gain.png",
+    "grid-answer-use-copy.png": "results/study-synthetic/figures/answer_use_copy.png",
+    "grid-answer-use-reverse.png": "results/study-synthetic/figures/answer_use_reverse.png",
 }
 
 

@@ -221,8 +221,9 @@ def answer_use_figure(cells: dict[str, dict[str, Any]], task: str, folder: Path)
     """Past L: answer tokens right by position in the answer (left), and what the tokens beyond a window of L's
     length add (right: whole sample minus ``BOS`` + window, on the answer tokens a window shortens).
 
-    ``cells`` is one task's summary (``{encoding: {"answer_use": ...}}``); one line per encoding,
-    the mean over seeds with bars for the 95% interval. Empty when no encoding has the readings.
+    ``cells`` is one task's summary (``{encoding: {"answer_use": ...}}``); one line per encoding over the bands
+    of answer positions, the mean over seeds with bars for the 95% interval. Empty when no encoding has the
+    readings.
     """
     import matplotlib
 
@@ -232,21 +233,22 @@ def answer_use_figure(cells: dict[str, dict[str, Any]], task: str, folder: Path)
     rows = {label: s["answer_use"] for label, s in cells.items() if s.get("answer_use")}
     if not rows:
         return []
+    first = next(iter(rows.values()))
+    names = [f"{a}-{b}" for a, b in first["bands"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for index, (label, use) in enumerate(rows.items()):
-        centres = [np.sqrt(a * b) for a, b in use["bands"]]
-        shown = [(x, cell) for x, cell in zip(centres, use["full"], strict=True) if cell]
-        left.errorbar([x for x, _ in shown], [100 * c["mean"] for _, c in shown], markersize=4, capsize=2,
-                      yerr=[100 * (c.get("half_width") or 0.0) for _, c in shown], label=label, **_line_look(index))  # fmt: skip
-        gains = [(x, gain) for x, gain in zip(centres, use["far_gain"], strict=True) if gain]
-        right.errorbar([x for x, _ in gains], [100 * g["mean"] for _, g in gains], markersize=4, capsize=2,
-                       yerr=[100 * (g.get("half_width") or 0.0) for _, g in gains], label=label, **_line_look(index))  # fmt: skip
-    window = next(iter(rows.values()))["window"]
-    left.set(xscale="log", xlabel="position in the answer (band centre)", ylabel="answer tokens right (%)",
-             title=f"{task}, lengths past L: whole sample")  # fmt: skip
+        for ax, cells_of in ((left, use["full"]), (right, use["far_gain"])):
+            shown = [(i, cell) for i, cell in enumerate(cells_of) if cell]
+            ax.errorbar([i for i, _ in shown], [100 * c["mean"] for _, c in shown], markersize=4, capsize=2,
+                        yerr=[100 * (c.get("half_width") or 0.0) for _, c in shown], label=label,
+                        **_line_look(index))  # fmt: skip
+    for ax in (left, right):
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlabel("position in the answer")
+    left.set(ylabel="answer tokens right (%)", title=f"{task}, lengths past L: whole sample")
     right.axhline(0.0, color="grey", linewidth=0.8)
-    right.set(xscale="log", xlabel="position in the answer (band centre)",
-              ylabel="whole sample minus window (points)",
-              title=f"gain from tokens beyond BOS + the last {window - 1} (> 0: used)")  # fmt: skip
+    right.set(ylabel="whole sample minus window (points)",
+              title=f"gain from the tokens beyond BOS + the last {first['window'] - 1}\n"
+                    "(> 0: used; where the source lies beyond the window, trivially)")  # fmt: skip
     right.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return save_figure(fig, folder, f"answer_use_{task}")
