@@ -79,15 +79,27 @@ def answer_accuracy_by_position(
         raise ValueError(f"window must hold BOS and at least one token, got {window}")
     if tokens.shape != targets.shape or bool((targets != -100).ne(targets[:1] != -100).any()):
         raise ValueError("tokens and targets must share one shape and one answer span (samples of one length)")
+    return _right_by_position(model, tokens, targets, window)
+
+
+@torch.no_grad()
+def _right_by_position(
+    model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, window: int | None, *, whole: bool = True
+) -> torch.Tensor:
+    """:func:`answer_accuracy_by_position` on checked arguments; ``whole=False`` reads only the tokens a window
+    shortens (NaN at the others) and skips the whole-sample pass."""
     device = next(model.parameters()).device
     tokens, targets = tokens.to(device), targets.to(device)
     scored = (targets[0] != -100).nonzero().flatten()  # columns that predict an answer token
-    predicted: torch.Tensor = model(tokens).argmax(-1)[:, scored]  # (b, t)
+    right = torch.full((len(scored),), float("nan"), device=device)  # (t,)
+    if whole:
+        right = (model(tokens).argmax(-1)[:, scored] == targets[:, scored]).float().mean(0)
     if window is not None:
         far = scored >= window  # columns with more than window - 1 tokens before them
         if bool(far.any()):
-            predicted[:, far] = _window_predictions(model, tokens, scored[far], window)
-    return (predicted == targets[:, scored]).float().mean(0).cpu()
+            predicted = _window_predictions(model, tokens, scored[far], window)  # (b, far columns)
+            right[far] = (predicted == targets[:, scored[far]]).float().mean(0)
+    return right.cpu()
 
 
 def answer_bands(train_len: int, eval_len: int) -> list[tuple[int, int]]:
@@ -150,10 +162,9 @@ def answer_use(
         full.append(whole)
         if n > 2 * train_len:  # the window would cut the answer's source off (copy, reverse): no reading of context
             continue
-        near = (targets[0] != -100).nonzero().flatten() < window  # (t,): tokens the window leaves whole
-        far_full.append(whole.masked_fill(near, float("nan")))
-        windowed = answer_accuracy_by_position(model, tokens, targets, window=window)
-        far_window.append(windowed.masked_fill(near, float("nan")))
+        through = _right_by_position(model, tokens, targets, window, whole=False)  # (t,): NaN where left whole
+        far_full.append(whole.masked_fill(through.isnan(), float("nan")))
+        far_window.append(through)
     model.train(was_training)
     return {
         "window": window,
