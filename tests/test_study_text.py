@@ -283,3 +283,14 @@ def test_several_training_lengths_run_into_one_folder_each(tmp_path: Path, capsy
     assert "--train-len takes one length for the grid, got 8 16" in capsys.readouterr().err
     assert main([*args, "--train-len", "8", "16", "8", "--out", str(out), "--no-progress"]) == 2
     assert "--train-len lists 8 more than once" in capsys.readouterr().err
+
+
+def test_a_rotary_run_can_leave_its_scalings_unread() -> None:
+    corpus = split_corpus(load_corpus()[:20000])
+    spec = RunSpec("text", "rotary", 0)
+    read = train_text_run(spec, TINY, corpus)
+    unread = train_text_run(spec, TINY, corpus, scalings=False)
+    assert read["scalings"] and read["scaling_context_gain"]
+    assert unread["scalings"] == {} and unread["scaling_context_gain"] == {}
+    assert unread["perplexity_by_length"] == read["perplexity_by_length"]
+    assert unread["loss_curve"] == read["loss_curve"]

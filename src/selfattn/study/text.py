@@ -439,6 +439,7 @@ def train_text_run(
     on_step: Callable[[int, float], None] | None = None,
     device: torch.device | str = "cpu",
     data_parallel: bool = False,
+    scalings: bool = True,
 ) -> dict[str, Any]:
     """Train one encoding on the text and measure perplexity by length (arguments as :func:`~selfattn.study.training.train_run`).
 
@@ -451,6 +452,8 @@ def train_text_run(
         on_step: ``(step, loss)`` after every step.
         device: where to train.
         data_parallel: split each batch over the ranks of the process group (DistributedDataParallel).
+        scalings: for rotary, also read its context-extension scalings (most of a rotary run's evaluation);
+            False leaves ``scalings`` and ``scaling_context_gain`` empty.
 
     Returns:
         The run's entry of ``results.json["runs"]`` plus its loss curve.
@@ -501,10 +504,11 @@ def train_text_run(
 
     eval_started = time.process_time()
     scores, skipped = evaluate_text(model, spec.encoding, held_out, config)
-    scalings = evaluate_scalings(model, held_out, config) if spec.encoding == "rotary" else {}
+    scaled = scalings and spec.encoding == "rotary"
+    scaling_readings = evaluate_scalings(model, held_out, config) if scaled else {}
     gain = [] if spec.encoding == "learned" else evaluate_context_gain(model, held_out, config)
     sliding = [] if spec.encoding == "learned" else evaluate_context_gain(model, held_out, config, sliding=True)
-    scaling_gains = evaluate_scaling_gains(model, held_out, config) if spec.encoding == "rotary" else {}
+    scaling_gains = evaluate_scaling_gains(model, held_out, config) if scaled else {}
     # Where the model attends at the longest length it serves: distance and entropy by band of positions.
     longest = config.train_len if spec.encoding == "learned" else max(config.eval_lengths)
     attention = attention_on_text(model, held_out, longest, config.train_len)
@@ -514,7 +518,7 @@ def train_text_run(
         "train_len": config.train_len,
         "perplexity_by_length": scores,
         "skipped": skipped,
-        "scalings": scalings,
+        "scalings": scaling_readings,
         "context_gain": gain,
         "sliding_gain": sliding,
         "scaling_context_gain": scaling_gains,

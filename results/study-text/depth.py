@@ -1,0 +1,109 @@
+"""One cause at a time: is depth why sinusoidal reads below rotary far past L here and above it in Press et al.?
+
+    .venv/bin/python results/study-text/depth.py train GRID OUT LAYERS ENCODING SEED [ENCODING SEED ...]
+    .venv/bin/python results/study-text/depth.py table GRID OUT
+
+GRID is a folder of the text study (``L256``: ``config.json``, ``runs/``). Press et al. trained 16 layers; the study
+trains 2. ``train`` trains each (encoding, seed) with GRID's settings but ``num_layers = LAYERS`` (the one change;
+rotary's context-extension scalings are not read), into ``OUT/runs/text-ENCODING-sSEED.json`` atomically with
+the code version (a finished file is kept; ``OUT/checkpoints/`` lets a killed run resume), and records the settings
+in ``OUT/config.json``. ``table`` prints, per encoding and depth, the perplexity at every evaluated length and by
+band of positions at the longest, mean over the seeds ± the half-width of the 95% interval, and at each length
+whether sinusoidal and rotary are told apart (their intervals do not overlap).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from selfattn._atomic import write_json
+from selfattn.study.corpus import load_corpus, split_corpus
+from selfattn.study.provenance import code_version
+from selfattn.study.spread import differs, interval95
+from selfattn.study.text import TextConfig, train_text_run
+from selfattn.study.training import RunSpec
+
+COMPARED = ("sinusoidal", "rotary")
+
+
+def _config(grid: Path) -> TextConfig:
+    saved = json.loads((grid / "config.json").read_text())["text"]
+    names = {f.name for f in fields(TextConfig)}
+    return TextConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in names})
+
+
+def train(grid: Path, out: Path, layers: int, cells: list[str]) -> None:
+    config = replace(_config(grid), num_layers=layers)
+    corpus = split_corpus(load_corpus(), config.held_out_fraction)
+    for folder in (out / "runs", out / "checkpoints"):
+        folder.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", {"text": config.as_dict(), "changed_from": str(grid), "changed": ["num_layers"]})
+    torch.set_num_threads(1)
+    for encoding, seed in zip(cells[::2], cells[1::2], strict=True):
+        spec = RunSpec("text", encoding, int(seed))
+        target = out / "runs" / f"{spec.key}.json"
+        if target.exists():
+            continue
+        checkpoint = out / "checkpoints" / f"{spec.key}.pt"
+        run = {**spec.as_dict(), **train_text_run(spec, config, corpus, checkpoint=checkpoint, scalings=False)}
+        run["num_layers"] = layers
+        run["code_version"] = code_version()
+        write_json(target, run)
+        print(f"{spec.key}: {layers} layers, trained in {run['train_cpu_seconds']:.0f} s of CPU", flush=True)
+
+
+def _runs(folder: Path, encoding: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((folder / "runs").glob(f"text-{encoding}-s*.json"))]
+
+
+def _cell(values: list[float]) -> str:
+    found = interval95(values)
+    return f"{found['mean']:.2f} ± {found['half_width']:.2f}"
+
+
+def table(grid: Path, out: Path) -> int:
+    depths = {
+        f"{json.loads((folder / 'config.json').read_text())['text']['num_layers']} layers": folder
+        for folder in (grid, out)
+    }
+    for depth, folder in depths.items():
+        runs = {encoding: _runs(folder, encoding) for encoding in COMPARED}
+        lengths = list(runs[COMPARED[0]][0]["perplexity_by_length"])
+        print(f"{depth} ({folder}; seeds: " + ", ".join(f"{e} {len(r)}" for e, r in runs.items()) + ")")
+        for length in lengths:
+            values = {e: [r["perplexity_by_length"][length]["perplexity"] for r in rs] for e, rs in runs.items()}
+            apart = "apart" if differs(*values.values()) else "not apart"
+            print(f"  {length:>5}: " + "; ".join(f"{e} {_cell(v)}" for e, v in values.items()) + f" ({apart})")
+        longest = lengths[-1]
+        for encoding, rs in runs.items():
+            bands = rs[0]["perplexity_by_length"][longest]["by_position"]
+            text = ", ".join(
+                f"{band['start']}-{band['stop'] - 1}: "
+                + _cell([r["perplexity_by_length"][longest]["by_position"][i]["perplexity"] for r in rs])
+                for i, band in enumerate(bands)
+            )
+            print(f"  {encoding} at {longest}, by position: {text}")
+        for encoding, rs in runs.items():
+            final = _cell([r["final_loss"] for r in rs])
+            print(f"  {encoding}: final training loss {final}; code {sorted({r['code_version'][:7] for r in rs})}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 6 and argv[0] == "train":
+        train(Path(argv[1]), Path(argv[2]), int(argv[3]), argv[4:])
+        return 0
+    if len(argv) == 3 and argv[0] == "table":
+        return table(Path(argv[1]), Path(argv[2]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
