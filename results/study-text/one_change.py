@@ -1,15 +1,17 @@
-"""One cause at a time: is depth why sinusoidal reads below rotary far past L here and above it in Press et al.?
+"""One cause at a time: does one setting of the model explain why sinusoidal reads below rotary far past L here
+and above it in Press et al.?
 
-    .venv/bin/python results/study-text/depth.py train GRID OUT LAYERS ENCODING SEED [ENCODING SEED ...]
-    .venv/bin/python results/study-text/depth.py table GRID OUT
+    .venv/bin/python results/study-text/one_change.py train GRID OUT NAME=VALUE ENCODING SEED [ENCODING SEED ...]
+    .venv/bin/python results/study-text/one_change.py table GRID OUT
 
-GRID is a folder of the text study (``L256``: ``config.json``, ``runs/``). Press et al. trained 16 layers; the study
-trains 2. ``train`` trains each (encoding, seed) with GRID's settings but ``num_layers = LAYERS`` (the one change;
-rotary's context-extension scalings are not read), into ``OUT/runs/text-ENCODING-sSEED.json`` atomically with
-the code version (a finished file is kept; ``OUT/checkpoints/`` lets a killed run resume), and records the settings
-in ``OUT/config.json``. ``table`` prints, per encoding and depth, the perplexity at every evaluated length and by
-band of positions at the longest, mean over the seeds ± the half-width of the 95% interval, and at each length
-whether sinusoidal and rotary are told apart (their intervals do not overlap).
+GRID is a folder of the text study (``L256``: ``config.json``, ``runs/``). Press et al. trained 16 layers with heads
+of 128; the study trains 2 layers with heads of 16. ``train`` trains each (encoding, seed) with GRID's settings but
+one integer setting of :class:`~selfattn.study.text.TextConfig` changed (``num_layers=8``, ``num_heads=1``; rotary's
+context-extension scalings are not read), into ``OUT/runs/text-ENCODING-sSEED.json`` atomically with the code
+version and the changed setting (a finished file is kept; ``OUT/checkpoints/`` lets a killed run resume), and
+records the settings in ``OUT/config.json``. ``table`` prints, for GRID and OUT, per encoding the perplexity at every
+evaluated length and by band of positions at the longest, mean over the seeds ± the half-width of the 95% interval,
+and at each length whether sinusoidal and rotary are told apart (their intervals do not overlap).
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ def _config(grid: Path) -> TextConfig:
     return TextConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in names})
 
 
-def train(grid: Path, out: Path, layers: int, cells: list[str]) -> None:
-    config = replace(_config(grid), num_layers=layers)
+def train(grid: Path, out: Path, change: str, cells: list[str]) -> None:
+    name, _, value = change.partition("=")
+    if name not in {f.name for f in fields(TextConfig)}:
+        raise ValueError(f"NAME=VALUE must name a setting of TextConfig, got {change!r}")
+    config = replace(_config(grid), **{name: int(value)})
     corpus = split_corpus(load_corpus(), config.held_out_fraction)
     for folder in (out / "runs", out / "checkpoints"):
         folder.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", {"text": config.as_dict(), "changed_from": str(grid), "changed": ["num_layers"]})
+    write_json(out / "config.json", {"text": config.as_dict(), "changed_from": str(grid), "changed": [name]})
     torch.set_num_threads(1)
     for encoding, seed in zip(cells[::2], cells[1::2], strict=True):
         spec = RunSpec("text", encoding, int(seed))
@@ -52,10 +57,10 @@ def train(grid: Path, out: Path, layers: int, cells: list[str]) -> None:
             continue
         checkpoint = out / "checkpoints" / f"{spec.key}.pt"
         run = {**spec.as_dict(), **train_text_run(spec, config, corpus, checkpoint=checkpoint, scalings=False)}
-        run["num_layers"] = layers
+        run[name] = int(value)
         run["code_version"] = code_version()
         write_json(target, run)
-        print(f"{spec.key}: {layers} layers, trained in {run['train_cpu_seconds']:.0f} s of CPU", flush=True)
+        print(f"{spec.key}: {change}, trained in {run['train_cpu_seconds']:.0f} s of CPU", flush=True)
 
 
 def _runs(folder: Path, encoding: str) -> list[dict[str, Any]]:
@@ -68,14 +73,17 @@ def _cell(values: list[float]) -> str:
 
 
 def table(grid: Path, out: Path) -> int:
-    depths = {
-        f"{json.loads((folder / 'config.json').read_text())['text']['num_layers']} layers": folder
-        for folder in (grid, out)
-    }
-    for depth, folder in depths.items():
+    changed = json.loads((out / "config.json").read_text())["changed"]
+    for folder in (grid, out):
+        settings = json.loads((folder / "config.json").read_text())["text"]
         runs = {encoding: _runs(folder, encoding) for encoding in COMPARED}
         lengths = list(runs[COMPARED[0]][0]["perplexity_by_length"])
-        print(f"{depth} ({folder}; seeds: " + ", ".join(f"{e} {len(r)}" for e, r in runs.items()) + ")")
+        print(
+            ", ".join(f"{name} {settings[name]}" for name in changed)
+            + f" ({folder}; seeds: "
+            + ", ".join(f"{e} {len(r)}" for e, r in runs.items())
+            + ")"
+        )
         for length in lengths:
             values = {e: [r["perplexity_by_length"][length]["perplexity"] for r in rs] for e, rs in runs.items()}
             apart = "apart" if differs(*values.values()) else "not apart"
@@ -97,7 +105,7 @@ def table(grid: Path, out: Path) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) >= 6 and argv[0] == "train":
-        train(Path(argv[1]), Path(argv[2]), int(argv[3]), argv[4:])
+        train(Path(argv[1]), Path(argv[2]), argv[3], argv[4:])
         return 0
     if len(argv) == 3 and argv[0] == "table":
         return table(Path(argv[1]), Path(argv[2]))
