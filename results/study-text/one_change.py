@@ -10,7 +10,7 @@ one integer setting of :class:`~selfattn.study.text.TextConfig` changed (``num_l
 context-extension scalings are not read), into ``OUT/runs/text-ENCODING-sSEED.json`` atomically with the code
 version and the changed setting (a finished file is kept; ``OUT/checkpoints/`` lets a killed run resume), and
 records the settings in ``OUT/config.json``. ``table`` prints, for GRID and OUT, per encoding the perplexity at every
-evaluated length and by band of positions at the longest, mean over the seeds ± the half-width of the 95% interval,
+evaluated length and by band of positions at the longest (and the attention's entropy there), mean over the seeds ± the half-width of the 95% interval,
 and at each length whether sinusoidal and rotary are told apart (their intervals do not overlap).
 """
 
@@ -97,6 +97,13 @@ def table(grid: Path, out: Path) -> int:
                 for i, band in enumerate(bands)
             )
             print(f"  {encoding} at {longest}, by position: {text}")
+        for encoding, rs in runs.items():
+            text = ", ".join(
+                f"{band['start']}-{band['stop'] - 1}: "
+                + _cell([sum(r["attention"][i]["entropy"]) / len(r["attention"][i]["entropy"]) for r in rs])
+                for i, band in enumerate(rs[0]["attention"])
+            )
+            print(f"  {encoding} attention entropy (nats, mean over layers) at {longest}, by position: {text}")
         for encoding, rs in runs.items():
             final = _cell([r["final_loss"] for r in rs])
             print(f"  {encoding}: final training loss {final}; code {sorted({r['code_version'][:7] for r in rs})}")
