@@ -1,17 +1,18 @@
 """One cause at a time: does one setting of the model explain why sinusoidal reads below rotary far past L here
 and above it in Press et al.?
 
-    .venv/bin/python results/study-text/one_change.py train GRID OUT NAME=VALUE ENCODING SEED [ENCODING SEED ...]
+    .venv/bin/python results/study-text/one_change.py train GRID OUT NAME=VALUE [NAME=VALUE ...] ENCODING SEED [...]
     .venv/bin/python results/study-text/one_change.py table GRID OUT
 
 GRID is a folder of the text study (``L256``: ``config.json``, ``runs/``). Press et al. trained 16 layers with heads
 of 128; the study trains 2 layers with heads of 16. ``train`` trains each (encoding, seed) with GRID's settings but
-one integer setting of :class:`~selfattn.study.text.TextConfig` changed (``num_layers=8``, ``num_heads=1``; rotary's
-context-extension scalings are not read), into ``OUT/runs/text-ENCODING-sSEED.json`` atomically with the code
-version and the changed setting (a finished file is kept; ``OUT/checkpoints/`` lets a killed run resume), and
-records the settings in ``OUT/config.json``. ``table`` prints, for GRID and OUT, per encoding the perplexity at every
-evaluated length and by band of positions at the longest (and the attention's entropy there), mean over the seeds ± the half-width of the 95% interval,
-and at each length whether sinusoidal and rotary are told apart (their intervals do not overlap).
+the integer settings of :class:`~selfattn.study.text.TextConfig` named changed (``num_layers=8``, ``num_heads=1``,
+or both, to see how two causes add; rotary's context-extension scalings are not read), into
+``OUT/runs/text-ENCODING-sSEED.json`` atomically with the code version and the changed settings (a finished file
+is kept; ``OUT/checkpoints/`` lets a killed run resume), and records the settings in ``OUT/config.json``.
+``table`` prints, for GRID and OUT, per encoding the perplexity at every evaluated length and by band of positions
+at the longest (and the attention's entropy there), mean over the seeds ± the half-width of the 95% interval, and
+at each length whether sinusoidal and rotary are told apart (their intervals do not overlap).
 """
 
 from __future__ import annotations
@@ -40,15 +41,19 @@ def _config(grid: Path) -> TextConfig:
     return TextConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in names})
 
 
-def train(grid: Path, out: Path, change: str, cells: list[str]) -> None:
-    name, _, value = change.partition("=")
-    if name not in {f.name for f in fields(TextConfig)}:
-        raise ValueError(f"NAME=VALUE must name a setting of TextConfig, got {change!r}")
-    config = replace(_config(grid), **{name: int(value)})
+def train(grid: Path, out: Path, changes: list[str], cells: list[str]) -> None:
+    settings = {f.name for f in fields(TextConfig)}
+    changed: dict[str, int] = {}
+    for change in changes:
+        name, _, value = change.partition("=")
+        if name not in settings:
+            raise ValueError(f"NAME=VALUE must name a setting of TextConfig, got {change!r}")
+        changed[name] = int(value)
+    config = replace(_config(grid), **changed)
     corpus = split_corpus(load_corpus(), config.held_out_fraction)
     for folder in (out / "runs", out / "checkpoints"):
         folder.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", {"text": config.as_dict(), "changed_from": str(grid), "changed": [name]})
+    write_json(out / "config.json", {"text": config.as_dict(), "changed_from": str(grid), "changed": list(changed)})
     torch.set_num_threads(1)
     for encoding, seed in zip(cells[::2], cells[1::2], strict=True):
         spec = RunSpec("text", encoding, int(seed))
@@ -57,10 +62,10 @@ def train(grid: Path, out: Path, change: str, cells: list[str]) -> None:
             continue
         checkpoint = out / "checkpoints" / f"{spec.key}.pt"
         run = {**spec.as_dict(), **train_text_run(spec, config, corpus, checkpoint=checkpoint, scalings=False)}
-        run[name] = int(value)
+        run.update(changed)
         run["code_version"] = code_version()
         write_json(target, run)
-        print(f"{spec.key}: {change}, trained in {run['train_cpu_seconds']:.0f} s of CPU", flush=True)
+        print(f"{spec.key}: {' '.join(changes)}, trained in {run['train_cpu_seconds']:.0f} s of CPU", flush=True)
 
 
 def _runs(folder: Path, encoding: str) -> list[dict[str, Any]]:
@@ -112,7 +117,8 @@ def table(grid: Path, out: Path) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) >= 6 and argv[0] == "train":
-        train(Path(argv[1]), Path(argv[2]), argv[3], argv[4:])
+        changes = [arg for arg in argv[3:] if "=" in arg]
+        train(Path(argv[1]), Path(argv[2]), changes, argv[3 + len(changes) :])
         return 0
     if len(argv) == 3 and argv[0] == "table":
         return table(Path(argv[1]), Path(argv[2]))
