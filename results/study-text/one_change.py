@@ -12,7 +12,8 @@ or both, to see how two causes add; rotary's context-extension scalings are not 
 is kept; ``OUT/checkpoints/`` lets a killed run resume), and records the settings in ``OUT/config.json``.
 ``table`` prints, for GRID and OUT, per encoding the perplexity at every evaluated length and by band of positions
 at the longest (and the attention's entropy there), mean over the seeds ± the half-width of the 95% interval, and
-at each length whether sinusoidal and rotary are told apart (their intervals do not overlap).
+at each length whether sinusoidal and rotary are told apart (their intervals do not overlap), and for OUT whether each
+is told apart from itself in GRID.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def _cell(values: list[float]) -> str:
 
 def table(grid: Path, out: Path) -> int:
     changed = json.loads((out / "config.json").read_text())["changed"]
+    grid_values: dict[tuple[str, str], list[float]] = {}
     for folder in (grid, out):
         settings = json.loads((folder / "config.json").read_text())["text"]
         runs = {encoding: _runs(folder, encoding) for encoding in COMPARED}
@@ -92,7 +94,13 @@ def table(grid: Path, out: Path) -> int:
         for length in lengths:
             values = {e: [r["perplexity_by_length"][length]["perplexity"] for r in rs] for e, rs in runs.items()}
             apart = "apart" if differs(*values.values()) else "not apart"
-            print(f"  {length:>5}: " + "; ".join(f"{e} {_cell(v)}" for e, v in values.items()) + f" ({apart})")
+            cells = []
+            for encoding, found in values.items():
+                before = grid_values.get((encoding, length))
+                moved = "" if before is None else f" [{'' if differs(found, before) else 'not '}apart from GRID]"
+                cells.append(f"{encoding} {_cell(found)}{moved}")
+            grid_values.update({(e, length): v for e, v in values.items()} if folder == grid else {})
+            print(f"  {length:>5}: " + "; ".join(cells) + f" (the two {apart})")
         longest = lengths[-1]
         for encoding, rs in runs.items():
             bands = rs[0]["perplexity_by_length"][longest]["by_position"]
