@@ -99,7 +99,8 @@ def table(grid: Path, out: Path) -> int:
                 before = grid_values.get((encoding, length))
                 moved = "" if before is None else f" [{'' if differs(found, before) else 'not '}apart from GRID]"
                 cells.append(f"{encoding} {_cell(found)}{moved}")
-            grid_values.update({(e, length): v for e, v in values.items()} if folder == grid else {})
+            if folder == grid:
+                grid_values.update({(e, length): v for e, v in values.items()})
             print(f"  {length:>5}: " + "; ".join(cells) + f" (the two {apart})")
         longest = lengths[-1]
         for encoding, rs in runs.items():
