@@ -66,7 +66,7 @@ def test_a_replayed_step_equals_the_full_path(monkeypatch, options, grad_mode):
     with torch.set_grad_enabled(grad_mode):
         backend.attention_forward(module, *_step(7), None, **options)  # in full: the plan is made
         q, k, v = _step(9, seed=1)  # the cache grew by two
-        monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+        monkeypatch.setattr(_hf_plan, "replay", lambda *args: (None, None))
         full, _ = backend.attention_forward(_module(), q, k, v, None, **options)
         monkeypatch.undo()
         _refuse_full_path(monkeypatch)
@@ -92,6 +92,19 @@ def test_a_step_of_another_kind_runs_in_full(monkeypatch):
     assert torch.allclose(masked, expected, atol=1e-6)  # the mask was applied, not skipped
 
 
+@pytest.mark.parametrize("several", [False, True], ids=["decoding step", "prefill"])
+def test_a_keyword_of_no_table_planned_as_none_is_refused_once_given(several):
+    """The full path lets a keyword it does not know through only when it is None: a plan made with it None must
+    not replay a call that gives it a value (the keyword would be ignored); the call runs in full and is refused.
+    A keyword known not to change the answer (``use_cache``) stays replayed whatever its value."""
+    module = _module()
+    heads = _square(5) if several else _step(7)
+    backend.attention_forward(module, *heads, None, mystery=None, use_cache=None)  # in full: the plan is made
+    backend.attention_forward(module, *heads, None, mystery=None, use_cache=True)  # replayed: no error
+    with pytest.raises(ValueError, match="attention_forward got mystery=a tensor of shape \\(3,\\)"):
+        backend.attention_forward(module, *heads, None, mystery=torch.ones(3), use_cache=None)
+
+
 def test_a_prefill_leaves_the_plan_for_the_decoding_steps_after_it(monkeypatch):
     """A call of several queries (planned apart) or with a mask (planned never) keeps the layer's one-query plan:
     the next generate()'s first decoding step replays; a step of another unmasked kind replaces it."""
@@ -105,7 +118,7 @@ def test_a_prefill_leaves_the_plan_for_the_decoding_steps_after_it(monkeypatch):
     backend.attention_forward(module, *_step(8, seed=2), mask)  # a mask: in full
     assert _hf_plan.plans_of(module)[0] is plan
     q, k, v = _step(9, seed=1)
-    monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+    monkeypatch.setattr(_hf_plan, "replay", lambda *args: (None, None))
     full, _ = backend.attention_forward(_module(), q, k, v, None)
     monkeypatch.undo()
     _refuse_full_path(monkeypatch)
@@ -131,7 +144,7 @@ def test_llama_generates_the_same_tokens_with_plans(monkeypatch):
     with torch.no_grad():
         planned = model.generate(prompt, **options)
         assert all(_hf_plan.plans_of(layer.self_attn) is not None for layer in model.model.layers)
-        monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+        monkeypatch.setattr(_hf_plan, "replay", lambda *args: (None, None))
         full = model.generate(prompt, **options)
     assert torch.equal(planned, full)
 
@@ -183,11 +196,11 @@ def test_sliding_layers_past_their_window_are_replayed_and_generate_as_eager(mon
             model.set_attn_implementation(implementation)
             counted = []
 
-            def counting(*a: Any, counted: list = counted) -> torch.Tensor | None:
-                out = real(*a)
+            def counting(*a: Any, counted: list = counted) -> tuple[torch.Tensor | None, Any]:
+                out, kind = real(*a)
                 if out is not None:
                     counted.append(a[0])
-                return out
+                return out, kind
 
             monkeypatch.setattr(_hf_plan, "replay", counting)
             outs[implementation] = model.generate(prompt, **options)
@@ -254,7 +267,7 @@ def test_a_replayed_prefill_equals_the_full_path(monkeypatch, options):
     backend.attention_forward(module, *_square(6), None, **options)  # in full: the prefill's plan is made
     assert _hf_plan.plans_of(module)[0] is decoding_plan and _hf_plan.plans_of(module)[1] is not None
     q, k, v = _square(6, seed=1)
-    monkeypatch.setattr(_hf_plan, "replay", lambda *args: None)
+    monkeypatch.setattr(_hf_plan, "replay", lambda *args: (None, None))
     full, _ = backend.attention_forward(_module(), q, k, v, None, **options)
     monkeypatch.undo()
     _refuse_full_path(monkeypatch)
@@ -324,5 +337,6 @@ def test_the_kind_holds_the_dispatchers_size_fact(monkeypatch):
     q, k, v = _step(9)
     for threshold, few in ((10_000, True), (9, False), (10, True)):  # a step of 9 scores
         monkeypatch.setattr(_hf_plan._block_sliced, "SLICED_MIN_SCORES", threshold)
-        kind = _hf_plan.unmasked_kind(_module(), q, k, v, 0.0, None, None, None, None, None, {}, False, ())
+        out, kind = _hf_plan.replay(_module(), q, k, v, 0.0, None, None, None, None, None, {})
+        assert out is None  # a layer with no plan
         assert kind is not None and kind[-1] is few is _hf_plan.dispatch.few_scores(1, 9)

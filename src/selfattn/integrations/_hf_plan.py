@@ -13,18 +13,20 @@ routes that apply a softcap or sinks) when the route has one for the kind, else 
 built from the heads. A layer holds two plans: one for a single
 query (decoding steps) and one for several (prefills, encoder passes), so the two replace neither.
 
-The kind (:func:`unmasked_kind`): no ``attention_mask`` and none of the keywords that restrict or reweigh
+The kind (computed by :func:`replay`): no ``attention_mask`` and none of the keywords that restrict or reweigh
 attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed lengths, weights
 wanted); query, key and value heads of exactly ``torch.Tensor`` (a subclass runs in full); their shapes except,
 for one query, the keys' length (several queries need as many keys, and a window, if any, no shorter than
 them); their dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal`` and,
 for several queries, whether the causal rule holds (``is_causal``, else the layer's); the sink tensor itself
-(``s_aux``) and its shape; the names of the other keywords (given a value or None); grad mode; a ``torch.func``
-transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`). A call of another
-kind runs in full and replaces the plan of its number of queries, or drops it; a call no plan serves (a mask)
-leaves the plans. No tensor value is read. Every layer of every generated token reads all this, inside
-``generate()``, where a Python function call costs several times what it costs in a tight loop: the kind and the
-plan's lookup call no helper of this package (torch's ``is_compiling`` is the one Python call left).
+(``s_aux``) and its shape; the names of the other keywords, and None still given to each that no table of
+:mod:`~selfattn.integrations._hf_keywords` lets through with a value (the full path refuses it then); grad mode;
+a ``torch.func`` transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`). A
+call of another kind runs in full and replaces the plan of its number of queries, or drops it; a call no plan
+serves (a mask) leaves the plans. No tensor value is read. Every layer of every generated token reads all this,
+inside ``generate()``, where a Python function call costs several times what it costs in a tight loop: the kind,
+the plan's lookup and the step form's call are one function of this package (torch's ``is_compiling`` is the
+one other Python call).
 
 Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head size, dv value head size.
 """
@@ -44,10 +46,11 @@ import selfattn.functional._block_sliced as _block_sliced
 from selfattn._validation import _peek_interpreter_stack
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Route, Step
+from selfattn.integrations._hf_keywords import NOT_READ
 from selfattn.masks import Visibility
 from selfattn.masks import causal as causal_rule
 
-__all__ = ["StepPlan", "plans_of", "remember", "replay", "unmasked_kind"]
+__all__ = ["StepPlan", "plans_of", "remember", "replay"]
 
 
 class StepPlan(NamedTuple):
@@ -59,6 +62,7 @@ class StepPlan(NamedTuple):
     options: dict[str, Any]  # AttentionCall's checked keywords: scale, softcap, sinks, dropout_p
     step: Step | None  # the route's step form when it has one for the kind (no dropout): no call described
     causal: bool  # several queries under the causal rule (a prefill)
+    kept_none: tuple[str, ...]  # keywords of no table, None in the planned call: a value makes another kind
 
 
 #: Each transformers attention layer's plans (one query, several), by ``id(layer)`` beside a weak reference to the
@@ -73,36 +77,32 @@ def plans_of(module: Any) -> tuple[StepPlan | None, StepPlan | None] | None:
     return entry[1] if entry is not None and entry[0]() is module else None
 
 
-def unmasked_kind(
+def replay(
     module: Any, query: Any, key: Any, value: Any, dropout: float, scaling: float | None, is_causal: bool | None,
     sliding_window: int | None, softcap: float | None, s_aux: torch.Tensor | None, extra: dict[str, Any],
-    output_attentions: bool, restricting: tuple[object, ...],
-) -> tuple[object, ...] | None:  # fmt: skip
-    """The kind of an ``attention_forward`` call, or None if no plan serves it: one with weights wanted, or any of
-    ``restricting`` (the mask and the keywords that restrict or reweigh attention) given. ``extra``: the other
-    keywords. Its arguments one by one, not ``locals()``: a decoding step's microseconds."""
-    if output_attentions:
-        return None
-    for given in restricting:  # a loop, not any() over a generator: each step's microseconds
-        if given is not None:
-            return None
+) -> tuple[torch.Tensor | None, tuple[object, ...] | None]:  # fmt: skip
+    """``(output, kind)`` of an ``attention_forward`` call that no mask or restricting keyword was given and whose
+    weights are not wanted (the caller has checked): the call's ``(b, h, lq, dv)`` output by the layer's plan of
+    its kind, None when it has none (the full path runs), and the kind, None when no plan serves the call (the
+    full path then keeps none). ``extra``: the other keywords. One function, its arguments one by one: each frame
+    and each helper call is a decoding step's microsecond inside ``generate()``."""
     # exactly Tensor (a subclass runs in full): cheaper than isinstance, and a decoding step reads it three times
     if not type(query) is type(key) is type(value) is torch.Tensor or torch.compiler.is_compiling():
-        return None
+        return None, None
     query_shape, key_shape, value_shape = query.shape, key.shape, value.shape
     if len(query_shape) != 4 or len(key_shape) != 4 or len(value_shape) != 4:
-        return None
+        return None, None
     batch, kv_heads, num_keys, head_dim = key_shape
     value_batch, value_heads, num_values, value_dim = value_shape
     num_queries = query_shape[2]
     if num_values != num_keys:
-        return None
+        return None, None
     causal = None  # one query sees every key whatever the rule
     if num_queries != 1:
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         if num_keys != num_queries or (causal and sliding_window is not None and sliding_window < num_queries):
-            return None  # a static cache's free slots, or a window that hides keys: the full path's masks
-    return (
+            return None, None  # a static cache's free slots, or a window that hides keys: the full path's masks
+    kind = (
         query_shape, batch, kv_heads, head_dim, value_batch, value_heads, value_dim,
         query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
         dropout, scaling, is_causal, causal, sliding_window, softcap,
@@ -111,10 +111,39 @@ def unmasked_kind(
         torch.is_grad_enabled(), _peek_interpreter_stack() is not None,  # grad mode; a torch.func transform or not
         num_queries * num_keys < _block_sliced.SLICED_MIN_SCORES,  # dispatch.few_scores inline: a frame less per step
     )  # fmt: skip
+    if (entry := _PLANS.get(id(module))) is None or entry[0]() is not module:
+        return None, kind
+    plan = entry[1][0] if num_queries == 1 else entry[1][1]
+    if plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
+        return None, kind
+    for name in plan.kept_none:  # a keyword the full path let through for being None: given now, it is refused
+        if extra[name] is not None:
+            return None, kind
+    if plan.step is not None and not dispatch.VERIFY_REMEMBERED_CHOICES and not _autograd_profiler._is_profiler_enabled:
+        return plan.step(query, key, value), kind  # run_step's own test inline: a frame less per step
+    return _run(plan, query, key, value), kind
 
 
-def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: AttentionCall | None) -> None:
-    """After a call run in full: keep a plan for its kind (``call`` is the call as ``attention`` described it)."""
+def _run(plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``(b, h, lq, dv)``: the plan's route on heads of its kind, in the profiler's record, or asked again (tests:
+    :data:`~selfattn.core.dispatch.VERIFY_REMEMBERED_CHOICES`), or (no step form) on the call built from them."""
+    verify = dispatch.VERIFY_REMEMBERED_CHOICES  # every route asked again must choose the plan's
+    if plan.step is not None and not verify:
+        return dispatch.run_step(plan.route, plan.step, query, key, value)
+    visibility = Visibility.lower_right(query.shape[2], key.shape[-2], causal_rule() if plan.causal else None)
+    call = AttentionCall.of_heads(query, key, value, visibility, **plan.options)
+    if verify:
+        dispatch.check_remembered(call, plan.routes, plan.route)
+    if plan.step is not None:
+        return dispatch.run_step(plan.route, plan.step, query, key, value)
+    return dispatch.run_route(plan.route, call).out
+
+
+def remember(
+    module: torch.nn.Module, kind: tuple[object, ...] | None, call: AttentionCall | None, extra: dict[str, Any]
+) -> None:
+    """After a call run in full: keep a plan for its kind (``call`` is the call as ``attention`` described it,
+    ``extra`` the keywords its parameters did not take)."""
     if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling() or kind is None or call is None:
         return  # a stand-in for a layer (tests), a graph (the plans not read), or a call no plan serves
         # (a mask): the layer's plans stay for the unmasked calls that follow
@@ -122,7 +151,7 @@ def remember(module: torch.nn.Module, kind: tuple[object, ...] | None, call: Att
     entry = _PLANS.get(key)
     if entry is None or entry[0]() is not module:  # the layer's first plan
         entry = (weakref.ref(module, functools.partial(_forget, key)), (None, None))
-    plans, plan = entry[1], _plan(kind, call, several)
+    plans, plan = entry[1], _plan(kind, call, several, extra)
     _PLANS[key] = (entry[0], (plans[0], plan) if several else (plan, plans[1]))  # this number of queries' replaced
 
 
@@ -132,7 +161,7 @@ def _forget(key: int, reference: weakref.ref[Any]) -> None:
         del _PLANS[key]
 
 
-def _plan(kind: tuple[object, ...], call: AttentionCall, several: bool) -> StepPlan | None:
+def _plan(kind: tuple[object, ...], call: AttentionCall, several: bool, extra: dict[str, Any]) -> StepPlan | None:
     """The plan of ``call``'s kind, or None where none serves it."""
     causal = bool(call.visibility.rules)
     if call.term is not None or call.bias is not None or (causal and not (several and call.visibility.kernel_causal)):
@@ -147,29 +176,5 @@ def _plan(kind: tuple[object, ...], call: AttentionCall, several: bool) -> StepP
     step = step_for(call, causal) if step_for is not None and call.dropout_p == 0 else None
     if several and step is None:
         return None  # several queries are replayed by a step form only
-    return StepPlan(kind, chosen[0], chosen[1], options, step, causal)
-
-
-def replay(
-    module: torch.nn.Module, kind: tuple[object, ...] | None, query: torch.Tensor, key: torch.Tensor,
-    value: torch.Tensor,
-) -> torch.Tensor | None:  # fmt: skip
-    """The call's ``(b, h, lq, dv)`` output by the layer's plan for ``kind``, or None when it has none."""
-    if kind is None or (entry := _PLANS.get(id(module))) is None or entry[0]() is not module:
-        return None
-    plans = entry[1]
-    plan = plans[0] if query.shape[2] == 1 else plans[1]
-    if plan is None or plan.kind != kind or dispatch.ROUTES is not plan.routes:
-        return None
-    verify = dispatch.VERIFY_REMEMBERED_CHOICES  # tests: every route asked again must choose the plan's
-    if plan.step is not None and not verify:
-        if not _autograd_profiler._is_profiler_enabled:  # run_step's own test, a frame less per step
-            return plan.step(query, key, value)
-        return dispatch.run_step(plan.route, plan.step, query, key, value)
-    visibility = Visibility.lower_right(query.shape[2], key.shape[-2], causal_rule() if plan.causal else None)
-    call = AttentionCall.of_heads(query, key, value, visibility, **plan.options)
-    if verify:
-        dispatch.check_remembered(call, plan.routes, plan.route)
-    if plan.step is not None:
-        return dispatch.run_step(plan.route, plan.step, query, key, value)
-    return dispatch.run_route(plan.route, call).out
+    kept_none = tuple(name for name in extra if name not in NOT_READ)  # the full path refuses them given a value
+    return StepPlan(kind, chosen[0], chosen[1], options, step, causal, kept_none)

@@ -101,11 +101,16 @@ def attention_forward(
         ValueError: an unknown keyword, a bad value of a known one, or a combination the module's docstring refuses.
     """
     output_attentions = bool(output_attentions) or _recording_attentions()
-    kind = _hf_plan.unmasked_kind(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap,
-                                  s_aux, kwargs, output_attentions, (attention_mask, position_bias, sinks, indices,
-                                  topk_indices, block_indices, head_mask, cu_seq_lens_q, cu_seq_lens_k, seq_idx))  # fmt: skip
-    if (replayed := _hf_plan.replay(module, kind, query, key, value)) is not None:  # an unmasked call of a planned kind
-        return replayed.transpose(1, 2).contiguous(), None
+    kind = None  # a call no plan serves: a mask, a keyword that restricts or reweighs attention, weights wanted
+    if (
+        attention_mask is None and position_bias is None and sinks is None and indices is None and topk_indices is None
+        and block_indices is None and head_mask is None and cu_seq_lens_q is None and cu_seq_lens_k is None
+        and seq_idx is None and not output_attentions
+    ):  # fmt: skip
+        replayed, kind = _hf_plan.replay(module, query, key, value, dropout, scaling, is_causal, sliding_window,
+                                         softcap, s_aux, kwargs)  # fmt: skip
+        if replayed is not None:  # an unmasked call of a planned kind
+            return replayed.transpose(1, 2).contiguous(), None
     check_keywords(kwargs)
     attention_mask = _bool_if_only_visibility(attention_mask)
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
@@ -118,7 +123,7 @@ def attention_forward(
     options: dict[str, Any] = dict(mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling,
                                    softcap=softcap, sinks=sinks, return_weights=bool(output_attentions))  # fmt: skip
     out, weights = _attend(query, key, value, picks, options, per_query_sinks is not None, head_mask)
-    _hf_plan.remember(module, kind, None if kind is None else describe_attention(query, key, value, **options))
+    _hf_plan.remember(module, kind, None if kind is None else describe_attention(query, key, value, **options), kwargs)
     return out.transpose(1, 2).contiguous(), weights
 
 
