@@ -339,4 +339,4 @@ def test_the_kind_holds_the_dispatchers_size_fact(monkeypatch):
         monkeypatch.setattr(_hf_plan._block_sliced, "SLICED_MIN_SCORES", threshold)
         out, kind = _hf_plan.replay(_module(), q, k, v, 0.0, None, None, None, None, None, {})
         assert out is None  # a layer with no plan
-        assert kind is not None and kind[-1] is few is _hf_plan.dispatch.few_scores(1, 9)
+        assert kind is not None and kind[-2] is few is _hf_plan.dispatch.few_scores(1, 9)

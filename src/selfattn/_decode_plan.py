@@ -138,8 +138,8 @@ def remember(module: Any, given: tuple[Any, ...], call: AttentionCall) -> None:
     """After a call run in full: keep a plan for its kind where one serves it, else drop the layer's plan."""
     drop(module)
     kind = kind_of(module, given) if ENABLED else None
-    if kind is None or call.bias is not None or call.visibility.rules:
-        return
+    if kind is None or call.bias is not None or call.visibility.rules or call.num_keys <= call.num_queries:
+        return  # (no earlier key: the routes run their blocks, not the decoding step later steps replay)
     if call.heads == 1 and call.kv_heads == 1:
         return  # the "split keys" route's kind of call: its choice moves with the cache's length and the threads
     chosen = dispatch.remembered_route(call)
@@ -177,11 +177,11 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     if plan is None or dispatch.ROUTES is not plan.routes or kind_of(module, given) != plan.kind:
         return None
     queries, cache, offset = given[0], given[7], given[6]
-    if cache.holds_marks or plan.few_scores != dispatch.few_scores(1, cache.stored + 1):
-        return None
+    if cache.holds_marks or cache.stored == 0 or plan.few_scores != dispatch.few_scores(1, cache.stored + 1):
+        return None  # a step with no earlier key is no decoding step (the routes run their blocks on it)
     term = plan.term
-    if term is not None and (cache.stored == 0 or not term.has_key_only_form()):
-        return None  # a step with no earlier key is no decoding step; or the term lost its key-only form since
+    if term is not None and not term.has_key_only_form():
+        return None  # the term lost its key-only form since
     first = cache.length if offset is None else offset
     heads = _project(module, plan, queries, first)
     if heads is None:

@@ -21,7 +21,8 @@ them); their dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding
 for several queries, whether the causal rule holds (``is_causal``, else the layer's); the sink tensor itself
 (``s_aux``) and its shape; the names of the other keywords, and None still given to each that no table of
 :mod:`~selfattn.integrations._hf_keywords` lets through with a value (the full path refuses it then); grad mode;
-a ``torch.func`` transform; and the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`). A
+a ``torch.func`` transform; the dispatcher's one size fact (:func:`~selfattn.core.dispatch.few_scores`); and
+whether there are more keys than queries (with no more, the decoding routes run their blocks, not their step). A
 call of another kind runs in full and replaces the plan of its number of queries, or drops it; a call no plan
 serves (a mask) leaves the plans. No tensor value is read. Every layer of every generated token reads all this,
 inside ``generate()``, where a Python function call costs several times what it costs in a tight loop: the kind,
@@ -110,6 +111,7 @@ def replay(
         tuple(extra),  # every name, None or not: names are what the full path's keyword check reads
         torch.is_grad_enabled(), _peek_interpreter_stack() is not None,  # grad mode; a torch.func transform or not
         num_queries * num_keys < _block_sliced.SLICED_MIN_SCORES,  # dispatch.few_scores inline: a frame less per step
+        num_keys > num_queries,  # a step after a cache's keys, or (one key) the decoding routes' blocks
     )  # fmt: skip
     if (entry := _PLANS.get(id(module))) is None or entry[0]() is not module:
         return None, kind

@@ -71,11 +71,9 @@ def attention_forward(
         query: ``(b, h, lq, d)``.
         key: ``(b, hk, lk, d)``; ``hk`` may divide ``h`` (grouped-query attention).
         value: ``(b, hk, lk, dv)``.
-        attention_mask: ``sdpa``'s bool ``(b, 1, lq, lk)`` (True = attend), eager's float form of one (0 and
-            ``-inf`` or the dtype's lowest: read as ``== 0``), another float mask added to the scores, or None: the
-            layer's ``is_causal`` decides as for ``sdpa`` (query ``i`` of several sees keys ``0 .. i`` and the last
-            ``sliding_window``; one query sees every key). The restrictions below are "and"-ed with it. A query it
-            lets see no key weighs all keys evenly, as in eager (``sdpa``, sinks, shared ``indices``: zeros).
+        attention_mask: ``sdpa``'s bool ``(b, 1, lq, lk)`` (True = attend), eager's float one (0 and ``-inf`` or the
+            lowest: read as ``== 0``), another float mask added, or None: ``is_causal`` decides as for ``sdpa``. The
+            restrictions below are "and"-ed with it. A query that sees no key weighs all evenly, as in eager.
         dropout: dropout on the weights (the model passes 0 in evaluation).
         scaling: score scale (default ``1 / sqrt(d)``).
         is_causal: overrides ``module.is_causal``.
@@ -101,16 +99,13 @@ def attention_forward(
         ValueError: an unknown keyword, a bad value of a known one, or a combination the module's docstring refuses.
     """
     output_attentions = bool(output_attentions) or _recording_attentions()
-    kind = None  # a call no plan serves: a mask, a keyword that restricts or reweighs attention, weights wanted
-    if (
-        attention_mask is None and position_bias is None and sinks is None and indices is None and topk_indices is None
-        and block_indices is None and head_mask is None and cu_seq_lens_q is None and cu_seq_lens_k is None
-        and seq_idx is None and not output_attentions
-    ):  # fmt: skip
-        replayed, kind = _hf_plan.replay(module, query, key, value, dropout, scaling, is_causal, sliding_window,
-                                         softcap, s_aux, kwargs)  # fmt: skip
-        if replayed is not None:  # an unmasked call of a planned kind
-            return replayed.transpose(1, 2).contiguous(), None
+    unmasked = (attention_mask is None and position_bias is None and sinks is None and indices is None
+                and topk_indices is None and block_indices is None and head_mask is None and cu_seq_lens_q is None
+                and cu_seq_lens_k is None and seq_idx is None and not output_attentions)  # fmt: skip
+    replayed, kind = _hf_plan.replay(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap,
+                                     s_aux, kwargs) if unmasked else (None, None)  # fmt: skip
+    if replayed is not None:  # an unmasked call of a planned kind (kind None: a call no plan serves)
+        return replayed.transpose(1, 2).contiguous(), None
     check_keywords(kwargs)
     attention_mask = _bool_if_only_visibility(attention_mask)
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)

@@ -59,10 +59,12 @@ def decode_step(call: AttentionCall, bias: torch.Tensor | None = None) -> torch.
 def decode_step_for(call: AttentionCall, causal: bool) -> Step | None:
     """The step form (:attr:`~selfattn.core.route.Route.step_for`) of a route that computes its decoding steps by
     :func:`decode_step`: for a kind of call that :func:`takes_decode_step` accepts whatever its number of keys
-    (no gradient: grad mode off), with no rule, term or bias; None for any other kind. (With no more keys than
-    queries the route runs its blocks: the same formula, within rounding.)"""
+    beyond the queries' (no gradient: grad mode off), with no rule, term or bias; None for any other kind. With
+    no more keys than queries the route runs its blocks (the same formula, within rounding): such a call has no
+    step form, and a plan's kind tells it from a step's (a replay must give the full path's bits)."""
     if (
         causal
+        or call.num_keys <= call.num_queries
         or call.visibility.rules
         or call.term is not None
         or call.bias is not None

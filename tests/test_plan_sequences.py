@@ -1,0 +1,289 @@
+"""Differential fuzz over sequences of calls: what a call leaves behind (a plan, a remembered route) never changes
+the answer of a later call.
+
+Three places keep state between calls so that the next call of the same kind skips its checks: the transformers
+backend's step plans (:mod:`selfattn.integrations._hf_plan`), :func:`selfattn.functional.attention`'s plain calls
+and :class:`~selfattn.MultiHeadAttention`'s decoding plans (:mod:`selfattn._decode_plan`). Each test here draws a
+sequence of calls that changes one thing or several between them (shapes, dtype, grad mode, options, keywords, a
+mask, weights wanted, a NaN or an infinity in the query, the layer's weights in place, ``train()``) and asks, call
+by call, for the answer the same call gets with no state behind it: the same bits (NaN where NaN), the same
+gradient, or the same error.
+
+CI runs the derandomized ``ci`` profile (tests/conftest.py); ``--hypothesis-profile=deep`` draws many more.
+
+Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head size.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import selfattn._decode_plan as decode_plan
+import selfattn.functional._attention as functional_attention
+from selfattn import KVCache, MultiHeadAttention
+from selfattn.core import dispatch
+from selfattn.functional import attention
+from selfattn.positional import build
+
+transformers = pytest.importorskip("transformers")
+
+import selfattn.integrations.transformers as backend  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+#: One sink tensor per number of heads, the same objects in every call (a layer's parameter is).
+SINKS = {h: torch.linspace(-1.0, 1.0, h) for h in (2, 4)}
+
+
+def _outcome(run: Callable[[], Any]) -> tuple[str, Any]:
+    """``("error", (type, message))`` or ``("value", what run returned)``."""
+    try:
+        return "value", run()
+    except (ValueError, RuntimeError) as error:
+        return "error", (type(error), str(error))
+
+
+def _assert_same(got: tuple[str, Any], expected: tuple[str, Any], where: str) -> None:
+    assert got[0] == expected[0], f"{where}: {got} against {expected}"
+    if got[0] == "error":
+        assert got[1] == expected[1], where
+        return
+    for a, b in zip(got[1], expected[1], strict=True):
+        if a is None or b is None:
+            assert a is None and b is None, where
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{where}: {m}")
+
+
+def _heads(draw: st.DrawFn, lq: int, lk: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype) -> tuple:
+    """``(q (b, h, lq, d), k (b, hk, lk, d), v (b, hk, lk, d))``, with a NaN or an infinity in q now and then."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q, k, v = (
+        torch.randn(2, n, length, d, generator=gen, dtype=dtype)
+        for n, length in ((heads, lq), (kv_heads, lk), (kv_heads, lk))
+    )
+    special = draw(st.sampled_from([None, None, None, float("nan"), float("inf"), float("-inf")]))
+    if special is not None:
+        q[draw(st.integers(0, 1)), draw(st.integers(0, heads - 1)), -1, draw(st.integers(0, d - 1))] = special
+    return q, k, v
+
+
+# ------------------------------------------------------------------------------- the transformers backend
+
+
+class _Layer(torch.nn.Module):
+    """What the attention functions read off a model's attention layer."""
+
+    is_causal = True
+
+
+#: What a backend call is made of, each drawn from its list: the first call draws all, each later call redraws
+#: a few (most later calls keep the kind of the one before, as a model's decoding steps do; the cache grows by one).
+BACKEND_FIELDS: dict[str, list[Any]] = {
+    "queries": [1, 1, 1, 3],
+    "heads": [(4, 2), (4, 2), (2, 2), (4, 1)],
+    "d": [8, 8, 5],
+    "dtype": [torch.float32, torch.float32, torch.float64],
+    "scaling": [None, None, 0.3],
+    "softcap": [None, None, 5.0],
+    "sliding_window": [None, None, 2, 50],
+    "is_causal": [None, None, False],
+    "sinks": [False, False, True],
+    "output_attentions": [False, False, False, True],
+    "extra": [{}, {"use_cache": True}, {"mystery": None}, {"mystery": torch.ones(3)}, {"bogus": 2}],
+    "mask": [False, False, False, True],  # a bool mask, sometimes hiding every key of a row
+    "grad": [False, True],
+    "wants_grad": [False, True],
+    "special": [None, None, None, float("nan"), float("inf"), float("-inf")],  # in one query entry
+}
+
+
+@st.composite
+def backend_sequences(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Calls of ``attention_forward`` on one layer: each a dict of :data:`BACKEND_FIELDS`, keys ``lk`` and ``seed``."""
+    fields = {name: draw(st.sampled_from(choices)) for name, choices in BACKEND_FIELDS.items()}
+    fields |= {"lk": draw(st.integers(1, 16)), "seed": 0}
+    calls = []
+    for i in range(draw(st.integers(2, 8))):
+        if i:
+            for name in draw(st.lists(st.sampled_from(list(BACKEND_FIELDS)), max_size=2)):
+                fields[name] = draw(st.sampled_from(BACKEND_FIELDS[name]))
+            fields["lk"] = fields["lk"] + 1 if draw(st.integers(0, 3)) else draw(st.integers(1, 20))
+        fields["seed"] = draw(st.integers(0, 2**16))
+        calls.append(dict(fields))
+    return calls
+
+
+def _backend_call(fields: dict[str, Any]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None, dict[str, Any]]:
+    """``((q, k, v), mask, keywords)`` of one drawn call (a prefill of 3 queries has 3 or 5 keys)."""
+    lq, (heads, kv_heads), d = fields["queries"], fields["heads"], fields["d"]
+    lk = fields["lk"] if lq == 1 else (3, 5)[fields["lk"] % 2]
+    gen = torch.Generator().manual_seed(fields["seed"])
+    sizes = ((heads, lq), (kv_heads, lk), (kv_heads, lk))
+    q, k, v = (torch.randn(2, n, length, d, generator=gen, dtype=fields["dtype"]) for n, length in sizes)
+    if fields["special"] is not None:
+        q[1, heads - 1, -1, d // 2] = fields["special"]
+    mask = torch.rand(2, 1, lq, lk, generator=gen) > 0.4 if fields["mask"] else None
+    keywords = {
+        name: fields[name] for name in ("scaling", "softcap", "sliding_window", "is_causal", "output_attentions")
+    }
+    return (q, k, v), mask, keywords | {"s_aux": SINKS[heads] if fields["sinks"] else None} | fields["extra"]
+
+
+def _backend_outcome(module: torch.nn.Module, fields: dict[str, Any]) -> tuple[str, Any]:
+    heads, mask, keywords = _backend_call(fields)
+    wants = fields["grad"] and fields["wants_grad"]
+    q, k, v = (t.requires_grad_(wants) for t in heads)
+
+    def run() -> tuple[torch.Tensor | None, ...]:
+        with torch.set_grad_enabled(fields["grad"]):
+            out, weights = backend.attention_forward(module, q, k, v, mask, **keywords)
+        grad = None
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+            grad = q.grad
+        return out.detach(), None if weights is None else weights.detach(), grad
+
+    return _outcome(run)
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["routes asked again", "plans trusted"])
+@settings(max_examples=max(settings().max_examples, 120))  # a change that keeps the kind is a narrow draw
+@given(calls=backend_sequences())
+def test_a_backend_layers_earlier_calls_never_change_a_later_answer(calls, verify):
+    """Each call of one layer (plans made and replayed) against the same call of a layer never called before."""
+    layer = _Layer()
+    previous, dispatch.VERIFY_REMEMBERED_CHOICES = dispatch.VERIFY_REMEMBERED_CHOICES, verify
+    try:
+        for i, fields in enumerate(calls):
+            _assert_same(_backend_outcome(layer, fields), _backend_outcome(_Layer(), fields), f"call {i}: {fields}")
+    finally:
+        dispatch.VERIFY_REMEMBERED_CHOICES = previous
+
+
+# ------------------------------------------------------------------------------- functional attention
+
+
+@st.composite
+def plain_calls(draw: st.DrawFn) -> dict[str, Any]:
+    """One call of :func:`attention` with nothing but heads, ``causal`` and ``scale`` (what it remembers)."""
+    lq = draw(st.sampled_from([1, 1, 4]))
+    lk = draw(st.sampled_from([lq, lq, lq + 3, 17]))
+    heads, kv_heads = draw(st.sampled_from([(4, 2), (2, 2), (4, 1), (1, 1)]))
+    d = draw(st.sampled_from([8, 5]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float64]))
+    q, k, v = _heads(draw, lq, lk, heads, kv_heads, d, dtype)
+    if draw(st.integers(0, 3)) == 0:  # strided heads: the same shapes, another layout
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    options = {"causal": draw(st.booleans()), "scale": draw(st.sampled_from([None, None, 0.3]))}
+    grad = draw(st.booleans())
+    return {"heads": (q, k, v), "options": options, "grad": grad, "wants": grad and draw(st.booleans())}
+
+
+def _plain_outcome(call: dict[str, Any]) -> tuple[str, Any]:
+    q, k, v = (t.detach().clone().requires_grad_(call["wants"]) for t in call["heads"])
+    if call["heads"][0].stride() != call["heads"][0].contiguous().stride():
+        q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(call["wants"])
+
+    def run() -> tuple[torch.Tensor | None, ...]:
+        with torch.set_grad_enabled(call["grad"]):
+            out = attention(q, k, v, **call["options"])
+        grad = None
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+            grad = q.grad
+        return out.detach(), grad
+
+    return _outcome(run)
+
+
+@given(calls=st.lists(plain_calls(), min_size=2, max_size=8))
+def test_a_plain_calls_remembered_route_never_changes_a_later_answer(calls):
+    """Each plain call (remembered, then run from memory) against the same call with nothing remembered."""
+    remembered = functional_attention._PLAIN_CALLS
+    for i, call in enumerate(calls):
+        got = _plain_outcome(call)
+        with pytest.MonkeyPatch.context() as patch:  # nothing remembered, nothing kept: the full path
+            patch.setattr(functional_attention, "_PLAIN_CALLS", {})
+            patch.setattr(functional_attention, "_remember_plain_call", lambda *args: None)
+            expected = _plain_outcome(call)
+        _assert_same(got, expected, f"call {i}")
+    assert functional_attention._PLAIN_CALLS is remembered
+
+
+# ------------------------------------------------------------------------------- a layer's decoding plans
+
+D, H = 16, 4
+
+LAYERS: dict[str, Callable[[], MultiHeadAttention]] = {
+    "rotary gqa": lambda: MultiHeadAttention(
+        D, H, num_kv_heads=2, position=build("rotary", num_hiddens=D, num_heads=H)
+    ),
+    "sinks softcap": lambda: MultiHeadAttention(D, H, num_kv_heads=2, sinks=True, softcap=5.0),
+    "sinks": lambda: MultiHeadAttention(D, H, num_kv_heads=2, sinks=True),
+    "alibi": lambda: MultiHeadAttention(D, H, position=build("alibi", num_hiddens=D, num_heads=H)),
+    "qk_norm gate": lambda: MultiHeadAttention(D, H, qk_norm=True, gated_output=True),
+}
+
+#: What may happen before a decoding step: nothing (mostly), or one change of the layer or of the step.
+EVENTS = [
+    "step", "step", "step", "step", "weights in place", "train", "eval", "grad mode", "float64", "nan", "new cache",
+]  # fmt: skip
+
+
+def _decode(layer: MultiHeadAttention, tokens: torch.Tensor, events: list[str]) -> list[tuple[str, Any]]:
+    """The prompt (tokens[:, :3]) in one call, then a step per event (a change first, where the event is one)."""
+    cache = KVCache(max_len=tokens.shape[1] + 1)
+    prompt = tokens[:, :3]
+    outcomes = [_outcome(lambda: (layer(prompt, prompt, prompt, cache=cache, causal=True),))]
+    grad, dtype = False, torch.float32
+    for i, event in enumerate(events):
+        step = tokens[:, 3 + i : 4 + i].to(dtype)
+        if event == "weights in place":
+            with torch.no_grad():
+                for parameter in layer.parameters():
+                    parameter.mul_(1.25).add_(0.01)
+        elif event in ("train", "eval"):
+            layer.train(event == "train")
+        elif event == "grad mode":
+            grad = not grad
+        elif event == "float64":
+            layer, dtype, cache = layer.double(), torch.float64, KVCache(max_len=tokens.shape[1] + 1)
+            step = step.double()
+        elif event == "new cache":  # a new sequence with no prompt: its first step has no earlier key
+            cache = KVCache(max_len=tokens.shape[1] + 1)
+        elif event == "nan":
+            step = step.clone()
+            step[0, 0, 1] = float("nan")
+        with torch.set_grad_enabled(grad):
+            run = functools.partial(layer, step, step, step, cache=cache, causal=True)
+            outcomes.append(_outcome(lambda run=run: (run().detach(),)))
+    return outcomes
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@given(events=st.lists(st.sampled_from(EVENTS), min_size=2, max_size=9), seed=st.integers(0, 2**16))
+def test_a_layers_decoding_plan_never_changes_a_later_step(name, events, seed):
+    """A layer decoding with plans against a copy of it decoding every step in full, through the same events.
+    The layers have no dropout, so ``train()`` changes the kind of the steps, not their answer."""
+    torch.manual_seed(seed)
+    layer = LAYERS[name]().eval()
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))  # the sinks and norms away from their initial values
+    full = copy.deepcopy(layer)
+    tokens = torch.randn(2, 3 + len(events), D)
+    planned = _decode(layer, tokens, events)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_plan, "ENABLED", False)
+        expected = _decode(full, tokens, events)
+    for i, (got, want) in enumerate(zip(planned, expected, strict=True)):
+        _assert_same(got, want, f"call {i} ({['prompt', *events][i]})")
