@@ -4,10 +4,10 @@ the answer of a later call.
 Three places keep state between calls so that the next call of the same kind skips its checks: the transformers
 backend's step plans (:mod:`selfattn.integrations._hf_plan`), :func:`selfattn.functional.attention`'s plain calls
 and :class:`~selfattn.MultiHeadAttention`'s decoding plans (:mod:`selfattn._decode_plan`). Each test here draws a
-sequence of calls that changes one thing or several between them (shapes, dtype, grad mode, options, keywords, a
-mask, weights wanted, a NaN or an infinity in the query, the layer's weights in place, ``train()``) and asks, call
-by call, for the answer the same call gets with no state behind it: the same bits (NaN where NaN), the same
-gradient, or the same error.
+sequence of calls that changes one thing or a few between them (shapes, dtype, grad mode, autocast, options,
+keywords, a mask, weights wanted, a NaN or an infinity in the query, the layer's weights in place, ``train()``, a
+new cache) and asks, call by call, for the answer the same call gets with no state behind it: the same bits (NaN
+where NaN), the same gradient, or the same error.
 
 CI runs the derandomized ``ci`` profile (tests/conftest.py); ``--hypothesis-profile=deep`` draws many more.
 
@@ -102,6 +102,7 @@ BACKEND_FIELDS: dict[str, list[Any]] = {
     "mask": [False, False, False, True],  # a bool mask, sometimes hiding every key of a row
     "grad": [False, True],
     "wants_grad": [False, True],
+    "autocast": [False, False, False, True],  # CPU autocast to bfloat16 around the call
     "special": [None, None, None, float("nan"), float("inf"), float("-inf")],  # in one query entry
 }
 
@@ -144,7 +145,7 @@ def _backend_outcome(module: torch.nn.Module, fields: dict[str, Any]) -> tuple[s
     q, k, v = (t.requires_grad_(wants) for t in heads)
 
     def run() -> tuple[torch.Tensor | None, ...]:
-        with torch.set_grad_enabled(fields["grad"]):
+        with torch.set_grad_enabled(fields["grad"]), torch.autocast("cpu", torch.bfloat16, enabled=fields["autocast"]):
             out, weights = backend.attention_forward(module, q, k, v, mask, **keywords)
         grad = None
         if out.requires_grad:
