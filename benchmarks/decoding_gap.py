@@ -1,0 +1,150 @@
+"""Where a Llama decoding step's time goes inside ``generate()``: selfattn's attention function against ``sdpa``'s.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/decoding_gap.py           # writes section decoding-gap-cpu of BENCHMARKS.md
+    .venv/bin/python benchmarks/decoding_gap.py --quick   # few rounds, prints only
+
+Issue 31 asks Llama's ``generate()`` with ``attn_implementation="selfattn"`` for at least ``sdpa``'s tokens/s
+(benchmarks/decoding.py, section decoding-cpu). This script times the attention function itself, call by call,
+inside the same ``generate()`` (the tiny Llama of that section, 64 new tokens after 8, one thread), for four
+functions registered with transformers:
+
+* ``sdpa``: transformers' own function;
+* ``selfattn``: the backend, its decoding steps replayed by their plans;
+* ``kernel + guard``: ``F.scaled_dot_product_attention`` on one unmasked query after its infinities are made
+  NaN (``q + 0 * q``), what selfattn's step computes, with none of a plan's checks;
+* ``kernel``: the same call without that guard, what ``sdpa``'s function computes, with none of its own checks.
+
+The two references run their prefill and masked calls through ``sdpa``'s function; only one-query calls with no
+mask are timed, for all four. Each function is wrapped in the same timer (two ``perf_counter`` reads and a
+frame), rounds alternate the order, and a figure is the median over rounds of the mean time per timed call.
+The differences read the parts: ``selfattn`` minus ``kernel + guard`` is the plans' checks (and the step form's
+call), ``kernel + guard`` minus ``kernel`` the guard, ``sdpa`` minus ``kernel`` ``sdpa``'s own wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _common import emit, load_average, log, machine_lines, paired_ratio, table
+from decoding import _hf_model
+
+NAMES = ("sdpa", "selfattn", "kernel + guard", "kernel")
+HEADER = ["batch", "function", "us per call", "minus sdpa's", "tokens/s", "ratio to sdpa", "same tokens"]
+
+
+def _functions() -> dict[str, Callable[..., Any]]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from selfattn.integrations.transformers import attention_forward
+
+    def reference(guarded: bool) -> Callable[..., Any]:
+        def forward(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, **kw: Any) -> Any:
+            if q.shape[2] != 1 or mask is not None:
+                return sdpa_attention_forward(module, q, k, v, mask, **kw)
+            if guarded:
+                q = q.add(q, alpha=0)
+            grouped = k.shape[1] != q.shape[1]
+            out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=kw.get("scaling"), enable_gqa=grouped)
+            return out.transpose(1, 2).contiguous(), None  # (b, 1, h, dv)
+
+        return forward
+
+    return {"sdpa": sdpa_attention_forward, "selfattn": attention_forward,
+            "kernel + guard": reference(True), "kernel": reference(False)}  # fmt: skip
+
+
+def _timed(function: Callable[..., Any], clock: dict[str, float]) -> Callable[..., Any]:
+    def timed(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, **kw: Any) -> Any:
+        started = time.perf_counter()
+        out = function(module, q, k, v, mask, **kw)
+        if q.shape[2] == 1 and mask is None:  # a decoding step with no mask: what the plans replay
+            clock["seconds"] += time.perf_counter() - started
+            clock["calls"] += 1
+        return out
+
+    return timed
+
+
+def rows(batch: int, rounds: int) -> tuple[list[list[str]], str]:
+    """The table's rows for one batch size, and a line naming what the timed calls were."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    from selfattn.integrations.transformers import model_masks
+
+    clock = {"seconds": 0.0, "calls": 0.0}
+    for name, function in _functions().items():
+        registered = f"gap {name}"
+        AttentionInterface.register(registered, _timed(function, clock))
+        AttentionMaskInterface.register(registered, model_masks if name == "selfattn" else sdpa_mask)
+    model = _hf_model("llama", "sdpa")
+    prompt = torch.randint(2, 128, (batch, 8), generator=torch.Generator().manual_seed(batch))
+    per_call: dict[str, list[float]] = {name: [] for name in NAMES}
+    total: dict[str, list[float]] = {name: [] for name in NAMES}
+    tokens: dict[str, torch.Tensor] = {}
+    for round_ in range(rounds + 1):  # the first round warms every function up and is not kept
+        for name in NAMES if round_ % 2 else reversed(NAMES):
+            model.set_attn_implementation(f"gap {name}")
+            clock.update(seconds=0.0, calls=0.0)
+            started = time.perf_counter()
+            with torch.no_grad():
+                tokens[name] = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+            if round_:
+                total[name].append(time.perf_counter() - started)
+                per_call[name].append(clock["seconds"] / clock["calls"])
+    calls = int(clock["calls"])
+    base = statistics.median(per_call["sdpa"])
+    table_rows = []
+    for name in NAMES:
+        us = statistics.median(per_call[name]) * 1e6
+        x, low, high = paired_ratio(total["sdpa"], total[name])
+        same = "yes" if torch.equal(tokens[name], tokens["sdpa"]) else "**no**"
+        table_rows.append([str(batch), name, f"{us:.1f}", f"{us - base * 1e6:+.1f}",
+                           f"{batch * 64 / statistics.median(total[name]):.0f}", f"{x:.3f}x ({low:.3f}-{high:.3f})",
+                           same])  # fmt: skip
+    return table_rows, f"batch {batch}: {calls} timed calls per generate() (4 layers, 63 decoding steps)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds; prints only")
+    parser.add_argument("--rounds", type=int, default=21, help="rounds per batch size (default 21)")
+    parser.add_argument("--output", default="BENCHMARKS.md", help="markdown file to update (none with --quick)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    started, load_at_start = time.perf_counter(), load_average()
+    rounds = 3 if args.quick else args.rounds
+    all_rows, counts = [], []
+    for batch in (1, 4):
+        log(f"batch {batch}")
+        batch_rows, count = rows(batch, rounds)
+        all_rows += batch_rows
+        counts.append(count)
+    lines = [
+        "## Decoding gap: Llama's attention call inside generate(), selfattn against sdpa (cpu)",
+        "",
+        *machine_lines(torch.device("cpu"), load_at_start),
+        f"- load average at end: {load_average()}; run took {time.perf_counter() - started:.0f} s; {rounds} rounds",
+        "",
+        "Microseconds per one-query unmasked attention call inside `generate()` (the median over rounds of each "
+        "round's mean; each function wrapped in the same timer), its difference from `sdpa`'s, the tokens/s of "
+        "the whole `generate()`, and the paired ratio of `sdpa`'s time over the function's (the median over "
+        "rounds, its 95% interval). `kernel + guard` and `kernel` are references, not usable backends: they "
+        "skip every check (see the script's docstring). " + "; ".join(counts) + ".",
+        "",
+        table(HEADER, all_rows),
+    ]
+    emit("\n".join(lines), output=None if args.quick else args.output, section="decoding-gap-cpu")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
