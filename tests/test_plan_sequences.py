@@ -16,9 +16,10 @@ Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -51,6 +52,27 @@ def _outcome(run: Callable[[], Any]) -> tuple[str, Any]:
         return "error", (type(error), str(error))
 
 
+def _mixed(heads: list[torch.Tensor], fields: dict[str, Any]) -> list[torch.Tensor]:
+    """``heads`` with the one that ``fields["mixed_dtype"]`` names (0, 1, 2: q, k, v) in the other float dtype."""
+    which = fields["mixed_dtype"]
+    if which is not None:
+        heads[which] = heads[which].to(torch.float64 if heads[which].dtype == torch.float32 else torch.float32)
+    return heads
+
+
+@contextlib.contextmanager
+def _verifying(verify: bool) -> Iterator[None]:
+    """Remembered choices asked again (as the rest of the suite runs) or trusted (as users run)."""
+    previous, dispatch.VERIFY_REMEMBERED_CHOICES = dispatch.VERIFY_REMEMBERED_CHOICES, verify
+    try:
+        yield
+    finally:
+        dispatch.VERIFY_REMEMBERED_CHOICES = previous
+
+
+VERIFY = pytest.mark.parametrize("verify", [True, False], ids=["routes asked again", "plans trusted"])
+
+
 def _assert_same(got: tuple[str, Any], expected: tuple[str, Any], where: str) -> None:
     assert got[0] == expected[0], f"{where}: {got} against {expected}"
     if got[0] == "error":
@@ -61,19 +83,6 @@ def _assert_same(got: tuple[str, Any], expected: tuple[str, Any], where: str) ->
             assert a is None and b is None, where
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{where}: {m}")
-
-
-def _heads(draw: st.DrawFn, lq: int, lk: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype) -> tuple:
-    """``(q (b, h, lq, d), k (b, hk, lk, d), v (b, hk, lk, d))``, with a NaN or an infinity in q now and then."""
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    q, k, v = (
-        torch.randn(2, n, length, d, generator=gen, dtype=dtype)
-        for n, length in ((heads, lq), (kv_heads, lk), (kv_heads, lk))
-    )
-    special = draw(st.sampled_from([None, None, None, float("nan"), float("inf"), float("-inf")]))
-    if special is not None:
-        q[draw(st.integers(0, 1)), draw(st.integers(0, heads - 1)), -1, draw(st.integers(0, d - 1))] = special
-    return q, k, v
 
 
 # ------------------------------------------------------------------------------- the transformers backend
@@ -94,6 +103,7 @@ BACKEND_FIELDS: dict[str, list[Any]] = {
     "heads": [(4, 2), (4, 2), (2, 2), (4, 1)],
     "d": [8, 8, 5],
     "dtype": [torch.float32, torch.float32, torch.float64],
+    "mixed_dtype": [None, None, None, 0, 1, 2],  # q, k or v alone in the other dtype: a call that is refused
     "scaling": [None, None, 0.3],
     "softcap": [None, None, 5.0],
     "sliding_window": [None, None, 2, 50],
@@ -133,7 +143,9 @@ def _backend_call(fields: dict[str, Any]) -> tuple[tuple[torch.Tensor, ...], tor
     lk = fields["lk"] if lq == 1 else fields["prefill_keys"]
     gen = torch.Generator().manual_seed(fields["seed"])
     sizes = ((heads, lq), (kv_heads, lk), (kv_heads, lk))
-    q, k, v = (torch.randn(2, n, length, d, generator=gen, dtype=fields["dtype"]) for n, length in sizes)
+    q, k, v = _mixed(
+        [torch.randn(2, n, length, d, generator=gen, dtype=fields["dtype"]) for n, length in sizes], fields
+    )
     if fields["special"] is not None:
         q[1, heads - 1, -1, d // 2] = fields["special"]
     mask = torch.rand(2, 1, lq, lk, generator=gen) > 0.4 if fields["mask"] else None
@@ -161,37 +173,44 @@ def _backend_outcome(module: torch.nn.Module, fields: dict[str, Any]) -> tuple[s
     return _outcome(run)
 
 
-@pytest.mark.parametrize("verify", [True, False], ids=["routes asked again", "plans trusted"])
+@VERIFY
 @settings(max_examples=max(settings().max_examples, 120))  # a change that keeps the kind is a narrow draw
 @given(calls=backend_sequences())
 def test_a_backend_layers_earlier_calls_never_change_a_later_answer(calls, verify):
     """Each call of one layer (plans made and replayed) against the same call of a layer never called before."""
     layer = _Layer()
-    previous, dispatch.VERIFY_REMEMBERED_CHOICES = dispatch.VERIFY_REMEMBERED_CHOICES, verify
-    try:
+    with _verifying(verify):
         for i, fields in enumerate(calls):
             _assert_same(_backend_outcome(layer, fields), _backend_outcome(_Layer(), fields), f"call {i}: {fields}")
-    finally:
-        dispatch.VERIFY_REMEMBERED_CHOICES = previous
+
+
+def _single_changes(fields: dict[str, list[Any]], base: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """``(name, value)`` for each field of ``base`` and each of its other values."""
+    for name, choices in fields.items():
+        for value in choices:
+            if not (value is base[name] or (type(value) is type(base[name]) and value == base[name])):
+                yield name, value
 
 
 @st.composite
 def plannable_calls(draw: st.DrawFn) -> dict[str, Any]:
     """A backend call that a plan serves (no mask, no weights wanted, finite heads, no refused keyword)."""
-    plannable = {"mask": [False], "output_attentions": [False], "special": [None], "extra": BACKEND_FIELDS["extra"][:3]}
+    plannable = {
+        "mask": [False], "output_attentions": [False], "special": [None], "mixed_dtype": [None],
+        "extra": BACKEND_FIELDS["extra"][:3],
+    }  # fmt: skip
     fields = {name: draw(st.sampled_from(plannable.get(name, choices))) for name, choices in BACKEND_FIELDS.items()}
     return fields | {"lk": draw(st.integers(2, 16)), "seed": draw(st.integers(0, 2**16))}
 
 
+@VERIFY
 @given(base=plannable_calls())
-def test_one_change_after_a_planned_call_gives_a_fresh_layers_answer(base):
+def test_one_change_after_a_planned_call_gives_a_fresh_layers_answer(base, verify):
     """Every single change of a planned call, each field to each of its other values (the keys one more, as a
     decoding step's), on the layer that planned it, against the changed call on a layer never called before:
     a fact that a plan's kind misses shows up here without waiting for a random sequence to draw it."""
-    for name, choices in BACKEND_FIELDS.items():
-        for value in choices:
-            if value is base[name] or (type(value) is type(base[name]) and value == base[name]):
-                continue
+    with _verifying(verify):
+        for name, value in _single_changes(BACKEND_FIELDS, base):
             layer = _Layer()
             _backend_outcome(layer, base)  # in full: the plan is made
             _backend_outcome(layer, base | {"lk": base["lk"] + 1})  # replayed
@@ -202,28 +221,40 @@ def test_one_change_after_a_planned_call_gives_a_fresh_layers_answer(base):
 # ------------------------------------------------------------------------------- functional attention
 
 
-@st.composite
-def plain_calls(draw: st.DrawFn) -> dict[str, Any]:
-    """One call of :func:`attention` with nothing but heads, ``causal`` and ``scale`` (what it remembers)."""
-    lq = draw(st.sampled_from([1, 1, 4]))
-    lk = draw(st.sampled_from([lq, lq, lq + 3, 17]))
-    heads, kv_heads = draw(st.sampled_from([(4, 2), (2, 2), (4, 1), (1, 1)]))
-    d = draw(st.sampled_from([8, 5]))
-    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float64]))
-    q, k, v = _heads(draw, lq, lk, heads, kv_heads, d, dtype)
-    if draw(st.integers(0, 3)) == 0:  # strided heads: the same shapes, another layout
+#: What a plain call of :func:`attention` is made of (nothing but heads, ``causal`` and ``scale``: what it
+#: remembers), each drawn from its list.
+PLAIN_FIELDS: dict[str, list[Any]] = {
+    "queries": [1, 1, 4],
+    "extra_keys": [0, 0, 3, 16],  # keys beyond the queries
+    "heads": [(4, 2), (2, 2), (4, 1), (1, 1)],
+    "d": [8, 5],
+    "dtype": [torch.float32, torch.float32, torch.float64],
+    "mixed_dtype": [None, None, None, 0, 1, 2],  # q, k or v alone in the other dtype: a call that is refused
+    "strided": [False, False, False, True],  # the query heads laid out (b, lq, h, d): the same shapes
+    "causal": [False, True],
+    "scale": [None, None, 0.3],
+    "grad": [False, True],
+    "wants_grad": [False, True],
+    "special": [None, None, None, float("nan"), float("inf"), float("-inf")],  # in one query entry
+}
+
+
+def _plain_outcome(fields: dict[str, Any]) -> tuple[str, Any]:
+    lq, (heads, kv_heads), d = fields["queries"], fields["heads"], fields["d"]
+    gen = torch.Generator().manual_seed(fields["seed"])
+    sizes = ((heads, lq), (kv_heads, lq + fields["extra_keys"]), (kv_heads, lq + fields["extra_keys"]))
+    q, k, v = _mixed(
+        [torch.randn(2, n, length, d, generator=gen, dtype=fields["dtype"]) for n, length in sizes], fields
+    )
+    if fields["special"] is not None:
+        q[1, heads - 1, -1, d // 2] = fields["special"]
+    if fields["strided"]:
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    options = {"causal": draw(st.booleans()), "scale": draw(st.sampled_from([None, None, 0.3]))}
-    grad = draw(st.booleans())
-    return {"heads": (q, k, v), "options": options, "grad": grad, "wants": grad and draw(st.booleans())}
-
-
-def _plain_outcome(call: dict[str, Any]) -> tuple[str, Any]:
-    q, k, v = (t.detach().clone().requires_grad_(call["wants"]) for t in call["heads"])  # clone keeps the strides
+    q.requires_grad_(fields["grad"] and fields["wants_grad"])
 
     def run() -> tuple[torch.Tensor | None, ...]:
-        with torch.set_grad_enabled(call["grad"]):
-            out = attention(q, k, v, **call["options"])
+        with torch.set_grad_enabled(fields["grad"]):
+            out = attention(q, k, v, causal=fields["causal"], scale=fields["scale"])
         grad = None
         if out.requires_grad:
             out.backward(torch.ones_like(out))
@@ -233,18 +264,43 @@ def _plain_outcome(call: dict[str, Any]) -> tuple[str, Any]:
     return _outcome(run)
 
 
-@given(calls=st.lists(plain_calls(), min_size=2, max_size=8))
-def test_a_plain_calls_remembered_route_never_changes_a_later_answer(calls):
-    """Each plain call (remembered, then run from memory) against the same call with nothing remembered."""
-    remembered = functional_attention._PLAIN_CALLS
-    for i, call in enumerate(calls):
-        got = _plain_outcome(call)
-        with pytest.MonkeyPatch.context() as patch:  # nothing remembered, nothing kept: the full path
-            patch.setattr(functional_attention, "_PLAIN_CALLS", {})
-            patch.setattr(functional_attention, "_remember_plain_call", lambda *args: None)
-            expected = _plain_outcome(call)
-        _assert_same(got, expected, f"call {i}")
-    assert functional_attention._PLAIN_CALLS is remembered
+def _fresh_plain_outcome(fields: dict[str, Any]) -> tuple[str, Any]:
+    """The call with nothing remembered, and nothing kept after it: the full path."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(functional_attention, "_PLAIN_CALLS", {})
+        patch.setattr(functional_attention, "_remember_plain_call", lambda *args: None)
+        return _plain_outcome(fields)
+
+
+@st.composite
+def plain_fields(draw: st.DrawFn) -> dict[str, Any]:
+    """A plain call: a value of each of :data:`PLAIN_FIELDS`, and a seed."""
+    fields = {name: draw(st.sampled_from(choices)) for name, choices in PLAIN_FIELDS.items()}
+    return fields | {"seed": draw(st.integers(0, 2**16))}
+
+
+@VERIFY
+@given(calls=st.lists(plain_fields(), min_size=2, max_size=8))
+def test_a_plain_calls_remembered_route_never_changes_a_later_answer(calls, verify):
+    """Each plain call (remembered, then run from memory: the memory is the process's, so earlier tests' calls
+    are in it too) against the same call with nothing remembered."""
+    with _verifying(verify):
+        for i, fields in enumerate(calls):
+            _assert_same(_plain_outcome(fields), _fresh_plain_outcome(fields), f"call {i}: {fields}")
+
+
+@VERIFY
+@given(base=plain_fields())
+def test_one_change_after_a_remembered_plain_call_gives_the_full_paths_answer(base, verify):
+    """Every single change of a remembered plain call, each field to each of its other values, against the
+    changed call with nothing remembered."""
+    base = base | {"special": None, "mixed_dtype": None}  # a call that is remembered; the change may alter it
+    with _verifying(verify):
+        for name, value in _single_changes(PLAIN_FIELDS, base):
+            _plain_outcome(base)  # in full: remembered
+            _plain_outcome(base | {"seed": base["seed"] + 1})  # from memory
+            changed = base | {name: value, "seed": base["seed"] + 2}
+            _assert_same(_plain_outcome(changed), _fresh_plain_outcome(changed), f"{name}={value}")
 
 
 # ------------------------------------------------------------------------------- a layer's decoding plans
