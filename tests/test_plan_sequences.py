@@ -353,9 +353,10 @@ def _decode(layer: MultiHeadAttention, tokens: torch.Tensor, events: list[str]) 
     return outcomes
 
 
+@VERIFY
 @pytest.mark.parametrize("name", list(LAYERS))
 @given(events=st.lists(st.sampled_from(EVENTS), min_size=2, max_size=9), seed=st.integers(0, 2**16))
-def test_a_layers_decoding_plan_never_changes_a_later_step(name, events, seed):
+def test_a_layers_decoding_plan_never_changes_a_later_step(name, events, seed, verify):
     """A layer decoding with plans against a copy of it decoding every step in full, through the same events.
     The layers have no dropout, so ``train()`` changes the kind of the steps, not their answer."""
     torch.manual_seed(seed)
@@ -365,7 +366,8 @@ def test_a_layers_decoding_plan_never_changes_a_later_step(name, events, seed):
             parameter.add_(0.1 * torch.randn_like(parameter))  # the sinks and norms away from their initial values
     full = copy.deepcopy(layer)
     tokens = torch.randn(2, 3 + len(events), D)
-    planned = _decode(layer, tokens, events)
+    with _verifying(verify):
+        planned = _decode(layer, tokens, events)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode_plan, "ENABLED", False)
         expected = _decode(full, tokens, events)
