@@ -185,10 +185,13 @@ def test_a_backend_layers_earlier_calls_never_change_a_later_answer(calls, verif
 
 
 def _single_changes(fields: dict[str, list[Any]], base: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """``(name, value)`` for each field of ``base`` and each of its other values."""
+    """``(name, value)`` for each field of ``base`` and each of its other values (once each: the lists repeat
+    values to weigh the random draws)."""
     for name, choices in fields.items():
+        seen = [base[name]]
         for value in choices:
-            if not (value is base[name] or (type(value) is type(base[name]) and value == base[name])):
+            if not any(value is old or (type(value) is type(old) and value == old) for old in seen):
+                seen.append(value)
                 yield name, value
 
 
