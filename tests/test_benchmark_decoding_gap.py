@@ -22,5 +22,4 @@ def test_every_function_generates_sdpas_tokens_and_the_decoding_steps_alone_are_
     rows, counted = gap.rows(batch=1, rounds=1)
     assert [row[1] for row in rows] == list(gap.NAMES)
     assert all(row[-1] == "yes" for row in rows), rows  # the references compute what sdpa computes
-    assert rows[0][3] == "+0.0"  # sdpa against itself
     assert counted.startswith("batch 1: 252 timed calls")  # 4 layers x 63 steps: not the 4 prefill calls

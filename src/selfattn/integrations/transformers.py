@@ -72,11 +72,11 @@ def attention_forward(
         key: ``(b, hk, lk, d)``; ``hk`` may divide ``h`` (grouped-query attention).
         value: ``(b, hk, lk, dv)``.
         attention_mask: ``sdpa``'s bool ``(b, 1, lq, lk)`` (True = attend), eager's float one (0 and ``-inf`` or the
-            lowest: read as ``== 0``), another float mask added, or None: ``is_causal`` decides as for ``sdpa``. The
-            restrictions below are "and"-ed with it. A query that sees no key weighs all evenly, as in eager.
+            lowest: read as ``== 0``), a float mask added, or None (``is_causal`` decides, as for ``sdpa``); "and"-ed
+            with the restrictions below. A query seeing no key weighs all evenly, as eager (sinks, shared indices: 0).
         dropout: dropout on the weights (the model passes 0 in evaluation).
         scaling: score scale (default ``1 / sqrt(d)``).
-        is_causal: overrides ``module.is_causal``.
+        is_causal: overrides ``module.is_causal`` (query ``i`` of several sees keys ``0 .. i``; one query every key).
         sliding_window: window of a local layer (applied here only when there is no mask).
         softcap: each scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` before the mask (Gemma 2).
         s_aux: sinks ``(h,)`` (gpt-oss): a logit per query head in the softmax's denominator, no value.
