@@ -71,15 +71,15 @@ def require_probability(name: str, value: object) -> float:
 def require_positive_finite(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a positive finite number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(float(value)) and float(value) > 0):
+    if not 0.0 < float(value) < math.inf:  # NaN fails it too; comparisons, not isfinite: dynamo traces them
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
 
 def require_finite(name: str, value: object) -> float:
     """A finite real number (not a bool), as a float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -math.inf < float(value) < math.inf:
+        raise ValueError(f"{name} must be a finite number, got {value!r}")  # (comparisons: as above)
     return float(value)
 
 

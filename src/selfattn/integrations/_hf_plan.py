@@ -15,7 +15,7 @@ query (decoding steps) and one for several (prefills, encoder passes), so the tw
 
 The kind (computed by :func:`replay`): no ``attention_mask`` and none of the keywords that restrict or reweigh
 attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed lengths, weights
-wanted); query, key and value heads of exactly ``torch.Tensor`` (a subclass runs in full); their shapes except,
+wanted or recorded); query, key and value heads of exactly ``torch.Tensor`` (a subclass runs in full); their shapes except,
 for one query, the keys' length (several queries need as many keys, and a window, if any, no shorter than
 them); their dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal`` and,
 for several queries, whether the causal rule holds (``is_causal``, else the layer's); the sink tensor itself
@@ -26,8 +26,8 @@ whether there are more keys than queries (with no more, the decoding routes run 
 call of another kind runs in full and replaces the plan of its number of queries, or drops it; a call no plan
 serves (a mask) leaves the plans. No tensor value is read. Every layer of every generated token reads all this,
 inside ``generate()``, where a Python function call costs several times what it costs in a tight loop: the kind,
-the plan's lookup and the step form's call are one function of this package (torch's ``is_compiling`` is the
-one other Python call).
+the plan's lookup and the step form's call are one function of this package (torch's ``is_dynamo_compiling`` is
+the one other Python call). A graph reads no plan: dynamo traces the full path.
 
 Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head size, dv value head size.
 """
@@ -51,7 +51,7 @@ from selfattn.integrations._hf_keywords import NOT_READ
 from selfattn.masks import Visibility
 from selfattn.masks import causal as causal_rule
 
-__all__ = ["StepPlan", "plans_of", "remember", "replay"]
+__all__ = ["StepPlan", "plans_of", "recording_attentions", "remember", "replay"]
 
 
 class StepPlan(NamedTuple):
@@ -87,9 +87,14 @@ def replay(
     its kind, None when it has none (the full path runs), and the kind, None when no plan serves the call (the
     full path then keeps none). ``extra``: the other keywords. One function, its arguments one by one: each frame
     and each helper call is a decoding step's microsecond inside ``generate()``."""
-    # exactly Tensor (a subclass runs in full): cheaper than isinstance, and a decoding step reads it three times
-    if not type(query) is type(key) is type(value) is torch.Tensor or torch.compiler.is_compiling():
+    # Exactly Tensor (cheaper than isinstance, and a decoding step reads it three times): a subclass runs in full,
+    # and so do the fake tensors of the tracers that run this code (make_fx, torch.export's non-strict mode). Dynamo
+    # traces it with real Tensors and reads torch's check of its own as True (one frame where is_compiling is two).
+    if not type(query) is type(key) is type(value) is torch.Tensor or torch.compiler.is_dynamo_compiling():
         return None, None
+    collector = _ACTIVE_COLLECTOR if _ACTIVE_COLLECTOR is not None else _find_active_collector()
+    if collector is not False and isinstance(collected := collector.get(), dict) and "attentions" in collected:
+        return None, None  # recording_attentions inline: its weights are wanted
     query_shape, key_shape, value_shape = query.shape, key.shape, value.shape
     if len(query_shape) != 4 or len(key_shape) != 4 or len(value_shape) != 4:
         return None, None
@@ -124,6 +129,38 @@ def replay(
     if plan.step is not None and not dispatch.VERIFY_REMEMBERED_CHOICES and not _autograd_profiler._is_profiler_enabled:
         return plan.step(query, key, value), kind  # run_step's own test inline: a frame less per step
     return _run(plan, query, key, value), kind
+
+
+def recording_attentions() -> bool:
+    """Whether transformers is collecting attention weights in this forward (``output_attentions=True``).
+
+    Some models (GPT-2, OPT, StableLM, Nemotron ...) record the weights their attention layers
+    return without passing ``output_attentions`` down; eager always returns them, so selfattn
+    must see the request where transformers keeps it, its output collector.
+    """
+    collector = _ACTIVE_COLLECTOR if _ACTIVE_COLLECTOR is not None else _find_active_collector()
+    if collector is False:  # an older transformers passes output_attentions itself
+        return False
+    if torch.compiler.is_dynamo_compiling():  # dynamo cannot read a context variable: transformers' own stand-in
+        collected = collector.global_var if getattr(collector, "compiling", False) else None
+    else:
+        collected = collector.get()
+    return isinstance(collected, dict) and "attentions" in collected
+
+
+#: transformers' output collector (a context variable), looked up once: an import per call costs each step.
+_ACTIVE_COLLECTOR: Any = None
+
+
+def _find_active_collector() -> Any:
+    global _ACTIVE_COLLECTOR
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        _ACTIVE_COLLECTOR = False
+    else:
+        _ACTIVE_COLLECTOR = _active_collector
+    return _ACTIVE_COLLECTOR
 
 
 def _run(plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

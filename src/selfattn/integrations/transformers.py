@@ -17,7 +17,6 @@ Shape legend:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -98,7 +97,6 @@ def attention_forward(
     Raises:
         ValueError: an unknown keyword, a bad value of a known one, or a combination the module's docstring refuses.
     """
-    output_attentions = bool(output_attentions) or _recording_attentions()
     unmasked = (attention_mask is None and position_bias is None and sinks is None and indices is None
                 and topk_indices is None and block_indices is None and head_mask is None and cu_seq_lens_q is None
                 and cu_seq_lens_k is None and seq_idx is None and not output_attentions)  # fmt: skip
@@ -106,6 +104,7 @@ def attention_forward(
                                      s_aux, kwargs) if unmasked else (None, None)  # fmt: skip
     if replayed is not None:  # an unmasked call of a planned kind (kind None: a call no plan serves)
         return replayed.transpose(1, 2).contiguous(), None
+    output_attentions = bool(output_attentions) or _hf_plan.recording_attentions()
     check_keywords(kwargs)
     attention_mask = _bool_if_only_visibility(attention_mask)
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
@@ -304,35 +303,6 @@ def _bool_if_only_visibility(attention_mask: torch.Tensor | None) -> torch.Tenso
     return attention_mask == 0 if bool(((attention_mask == 0) | hidden).all()) else attention_mask
 
 
-def _recording_attentions() -> bool:
-    """Whether transformers is collecting attention weights in this forward (``output_attentions=True``).
-
-    Some models (GPT-2, OPT, StableLM, Nemotron ...) record the weights their attention layers
-    return without passing ``output_attentions`` down; eager always returns them, so selfattn
-    must see the request where transformers keeps it, its output collector.
-    """
-    collector = _ACTIVE_COLLECTOR if _ACTIVE_COLLECTOR is not None else _find_active_collector()
-    if collector is False:  # an older transformers passes output_attentions itself
-        return False
-    collected = collector.get()
-    return isinstance(collected, dict) and "attentions" in collected
-
-
-#: transformers' output collector (a context variable), looked up once: an import per call costs each step.
-_ACTIVE_COLLECTOR: Any = None
-
-
-def _find_active_collector() -> Any:
-    global _ACTIVE_COLLECTOR
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        _ACTIVE_COLLECTOR = False
-    else:
-        _ACTIVE_COLLECTOR = _active_collector
-    return _ACTIVE_COLLECTOR
-
-
 def _selected(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -397,8 +367,9 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
     eager's masks, the form every model's own code was written for.
     """
     config = kwargs.get("config")
+    read = getattr if torch.compiler.is_dynamo_compiling() else object.__getattribute__  # dynamo traces getattr only
     try:  # past the config's own __getattribute__ (its attribute map): a microsecond of every decoded token
-        model_type = object.__getattribute__(config, "model_type")
+        model_type = read(config, "model_type")
     except AttributeError:
         model_type = None
     if model_type in CUT_QUERIES and kwargs.get("q_length") != 1:  # one query (decoding) is never cut
@@ -409,13 +380,18 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
     return build(*args, **kwargs)
 
 
-@functools.cache
 def _mask_builder(model_type: str | None) -> tuple[Any, bool]:
-    """``(transformers' mask function for the model, whether it is sdpa's)``, looked up once per model type."""
-    from transformers.masking_utils import eager_mask, sdpa_mask
+    """``(transformers' mask function for the model, whether it is sdpa's)``, looked up once per model type (in a
+    dictionary: dynamo traces through ``functools.cache`` with a warning)."""
+    if (found := _MASK_BUILDERS.get(model_type)) is None:
+        from transformers.masking_utils import eager_mask, sdpa_mask
 
-    builds_sdpa_masks = model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type)
-    return (sdpa_mask if builds_sdpa_masks else eager_mask), builds_sdpa_masks
+        builds_sdpa_masks = model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type)
+        found = _MASK_BUILDERS[model_type] = (sdpa_mask if builds_sdpa_masks else eager_mask), builds_sdpa_masks
+    return found
+
+
+_MASK_BUILDERS: dict[str | None, tuple[Any, bool]] = {}
 
 
 def _window_hides_nothing(kwargs: dict[str, Any], config: Any) -> bool:
