@@ -41,3 +41,20 @@ def test_one_cache_decoding_step():
     with torch.no_grad():
         mha(x, x, x, causal=True, cache=cache)
         assert _breaks(mha, x[:, :1], x[:, :1], x[:, :1], causal=True, cache=cache) == (0, [])
+
+
+def test_a_scale_and_softcap_that_change_between_calls():
+    """Floats that change between calls of a compiled function become symbols on the second call (dynamo's automatic
+    dynamic); the checks of the scale and the softcap trace on them (math.isfinite did not: a graph break)."""
+    from selfattn.functional import attention
+
+    q, k, v = (torch.randn(2, H, 5, 8) for _ in range(3))
+
+    def forward(q, k, v, scale, softcap):
+        return attention(q, k, v, scale=scale, softcap=softcap, causal=True)
+
+    dynamo.reset()
+    compiled = torch.compile(forward, fullgraph=True, backend="eager")
+    for scale, softcap in ((0.3, 20.0), (0.4, 30.0), (0.5, 40.0)):
+        torch.testing.assert_close(compiled(q, k, v, scale, softcap), forward(q, k, v, scale, softcap))
+    dynamo.reset()

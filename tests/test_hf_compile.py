@@ -24,6 +24,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 FAMILIES = ("llama", "gemma2", "gpt_oss")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    """Each test compiles from nothing (dynamo keeps what it traced per code object, shared by the tests)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _model(family: str) -> Any:
     register()
     common = dict(

@@ -14,9 +14,9 @@ built from the heads. A layer holds two plans: one for a single
 query (decoding steps) and one for several (prefills, encoder passes), so the two replace neither.
 
 The kind (computed by :func:`replay`): no ``attention_mask`` and none of the keywords that restrict or reweigh
-attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed lengths, weights
-wanted or recorded); query, key and value heads of exactly ``torch.Tensor`` (a subclass runs in full); their shapes except,
-for one query, the keys' length (several queries need as many keys, and a window, if any, no shorter than
+attention (``position_bias``, per-query ``sinks``, selections, ``head_mask``, packed lengths, weights wanted
+or recorded); query, key and value heads of exactly ``torch.Tensor`` (a subclass runs in full); their shapes
+except, for one query, the keys' length (several queries need as many keys, and a window, if any, no shorter than
 them); their dtypes and device; ``dropout``, ``scaling``, ``softcap``, ``sliding_window``, ``is_causal`` and,
 for several queries, whether the causal rule holds (``is_causal``, else the layer's); the sink tensor itself
 (``s_aux``) and its shape; the names of the other keywords, and None still given to each that no table of
