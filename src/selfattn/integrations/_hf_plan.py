@@ -136,12 +136,14 @@ def recording_attentions() -> bool:
 
     Some models (GPT-2, OPT, StableLM, Nemotron ...) record the weights their attention layers
     return without passing ``output_attentions`` down; eager always returns them, so selfattn
-    must see the request where transformers keeps it, its output collector.
+    must see the request where transformers keeps it, its output collector. Under dynamo (which cannot read a
+    context variable) it reads the global that transformers' collector keeps instead when the collector was set
+    inside the traced code (a compiled model's forward sets it); one set outside it is not seen.
     """
     collector = _ACTIVE_COLLECTOR if _ACTIVE_COLLECTOR is not None else _find_active_collector()
     if collector is False:  # an older transformers passes output_attentions itself
         return False
-    if torch.compiler.is_dynamo_compiling():  # dynamo cannot read a context variable: transformers' own stand-in
+    if torch.compiler.is_dynamo_compiling():
         collected = collector.global_var if getattr(collector, "compiling", False) else None
     else:
         collected = collector.get()
