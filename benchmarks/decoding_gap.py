@@ -20,7 +20,9 @@ The two references run their prefill and masked calls through ``sdpa``'s functio
 mask are timed, for all four. Each function is wrapped in the same timer (two ``perf_counter`` reads and a
 frame), rounds alternate the order, and a figure is the median over rounds of the mean time per timed call.
 The differences read the parts: ``selfattn`` minus ``kernel + guard`` is the plans' checks (and the step form's
-call), ``kernel + guard`` minus ``kernel`` the guard, ``sdpa`` minus ``kernel`` ``sdpa``'s own wrapper.
+call), ``kernel + guard`` minus ``kernel`` the guard, ``sdpa`` minus ``kernel`` ``sdpa``'s own wrapper. The rest of
+a ``generate()``'s difference is read beside them: the time per ``generate()`` in the prompt's attention calls and
+in the mask function (once per token), each under a timer of its own.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from _common import emit, load_average, log, machine_lines, paired_ratio, table
 from decoding import _hf_model
 
 NAMES = ("sdpa", "selfattn", "kernel + guard", "kernel")
-HEADER = ["batch", "function", "us per call", "minus sdpa's", "tokens/s", "ratio to sdpa", "same tokens"]
+HEADER = ["batch", "function", "us per call", "minus sdpa's", "prefill us", "masks us", "tokens/s", "ratio to sdpa",
+          "same tokens"]  # fmt: skip
 
 
 def _functions() -> dict[str, Callable[..., Any]]:
@@ -68,6 +71,18 @@ def _timed(function: Callable[..., Any], clock: dict[str, float]) -> Callable[..
         if q.shape[2] == 1 and mask is None:  # a decoding step with no mask: what the plans replay
             clock["seconds"] += time.perf_counter() - started
             clock["calls"] += 1
+        else:  # the prompt's pass (no padding here: no decoding step has a mask)
+            clock["prefill"] += time.perf_counter() - started
+        return out
+
+    return timed
+
+
+def _timed_masks(function: Callable[..., Any], clock: dict[str, float]) -> Callable[..., Any]:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = function(*args, **kwargs)
+        clock["masks"] += time.perf_counter() - started
         return out
 
     return timed
@@ -80,26 +95,32 @@ def rows(batch: int, rounds: int) -> tuple[list[list[str]], str]:
 
     from selfattn.integrations.transformers import model_masks
 
-    clock = {"seconds": 0.0, "calls": 0.0}
+    clock = {"seconds": 0.0, "calls": 0.0, "prefill": 0.0, "masks": 0.0}
     for name, function in _functions().items():
         registered = f"gap {name}"
         AttentionInterface.register(registered, _timed(function, clock))
-        AttentionMaskInterface.register(registered, model_masks if name == "selfattn" else sdpa_mask)
+        AttentionMaskInterface.register(
+            registered, _timed_masks(model_masks if name == "selfattn" else sdpa_mask, clock)
+        )
     model = _hf_model("llama", "sdpa")
     prompt = torch.randint(2, 128, (batch, 8), generator=torch.Generator().manual_seed(batch))
     per_call: dict[str, list[float]] = {name: [] for name in NAMES}
+    prefill: dict[str, list[float]] = {name: [] for name in NAMES}  # seconds per generate()
+    masks: dict[str, list[float]] = {name: [] for name in NAMES}
     total: dict[str, list[float]] = {name: [] for name in NAMES}
     tokens: dict[str, torch.Tensor] = {}
     for round_ in range(rounds + 1):  # the first round warms every function up and is not kept
         for name in NAMES if round_ % 2 else reversed(NAMES):
             model.set_attn_implementation(f"gap {name}")
-            clock.update(seconds=0.0, calls=0.0)
+            clock.update(seconds=0.0, calls=0.0, prefill=0.0, masks=0.0)
             started = time.perf_counter()
             with torch.no_grad():
                 tokens[name] = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
             if round_:
                 total[name].append(time.perf_counter() - started)
                 per_call[name].append(clock["seconds"] / clock["calls"])
+                prefill[name].append(clock["prefill"])
+                masks[name].append(clock["masks"])
     calls = int(clock["calls"])
     base = statistics.median(per_call["sdpa"])
     table_rows = []
@@ -108,6 +129,7 @@ def rows(batch: int, rounds: int) -> tuple[list[list[str]], str]:
         x, low, high = paired_ratio(total["sdpa"], total[name])
         same = "yes" if torch.equal(tokens[name], tokens["sdpa"]) else "**no**"
         table_rows.append([str(batch), name, f"{us:.1f}", f"{us - base * 1e6:+.1f}",
+                           f"{statistics.median(prefill[name]) * 1e6:.0f}", f"{statistics.median(masks[name]) * 1e6:.0f}",
                            f"{batch * 64 / statistics.median(total[name]):.0f}", f"{x:.3f}x ({low:.3f}-{high:.3f})",
                            same])  # fmt: skip
     return table_rows, f"batch {batch}: {calls} timed calls per generate() (4 layers, 63 decoding steps)"
@@ -137,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         "Microseconds per one-query unmasked attention call inside `generate()` (the median over rounds of each "
         "round's mean; each function wrapped in the same timer), its difference from `sdpa`'s, the tokens/s of "
         "the whole `generate()`, and the paired ratio of `sdpa`'s time over the function's (the median over "
-        "rounds, its 95% interval). `kernel + guard` and `kernel` are references, not usable backends: they "
-        "skip every check (see the script's docstring). " + "; ".join(counts) + ".",
+        "rounds, its 95% interval). Per `generate()` (medians over rounds), microseconds in its other attention "
+        "calls (`prefill us`: the prompt's, one per layer) and in the mask function (`masks us`: one call per "
+        "token; selfattn's is `model_masks`, the references' `sdpa_mask`). `kernel + guard` and `kernel` are "
+        "references, not usable backends: they skip every check (see the script's docstring); their prompts go "
+        "through `sdpa`'s function. " + "; ".join(counts) + ".",
         "",
         table(HEADER, all_rows),
     ]

@@ -23,3 +23,5 @@ def test_every_function_generates_sdpas_tokens_and_the_decoding_steps_alone_are_
     assert [row[1] for row in rows] == list(gap.NAMES)
     assert all(row[-1] == "yes" for row in rows), rows  # the references compute what sdpa computes
     assert counted.startswith("batch 1: 252 timed calls")  # 4 layers x 63 steps: not the 4 prefill calls
+    prefill, masks = gap.HEADER.index("prefill us"), gap.HEADER.index("masks us")
+    assert all(float(row[prefill]) > 0 and float(row[masks]) > 0 for row in rows), rows  # each timed apart

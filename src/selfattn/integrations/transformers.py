@@ -367,27 +367,29 @@ def model_masks(*args: Any, **kwargs: Any) -> Any:
     eager's masks, the form every model's own code was written for.
     """
     config = kwargs.get("config")
-    read = getattr if torch.compiler.is_dynamo_compiling() else object.__getattribute__  # dynamo traces getattr only
-    try:  # past the config's own __getattribute__ (its attribute map): a microsecond of every decoded token
-        model_type = read(config, "model_type")
-    except AttributeError:
-        model_type = None
+    # The class's (a ClassVar, what transformers writes into a saved config): read past the config's own
+    # __getattribute__ (its attribute map), a microsecond of every decoded token, and traced by dynamo.
+    model_type = getattr(type(config), "model_type", None)
     if model_type in CUT_QUERIES and kwargs.get("q_length") != 1:  # one query (decoding) is never cut
         kwargs["allow_is_causal_skip"] = False  # a mask, cut with the queries, rather than None
-    build, builds_sdpa_masks = _mask_builder(model_type)
-    if builds_sdpa_masks and not args and _window_hides_nothing(kwargs, config):
+    build, builds_sdpa_masks = _MASK_BUILDERS.get(model_type) or _mask_builder(model_type)
+    if (
+        builds_sdpa_masks
+        and not args
+        and kwargs.get("local_size") is not None
+        and _window_hides_nothing(kwargs, config)
+    ):
         kwargs["local_size"] = None  # causality and padding alone decide: transformers may skip the mask
     return build(*args, **kwargs)
 
 
 def _mask_builder(model_type: str | None) -> tuple[Any, bool]:
-    """``(transformers' mask function for the model, whether it is sdpa's)``, looked up once per model type (in a
-    dictionary: dynamo traces through ``functools.cache`` with a warning)."""
-    if (found := _MASK_BUILDERS.get(model_type)) is None:
-        from transformers.masking_utils import eager_mask, sdpa_mask
+    """``(transformers' mask function for the model, whether it is sdpa's)``, kept in ``_MASK_BUILDERS`` (a
+    dictionary read before this is called: a frame less per token; dynamo traces ``functools.cache`` with a warning)."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
 
-        builds_sdpa_masks = model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type)
-        found = _MASK_BUILDERS[model_type] = (sdpa_mask if builds_sdpa_masks else eager_mask), builds_sdpa_masks
+    builds_sdpa_masks = model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type)
+    found = _MASK_BUILDERS[model_type] = (sdpa_mask if builds_sdpa_masks else eager_mask), builds_sdpa_masks
     return found
 
 
@@ -406,7 +408,7 @@ def _window_hides_nothing(kwargs: dict[str, Any], config: Any) -> bool:
     """
     window = kwargs.get("local_size")
     if window is None:
-        return False  # no window: nothing to drop (the common case, read first)
+        return False  # no window: nothing to drop (the caller reads it first, the common case)
     q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
     q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
     if not all(type(n) is int for n in (q_length, kv_length, q_offset, kv_offset, window)):
