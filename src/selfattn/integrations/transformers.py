@@ -389,8 +389,8 @@ def _mask_builder(model_type: str | None) -> tuple[Any, bool]:
     from transformers.masking_utils import eager_mask, sdpa_mask
 
     builds_sdpa_masks = model_type in PASS_MASKS_THROUGH or _supports_sdpa(model_type)
-    found = _MASK_BUILDERS[model_type] = (sdpa_mask if builds_sdpa_masks else eager_mask), builds_sdpa_masks
-    return found
+    _MASK_BUILDERS[model_type] = (sdpa_mask if builds_sdpa_masks else eager_mask), builds_sdpa_masks
+    return _MASK_BUILDERS[model_type]
 
 
 _MASK_BUILDERS: dict[str | None, tuple[Any, bool]] = {}
