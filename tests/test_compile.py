@@ -58,3 +58,29 @@ def test_a_scale_and_softcap_that_change_between_calls():
     for scale, softcap in ((0.3, 20.0), (0.4, 30.0), (0.5, 40.0)):
         torch.testing.assert_close(compiled(q, k, v, scale, softcap), forward(q, k, v, scale, softcap))
     dynamo.reset()
+
+
+@pytest.mark.parametrize("label", [None, "alibi"])
+def test_blockwise_attention_in_one_graph_forward_and_backward(label):
+    """The public blockwise function with a key-less row (``valid_lens`` 0): no host read of a value in the graph
+    (the lengths' checks, the rows that see no key), the same output and gradients as eager."""
+    from selfattn.functional import blockwise_attention
+
+    term = None if label is None else build(label, num_hiddens=H * 8, num_heads=H)
+    q, k, v = (torch.randn(2, H, 6, 8, requires_grad=True) for _ in range(3))
+    positions = torch.arange(6)
+    options = {} if term is None else {"term": term, "q_positions": positions, "k_positions": positions}
+
+    def forward(q, k, v, lengths):
+        return blockwise_attention(q, k, v, valid_lens=lengths, causal=True, block_size=4, **options)
+
+    lengths = torch.tensor([0, 3])
+    expected = forward(q, k, v, lengths)
+    dynamo.reset()
+    got = torch.compile(forward, fullgraph=True, backend="eager")(q, k, v, lengths)
+    dynamo.reset()
+    torch.testing.assert_close(got, expected)
+    assert not bool(got[0].any())  # the batch row that sees no key
+    gradients = torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(expected.sum(), (q, k, v))
+    for ours, theirs in zip(*gradients, strict=True):
+        torch.testing.assert_close(ours, theirs)

@@ -11,6 +11,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from selfattn import _validation
+
 __all__ = ["BLOCK_BYTES", "MAX_BLOCK", "MIN_BLOCK", "ScoreTerm", "choose_block_size"]
 
 # One block's (b, h, block, lk) scores in the compute dtype stay near this many bytes.
@@ -169,7 +171,7 @@ def _settle_empty_rows(visible: torch.Tensor | None) -> tuple[torch.Tensor | Non
     if visible is None:
         return None, None
     empty = ~visible.any(dim=-1, keepdim=True)  # (..., block, 1)
-    if not bool(empty.any()):
+    if not _validation.is_compiling() and not bool(empty.any()):  # a graph settles every block (no host read)
         return visible, None
     return visible | empty, empty
 

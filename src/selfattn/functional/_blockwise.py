@@ -103,6 +103,10 @@ def blockwise_attention(
     while holding only one block of ``(b, h, block, lk)`` scores at a time, in the forward and
     the backward pass. A query that sees no key gets an output row of zeros.
 
+    ``torch.compile(fullgraph=True)`` traces it with no term or a term without parameters (ALiBi),
+    forward and backward (``valid_lens`` values are not checked in a graph); a learned term's
+    gradient (``torch.autograd.grad`` inside the backward) breaks the graph.
+
     Args:
         q: ``(b, h, lq, d)`` queries.
         k: ``(b, h, lk, d)`` keys.
