@@ -135,7 +135,8 @@ SWEEP = (
 
 
 @pytest.mark.skipif(
-    os.environ.get("SELFATTN_ALL_FAMILIES") != "1", reason="SELFATTN_ALL_FAMILIES=1 compiles 26 families (~40 s on 2 workers)"
+    os.environ.get("SELFATTN_ALL_FAMILIES") != "1",
+    reason="SELFATTN_ALL_FAMILIES=1 compiles 26 families (~40 s on 2 workers)",
 )
 @pytest.mark.parametrize("family", SWEEP)
 def test_family_compiles_in_one_graph_with_a_static_cache(family: str) -> None:
