@@ -3,8 +3,9 @@
 transformers' own recipe compiles a model's forward over a static cache (the masks then hide its free slots); a
 model decoding with a dynamic cache, compiled after eager steps made the layers' plans, must trace the full path
 (a graph reads no plan); and a forward that records its attention weights reads transformers' collector, which
-dynamo cannot read as a context variable. Any graph break fails these tests (``fullgraph=True``). The compiler
-backend is dynamo's ``eager`` (the graph run as traced): what is checked is the tracing, in seconds.
+dynamo cannot read as a context variable (torch.export's strict mode meets the same). Any graph break fails these
+tests (``fullgraph=True``). The compiler backend is dynamo's ``eager`` (the graph run as traced): what is checked
+is the tracing, in seconds.
 """
 
 from __future__ import annotations
@@ -122,6 +123,18 @@ def test_a_scale_that_changes_between_calls_traces() -> None:
     compiled = torch.compile(forward, fullgraph=True, backend="eager")
     for scaling, softcap in ((0.3, 20.0), (0.4, 30.0), (0.5, 40.0)):
         torch.testing.assert_close(compiled(q, k, v, scaling, softcap), forward(q, k, v, scaling, softcap))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_export_of_a_forward(strict: bool) -> None:
+    """torch.export traces the backend as compile does (strict: dynamo; non-strict: fake tensors, the full path)."""
+    model = _model("llama")
+    ids, mask = _prompt()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, use_cache=False).logits
+        program = torch.export.export(model, (ids,), {"attention_mask": mask, "use_cache": False}, strict=strict)
+        got = program.module()(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got, expected)
 
 
 # Causal LM families whose own code compiles in one graph with a static cache (under sdpa, or eager where it has
