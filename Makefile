@@ -2,7 +2,7 @@
 #   make tour   set up .venv and run the chapter tour (writes ./selfattn-report)
 #   make test   set up .venv with the dev extras and run the test suite
 # and, for contributors: make docs (API reference + guide in ./site, warnings are errors),
-# make lint (ruff check, ruff format --check, mypy --strict; not yet part of make test).
+# make lint (ruff check, ruff format --check, mypy --strict: what make test runs before the tests).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -38,8 +38,8 @@ test: $(VENV)/.dev-installed
 	else \
 		echo "note: no Chromium found; tests/test_report_browser.py will skip (install chromium to run it)"; \
 	fi
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m mypy --strict src/selfattn
 	$(PY) -m pytest -n 2
 
@@ -51,8 +51,8 @@ docs: $(VENV)/.dev-installed
 	$(PY) -m mkdocs build --strict
 
 lint: $(VENV)/.dev-installed
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m mypy --strict src/selfattn
 
 clean:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -41,10 +42,8 @@ def log(message: str) -> None:
 def command_line() -> str:
     """The exact command that ran this script, relative to the repository root where possible."""
     exe = sys.executable
-    try:
+    with contextlib.suppress(ValueError):  # another drive (Windows): the path as it is
         exe = os.path.relpath(exe, REPO_ROOT) if Path(exe).is_relative_to(REPO_ROOT) else exe
-    except ValueError:
-        pass
     script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO_ROOT)
     return " ".join(shlex.quote(part) for part in [exe, script, *sys.argv[1:]])
 

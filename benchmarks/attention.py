@@ -25,7 +25,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
     BENCHMARKS_MD,
     GIB,
     MIB,
@@ -47,9 +47,9 @@ from _common import (  # noqa: E402
     table,
     verdict,
 )
-from textbook import TextbookMultiHeadAttention  # noqa: E402
+from textbook import TextbookMultiHeadAttention
 
-import selfattn  # noqa: E402
+import selfattn
 
 BATCH, NUM_HIDDENS, NUM_HEADS = 2, 512, 8
 
@@ -219,12 +219,12 @@ def run_inference(args, device: torch.device) -> tuple[str, dict]:
     for n in args.inference_sizes:
         x = torch.randn(BATCH, n, NUM_HIDDENS, generator=torch.Generator().manual_seed(n)).to(device)
         cases = {
-            "selfattn (bias=False, its default)": lambda: plain(x, x, x),
-            "selfattn bias=True": lambda: with_bias(x, x, x),
-            "textbook": lambda: textbook(x, x, x),
+            "selfattn (bias=False, its default)": lambda x=x: plain(x, x, x),
+            "selfattn bias=True": lambda x=x: with_bias(x, x, x),
+            "textbook": lambda x=x: textbook(x, x, x),
         }
         for name, (m, w) in modes.items():
-            cases[name] = lambda m=m, w=w: m(x, x, x, need_weights=w)
+            cases[name] = lambda m=m, w=w, x=x: m(x, x, x, need_weights=w)
         cases[GEMM] = gemm
         log(f"inference n={n}")
         noise = {}
@@ -464,7 +464,7 @@ def run_window(args, device: torch.device) -> tuple[list[str], list[list[str]]]:
             ratio(speedups["attention"]),
             verdict(speedups["attention"] >= 8),
         ],
-        [f"(information) the same, whole module with projections", ratio(speedups["module"]), "-"],
+        ["(information) the same, whole module with projections", ratio(speedups["module"]), "-"],
     ]
     return text, targets
 
@@ -497,7 +497,10 @@ def run_compiled(args, device: torch.device) -> tuple[list[str], list[list[str]]
             )
             noise: dict = {}
             r = measure(
-                {"eager": lambda: mha(x, x, x, **call_kwargs), "compiled": lambda: compiled(x, x, x, **call_kwargs)},
+                {
+                    "eager": lambda mha=mha, x=x, kw=call_kwargs: mha(x, x, x, **kw),
+                    "compiled": lambda compiled=compiled, x=x, kw=call_kwargs: compiled(x, x, x, **kw),
+                },
                 device=device,
                 spread=noise,
                 **args.timing,

@@ -46,7 +46,17 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
-    BENCHMARKS_MD, emit, load_average, log, machine_lines, measure, paired_ratio, ratio, spread_note, table, verdict,
+    BENCHMARKS_MD,
+    emit,
+    load_average,
+    log,
+    machine_lines,
+    measure,
+    paired_ratio,
+    ratio,
+    spread_note,
+    table,
+    verdict,
 )  # fmt: skip
 
 import selfattn

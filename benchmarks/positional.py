@@ -26,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
+from _common import (
     BENCHMARKS_MD,
     GIB,
     emit,
@@ -44,8 +44,8 @@ from _common import (  # noqa: E402
     verdict,
 )
 
-import selfattn  # noqa: E402
-from selfattn.positional import NAMES, InputEncoding, build  # noqa: E402
+import selfattn
+from selfattn.positional import NAMES, InputEncoding, build
 
 BATCH, NUM_HIDDENS, NUM_HEADS = 2, 512, 8
 # Extra rows beyond the registry's defaults: (label, name, options); name None is no encoding.
@@ -189,9 +189,7 @@ def run_speed(args, device: torch.device) -> tuple[str, dict]:
         built = [(label, encoding) for label, encoding in built if label in wanted]
     calls, kernels = {}, {}
     for label, encoding in built:
-        modules, call = contender(
-            encoding, device, options=ATTENTION_OPTIONS.get(label), causal=label in CAUSAL_ROWS
-        )
+        modules, call = contender(encoding, device, options=ATTENTION_OPTIONS.get(label), causal=label in CAUSAL_ROWS)
         params = [p for m in modules for p in m.parameters()]
         calls[label] = (call, params)
         kernels[label] = " / ".join(attention_kernel(call, device, training=t) for t in (True, False))
@@ -207,13 +205,13 @@ def run_speed(args, device: torch.device) -> tuple[str, dict]:
         forward, forward_backward = {}, {}
         for label, (call, params) in calls.items():
 
-            def fwd_bwd(call=call, params=params):
+            def fwd_bwd(call=call, params=params, x=x, grad=grad):
                 x.grad = None
                 for p in params:
                     p.grad = None
                 call(x).backward(grad)
 
-            forward[label] = lambda call=call: call(x)
+            forward[label] = lambda call=call, x=x: call(x)
             forward_backward[label] = fwd_bwd
         for kind, cases in (("fwd", forward), ("fwd+bwd", forward_backward)):
             log(f"positional n={n}: {kind}")
@@ -302,7 +300,7 @@ def run_memory(args) -> tuple[str, dict]:
         wanted = set(args.only.split(","))
         cases = [case for case in cases if case[0] in wanted]
     for label, n, mode, goal in cases:
-        allowed, available = memory_headroom(args.memory_margin_gib)
+        allowed, _ = memory_headroom(args.memory_margin_gib)
         allowed = min(allowed, int(args.memory_cap_gib * GIB))  # never near what the machine has
         log(f"memory {label} n={n} {mode} (allowed {allowed / GIB:.1f} GiB)")
         r = run_memory_child(Path(__file__), [label, str(n), mode], allowed, timeout_s=args.memory_timeout_s)
