@@ -83,11 +83,19 @@ def test_static_cache_forward_compiles_in_one_graph(family: str, padded: bool) -
     _assert_same(_generate(model, padded, cache_implementation="static"), reference)
 
 
-def test_dynamic_cache_compiled_after_plans_traces_the_full_path() -> None:
+def test_dynamic_cache_compiled_after_plans_traces_the_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager steps leave plans; their step forms are then made wrong (zeros): eager decoding replays them (its
+    tokens change), a compiled forward must not read them."""
     model = _model("llama")
     reference = _generate(model, padded=False)  # no padding: the decoding steps get no mask
-    layer = model.model.layers[0].self_attn
-    assert (plans := _hf_plan.plans_of(layer)) is not None and plans[0] is not None  # the eager steps made them
+    for layer in model.model.layers:
+        entry = _hf_plan._PLANS[id(layer.self_attn)]
+        one_query, several = entry[1]
+        assert one_query is not None and one_query.step is not None  # the eager steps made them
+        poisoned = one_query._replace(step=lambda q, k, v: torch.zeros_like(q))
+        monkeypatch.setitem(_hf_plan._PLANS, id(layer.self_attn), (entry[0], (poisoned, several)))
+    monkeypatch.setattr(_hf_plan.dispatch, "VERIFY_REMEMBERED_CHOICES", False)  # as users run: steps trusted
+    assert not torch.equal(_generate(model, padded=False).sequences, reference.sequences)  # eager replays them
     model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
     _assert_same(_generate(model, padded=False), reference)
 
