@@ -57,7 +57,7 @@ from _common import (
     spread_note,
     table,
     verdict,
-)  # fmt: skip
+)
 
 import selfattn
 from selfattn import KVCache
