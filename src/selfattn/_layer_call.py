@@ -193,10 +193,10 @@ def _update_cached_keys(encoding: QueryKeyEncoding, request: Request) -> None:
     cache = request.cache
     if cache is None or not updates_cached_keys(encoding):
         return  # the positions would be gathered for nothing (a rotary without length scaling)
-    cached = cache.positions
-    if cached is None:
+    cached, new_positions = cache.positions, request.k_positions
+    if cached is None:  # an empty cache: the encoding notes the length its keys are rotated at
+        encoding.update_cached_keys(cache, new_positions)
         return
-    new_positions = request.k_positions
     if cached.dim() != new_positions.dim():  # one of them per sequence: both per sequence
         batch = request.queries.shape[0]
         cached, new_positions = cached.expand(batch, -1), new_positions.expand(batch, -1)

@@ -68,11 +68,12 @@ def _optional(check: Any, name: str, value: Any) -> Any:
     return None if value is None else check(name, value)
 
 
-def _check_position(position: PositionalEncoding | None, num_heads: int, head_dim: int) -> None:
+def _check_position(position: PositionalEncoding | None, num_heads: int, head_dim: int, value_head_dim: int) -> None:
     """Refuse an encoding that acts on the input, or one built for another head count or head size.
 
     Score encodings record the heads they bias (``num_heads``: ALiBi, T5, Kerple, FIRE); the
-    others the head size they act on (``head_dim``: rotary, xPos, M-RoPE, Shaw).
+    others the head size they act on (``head_dim``: rotary, xPos, M-RoPE, Shaw), which is also the size of the
+    value term a score encoding adds to the values (Shaw's ``values=True``).
     """
     if position is not None and not isinstance(position, (QueryKeyEncoding, ScoreEncoding)):
         raise ValueError(
@@ -86,6 +87,11 @@ def _check_position(position: PositionalEncoding | None, num_heads: int, head_di
     if isinstance(built_size, int) and built_size != head_dim:
         raise ValueError(
             f"position={name} built for head size {built_size}, the layer's is {head_dim} (num_hiddens / num_heads)"
+        )
+    if isinstance(position, ScoreEncoding) and position.uses_weights and value_head_dim != head_dim:
+        raise ValueError(
+            f"position={name} adds a term of head size {head_dim} to the values, but value_head_dim={value_head_dim}: "
+            "give the layer value_head_dim=None, or build the encoding without its value term"
         )
 
 
@@ -108,7 +114,7 @@ def layer_options(num_hiddens: int, num_heads: int, dropout: float, given: Mappi
         for name in ("query_size", "key_size", "value_size")
     }
     output_size = num_hiddens if raw["output_size"] is None else require_positive_int("output_size", raw["output_size"])
-    _check_position(raw["position"], num_heads, head_dim)
+    _check_position(raw["position"], num_heads, head_dim, value_head_dim)
     for name in ("bias", "sinks", "qk_norm", "gated_output", "skip_padded_queries", "values_from_keys", "shared_kv"):
         if not isinstance(raw[name], bool):
             raise ValueError(f"{name} must be True or False, got {raw[name]!r}")

@@ -256,7 +256,16 @@ class Visibility:
     # ------------------------------------------------------------------ what the routes read
 
     def find(self, kind: type[Rule]) -> Rule | None:
+        """The first conjunct of ``kind``; a route that applies it alone must also read :meth:`count`."""
         return next((rule for rule in self.rules if isinstance(rule, kind)), None)
+
+    def count(self, kind: type[Rule]) -> int:
+        """How many conjuncts are of ``kind`` (``valid_lens`` and a ``valid_lengths`` rule make two)."""
+        return sum(isinstance(rule, kind) for rule in self.rules)
+
+    def excluding(self, rule: Rule) -> Visibility:
+        """This placement without the conjunct ``rule`` (that object; others of its kind stay)."""
+        return self._with(tuple(kept for kept in self.rules if kept is not rule))
 
     @property
     def causal(self) -> bool:
@@ -264,13 +273,16 @@ class Visibility:
 
     @property
     def window(self) -> int | None:
-        found = self.find(Window)
-        return found.size if isinstance(found, Window) else None
+        """The narrowest window's size: its band holds every key the others allow too (the routes apply them all)."""
+        sizes = [rule.size for rule in self.rules if isinstance(rule, Window)]
+        return min(sizes) if sizes else None  # (min's default keyword breaks a dynamo graph)
 
     @property
     def valid_lens(self) -> torch.Tensor | None:
+        """The lengths of the one :class:`ValidLengths` conjunct; None when there is none or several (a route
+        reading one set of lengths would drop the others)."""
         found = self.find(ValidLengths)
-        return found.lengths if isinstance(found, ValidLengths) else None
+        return found.lengths if isinstance(found, ValidLengths) and self.count(ValidLengths) == 1 else None
 
     def only(self, *kinds: type[Rule]) -> bool:
         """Whether every conjunct is one of ``kinds``."""

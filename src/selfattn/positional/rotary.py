@@ -326,19 +326,24 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         ``positions`` are those of the stored keys and the new ones (``(cache.stored + l_new,)``; a
         windowed cache stores fewer keys than it has seen, at their own positions). The
         cached keys were rotated at the length noted in ``cache.encoding_state`` by the last
-        re-rotation, else at ``max(cached positions) + 1`` (the length of the call that added
-        the last of them); the coming call runs at ``max(positions) + 1``.
+        re-rotation or by the call that filled the empty cache (a window may keep none of that call's
+        newest keys, only its sink tokens, whose own positions then understate it); the coming call runs at
+        ``max(positions) + 1``.
         """
         config = self.scaling_config
         past = cache.stored  # a windowed cache keeps only some of the cache.length keys it has seen
-        if not self.rerotates_cache or config is None or past == 0:
+        if not self.rerotates_cache or config is None:
+            return
+        if past == 0:  # the call's keys rotate at its own length (forward's one sync, here a second)
+            if positions.numel():
+                cache.encoding_state["rotary_length"] = max(int(positions.max()), 0) + 1
             return
         cached_positions = positions[..., :past]  # (past,) or per sequence (b, past)
         new_positions = positions[..., past:] if positions.shape[-1] > past else cached_positions
         # One host sync for both: the largest cached position and the largest new one.
         cached_last, new_last = (int(p) for p in torch.stack((cached_positions.max(), new_positions.max())).tolist())
         noted = cache.encoding_state.get("rotary_length")
-        old_length = noted if isinstance(noted, int) else max(cached_last, 0) + 1
+        old_length = noted if isinstance(noted, int) else max(cached_last, 0) + 1  # a cache filled by another means
         new_length, call_length = max(cached_last, new_last, 0) + 1, max(new_last, 0) + 1
         if call_length < new_length:
             # The queries and new keys rotate at their own call's length (the full pass's rule); a cached

@@ -70,8 +70,8 @@ def _band_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibility: Vi
 
     def kv_bands(x: torch.Tensor) -> torch.Tensor:
         banded = x[..., start - before : stop + after, :].unfold(-2, span, block)  # (b, hk, blocks, dh, span)
-        # (b * blocks, hk, span, dh): a view of x for one sequence, a copy for more
-        return banded.permute(0, 2, 1, 4, 3).reshape(batch * num_blocks, x.shape[1], span, head_dim)
+        # (b * blocks, hk, span, dh or dv): a view of x for one sequence, a copy for more
+        return banded.permute(0, 2, 1, 4, 3).reshape(batch * num_blocks, x.shape[1], span, x.shape[-1])
 
     q_b = q[..., start:stop, :].reshape(batch, heads, num_blocks, block, head_dim).transpose(1, 2)
     q_b = q_b.reshape(batch * num_blocks, heads, block, head_dim)  # (b * blocks, h, block, dh)

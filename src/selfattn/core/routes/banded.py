@@ -24,7 +24,7 @@ def _declines(call: AttentionCall) -> str | None:
     reason = window_declines(call)
     if reason is None and not call.visibility.only(Causal, Window, ValidLengths, KeyPadding, Documents):
         reason = "an attn_mask" if call.visibility.find(Dense) is not None else "a mask rule the bands cannot gather"
-    elif reason is None and call.visibility.valid_lens is not None and call.visibility.valid_lens.dim() == 2:
+    elif reason is None and any(isinstance(rule, ValidLengths) and rule.per_query for rule in call.visibility.rules):
         reason = "per-query valid_lens"
     return reason
 

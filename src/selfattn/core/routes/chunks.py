@@ -30,6 +30,8 @@ def _declines(call: AttentionCall) -> str | None:
     size = _chunk_size(call)
     if size is None:
         return "no chunks"
+    if any(isinstance(rule, Chunks) and rule.size != size for rule in call.visibility.rules):
+        return "chunks of several sizes: the route cuts the keys by one"
     if not call.visibility.only(Causal, Chunks):
         return "rules other than chunks and causal"
     if not call.visibility.square:

@@ -25,8 +25,8 @@ def _run(call: AttentionCall) -> Output:
     """
     assert call.inputs is not None and call.ragged_lengths is not None
     q, causal, dropout_p = call.q, call.visibility.causal, call.dropout_p
-    batch, heads, num_queries, head_dim = q.shape
-    merged = q.new_empty(batch, num_queries, heads * head_dim)  # (b, lq, d)
+    batch, heads, num_queries, _ = q.shape
+    merged = q.new_empty(batch, num_queries, heads * call.value_dim)  # (b, lq, h * dv)
 
     def attend(q_g: torch.Tensor, k_g: torch.Tensor, v_g: torch.Tensor, causal: bool) -> torch.Tensor:
         return fused_attention(

@@ -112,7 +112,7 @@ def _seen(rest: Visibility, kept: torch.Tensor, start: int, picks: torch.Tensor,
 def _run(call: AttentionCall) -> Output:
     selection = call.visibility.find(Selected)
     assert isinstance(selection, Selected)
-    rest = call.visibility.without(Selected)
+    rest = call.visibility.excluding(selection)  # another selection stays: its picks are read like any rule's
     compute = _compute_dtype(call.dtype)
     q, k, v = (t.to(compute) for t in (call.q, call.k, call.v))
     picks, kept = _unique_picks(selection.indices, call.batch)
