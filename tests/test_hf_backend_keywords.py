@@ -560,3 +560,19 @@ def test_generation_matches_eager(family: str) -> None:
     assert torch.equal(runs["selfattn"].sequences, runs["eager"].sequences)
     for got, expected in zip(runs["selfattn"].scores, runs["eager"].scores, strict=True):
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_a_static_caches_prefill_keeps_its_free_slots_in_the_weights_and_the_bias() -> None:
+    """No mask, causal, more keys than queries (a prefill into a static cache): selfattn keeps the first ``lq``
+    keys, and the weights still have a column per key passed (zeros for the free slots), and a position bias of
+    the documented ``(1, h, lq, lk)`` is cut with the keys."""
+    q, k, v = _qkv(3, 7)
+    bias = torch.randn(1, 4, 3, 7)
+    out, weights = attention_forward(_module(), q, k, v, None, output_attentions=True)
+    kept_out, kept = attention_forward(_module(), q, k[..., :3, :], v[..., :3, :], None, output_attentions=True)
+    assert weights.shape == (2, 4, 3, 7) and not weights[..., 3:].any()
+    torch.testing.assert_close(weights[..., :3], kept)
+    torch.testing.assert_close(out, kept_out)
+    biased, _ = attention_forward(_module(), q, k, v, None, position_bias=bias)
+    kept_biased, _ = attention_forward(_module(), q, k[..., :3, :], v[..., :3, :], None, position_bias=bias[..., :3])
+    torch.testing.assert_close(biased, kept_biased)

@@ -110,13 +110,13 @@ def attention_forward(
     sinks, per_query_sinks = _split_sinks(s_aux, sinks, query)
     _check_combinations(query, attention_mask, dropout, softcap, position_bias, per_query_sinks, output_attentions)
     picks, selections = _selected(module, query, key.shape[-2], indices, topk_indices, block_indices, seq_idx)
-    key, value, mask, bias, causal = _visibility(module, query, key, value, attention_mask, is_causal,
-                                                 sliding_window, cu_seq_lens_q, cu_seq_lens_k)  # fmt: skip
+    key, value, mask, bias, causal, slots = _visibility(module, query, key, value, attention_mask, is_causal,
+                                                        sliding_window, cu_seq_lens_q, cu_seq_lens_k)  # fmt: skip
     query, key, value, mask, bias, picks = _restricted(query, key, value, mask, bias, picks, selections,
                                                        position_bias, sinks, per_query_sinks)  # fmt: skip
     options: dict[str, Any] = dict(mask=mask, bias=bias, causal=causal, dropout_p=dropout, scale=scaling,
                                    softcap=softcap, sinks=sinks, return_weights=bool(output_attentions))  # fmt: skip
-    out, weights = _attend(query, key, value, picks, options, per_query_sinks is not None, head_mask)
+    out, weights = _attend(query, key, value, picks, options, per_query_sinks is not None, head_mask, slots)
     _hf_plan.remember(module, kind, None if kind is None else describe_attention(query, key, value, **options), kwargs)
     return out.transpose(1, 2).contiguous(), weights
 
@@ -138,9 +138,9 @@ def _restricted(
     The selections are "and"-ed into the mask, the position bias is added to the bias, a query that
     the mask lets see no key is given eager's answer (:func:`_uniform_where_blind`; not with sinks,
     where eager's answer is zeros, as selfattn's, nor with shared picks, whose sparse route gives
-    zeros), and per-query sinks become a first key. The selections and picks were made over the keys
-    passed; :func:`_visibility` keeps the first ``lq`` of them in a static cache's prefill, so they
-    are cut to the keys kept.
+    zeros), and per-query sinks become a first key. The selections, picks and position bias were made over the
+    keys passed; :func:`_visibility` keeps the first ``lq`` of them in a static cache's prefill, so they are cut
+    to the keys kept.
     """
     if picks is not None:
         picks = picks.masked_fill(picks >= key.shape[-2], -1)
@@ -148,6 +148,7 @@ def _restricted(
         selection = selection[..., : key.shape[-2]]
         mask = selection if mask is None else mask & selection
     if position_bias is not None:
+        position_bias = position_bias[..., : key.shape[-2]]  # (b or 1, h, lq, lk kept)
         bias = position_bias if bias is None else bias + position_bias
     if mask is not None and sinks is None and per_query_sinks is None and picks is None:
         query, mask, bias = _uniform_where_blind(query, mask, bias)
@@ -185,11 +186,14 @@ def _attend(
     options: dict[str, Any],
     sink_key: bool,
     head_mask: torch.Tensor | None,
+    slots: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``((b, h, lq, dv) output, weights or None)``: the dense route, or the sparse one over ``picks`` ``(b, lq, t)``.
+    """``((b, h, lq, dv) output, (b, h, lq, slots) weights or None)``: the dense route, or the sparse one over
+    ``picks`` ``(b, lq, t)``.
 
     ``sink_key``: the first key is per-query sinks' (:func:`prepend_sink_key`), whose weights are no
-    key's and are dropped. ``head_mask`` scales the output and the weights per head.
+    key's and are dropped. ``head_mask`` scales the output and the weights per head. ``slots``: the keys
+    passed, of which a static cache's prefill kept the first (the weights of the others are zeros, as eager's).
     """
     result = (
         attention(query, key, value, **options)
@@ -199,6 +203,8 @@ def _attend(
     out, weights = result if isinstance(result, tuple) else (result, None)
     if weights is not None and sink_key:
         weights = weights[..., 1:]
+    if weights is not None and weights.shape[-1] < slots:
+        weights = torch.nn.functional.pad(weights, (0, slots - weights.shape[-1]))  # (b, h, lq, slots)
     if head_mask is not None:
         factor = head_scale(head_mask, query).to(out.dtype)
         out = out * factor
@@ -263,9 +269,11 @@ def _visibility(
     sliding_window: int | None,
     cu_seq_lens_q: torch.Tensor | None,
     cu_seq_lens_k: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
-    """``(key, value, mask, bias, causal)`` from the mask, the layer's causality, its window and packed lengths."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool, int]:
+    """``(key, value, mask, bias, causal, slots)`` from the mask, the layer's causality, its window and packed
+    lengths; ``slots``, the number of keys passed (a static cache's prefill keeps the first ``lq``)."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    slots = key.shape[-2]
     mask = bias = None
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
@@ -277,7 +285,7 @@ def _visibility(
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         # Packed documents, each causal on its own: a dense rule that holds the causality too.
         packed = packed_documents(cu_seq_lens_q, cu_seq_lens_k, query, key.shape[-2], causal)
-        return key, value, packed if mask is None else mask & packed, bias, False
+        return key, value, packed if mask is None else mask & packed, bias, False, slots
     if causal and key.shape[-2] > num_queries:
         # No mask and more keys than queries: a prefill into a preallocated (static) cache, whose
         # first lq slots hold these tokens (transformers aligns causal masks top-left).
@@ -286,7 +294,7 @@ def _visibility(
         index = torch.arange(num_queries, device=query.device)
         distance = index[:, None] - index[None, :]  # (lq, lk): i - j
         mask, causal = (distance >= 0) & (distance < sliding_window), False
-    return key, value, mask, bias, causal
+    return key, value, mask, bias, causal, slots
 
 
 def _bool_if_only_visibility(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
