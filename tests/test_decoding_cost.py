@@ -48,8 +48,9 @@ def _decoding_layer() -> tuple[MultiHeadAttention, KVCache]:
     torch.manual_seed(0)
     encoding = build("rotary", num_hiddens=64, num_heads=4, interleaved=False)
     layer = MultiHeadAttention(64, 4, num_kv_heads=2, position=encoding).eval()
-    cache = KVCache(32)
-    prompt, token = torch.randn(1, 8, 64), torch.randn(1, 1, 64)
+    cache = KVCache(64)
+    # past one vector of the CPU kernel's keys (16 float32 with AVX-512, 32 elsewhere): the kernel's step
+    prompt, token = torch.randn(1, 32, 64), torch.randn(1, 1, 64)
     with torch.no_grad():
         layer(prompt, prompt, prompt, cache=cache, causal=True)
         layer(token, token, token, cache=cache, causal=True)  # warm: the angle tables, the remembered route

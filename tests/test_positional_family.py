@@ -207,19 +207,21 @@ def test_score_terms_through_flex_on_the_gpu_equal_the_cpu(name):  # pragma: no 
 )
 def test_score_terms_reach_the_fused_kernel(name, options, fused):
     encoding, mha = make(name, **options)
-    x = inputs()
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, 40, NUM_HIDDENS)  # past one vector of the CPU kernel's keys (fewer are written out)
+    lengths = torch.tensor([24, 40])
     if not isinstance(encoding, ScoreEncoding):
         with (
             mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as spy,
             torch.no_grad(),
         ):
-            mha(x, x, x, torch.tensor([4, 6]), causal=True)
+            mha(x, x, x, lengths, causal=True)
         assert spy.called == fused
         return
     # Score terms go blockwise, each block to the CPU flash kernel with its bias as a float mask.
     flash = blockwise._flash_forward
     with mock.patch.object(blockwise, "_flash_forward", wraps=flash) as spy, torch.no_grad():
-        mha(x, x, x, torch.tensor([4, 6]), causal=True)
+        mha(x, x, x, lengths, causal=True)
     assert spy.called == fused
     if fused:
         assert spy.call_args.kwargs["attn_mask"].is_floating_point()

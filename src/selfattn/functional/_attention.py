@@ -52,9 +52,9 @@ def attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention ``softmax(q k^T * scale + bias) v`` with masking.
 
-    Without ``return_weights`` this calls ``torch.nn.functional.scaled_dot_product_attention``
-    (fused kernels; O(lq + lk) memory when no dense mask or bias is given); with it, an explicit
-    matmul-softmax-matmul that also returns the weights. Both paths give the same result.
+    Without ``return_weights`` this calls ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels; O(lq
+    + lk) memory with no dense mask or bias); with it, an explicit matmul-softmax-matmul that also returns the weights.
+    Both give the same result (on CPU below 16 keys the fused path is written out too: docs/routes.md, NaN scores).
 
     A query that may attend to no key (every key masked, by ``mask``, ``causal`` or a ``-inf`` bias) gets an output
     row of zeros and weights of zeros (the textbook spreads it over the masked keys; a plain softmax gives NaN). NaN

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from selfattn import _validation
+from selfattn.functional._few_keys import few_keys, few_keys_forward
 
 __all__ = ["BLOCK_BYTES", "MAX_BLOCK", "MIN_BLOCK", "ScoreTerm", "choose_block_size"]
 
@@ -53,8 +54,11 @@ def _flash_forward(
     """The CPU flash kernel's ``(out (b, h, lq, dv), lse (b, h, lq))`` for any strides and any ``dv``.
 
     A value head size other than ``d`` is served by zero columns: appended to q and k they add
-    nothing to a score, appended to v they give output columns of zeros, cut off here.
+    nothing to a score, appended to v they give output columns of zeros, cut off here. Fewer keys than one
+    vector of the kernel's, the formula written out (:mod:`._few_keys`: the kernel passes over a NaN score there).
     """
+    if not dropout_p and few_keys(q, k):
+        return few_keys_forward(q, k, v, attn_mask, is_causal=is_causal, scale=scale)
     width = max(q.shape[-1], v.shape[-1])
     out, lse = _raw_flash_forward(
         _kernel_layout(q, width), _kernel_layout(k, width), _kernel_layout(v, width), dropout_p, is_causal,

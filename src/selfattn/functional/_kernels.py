@@ -22,6 +22,7 @@ from selfattn._validation import (
     require_positive_finite,
     require_tensor,
 )
+from selfattn.functional._few_keys import few_keys, few_keys_attention
 from selfattn.masks import ValidLengths, Visibility
 from selfattn.masks import causal as causal_rule
 
@@ -336,16 +337,38 @@ def _sdpa(
 
 
 def _nan_guard(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``(..., h, lq, 1)``, not finite exactly where PyTorch's kernel may give a finite row the formula makes NaN:
-    each query's sum, and with one key each query's score (the kernel gives a single key's value whatever its
-    score; the formula's softmax of one infinite or NaN score is NaN). Added to the output times 0."""
-    if k.shape[-2] != 1:
-        return q.sum(dim=-1, keepdim=True, dtype=dtype)
-    *lead, heads, num_queries, head_dim = q.shape
-    kv_heads = k.shape[-3]
-    grouped = q.reshape(*lead, kv_heads, heads // kv_heads, num_queries, head_dim)  # (b, hk, g, lq, d)
-    scores = (grouped * k.unsqueeze(-3)).sum(dim=-1, dtype=dtype)  # (b, hk, g, lq): each query's one score
-    return scores.reshape(*lead, heads, num_queries, 1)
+    """``(..., h, lq, 1)``, each query's sum: not finite exactly where the query holds NaN or an infinity, to which
+    PyTorch's kernel may give a finite row (the formula: NaN). Added to the output times 0. (Below one vector of
+    keys the CPU calls are written out instead: :mod:`._few_keys`.)"""
+    return q.sum(dim=-1, keepdim=True, dtype=dtype)
+
+
+#: Dtypes in which PyTorch's CPU kernel gives zeros to a row whose greatest score is +inf (an infinite key), from one
+#: vector of keys on; in float32 it gives the formula's NaN (tests/test_edges.py pins both).
+_ZEROS_INFINITE_SCORES = (torch.bfloat16, torch.float16)
+
+
+def _redo_zero_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    options: dict[str, Any],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out`` ``(b, h, lq, dv)`` with each row of zeros computed again in float32 (see :data:`_ZEROS_INFINITE_SCORES`).
+
+    No row that sees no key reaches the kernel, so a row of zeros is rare: one host check of the output
+    (a reduction, small beside the kernel's work) finds none, and only a call that has one is run twice.
+    """
+    if _validation.in_func_transform():
+        return out  # a transform's tensors cannot be read back
+    zero_rows = (out == 0).all(dim=-1, keepdim=True)  # (b, h, lq, 1)
+    if not bool(zero_rows.any()):
+        return out
+    mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.float()
+    redone = _sdpa(q.float(), k.float(), v.float(), mask, options).to(out.dtype)
+    return torch.where(zero_rows, redone, out)
 
 
 def _fused_kernel(
@@ -375,7 +398,11 @@ def _fused_kernel(
         # score of its row -inf a row of zeros (tests/test_cuda_nan_rows.py): q + 0 * q turns each infinity into
         # NaN and leaves finite numbers as they are, one launch where the guard below takes two.
         return _sdpa(q.add(q, alpha=0), k, v, attn_mask, options)
+    if few_keys(q, k):  # the CPU kernel passes over a NaN score there
+        return few_keys_attention(q, k, v, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     out = _sdpa(q, k, v, attn_mask, options)
+    if q.dtype in _ZEROS_INFINITE_SCORES and q.is_cpu and not dropout_p and not _validation.is_compiling():
+        out = _redo_zero_rows(q, k, v, attn_mask, options, out)
     # PyTorch's CPU kernel returns a zero row for a query holding NaN or inf; the formula says NaN.
     # Adding 0 * (the query's sum) gives NaN exactly there, for one reduction and no host sync (an
     # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large

@@ -17,34 +17,20 @@ import torch.nn.functional as F
 
 import selfattn._validation as _validation
 from selfattn.core.route import Step
+from selfattn.functional._few_keys import KERNEL_SPREADS_NAN_FROM_KEYS as _KERNEL_SPREADS_NAN_FROM_KEYS
+from selfattn.functional._few_keys import few_keys_attention
 from selfattn.functional._kernels import (
     _CONTIGUOUS_HEADS_MIN_PAIRS,
     _IN_GRAPH_CHECKS_MAX_ELEMENTS,
     _SDPA_HAS_GQA,
     _fused_kernel,
     _kernel_layout,
-    _nan_guard,
 )
 
 __all__ = ["causal_square_step", "fused_unmasked", "unmasked_step"]
 
 #: Fewest keys for which :func:`fused_unmasked` lays grouped query heads out as rows of their key/value head.
 _ROWS_MIN_KEYS = 512
-
-#: Bytes of the vectors PyTorch's CPU kernels use, by the capability it reports (measured with
-#: ``ATEN_CPU_CAPABILITY``): below one vector of keys the kernel's row maximum skips a NaN, so a NaN query gets
-#: a finite row (16 float32 or 8 float64 keys with AVX-512, 8 or 4 with AVX2).
-_VECTOR_BYTES = {"AVX512": 64, "AVX2": 32}
-_CAPABILITY = torch.backends.cpu.get_cpu_capability()
-
-#: Fewest keys, by dtype, from which the CPU kernel gives a NaN query a row of NaN itself, so
-#: :func:`fused_unmasked` needs no guard on its output: one vector of the dtype's lanes, and 32 keys (two vectors
-#: of AVX-512's float32 lanes) where the capability is another. tests/test_decoding_step.py pins the kernel's
-#: behaviour from there on.
-_KERNEL_SPREADS_NAN_FROM_KEYS = {
-    dtype: _VECTOR_BYTES[_CAPABILITY] // dtype.itemsize if _CAPABILITY in _VECTOR_BYTES else 32
-    for dtype in (torch.float32, torch.float64)
-}
 
 #: Query dtypes the NaN-query guard sums in as they are (a half would be summed in float32).
 _SUMMED_AS_IS = (torch.float32, torch.float64)
@@ -144,12 +130,10 @@ def _direct_kind(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _direct_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, grouped: bool) -> torch.Tensor:
-    """The kernel with :func:`_fused_kernel`'s NaN guard in the form each number of keys needs (none of its general
-    cases): a query holding NaN or an infinity gets a row of NaN, and so does one whose single key gives it a score
-    that is not finite."""
+    """The kernel with :func:`_fused_kernel`'s NaN guard (none of its general cases): a query holding NaN or an
+    infinity gets a row of NaN; below one vector of keys, the formula written out (see :mod:`._few_keys`)."""
     if k.shape[2] < _KERNEL_SPREADS_NAN_FROM_KEYS[q.dtype]:
-        out = F.scaled_dot_product_attention(q, k, v, None, 0.0, False, scale=scale, enable_gqa=grouped)
-        return out.add_(_nan_guard(q, k), alpha=0)  # NaN added to the kernel's finite row
+        return few_keys_attention(q, k, v, None, is_causal=False, scale=scale, dropout_p=0.0)
     # From one vector of keys the kernel spreads a NaN query's NaN itself, but an infinite one can make every
     # score of its row -inf (each key of the opposite sign there), which the kernel reads as a row that sees no
     # key: zeros. q + 0 * q turns each infinity into NaN (and leaves finite numbers as they are): one operation.

@@ -26,7 +26,7 @@ import torch
 from selfattn.core.call import AttentionCall
 from selfattn.core.route import Output, Route
 from selfattn.core.routes._reasons import holding
-from selfattn.functional._kernels import _nan_guard
+from selfattn.functional._few_keys import few_keys, few_keys_forward
 
 __all__ = ["SPLIT_KEYS", "SPLIT_MIN_KEYS", "split_chunks", "split_keys_attention"]
 
@@ -132,9 +132,10 @@ def _partials(
     The kernel gives a row that sees no key a zero output and a log-sum-exp of 0.
     """
     q = q.expand(-1, k.shape[1], -1, -1)  # (b, c, r, d)
-    out, lse = _FLASH_CPU(q, k, v, attn_mask=mask, scale=scale)
-    if k.shape[2] == 1:  # the kernel gives a single key its whole weight whatever its score: keep the formula's NaN
-        lse = lse + _nan_guard(q, k).squeeze(-1).mul(0).to(lse.dtype)
+    if few_keys(q, k):  # the kernel passes over a NaN score there (a chunk of NaN keys would weigh nothing)
+        out, lse = few_keys_forward(q, k, v, mask, is_causal=False, scale=scale)
+    else:
+        out, lse = _FLASH_CPU(q, k, v, attn_mask=mask, scale=scale)
     if mask is not None:
         lse = lse.masked_fill(~(mask > float("-inf")).any(dim=-1), float("-inf"))
     return out, lse

@@ -1,0 +1,179 @@
+"""Defects found where options meet (two rules of one kind, a value head size of its own, a NaN the CPU kernel
+passes over, a static cache's prefill asked for its weights): each test here failed before its fix.
+
+The differential fuzz (tests/test_fuzz_routes.py) draws these cases too; these pin one instance of each, with
+the reference written here (dense masks, float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import selfattn.masks as masks
+from selfattn import KVCache, MultiHeadAttention
+from selfattn.functional import attention, blockwise_attention
+from selfattn.functional._few_keys import KERNEL_SPREADS_NAN_FROM_KEYS
+from selfattn.positional import RotaryPositionalEncoding, build
+
+NAN = float("nan")
+
+
+def _layer(**options) -> MultiHeadAttention:
+    torch.manual_seed(0)
+    return MultiHeadAttention(8, 2, **options).double().eval()
+
+
+def _grid(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(length)[:, None], torch.arange(length)[None, :]  # query i, key j
+
+
+# ------------------------------------------------------------------------------------- two rules of one kind
+
+
+@pytest.mark.parametrize("as_option", [False, True])
+def test_chunks_of_two_sizes_both_apply(as_option: bool) -> None:
+    i, j = _grid(20)
+    layer = _layer(chunk_size=5) if as_option else _layer()
+    rule = masks.chunks(2) if as_option else masks.chunks(5) & masks.chunks(2)
+    x = torch.randn(1, 20, 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _layer()(x, x, x, attn_mask=(i // 5 == j // 5) & (i // 2 == j // 2))
+        torch.testing.assert_close(layer(x, x, x, mask=rule), expected)
+        assert layer.explain(x, x, x, mask=rule).route != "chunks"
+        assert layer.explain(x, x, x, mask=rule & masks.chunks(2 if as_option else 5)).route != "chunks"
+    if as_option:  # the same size twice is one rule: the chunks route keeps it
+        assert layer.explain(x, x, x, mask=masks.chunks(5)).route == "chunks"
+
+
+def test_valid_lengths_twice_both_apply() -> None:
+    layer, length = _layer(), 6
+    x = torch.randn(2, length, 8, dtype=torch.float64)
+    first, second = torch.tensor([3, 6]), torch.tensor([6, 2])
+    seen = torch.arange(length)[None, None, :] < torch.minimum(first, second)[:, None, None]  # (b, 1, lk)
+    with torch.no_grad():
+        expected = layer(x, x, x, attn_mask=seen.expand(2, length, length))
+        for call in (
+            dict(valid_lens=first, mask=masks.valid_lengths(second)),
+            dict(mask=masks.valid_lengths(first) & masks.valid_lengths(second)),
+        ):
+            torch.testing.assert_close(layer(x, x, x, **call), expected)
+            assert layer.explain(x, x, x, **call).route not in ("ragged", "ragged valid rows")
+
+
+def test_two_selections_of_keys_both_apply_on_the_sparse_route() -> None:
+    layer, length, picks = _layer(), 40, 4
+    x = torch.randn(1, length, 8, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(3)
+    first, second = (torch.rand(1, length, length, generator=generator).argsort(-1)[..., :picks] for _ in range(2))
+    dense_first, dense_second = (
+        torch.zeros(1, length, length, dtype=torch.bool).scatter_(-1, t, True) for t in (first, second)
+    )
+    rule = masks.selected(first) & masks.selected(second)
+    with torch.no_grad():
+        assert layer.explain(x, x, x, mask=rule).route == "sparse selection"
+        torch.testing.assert_close(
+            layer(x, x, x, mask=rule), layer(x, x, x, mask=masks.dense(dense_first & dense_second))
+        )
+
+
+def test_two_windows_give_the_narrower_band() -> None:
+    i, j = _grid(200)
+    layer = _layer(window=8)
+    x = torch.randn(1, 200, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert layer.explain(x, x, x, causal=True, mask=masks.window(3)).route == "band only"
+        expected = _layer()(x, x, x, attn_mask=(j <= i) & (i - j < 3))
+        torch.testing.assert_close(layer(x, x, x, causal=True, mask=masks.window(3)), expected)
+
+
+# --------------------------------------------------------------------------- a value head size of its own
+
+
+@pytest.mark.parametrize(
+    ("options", "length", "call", "route"),
+    [
+        ({}, 5, dict(valid_lens=torch.tensor([3, 5])), "ragged"),
+        ({"window": 4}, 200, dict(causal=True), "band only"),
+    ],
+)
+def test_value_heads_of_their_own_size(options: dict, length: int, call: dict, route: str) -> None:
+    layer = _layer(value_head_dim=3, **options)
+    x = torch.randn(2, length, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert layer.explain(x, x, x, **call).route == route
+        rows = [layer(x[r : r + 1], x[r : r + 1], x[r : r + 1], **_row(call, r)) for r in range(2)]
+        torch.testing.assert_close(layer(x, x, x, **call), torch.cat(rows))
+
+
+def _row(call: dict, row: int) -> dict:
+    return {name: value[row : row + 1] if isinstance(value, torch.Tensor) else value for name, value in call.items()}
+
+
+def test_shaws_value_term_refuses_another_value_head_size() -> None:
+    shaw = build("shaw", num_hiddens=8, num_heads=2, max_distance=3)
+    with pytest.raises(ValueError, match=r"adds a term of head size 4 to the values, but value_head_dim=3"):
+        MultiHeadAttention(8, 2, value_head_dim=3, position=shaw)
+    keys_only = build("shaw", num_hiddens=8, num_heads=2, max_distance=3, values=False)
+    MultiHeadAttention(8, 2, value_head_dim=3, position=keys_only)  # no value term: any value size
+
+
+# ------------------------------------------------------------------------- NaN the CPU kernel passes over
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [2, 9, 17, 40])
+def test_the_first_query_of_a_causal_square_sees_its_keys_nan(dtype: torch.dtype, length: int) -> None:
+    """Its one key holds NaN: below one vector of keys the kernel gave that row zeros."""
+    q, k, v = (torch.randn(1, 2, length, 4).to(dtype) for _ in range(3))
+    k[..., 0, 0] = NAN
+    out = attention(q, k, v, causal=True)
+    assert out[..., 0, :].isnan().all()
+
+
+@pytest.mark.parametrize("num_keys", [1, 3, 15])
+def test_a_decoding_step_whose_every_key_holds_nan_is_nan(num_keys: int) -> None:
+    q, k, v = torch.randn(1, 4, 1, 8), torch.full((1, 2, num_keys, 8), NAN), torch.randn(1, 2, num_keys, 8)
+    with torch.no_grad():
+        assert attention(q, k, v).isnan().all()
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_one_nan_key_reaches_the_row_with_sinks_and_blockwise(sinks: bool) -> None:
+    q, k, v = torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2), torch.randn(1, 1, 1, 2)
+    k[..., 0, 0] = NAN
+    assert attention(q, k, v, sinks=torch.randn(1) if sinks else None).isnan().all()
+    assert blockwise_attention(q, k, v).isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_keys", [16, 17, 64])
+def test_an_infinite_key_gives_half_precision_rows_nan(dtype: torch.dtype, num_keys: int) -> None:
+    """Every query positive where the key is +inf: a +inf score, whose softmax is NaN (the kernel gave zeros)."""
+    torch.manual_seed(0)
+    q, k, v = torch.rand(1, 1, 3, 8) + 0.1, torch.randn(1, 1, num_keys, 8), torch.randn(1, 1, num_keys, 8)
+    k[..., 5, 3] = math.inf
+    assert attention(q.to(dtype), k.to(dtype), v.to(dtype)).isnan().all()
+    assert attention(q, k, v).isnan().all()  # float32: the kernel's own NaN
+    assert KERNEL_SPREADS_NAN_FROM_KEYS[torch.float32] <= num_keys  # the kernel's path, not the written-out one
+
+
+# ------------------------------------------------------------------------------------------------- caches
+
+
+def test_dynamic_rotary_rerotates_sink_tokens_from_the_prompts_length() -> None:
+    """A window of 1 keeps only the sink tokens of a 12-token prompt: they were rotated at length 12, not at their
+    own last position + 1 (3)."""
+    torch.manual_seed(0)
+    scaling = {"rope_type": "dynamic", "factor": 8.0, "original_max_position_embeddings": 2}
+    layer = MultiHeadAttention(8, 2, position=RotaryPositionalEncoding(4, scaling=scaling)).double().eval()
+    x, prompt, sinks = torch.randn(1, 13, 8, dtype=torch.float64), 12, 2
+    cache = KVCache(window=1, sink_tokens=sinks)
+    seen = torch.eye(13, dtype=torch.bool)
+    seen[prompt, :sinks] = True  # the step sees the sinks and itself
+    with torch.no_grad():
+        layer(x[:, :prompt], x[:, :prompt], x[:, :prompt], causal=True, cache=cache)
+        step = layer(x[:, prompt:], x[:, prompt:], x[:, prompt:], causal=True, cache=cache)
+        torch.testing.assert_close(step, layer(x, x, x, attn_mask=seen)[:, prompt:], atol=1e-12, rtol=1e-10)
