@@ -33,6 +33,10 @@ KERNEL_SPREADS_NAN_FROM_KEYS = {
 }
 
 
+#: Dtypes whose scores are computed as they are (a half's in float32).
+_AS_IS = (torch.float32, torch.float64)
+
+
 def few_keys(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether a call of these heads has fewer keys than one vector of the CPU kernel (half precision: float32's).
 
@@ -57,6 +61,8 @@ def few_keys_attention(
     have fewer heads (grouped-query attention, read without copies), ``attn_mask`` is bool (True = attend) or
     float (added), ``is_causal`` hides key ``j > i`` (the kernel's top-left rule). Scores and softmax in at least
     float32."""
+    if attn_mask is None and not dropout_p and q.dim() == 4 and q.dtype in _AS_IS:
+        return _as_rows(q, k, v, scale, is_causal)  # a decoding step's call, or a short prefill's
     scores = _scores(q, k, attn_mask, is_causal, scale)
     weights = torch.softmax(scores, dim=-1)
     if dropout_p:
@@ -74,6 +80,47 @@ def few_keys_forward(
     unseen = lse == -math.inf
     weights = torch.exp(scores - lse.masked_fill(unseen, 0.0).unsqueeze(-1))  # 0 in a row that sees no key
     return _weighted_values(weights, v).to(q.dtype), lse.masked_fill(unseen, 0.0)
+
+
+#: Dtypes whose scores are computed as they are (a half's in float32).
+_AS_IS = (torch.float32, torch.float64)
+
+
+def _as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """:func:`few_keys_attention` of 4-D heads with no mask, in as few operations as the formula takes: each
+    key/value head's ``g`` query heads as ``g * lq`` rows of it, one batched product each way (the causal rule
+    an addend of the first)."""
+    batch, heads, num_queries, head_dim = q.shape
+    kv_heads, num_keys = k.shape[1], k.shape[2]
+    pairs, group = batch * kv_heads, heads // kv_heads
+    rows = q.reshape(pairs, group * num_queries, head_dim)  # (b * hk, g * lq, d)
+    keys = k.reshape(pairs, num_keys, head_dim).transpose(1, 2)  # (b * hk, d, lk)
+    addend = _addend(group if causal else 0, num_queries, num_keys, q.dtype, q.device)
+    scores = torch.baddbmm(addend, rows, keys, beta=1.0 if causal else 0.0, alpha=scale)  # (b * hk, g * lq, lk)
+    out = torch.bmm(scores.softmax(dim=-1), v.reshape(pairs, num_keys, v.shape[-1]))  # (b * hk, g * lq, dv)
+    return out.view(batch, heads, num_queries, v.shape[-1])
+
+
+def _addend(group: int, num_queries: int, num_keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``baddbmm``'s first term: for ``group`` query heads per key/value head, the causal rule (-inf where key
+    ``j > i``) for each of the ``group * lq`` rows ``(g * lq, lk)``; with ``group`` 0, an ignored zero (``beta=0``).
+    Kept in :data:`_ADDENDS` (few: fewer than one vector of keys), in eager mode: a graph builds its own."""
+    key = (group, num_queries, num_keys, dtype, device)
+    compiling = torch.compiler.is_compiling()  # a graph reading the dictionary is compiled again at each new entry
+    addend = None if compiling else _ADDENDS.get(key)
+    if addend is None:
+        if not group:
+            addend = torch.zeros(1, 1, 1, dtype=dtype, device=device)
+        else:
+            later = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).triu(1)  # (lq, lk): j > i
+            rule = torch.zeros(num_queries, num_keys, dtype=dtype, device=device).masked_fill_(later, -math.inf)
+            addend = rule.repeat(group, 1)  # (g * lq, lk)
+        if not compiling:
+            _ADDENDS[key] = addend
+    return addend
+
+
+_ADDENDS: dict[tuple[int, int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _scores(
