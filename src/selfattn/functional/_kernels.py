@@ -344,7 +344,7 @@ def _nan_guard(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype | None = Non
 
 
 #: Dtypes in which PyTorch's CPU kernel gives zeros to a row whose greatest score is +inf (an infinite key), from one
-#: vector of keys on; in float32 it gives the formula's NaN (tests/test_edges.py pins both).
+#: vector of keys on; in float32 it gives the formula's NaN (tests/test_where_options_meet.py pins both).
 _ZEROS_INFINITE_SCORES = (torch.bfloat16, torch.float16)
 
 
