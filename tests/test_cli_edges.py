@@ -375,3 +375,22 @@ def test_compare_labels_its_progress_bar_for_compare(
     status, _, err = run_cli(argv, capsys)
     assert status == 0, err
     assert labels == ["selfattn compare"]
+
+
+def test_a_ctrl_c_that_python_wraps_in_a_runtime_error_ends_as_interrupted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Python 3.11 wraps an exception raised by ``__set_name__`` (a class body of a lazy import that a Ctrl-C lands
+    in: torch's, early in a tour) in ``RuntimeError("Error calling __set_name__ ...")``: still an interrupt."""
+
+    class Field:
+        def __set_name__(self, owner: type, name: str) -> None:
+            raise KeyboardInterrupt
+
+    def handler(args: Any) -> int:
+        type("Owner", (), {"field": Field()})
+        return 0
+
+    monkeypatch.setattr(encode, "run", handler)
+    assert main(["encode", "--kind", "sinusoidal", "-n", "4", "-d", "4", "-o", str(tmp_path / "P.npy")]) == 130
+    assert capsys.readouterr().err == "selfattn encode: interrupted\n"

@@ -1,7 +1,5 @@
 """``python -m selfattn``: the command-line interface."""
 
-import sys
+from selfattn.cli.main import run
 
-from selfattn.cli.main import main
-
-sys.exit(main())
+run()
