@@ -177,3 +177,22 @@ def test_dynamic_rotary_rerotates_sink_tokens_from_the_prompts_length() -> None:
         layer(x[:, :prompt], x[:, :prompt], x[:, :prompt], causal=True, cache=cache)
         step = layer(x[:, prompt:], x[:, prompt:], x[:, prompt:], causal=True, cache=cache)
         torch.testing.assert_close(step, layer(x, x, x, attn_mask=seen)[:, prompt:], atol=1e-12, rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+
+
+def test_padded_heads_of_a_permuted_layout_reach_the_kernel_with_adjacent_features() -> None:
+    """Values of their own head size pad q and k with zero columns for the CPU flash kernel (sinks in grad mode go
+    there); keys whose features are not adjacent (stride 2 here, heads innermost: a layer's rotated keys) kept their
+    layout through the padding, and the kernel read them as adjacent (0.0085 off)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 1, 2, dtype=torch.float64)
+    k = torch.randn(1, 20, 2, 2, dtype=torch.float64).permute(0, 3, 1, 2)  # (b, h, lk, d) with strides (80, 1, 4, 2)
+    v, sinks = torch.randn(1, 2, 20, 3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    assert k.stride(-1) == 2
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(2)  # (b, h, 1, lk)
+    with_sink = torch.cat((scores, sinks.view(1, 2, 1, 1)), dim=-1).softmax(dim=-1)[..., :-1]
+    expected = with_sink @ v
+    out = attention(q.requires_grad_(), k, v, sinks=sinks)  # grad mode: the flash kernel's route, not a decoding step
+    torch.testing.assert_close(out, expected)

@@ -35,7 +35,7 @@ def _kernel_layout(t: torch.Tensor, width: int) -> torch.Tensor:
     smaller than the widest of q, k and v.
     """
     if t.shape[-1] < width:
-        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+        t = torch.nn.functional.pad(t, (0, width - t.shape[-1]))  # keeps a permuted layout: stride(-1) may not be 1
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         return t.contiguous()
     return t
