@@ -196,3 +196,16 @@ def test_padded_heads_of_a_permuted_layout_reach_the_kernel_with_adjacent_featur
     expected = with_sink @ v
     out = attention(q.requires_grad_(), k, v, sinks=sinks)  # grad mode: the flash kernel's route, not a decoding step
     torch.testing.assert_close(out, expected)
+
+
+def test_a_row_that_sees_no_key_is_zeros_whether_the_weights_are_asked_for_or_not() -> None:
+    """A value its mask hides holds NaN: the explicit route (weights asked for) gave that row 0 * NaN = NaN where
+    the fused route gives zeros; a row that sees one key keeps the NaN the docstring allows (0 * NaN) on both."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    v[..., 2, 0] = NAN
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    fused = attention(q, k, v, mask=mask)
+    explicit, weights = attention(q, k, v, mask=mask, return_weights=True)
+    assert fused[..., 1, :].eq(0).all() and explicit[..., 1, :].eq(0).all() and weights[..., 1, :].eq(0).all()
+    assert fused[..., 0, 0].isnan().all() and explicit[..., 0, 0].isnan().all()
