@@ -35,9 +35,11 @@ def _run(call: AttentionCall) -> Output:
     )
     dropped = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0 else weights
     out = torch.matmul(dropped, _repeat_kv(call.q, call.v))  # (b, h, lq, dv)
-    # A row that sees no key weighs every key 0, and 0 times a NaN value it does not see is NaN: its output is
-    # zeros, as on the fused route (whatever the weights asked for). NaN weights (a NaN query) are not 0.
-    out = out.masked_fill(weights.eq(0).all(dim=-1, keepdim=True), 0.0)
+    if mask is not None:
+        # A row the mask lets see no key weighs every key 0, and 0 times a NaN value it does not see is NaN: its
+        # output is zeros, as on the fused route (whatever the weights asked for). Read off the mask, not the
+        # weights: the tour's product distances (selfattn.tour.paths) follow the weights, not the mask.
+        out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     if call.term is not None and call.value_term:
         assert call.q_positions is not None and call.k_positions is not None
         out = out + call.term.value_term(dropped, q_positions=call.q_positions, k_positions=call.k_positions)
