@@ -23,9 +23,9 @@ from selfattn.positional import build
 
 # The step: 4 projections (t, mm, _unsafe_view each), 3 head splits (view, transpose), two rotations
 # (two slices of the angle tables, roll, 2 mul, add each), the cache's 3 writes (slice, copy_ or fill_ of
-# the new position) and its 2 views, the kernel, its NaN-query guard (sum, add_), the heads merged
-# (transpose, view) for W_o. (51 before the decoding plan: an arange of the position, promote_types, and
-# a view of the stored positions.)
+# the new position) and its 2 views, the kernel, its NaN-query guard (add: q + 0 * q, from one vector of keys on;
+# it was sum, add_), the heads merged (transpose, view) for W_o: 42 counted on 2026-11-28. (51 before the decoding
+# plan: an arange of the position, promote_types, and a view of the stored positions.)
 MAX_OPS = 47
 # The weights and biases of W_q, W_k, W_v, W_o (Linear.forward reads its own). The layer's decoding plan
 # (selfattn._decode_plan) holds its projections and rotary, so neither is looked up (the full path read

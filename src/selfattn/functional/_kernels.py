@@ -336,7 +336,7 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask, **options)
 
 
-def _nan_guard(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _nan_guard(q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``(..., h, lq, 1)``, each query's sum: not finite exactly where the query holds NaN or an infinity, to which
     PyTorch's kernel may give a finite row (the formula: NaN). Added to the output times 0. (Below one vector of
     keys the CPU calls are written out instead: :mod:`._few_keys`.)"""
@@ -408,7 +408,7 @@ def _fused_kernel(
     # isfinite().all() mask costs 20x more on CPU); summing in at least float32 keeps large
     # finite half-precision queries from overflowing into a NaN nobody asked for.
     sum_dtype = _SUM_DTYPES.get(q.dtype) or _SUM_DTYPES.setdefault(q.dtype, torch.promote_types(q.dtype, torch.float32))
-    query_sums = _nan_guard(q, k, sum_dtype)  # (b, h, lq, 1)
+    query_sums = _nan_guard(q, sum_dtype)  # (b, h, lq, 1)
     if _host_check_pays(out) and bool(query_sums.isfinite().all()):
         return out  # on CPU a host check of the sums costs less than one more pass over a large output
     if sum_dtype == out.dtype:

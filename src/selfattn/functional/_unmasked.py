@@ -81,7 +81,7 @@ def unmasked_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     fewest_general_keys = min(_ROWS_MIN_KEYS, contiguous_from) if grouped else contiguous_from
 
     grad_mode = torch.is_grad_enabled()
-    guard_by_sum_below = _KERNEL_SPREADS_NAN_FROM_KEYS[q.dtype]
+    written_out_below = _KERNEL_SPREADS_NAN_FROM_KEYS[q.dtype]
     # The kernel's own default scale, computed as it computes it (so the same number), is left to it: each keyword
     # the kernel's binding parses costs a decoding step a few hundred nanoseconds.
     as_is = not grouped and scale == 1.0 / math.sqrt(q.shape[-1])
@@ -90,8 +90,8 @@ def unmasked_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         num_keys = k.shape[2]
         if num_keys >= fewest_general_keys or (grad_mode and (q.requires_grad or k.requires_grad or v.requires_grad)):
             return fused_unmasked(q, k, v, scale=scale)  # the rows layout, contiguous heads, or the autograd path
-        if num_keys < guard_by_sum_below:
-            return _direct_step(q, k, v, scale, grouped)
+        if num_keys < written_out_below:
+            return few_keys_attention(q, k, v, None, is_causal=False, scale=scale, dropout_p=0.0)
         # _direct_step's guard for these keys, inline: a decoding step's one call less
         q = q.add(q, alpha=0)
         if as_is:

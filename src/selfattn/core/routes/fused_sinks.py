@@ -36,7 +36,7 @@ class _FlashWithSinks(torch.autograd.Function):
         compute = _compute_dtype(q.dtype)
         with_sink = torch.logaddexp(lse.to(compute), sinks.detach().to(compute)[:, None])  # (b, h, lq)
         out = out * torch.exp(lse.to(compute) - with_sink).unsqueeze(-1).to(out.dtype)
-        out = out + _nan_guard(q, k).mul(0).to(out.dtype)  # a NaN query (or single key's score) gives NaN
+        out = out + _nan_guard(q).mul(0).to(out.dtype)  # a query holding NaN or an infinity gives NaN
         ctx.save_for_backward(q, k, v, sinks, out, with_sink)
         ctx.causal, ctx.scale = causal, scale
         ctx.lse_dtype = lse.dtype  # the kernel's: float32 for bf16 and fp16 heads, and its backward wants it back
