@@ -256,7 +256,8 @@ class Visibility:
     # ------------------------------------------------------------------ what the routes read
 
     def find(self, kind: type[Rule]) -> Rule | None:
-        """The first conjunct of ``kind``; a route that applies it alone must also read :meth:`count`."""
+        """The first conjunct of ``kind``; a route that applies it alone sees to the others of its kind (declines
+        them, or keeps them as rules: :meth:`count`, :meth:`excluding`)."""
         return next((rule for rule in self.rules if isinstance(rule, kind)), None)
 
     def count(self, kind: type[Rule]) -> int:
