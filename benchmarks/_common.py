@@ -277,7 +277,9 @@ def update_section(path: Path, name: str, body: str) -> None:
         text = pattern.sub(lambda _: block, text, count=1)
     else:
         text = text.rstrip() + "\n\n" + block
-    path.write_text(text)
+    partial = path.with_name(path.name + ".partial")  # written whole, then renamed: never half a file
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

@@ -56,6 +56,7 @@ from _common import (
     ratio,
     spread_note,
     table,
+    update_section,
     verdict,
 )
 
@@ -443,24 +444,48 @@ def main(argv: list[str] | None = None) -> int:
         "lm": (lm_rows, ["threads", "by hand tok/s", "selfattn tok/s", "ratio", "by hand again", "same tokens"],
                args.slow_timing),
     }  # fmt: skip
+    plan = [(threads, name) for threads in args.threads for name in parts if name not in args.skip]
     sections: dict[str, list[list[str]]] = {}
     targets: list[list[str]] = []
     spread: dict = {}
-    for threads in args.threads:
+    for done, (threads, name) in enumerate(plan, start=1):
         torch.set_num_threads(threads)
-        for name, (fn, _, timing) in parts.items():
-            if name in args.skip:
-                continue
-            log(f"{name}, {threads} thread(s)")
-            rows, goals = fn(timing, spread, threads, args.device)
-            sections.setdefault(name, []).extend(rows)
-            targets.extend(goals)
+        fn, _, timing = parts[name]
+        log(f"{name}, {threads} thread(s)")
+        rows, goals = fn(timing, spread, threads, args.device)
+        sections.setdefault(name, []).extend(rows)
+        targets.extend(goals)
+        if args.output is not None and done < len(plan):
+            # A run cut short (a device's time limit) keeps the parts it finished, the rest named as not reached.
+            pending = [f"{name} at {threads} thread(s)" for threads, name in plan[done:]]
+            report = _report(args, parts, sections, targets, spread, started, load_at_start, pending)
+            update_section(Path(args.output), f"decoding-{args.device.type}", report)
+    report = _report(args, parts, sections, targets, spread, started, load_at_start, [])
+    emit(report, output=args.output, section=f"decoding-{args.device.type}")
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    parts: dict,
+    sections: dict[str, list[list[str]]],
+    targets: list[list[str]],
+    spread: dict,
+    started: float,
+    load_at_start: str,
+    pending: list[str],
+) -> str:
+    """The section's markdown: the machine, the goals, each finished part's table; ``pending`` names parts not run yet."""
     on_gpu = args.device.type == "cuda"
     lines = [
         f"## Decoding: one step of selfattn against the kernel and layers by hand ({args.device.type})",
         "",
         *machine_lines(args.device, load_at_start),
         f"- load average at end: {load_average()}; run took {time.perf_counter() - started:.0f} s",
+    ]
+    if pending:
+        lines.append(f"- **unfinished run**: not reached: {', '.join(pending)}")
+    lines += [
         "",
         ("**Issue 31's CPU goals, read on this GPU** (no goal is set on a GPU; " if on_gpu else "**Targets** (")
         + "ratios of medians timed round-robin in this run; for generate(), the median over rounds of the ratio "
@@ -492,8 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, rows in sections.items():
         lines += [titles[name], "", table(parts[name][1], rows), ""]
     lines.append(spread_note(spread))
-    emit("\n".join(lines), output=args.output, section=f"decoding-{args.device.type}")
-    return 0
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

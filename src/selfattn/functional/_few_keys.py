@@ -5,7 +5,8 @@ the CPU kernel's row maximum passes over a NaN score, so a row whose every visib
 the formula gives NaN: the first query of a causal square whose first key holds NaN, a row that a mask leaves
 one such key, a decoding step whose every cached key holds NaN (what a NaN in a prompt leaves in the keys of the
 layers after it). From one vector on the kernel spreads the NaN itself. A call this small costs little written
-out (at most one vector of scores per query), so selfattn computes it so, in the kernel's conventions.
+out (at most one vector of scores per query), so selfattn computes it so, in the kernel's conventions. A call
+of one key is written out on every device: the CUDA backends give a single key whose score is -inf zeros.
 
 Shape legend: b batch, h heads, hk key/value heads, lq queries, lk keys, d head size, dv value size.
 """
@@ -104,9 +105,11 @@ def _as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
 def _addend(group: int, num_queries: int, num_keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``baddbmm``'s first term: for ``group`` query heads per key/value head, the causal rule (-inf where key
     ``j > i``) for each of the ``group * lq`` rows ``(g * lq, lk)``; with ``group`` 0, an ignored zero (``beta=0``).
-    Kept in :data:`_ADDENDS` (few: fewer than one vector of keys), in eager mode: a graph builds its own."""
+    Kept in :data:`_ADDENDS` (few: fewer than one vector of keys), in eager mode outside a CUDA graph's capture: a graph builds its own."""
     key = (group, num_queries, num_keys, dtype, device)
-    compiling = torch.compiler.is_compiling()  # a graph reading the dictionary is compiled again at each new entry
+    # A graph reading the dictionary is compiled again at each new entry; one made in a CUDA graph's capture
+    # would live in that graph's memory.
+    compiling = torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
     addend = None if compiling else _ADDENDS.get(key)
     if addend is None:
         if not group:

@@ -339,7 +339,7 @@ def _sdpa(
 def _nan_guard(q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``(..., h, lq, 1)``, each query's sum: not finite exactly where the query holds NaN or an infinity, to which
     PyTorch's kernel may give a finite row (the formula: NaN). Added to the output times 0. (Below one vector of
-    keys the CPU calls are written out instead: :mod:`._few_keys`.)"""
+    keys the CPU calls, and calls of one key, are written out instead: :mod:`._few_keys`.)"""
     return q.sum(dim=-1, keepdim=True, dtype=dtype)
 
 
@@ -398,7 +398,9 @@ def _fused_kernel(
         # score of its row -inf a row of zeros (tests/test_cuda_nan_rows.py): q + 0 * q turns each infinity into
         # NaN and leaves finite numbers as they are, one launch where the guard below takes two.
         return _sdpa(q.add(q, alpha=0), k, v, attn_mask, options)
-    if few_keys(q, k):  # the CPU kernel passes over a NaN score there
+    if few_keys(q, k) or k.shape[-2] == 1:
+        # The CPU kernel passes over a NaN score below one vector of keys; the CUDA backends give a single key
+        # whose score is -inf zeros (tests/test_cuda_nan_rows.py), where the formula's softmax of it is NaN.
         return few_keys_attention(q, k, v, attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     out = _sdpa(q, k, v, attn_mask, options)
     if q.dtype in _ZEROS_INFINITE_SCORES and q.is_cpu and not dropout_p and not _validation.is_compiling():
