@@ -1,5 +1,6 @@
 """Defects found where options meet (two rules of one kind, a value head size of its own, a NaN the CPU kernel
-passes over, a static cache's prefill asked for its weights): each test here failed before its fix.
+passes over, a static cache's prefill asked for its weights, a half-precision term's learned rates): each test
+here failed before its fix.
 
 The differential fuzz (tests/test_fuzz_routes.py) draws these cases too; these pin one instance of each, with
 the reference written here (dense masks, float64).
@@ -209,3 +210,29 @@ def test_a_row_that_sees_no_key_is_zeros_whether_the_weights_are_asked_for_or_no
     explicit, weights = attention(q, k, v, mask=mask, return_weights=True)
     assert fused[..., 1, :].eq(0).all() and explicit[..., 1, :].eq(0).all() and weights[..., 1, :].eq(0).all()
     assert fused[..., 0, 0].isnan().all() and explicit[..., 0, 0].isnan().all()
+
+
+# ---------------------------------------------------------------------------- learned rates in half precision
+
+
+@pytest.mark.parametrize("name", ["fire", "kerple"])
+def test_a_half_precision_terms_rates_are_computed_as_its_bias_is(name: str) -> None:
+    """FIRE's ``c`` and ``L``, Kerple's ``r1`` and ``r2`` are softplus of stored parameters: in bfloat16 they were
+    rounded to bfloat16 (0.4%) before the float32 bias was computed from them, which moved FIRE's MLP input across
+    its ReLU's kinks (a parameter's gradient 51% off float64 in the fuzz, deep profile). The bias in bfloat16 is now
+    the float32 bias of the same parameters, rounded once."""
+    torch.manual_seed(3)
+    term = build(name, num_hiddens=32, num_heads=4)
+    with torch.no_grad():
+        for parameter in term.parameters():
+            parameter.add_(0.37)  # rates whose softplus bfloat16 rounds
+    half = term.to(torch.bfloat16)
+    single = build(name, num_hiddens=32, num_heads=4).float()
+    single.load_state_dict({key: value.float() for key, value in half.state_dict().items()})
+    positions = torch.arange(11)
+    q = torch.zeros(1, 4, 11, 8)
+    expected = single(q, q_positions=positions, k_positions=positions).to(torch.bfloat16)
+    actual = half(q.bfloat16(), q_positions=positions, k_positions=positions)
+    assert torch.equal(actual, expected)
+    heads, i, j = torch.arange(4)[:, None, None], positions[:, None], positions[None, :]  # the key-row routes' pairs
+    assert torch.equal(half.pair_bias(heads, i, j), single.pair_bias(heads, i, j))  # in float32, not rounded after

@@ -88,8 +88,10 @@ class FIREPositionalBias(ScoreEncoding):
         self, q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         """``psi(|i - j|) / psi(max(i, L))`` for broadcastable integer positions."""
-        c = F.softplus(self.raw_c).to(dtype)
-        threshold = F.softplus(self.raw_threshold).to(dtype)
+        # softplus in the compute dtype: in a half's own precision c and L would be rounded to it (0.4% in bfloat16),
+        # moving the MLP's input across a kink of its ReLU for distances near one
+        c = F.softplus(self.raw_c.to(dtype))
+        threshold = F.softplus(self.raw_threshold.to(dtype))
         distance = (k_positions.long() - q_positions.long()).abs().to(dtype)
         query = torch.maximum(q_positions.to(dtype), threshold)
         return torch.log1p(c * distance) / torch.log1p(c * query)

@@ -60,9 +60,15 @@ class KerplePositionalBias(ScoreEncoding):
         """``(h,)`` rate inside the logarithm."""
         return F.softplus(self.raw_r2)
 
+    def _rates(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(r1, r2)``, ``(h,)`` each, with softplus computed in ``dtype`` (in a half's own precision the rates
+        would be rounded to it before any use)."""
+        return F.softplus(self.raw_r1.to(dtype)), F.softplus(self.raw_r2.to(dtype))
+
     def pair_bias(self, heads: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         distance = (k_positions.long() - q_positions.long()).abs().float()
-        return -self.r1.float()[heads] * torch.log1p(self.r2.float()[heads] * distance)
+        r1, r2 = self._rates(torch.float32)
+        return -r1[heads] * torch.log1p(r2[heads] * distance)
 
     def to_score_mod(
         self, *, q_positions: torch.Tensor, k_positions: torch.Tensor, q: torch.Tensor | None = None
@@ -73,7 +79,7 @@ class KerplePositionalBias(ScoreEncoding):
         backward rejects a tensor that requires grad indexed more than once.
         """
         del q
-        r1, r2 = self.r1.float(), self.r2.float()  # (h,) each, differentiable in the raw parameters
+        r1, r2 = self._rates(torch.float32)  # (h,) each, differentiable in the raw parameters
 
         def score_mod(
             score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
@@ -95,12 +101,12 @@ class KerplePositionalBias(ScoreEncoding):
             # One query (a decoding step): its distances are distinct already, and reading the longest would wait
             # for the device. The same operations per element as the table below, so the same bits.
             shape = (-1,) + (1,) * distance.dim()
-            r1, r2 = self.r1.to(compute_dtype).view(shape), self.r2.to(compute_dtype).view(shape)  # (h, 1, ...)
+            r1, r2 = (rate.view(shape) for rate in self._rates(compute_dtype))  # (h, 1, ...)
             bias = -r1 * torch.log1p(r2 * distance.to(compute_dtype))  # (h, ..., 1, lk)
         else:
             longest = int(distance.max()) if distance.numel() else 0
             steps = torch.arange(longest + 1, device=distance.device, dtype=compute_dtype)  # (n_distances,)
-            r1, r2 = self.r1.to(compute_dtype)[:, None], self.r2.to(compute_dtype)[:, None]  # (h, 1)
+            r1, r2 = (rate[:, None] for rate in self._rates(compute_dtype))  # (h, 1)
             per_distance = -r1 * torch.log1p(r2 * steps)  # (h, n_distances)
             bias = per_distance[:, distance]  # (h, ..., lq, lk)
         bias = bias.movedim(0, -3) if distance.dim() > 2 else bias  # (..., h, lq, lk)
