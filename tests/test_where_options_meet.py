@@ -236,3 +236,28 @@ def test_a_half_precision_terms_rates_are_computed_as_its_bias_is(name: str) -> 
     assert torch.equal(actual, expected)
     heads, i, j = torch.arange(4)[:, None, None], positions[:, None], positions[None, :]  # the key-row routes' pairs
     assert torch.equal(half.pair_bias(heads, i, j), single.pair_bias(heads, i, j))  # in float32, not rounded after
+
+
+# -------------------------------------------------------------------- sinks and a query whose scores are all -inf
+
+
+@pytest.mark.parametrize("num_keys", [1, 5, 20])
+@pytest.mark.parametrize("how", ["grad mode", "no grad", "weights", "mask"])
+def test_sinks_take_the_row_of_an_infinite_query_whose_every_score_is_minus_inf(num_keys: int, how: str) -> None:
+    """The formula with a sink: every key's weight exp(-inf) = 0, the sink's 1, the row zeros. The fused sinks
+    route in grad mode (its NaN guard) and the blocks with one key (theirs) gave NaN where the other paths of the
+    same call gave zeros."""
+    gen = torch.Generator().manual_seed(num_keys)
+    q = torch.randn(2, 2, 3, 4, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, num_keys, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    k[0, 1, :, 2] = k[0, 1, :, 2].abs() + 0.1
+    q[0, 1, 2, 2] = -math.inf  # query 2 of head 1: every score -inf
+    sinks = torch.randn(2, generator=gen, dtype=torch.float64).requires_grad_(how == "grad mode")
+    options = {"sinks": sinks, "return_weights": how == "weights"}
+    if how == "mask":
+        options["mask"] = torch.ones(2, 1, 3, num_keys, dtype=torch.bool)
+    with torch.set_grad_enabled(how == "grad mode"):
+        out = attention(q.requires_grad_(how == "grad mode"), k, v, **options)
+    out = out[0] if how == "weights" else out
+    assert torch.equal(out[0, 1, 2], torch.zeros(4, dtype=torch.float64))
+    assert out.isfinite().all()

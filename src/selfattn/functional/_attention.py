@@ -56,11 +56,11 @@ def attention(
     + lk) memory with no dense mask or bias); with it, an explicit matmul-softmax-matmul that also returns the weights.
     Both give the same result (on CPU below 16 keys the fused path is written out too: docs/routes.md, NaN scores).
 
-    A query that may attend to no key (every key masked, by ``mask``, ``causal`` or a ``-inf`` bias) gets an output
-    row of zeros and weights of zeros (the textbook spreads it over the masked keys; a plain softmax gives NaN). NaN
-    or an infinity in a query, NaN in a key or value it sees, or a +inf score: NaN in its row on both paths, and NaN
-    in a value a ``mask`` hides (0 * NaN), or on the fused path in a key it hides, reaches it too; a -inf score from
-    an infinite key weighs it zero (NaN on CUDA's float32 kernel; a row of only such scores: zeros fused, NaN explicit).
+    A query that may attend to no key (every key masked by ``mask``, ``causal`` or a ``-inf`` bias) gets zeros, output
+    and weights (not the textbook's even spread, nor NaN). NaN in a query or a key or value it sees, a +inf score or an
+    infinite query make its row NaN (as the formula: a softcap keeps an infinite query's row finite, sinks zeros if
+    every score is -inf), as does NaN in a value (0 * NaN) or, fused, a key that a ``mask`` hides; a -inf score from an
+    infinite key weighs it zero (NaN on CUDA's float32 kernel; a row of only such scores: zeros fused, NaN explicit).
 
     Second-order gradients (``create_graph=True``) work: such a backward pass goes through
     PyTorch's math kernel, whose ops are all differentiable (without dropout).

@@ -397,6 +397,10 @@ def _flash_block(
         with_sink = torch.logaddexp(block_lse, sink_logits[:, None])  # (b, h, block)
         block_out = block_out * torch.exp(block_lse - with_sink).unsqueeze(-1).to(block_out.dtype)
         block_lse = with_sink
-    # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
+    if sink_logits is not None:
+        # A query whose every score is -inf (an infinity against opposed keys) gets zeros, as the formula does: the
+        # sink takes the whole row. Any NaN or +inf score the kernel spreads (below one vector: the formula).
+        return block_out, block_lse
+    # The CPU kernel gives a zero row for a query holding an infinity whose every score is -inf; the formula, NaN.
     query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, block, 1)
     return block_out + query_sums.mul(0).to(block_out.dtype), block_lse

@@ -270,6 +270,9 @@ def _modified_block_probs(
     probs = _softmax_in_place(scores)
     if sinks is not None:
         probs.mul_(keys_share.unsqueeze(-1))
+        # Every score -inf (an infinite query against opposed keys): the softmax's NaN times the keys' share 0; the
+        # sink takes the whole row, and the formula gives its keys 0 (a NaN score keeps its NaN lse and row).
+        probs.masked_fill_((lse == float("-inf")).unsqueeze(-1), 0.0)
     return _ModifiedProbs(probs, sink_weight, slope)
 
 

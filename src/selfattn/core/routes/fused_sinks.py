@@ -21,7 +21,7 @@ from selfattn.core.routes._blocks import blocks_decline, heads
 from selfattn.core.routes._decode import decode_step, decode_step_for, takes_decode_step
 from selfattn.core.routes._reasons import holding
 from selfattn.functional._block_common import _compute_dtype, _flash_backward, _flash_forward
-from selfattn.functional._kernels import _nan_guard, attention_weights
+from selfattn.functional._kernels import attention_weights
 
 __all__ = ["FUSED_SINKS"]
 
@@ -36,7 +36,6 @@ class _FlashWithSinks(torch.autograd.Function):
         compute = _compute_dtype(q.dtype)
         with_sink = torch.logaddexp(lse.to(compute), sinks.detach().to(compute)[:, None])  # (b, h, lq)
         out = out * torch.exp(lse.to(compute) - with_sink).unsqueeze(-1).to(out.dtype)
-        out = out + _nan_guard(q).mul(0).to(out.dtype)  # a query holding NaN or an infinity gives NaN
         ctx.save_for_backward(q, k, v, sinks, out, with_sink)
         ctx.causal, ctx.scale = causal, scale
         ctx.lse_dtype = lse.dtype  # the kernel's: float32 for bf16 and fp16 heads, and its backward wants it back
