@@ -385,3 +385,51 @@ def test_shaw_in_float16_gives_no_nan() -> None:
     x = (torch.randn(1, 8, 16) * 300).half()
     out = mha(x, x, x)
     assert isinstance(out, torch.Tensor) and out.isfinite().all()
+
+
+# ----------------------------------------------------------- edges found by hunting (each failed before its fix)
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"scale": 1.0}])
+def test_no_queries_give_an_empty_output_on_the_plain_call(options: dict) -> None:
+    q, k = torch.randn(2, 4, 0, 8), torch.randn(2, 2, 5, 8)
+    for _ in range(2):  # the second call replays the remembered plain call
+        assert attention(q, k, k, **options).shape == (2, 4, 0, 8)
+
+
+@pytest.mark.parametrize("name", ["rotary", "xpos"])
+def test_rotary_refuses_positions_whose_rows_would_meet_the_heads(name: str) -> None:
+    """(b, l) positions broadcast against (b, h, l, d) paired sequence s's positions with head s (1.84 off)."""
+    encoding = build(name, num_hiddens=16, num_heads=2)
+    x = torch.randn(2, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"positions of shape \(2, 3\) for x of shape \(2, 2, 3, 8\)"):
+        encoding(x, torch.tensor([[0, 1, 2], [5, 6, 7]]))
+    with pytest.raises(ValueError, match=r"must broadcast to x.shape\[:-1\] = \(3, 1, 3\)"):
+        encoding(torch.randn(3, 1, 3, 8), torch.zeros(3, 3, dtype=torch.long)[:, None, None, :].expand(3, 3, 1, 3))
+    per_sequence = encoding(x, torch.tensor([[0, 1, 2], [5, 6, 7]])[:, None])  # (b, 1, l): as each row alone
+    assert torch.allclose(per_sequence[1], encoding(x[1:], torch.tensor([5, 6, 7]))[0])
+
+
+@pytest.mark.parametrize("name", ["sinusoidal", "learned"])
+def test_input_encodings_refuse_positions_of_another_batch(name: str) -> None:
+    encoding = build(name, num_hiddens=16, num_heads=1)
+    with pytest.raises(ValueError, match=r"positions of shape \(5, 3\) need x of shape \(batch, 3, d\) with batch 5"):
+        encoding(torch.zeros(1, 3, 16), positions=torch.zeros(5, 3, dtype=torch.long))
+    assert encoding(torch.zeros(2, 3, 16), positions=torch.zeros(1, 3, dtype=torch.long)).shape == (2, 3, 16)
+
+
+def test_sinusoidal_takes_no_rows_and_far_positions_without_a_table_to_them() -> None:
+    encoding = build("sinusoidal", num_hiddens=16, num_heads=1)
+    assert encoding(torch.zeros(2, 0, 16)).shape == (2, 0, 16)
+    far = encoding(torch.zeros(1, 2, 16), positions=torch.tensor([2**40, 7]))  # was an 8.8 TB table
+    assert torch.equal(far[0, 0], sinusoidal_table(1, 16, offset=2**40)[0])
+    assert torch.equal(far[0, 1], sinusoidal_table(8, 16)[7])
+    assert encoding.P.shape[1] == 1000  # the table kept its size
+    with pytest.raises(ValueError, match="positions must be at most 2"):
+        encoding(torch.zeros(1, 1, 16), positions=torch.tensor([2**53 + 5]))
+
+
+def test_a_layer_without_rotary_has_no_query_key_encoding() -> None:
+    """hasattr raised AssertionError (torch.jit.trace reads every attribute)."""
+    assert not hasattr(MultiHeadAttention(8, 2), "query_key_encoding")
+    assert hasattr(MultiHeadAttention(8, 2, position=build("rotary", num_hiddens=8, num_heads=2)), "query_key_encoding")

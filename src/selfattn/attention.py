@@ -410,8 +410,9 @@ class MultiHeadAttention(NotScriptable, nn.Module):
 
     @property
     def query_key_encoding(self) -> QueryKeyEncoding:
-        """``position`` when it transforms the queries and keys."""
-        assert isinstance(self.position, QueryKeyEncoding)
+        """``position`` when it transforms the queries and keys (otherwise no such attribute: ``hasattr`` False)."""
+        if not isinstance(self.position, QueryKeyEncoding):
+            raise AttributeError(f"query_key_encoding: the position {type(self.position).__name__} acts elsewhere")
         return self.position
 
     def _run_parts(self, slot: str, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

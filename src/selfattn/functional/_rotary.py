@@ -177,6 +177,22 @@ def _check_rotary_inputs(x: torch.Tensor, positions: torch.Tensor) -> None:
         raise ValueError(
             f"positions must be integers of shape ({x.shape[-2]},), got {positions.dtype} {tuple(positions.shape)}"
         )
+    if positions.dim() == 1:
+        return  # (l,): every row of x at the same positions
+    if positions.dim() == 2 and x.dim() == 4 and positions.shape[0] == x.shape[0] != 1:
+        # Broadcasting would pair a (b, l) tensor's rows with the heads of x (b, h, l, d), silently when b == h.
+        raise ValueError(
+            f"positions of shape {tuple(positions.shape)} for x of shape {tuple(x.shape)} (b, h, l, d): pass "
+            "positions[:, None] ((b, 1, l)) for one row per sequence, or (1, h, l) for one per head"
+        )
+    try:
+        fits = torch.broadcast_shapes(positions.shape, x.shape[:-1]) == x.shape[:-1]  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"positions of shape {tuple(positions.shape)} must broadcast to x.shape[:-1] = {tuple(x.shape[:-1])}"
+        )
 
 
 def _rotate_by_positions(
@@ -237,7 +253,8 @@ def apply_rotary(
     Args:
         x: ``(..., l, d)`` queries or keys, floating point.
         positions: ``(l,)`` integer positions (or any integer shape broadcastable to
-            ``x.shape[:-1]``); negative positions are fine.
+            ``x.shape[:-1]``: ``(b, 1, l)`` one row per sequence; a ``(b, l)`` tensor for 4-D ``x``, whose
+            rows broadcasting would pair with the heads, is refused); negative positions are fine.
         base: the 10000 of the formula.
         interleaved: pairs ``(2j, 2j + 1)`` if True, ``(j, j + r / 2)`` if False.
         rotary_dim: number of rotated features ``r`` (even, ``<= d``); default ``d``.

@@ -9,7 +9,7 @@ import torch
 
 from selfattn._validation import require_dtype, require_position, require_positive_int
 
-__all__ = ["sinusoidal_frequencies", "sinusoidal_table"]
+__all__ = ["sinusoidal_frequencies", "sinusoidal_rows", "sinusoidal_table"]
 
 
 def _require_base(base: float) -> float:
@@ -56,12 +56,25 @@ def sinusoidal_table(
     """
     num_positions = require_positive_int("num_positions", num_positions)
     offset = require_position("offset", offset, num_positions)
+    positions = torch.arange(offset, offset + num_positions, dtype=torch.int64)  # (n,)
+    return sinusoidal_rows(positions, num_hiddens, base=base, dtype=dtype, device=device)
+
+
+def sinusoidal_rows(
+    positions: torch.Tensor,
+    num_hiddens: int,
+    *,
+    base: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The rows of the sinusoidal table at integer ``positions`` (any shape ``s``, each at most 2**53), ``(*s, d)``,
+    formed in float64 as :func:`sinusoidal_table` forms them."""
     dtype = require_dtype("dtype", dtype)
     freqs = sinusoidal_frequencies(num_hiddens, base=base)  # (ceil(d/2),)
     # float64 on the CPU: exact integer positions and an angle good to ~1e-10 at 10^6.
-    positions = torch.arange(offset, offset + num_positions, dtype=torch.float64)  # (n,)
-    angles = torch.outer(positions, freqs)  # (n, ceil(d/2))
-    table = torch.empty(num_positions, num_hiddens, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(angles)
-    table[:, 1::2] = torch.cos(angles[:, : num_hiddens // 2])
-    return table.to(device=device, dtype=dtype)
+    angles = positions.to("cpu", torch.float64)[..., None] * freqs  # (*s, ceil(d/2))
+    rows = torch.empty(*positions.shape, num_hiddens, dtype=torch.float64)
+    rows[..., 0::2] = torch.sin(angles)
+    rows[..., 1::2] = torch.cos(angles[..., : num_hiddens // 2])
+    return rows.to(device=device, dtype=dtype)

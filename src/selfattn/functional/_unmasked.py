@@ -77,7 +77,8 @@ def unmasked_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     direct = q.is_cpu and q.dim() == 4 and k.dim() == 4 and _direct_kind(q, v)
     if not direct or _validation.is_compiling():
         return lambda q, k, v: fused_unmasked(q, k, v, scale=scale)
-    contiguous_from = -(-_CONTIGUOUS_HEADS_MIN_PAIRS // q.shape[2])  # keys from which the heads are made contiguous
+    # keys from which the heads are made contiguous (no queries: none)
+    contiguous_from = -(-_CONTIGUOUS_HEADS_MIN_PAIRS // q.shape[2]) if q.shape[2] else 0
     fewest_general_keys = min(_ROWS_MIN_KEYS, contiguous_from) if grouped else contiguous_from
 
     grad_mode = torch.is_grad_enabled()

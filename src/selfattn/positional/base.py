@@ -59,6 +59,12 @@ def require_positions(positions: object, x: torch.Tensor, offset: object = 0) ->
     ):
         got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else repr(positions)
         raise ValueError(f"positions must be integers of shape ({length},) or (batch, {length}), got {got}")
+    if positions.dim() == 2 and (x.dim() != 3 or positions.shape[0] not in (1, x.shape[0])):
+        # One row per sequence of x (b, l, d): another batch would broadcast x to it, or fail inside the sum.
+        raise ValueError(
+            f"positions of shape {tuple(positions.shape)} need x of shape (batch, {length}, d) with batch "
+            f"{positions.shape[0]} (or 1 row of positions), got x of shape {tuple(x.shape)}"
+        )
     if not torch.compiler.is_compiling() and positions.numel() and int(positions.min()) < 0:
         raise ValueError(f"positions must be non-negative, got minimum {int(positions.min())}")
     return positions.long().to(x.device)

@@ -103,7 +103,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         attention_factor: multiplies cos and sin (YaRN's and LongRoPE's temperature), else 1.
 
     Shape:
-        x ``(b, h, l, dh)``, positions ``(l,)`` -> ``(b, h, l, dh)``.
+        x ``(b, h, l, dh)``, positions ``(l,)`` or ``(b, 1, l)`` (one row per sequence) -> ``(b, h, l, dh)``.
     """
 
     exact_tables = ("inv_freq",)

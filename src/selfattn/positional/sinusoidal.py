@@ -7,8 +7,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from selfattn._validation import require_floating, require_non_negative_int, require_positive_int, require_probability
+from selfattn._validation import (
+    require_floating,
+    require_non_negative_int,
+    require_position,
+    require_positive_int,
+    require_probability,
+)
 from selfattn.functional import sinusoidal_table
+from selfattn.functional._sinusoidal import sinusoidal_rows
 from selfattn.positional.base import InputEncoding, require_positions
 
 __all__ = ["SinusoidalPositionalEncoding"]
@@ -97,10 +104,19 @@ class SinusoidalPositionalEncoding(InputEncoding):
             raise ValueError(f"X must have shape (..., length, {self.num_hiddens}), got {tuple(X.shape)}")
         if positions is not None:
             positions = require_positions(positions, X, offset)
-            if not torch.compiler.is_compiling():
-                self.table(int(positions.max()) + 1 if positions.numel() else 1)  # grow P to cover them
+            if not torch.compiler.is_compiling() and positions.numel():
+                last = require_position("positions", int(positions.max()))
+                if last >= 2 * self.P.shape[1]:  # far past P (as a large offset): just these rows, P kept
+                    far = sinusoidal_rows(positions, self.num_hiddens, base=self.base, dtype=self.P.dtype)
+                    far_encoded: torch.Tensor = self.dropout(X + far.to(X.device, X.dtype))
+                    return far_encoded
+                self.table(last + 1)  # grow P to cover them
             encoded: torch.Tensor = self.dropout(X + self.P[0][positions].to(X.dtype))
             return encoded
+        if not X.shape[-2]:  # no rows to add
+            require_non_negative_int("offset", offset)
+            unchanged: torch.Tensor = self.dropout(X)
+            return unchanged
         rows = self.table(X.shape[-2], offset)  # (l, d)
         added: torch.Tensor = self.dropout(X + rows.to(X.dtype))
         return added

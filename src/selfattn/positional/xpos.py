@@ -43,7 +43,7 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
         dtype: accepted for uniformity; the tables stay float64.
 
     Shape:
-        x ``(b, h, l, dh)``, positions ``(l,)`` -> ``(b, h, l, dh)``.
+        x ``(b, h, l, dh)``, positions ``(l,)`` or ``(b, 1, l)`` (one row per sequence) -> ``(b, h, l, dh)``.
     """
 
     exact_tables = ("inv_freq", "zeta")
