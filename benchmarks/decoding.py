@@ -475,7 +475,7 @@ def _report(
     load_at_start: str,
     pending: list[str],
 ) -> str:
-    """The section's markdown: the machine, the goals, each finished part's table; ``pending`` names parts not run yet."""
+    """The section's markdown: the machine, the goals, each finished part's table; ``pending``: parts not run yet."""
     on_gpu = args.device.type == "cuda"
     lines = [
         f"## Decoding: one step of selfattn against the kernel and layers by hand ({args.device.type})",

@@ -105,7 +105,8 @@ def _as_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
 def _addend(group: int, num_queries: int, num_keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``baddbmm``'s first term: for ``group`` query heads per key/value head, the causal rule (-inf where key
     ``j > i``) for each of the ``group * lq`` rows ``(g * lq, lk)``; with ``group`` 0, an ignored zero (``beta=0``).
-    Kept in :data:`_ADDENDS` (few: fewer than one vector of keys), in eager mode outside a CUDA graph's capture: a graph builds its own."""
+    Kept in :data:`_ADDENDS` (few: fewer than one vector of keys), in eager mode outside a CUDA graph's capture: a
+    graph builds its own."""
     key = (group, num_queries, num_keys, dtype, device)
     # A graph reading the dictionary is compiled again at each new entry; one made in a CUDA graph's capture
     # would live in that graph's memory.
