@@ -433,3 +433,19 @@ def test_a_layer_without_rotary_has_no_query_key_encoding() -> None:
     """hasattr raised AssertionError (torch.jit.trace reads every attribute)."""
     assert not hasattr(MultiHeadAttention(8, 2), "query_key_encoding")
     assert hasattr(MultiHeadAttention(8, 2, position=build("rotary", num_hiddens=8, num_heads=2)), "query_key_encoding")
+
+
+@pytest.mark.parametrize("name", ["rotary", "xpos", "alibi", "t5", "shaw", "kerple", "fire"])
+def test_an_empty_chunk_through_a_fresh_layer_and_cache_changes_nothing(name: str) -> None:
+    """T5 read the range of no positions, a rotary table never grown had no columns (RuntimeErrors)."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(16, 2, position=build(name, num_hiddens=16, num_heads=2)).double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    assert layer(x[:, :0], x[:, :0], x[:, :0], causal=True).shape == (2, 0, 16)
+    cache = KVCache(max_len=8)
+    steps = [layer(x[:, :0], x[:, :0], x[:, :0], causal=True, cache=cache)]
+    steps.append(layer(x[:, :3], x[:, :3], x[:, :3], causal=True, cache=cache))
+    steps.append(layer(x[:, 3:3], x[:, 3:3], x[:, 3:3], causal=True, cache=cache))
+    steps.append(layer(x[:, 3:], x[:, 3:], x[:, 3:], causal=True, cache=cache))
+    full = layer(x, x, x, causal=True)
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-12)

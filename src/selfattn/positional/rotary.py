@@ -246,6 +246,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         device = frequencies.device
         if (
             first < 0
+            or not length  # no rows: nothing to read, and a table never grown has no columns yet
             or (config is not None and config.depends_on_length)
             or x.device != device
             or _validation.is_compiling()

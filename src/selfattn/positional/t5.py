@@ -68,9 +68,10 @@ class T5RelativePositionBias(ScoreEncoding):
             raise ValueError(f"q must have shape (batch, {self.num_heads}, length, head_dim), got {tuple(q.shape)}")
         distance = relative_distances(q_positions, k_positions)  # (lq, lk) or (b, lq, lk)
         table = self.relative_attention_bias.weight.t()  # (h, num_buckets)
-        if torch.compiler.is_compiling() or distance.shape[-2] == 1:
+        if torch.compiler.is_compiling() or distance.shape[-2] == 1 or not distance.numel():
             # No data-dependent range under torch.compile, and none read for one query (a decoding step, whose
-            # distances are distinct already; reading the range would wait for the device): bucket every pair.
+            # distances are distinct already; reading the range would wait for the device) or for no pair at all
+            # (an empty chunk): bucket every pair.
             bias = table[:, t5_relative_bucket(distance, **self._bucket_options())]  # (h, [b,] lq, lk)
         else:
             # Bucket each distinct distance once (lq + lk - 1 of them for consecutive positions), then gather.
