@@ -246,7 +246,6 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         device = frequencies.device
         if (
             first < 0
-            or not length  # no rows: nothing to read, and a table never grown has no columns yet
             or (config is not None and config.depends_on_length)
             or x.device != device
             or _validation.is_compiling()
@@ -254,8 +253,8 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
             return None
         if 2 * stop * self.rotary_dim > MAX_ANGLE_TABLE_VALUES:
             return self._rows_past_cap(first, length, rotation_dtype(x), device)
-        if stop > self.angle_table.shape[0] or self.angle_table.device != device:
-            self._grow_angle_table(stop)
+        if stop > self.angle_table.shape[0] or self.angle_table.device != device or not self.angle_table.numel():
+            self._grow_angle_table(stop)  # (the table never grown has no columns, which even no rows would read)
         cos_table, sin_table = self._split_table(rotation_dtype(x))
         return cos_table.narrow(0, first, length), sin_table.narrow(0, first, length)  # two views: the cheapest reads
 
