@@ -261,3 +261,45 @@ def test_sinks_take_the_row_of_an_infinite_query_whose_every_score_is_minus_inf(
     out = out[0] if how == "weights" else out
     assert torch.equal(out[0, 1, 2], torch.zeros(4, dtype=torch.float64))
     assert out.isfinite().all()
+
+
+# ------------------------------------------------------------------- scores of 1e4: rows that stay normalised
+
+
+def _shared_large_feature(length: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """Inputs whose every token holds 200 in the first feature of each 16: scores near 1e4 that differ by about 1,
+    and values whose first feature is 200 at every key (any convex sum of them is 200)."""
+    x = torch.randn(1, length, width, generator=gen) * 0.25
+    x[..., ::16] = 200.0
+    return x
+
+
+def test_the_causal_key_rows_merge_keeps_a_row_normalised_at_large_scores() -> None:
+    """Past the first chunk of 256 queries the route merges two kernel calls by their log-sum-exps, whose float32
+    rounding at 1e4 (5e-4) scaled the row: 200.1 for 200, and gradients 22% off float64 (now as the fused route)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = MultiHeadAttention(64, 4, position=build("alibi", num_hiddens=64, num_heads=4)).eval()
+    with torch.no_grad():
+        for projection in (layer.W_q, layer.W_k, layer.W_v, layer.W_o):
+            projection.weight.copy_(torch.eye(64))  # the heads are the input's features
+    x = _shared_large_feature(300, 64, gen)
+    assert layer.explain(x, x, x, causal=True).route == "causal key rows"
+    out = layer(x, x, x, causal=True)
+    assert (out[0, :, ::16] - 200.0).abs().max() <= 1e-3
+
+
+def test_few_keys_keep_a_row_normalised_at_large_scores() -> None:
+    """Below one vector of keys the written-out kernel took exp(scores - lse): rows summing to 1 - 5e-4, an
+    output 0.094 off, and (fused sinks, 12 keys) a query's gradient 100 times its size off float64."""
+    gen = torch.Generator().manual_seed(0)
+    x = _shared_large_feature(12, 32, gen).view(1, 12, 2, 16).transpose(1, 2)  # (1, 2, 12, 16)
+    q = x.clone().requires_grad_(True)
+    out = attention(q, x, x, sinks=torch.zeros(2), scale=0.25)
+    assert (out[..., 0] - 200.0).abs().max() <= 1e-3
+    grad = torch.randn(out.shape, generator=gen)
+    out.backward(grad)
+    q64 = x.double().requires_grad_(True)
+    attention(q64, x.double(), x.double(), sinks=torch.zeros(2, dtype=torch.float64), scale=0.25).backward(
+        grad.double()
+    )
+    assert (q.grad.double() - q64.grad).abs().max() <= 0.1 * q64.grad.abs().max()

@@ -107,10 +107,12 @@ class _CausalKeyRows(torch.autograd.Function):
                     qb, k[..., :start, :], v[..., :start, :], attn_mask=earlier, scale=scale
                 )
                 merged = torch.logaddexp(block_lse, early_lse.to(compute))  # (b, h, chunk)
-                block_out = (
-                    block_out.to(compute) * (block_lse - merged).exp()[..., None]
-                    + early_out.to(compute) * (early_lse.to(compute) - merged).exp()[..., None]
-                )
+                # Divided by their sum, the two shares sum to 1: merged's rounding (5e-4 at scores of 1e4 in
+                # float32) would otherwise scale the row (a convex sum of values 200 gave 200.1).
+                share, early_share = (block_lse - merged).exp(), (early_lse.to(compute) - merged).exp()
+                total = (share + early_share)[..., None]
+                block_out = block_out.to(compute) * share[..., None] + early_out.to(compute) * early_share[..., None]
+                block_out = block_out / total
                 block_lse = merged
             # The CPU kernel gives a zero row for a query holding NaN or inf; the formula says NaN.
             query_sums = qb.sum(dim=-1, keepdim=True, dtype=compute)  # (b, h, chunk, 1)

@@ -79,7 +79,9 @@ def few_keys_forward(
     scores = _scores(q, k, attn_mask, is_causal, scale)
     lse = torch.logsumexp(scores, dim=-1)  # (.., h, lq): -inf where every score is, NaN where one is
     unseen = lse == -math.inf
-    weights = torch.exp(scores - lse.masked_fill(unseen, 0.0).unsqueeze(-1))  # 0 in a row that sees no key
+    # The softmax, normalised as the kernel normalises its output: exp(scores - lse) would carry lse's rounding
+    # (5e-4 at scores of 1e4 in float32) into every weight, a row summing to 1 - 5e-4.
+    weights = torch.softmax(scores, dim=-1).masked_fill(unseen.unsqueeze(-1), 0.0)  # 0 in a row that sees no key
     return _weighted_values(weights, v).to(q.dtype), lse.masked_fill(unseen, 0.0)
 
 
