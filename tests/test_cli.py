@@ -81,7 +81,7 @@ def test_encode_score_encodings_write_one_bias_per_head(tmp_path, capsys):
         (["encode", "-d", "-3", "-o", "{tmp}/P.npy"], "positive integer, got '-3'"),
         (["encode", "-n", "0", "-o", "{tmp}/P.npy"], "positive integer, got '0'"),
         (["encode", "--offset", "-1", "-o", "{tmp}/P.npy"], "non-negative integer, got '-1'"),
-        (["encode", "--base", "-2", "-o", "{tmp}/P.npy"], "positive number, got '-2'"),
+        (["encode", "--base", "-2", "-o", "{tmp}/P.npy"], "number greater than 1, got '-2'"),
         (["encode", "-n", "ten", "-o", "{tmp}/P.npy"], "positive integer, got 'ten'"),
         (["plot", "-n", "-4", "-o", "{tmp}/p.png"], "positive integer, got '-4'"),
         (["compare", "--n", "-4", "8"], "positive integer, got '-4'"),

@@ -394,3 +394,16 @@ def test_a_ctrl_c_that_python_wraps_in_a_runtime_error_ends_as_interrupted(
     monkeypatch.setattr(encode, "run", handler)
     assert main(["encode", "--kind", "sinusoidal", "-n", "4", "-d", "4", "-o", str(tmp_path / "P.npy")]) == 130
     assert capsys.readouterr().err == "selfattn encode: interrupted\n"
+
+
+@pytest.mark.parametrize(
+    "command", [["encode", "--kind", "sinusoidal", "-n", "4", "-d", "6"], ["rotary", "--head-dim", "8"]]
+)
+@pytest.mark.parametrize("base", ["0.5", "1", "inf"])
+def test_a_base_of_one_or_less_is_refused_naming_the_flag(
+    command: list[str], base: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It passed the command's check (a positive number) and failed in the library naming ``base``, not ``--base``."""
+    output = ["-o", tmp_path / "P.csv"] if command[0] == "encode" else []
+    status, out, err = run_cli([*command, "--base", base, *output], capsys)
+    assert_one_line_error(status, out, err, command[0], "argument --base: must be a number greater than 1")

@@ -449,3 +449,10 @@ def test_an_empty_chunk_through_a_fresh_layer_and_cache_changes_nothing(name: st
     steps.append(layer(x[:, 3:], x[:, 3:], x[:, 3:], causal=True, cache=cache))
     full = layer(x, x, x, causal=True)
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-12)
+
+
+def test_a_layers_explain_takes_verbose_as_the_functional_one() -> None:
+    """docs/routes.md offers explain(..., verbose=True): the layer's raised TypeError."""
+    layer, x = MultiHeadAttention(8, 2), torch.randn(1, 5, 8)
+    assert "declined before it:" in str(layer.explain(x, x, x, causal=True, verbose=True))
+    assert "declined before it:" not in str(layer.explain(x, x, x, causal=True))

@@ -354,16 +354,16 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     ) -> Explanation:
         """Which route :meth:`forward` takes with these arguments, why each route before it declined, and the parts.
 
-        Takes exactly :meth:`forward`'s arguments and computes no attention (a cache is copied,
-        not changed). ``str()`` of the result lists the reasons; ``.route`` is the route's name;
-        ``.parts`` names the layer's parts by slot.
-        """
+        Takes exactly :meth:`forward`'s arguments (and ``verbose``, as :func:`selfattn.functional.explain` does) and
+        computes no attention (a cache is copied, not changed). ``str()`` of the result lists the reasons; ``.route``
+        is the route's name; ``.parts`` names the layer's parts by slot."""
+        verbose = bool(kwargs.pop("verbose", False))
         forward_arguments = inspect.signature(self.forward).bind(queries, keys, values, *args, **kwargs)
         forward_arguments.apply_defaults()
         given = dict(forward_arguments.arguments)
         if given["cache"] is not None:
             given["cache"] = given["cache"].copy()
-        explanation = dispatch.explain(describe(self, check_request(self, **given)))
+        explanation = dispatch.explain(describe(self, check_request(self, **given)), verbose=verbose)
         return explanation.with_parts(self.describe_parts())
 
     # ------------------------------------------------------------------ the parts

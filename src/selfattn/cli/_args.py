@@ -19,6 +19,7 @@ __all__ = [
     "add_kind_argument",
     "check_heads",
     "non_negative_int",
+    "base_number",
     "positive_float",
     "positive_int",
     "require_memory",
@@ -70,6 +71,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def base_number(text: str) -> float:
+    """``--base``: the 10000 of the sinusoids' and rotary's wavelengths, a finite number greater than 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number greater than 1, got {text!r}") from None
+    if not 1 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number greater than 1, got {text!r}")
     return value
 
 

@@ -11,9 +11,9 @@ from selfattn.cli._args import (
     ExamplesFormatter,
     OneLineErrorParser,
     add_kind_argument,
+    base_number,
     check_heads,
     non_negative_int,
-    positive_float,
     positive_int,
     require_memory,
     require_output,
@@ -45,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction[OneLineErrorParser]) -> No
     )
     parser.add_argument("--heads", type=positive_int, default=1, help="attention heads (default 1)")
     parser.add_argument("--offset", type=non_negative_int, default=0, help="position of the first row (default 0)")
-    parser.add_argument("--base", type=positive_float, default=None, help="the 10000 of sinusoidal and rotary")
+    parser.add_argument("--base", type=base_number, default=None, help="the 10000 of sinusoidal and rotary")
     parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="default float32")
     parser.add_argument(
         "-o", "--output", type=Path, required=True, metavar="FILE", help="FILE.npy, FILE.csv or FILE.pt"

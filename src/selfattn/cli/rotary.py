@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from selfattn._atomic import atomic_write_path
-from selfattn.cli._args import ExamplesFormatter, positive_float, positive_int, require_output
+from selfattn.cli._args import ExamplesFormatter, base_number, positive_int, require_output
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--config", type=Path, default=None, metavar="FILE", help="a Hugging Face config.json")
     parser.add_argument("--head-dim", type=positive_int, default=None, help="size of each head (default 128)")
-    parser.add_argument("--base", type=positive_float, default=None, help="rope_theta (default 10000)")
+    parser.add_argument("--base", type=base_number, default=None, help="rope_theta (default 10000)")
     parser.add_argument("--rotary-dim", type=positive_int, default=None, help="rotated features (default: all)")
     parser.add_argument(
         "--scaling",
