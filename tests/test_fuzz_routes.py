@@ -336,8 +336,12 @@ def blockwise_cases(draw, route: str) -> Case:
     if opts["positions"] == "documents":
         opts["documents"] = True
     if opts["term"] == "alibi" and band and not (opts["softcap"] or opts["sinks"]):
-        # ALiBi's causal form goes by key rows unless causal with a block size set
-        opts |= {"causal": True, "block_size": opts["block_size"] or 4} if lq <= lk else {"term": "alibi bidirectional"}
+        # ALiBi's causal form goes by key rows unless causal with a block size set (and more than one query: one
+        # query sees every key whatever the causal rule, and goes by key rows)
+        causal_band = 2 <= lq <= lk
+        opts |= (
+            {"causal": True, "block_size": opts["block_size"] or 4} if causal_band else {"term": "alibi bidirectional"}
+        )
     return Case(route, "module", draw(DTYPE), batch, lq, lk, *heads_kv, draw(SEED), opts)
 
 

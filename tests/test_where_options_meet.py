@@ -15,7 +15,7 @@ import torch
 
 import selfattn.masks as masks
 from selfattn import KVCache, MultiHeadAttention
-from selfattn.functional import attention, blockwise_attention
+from selfattn.functional import attention, blockwise_attention, sparse_attention
 from selfattn.functional._few_keys import KERNEL_SPREADS_NAN_FROM_KEYS
 from selfattn.positional import RotaryPositionalEncoding, build
 
@@ -303,3 +303,48 @@ def test_few_keys_keep_a_row_normalised_at_large_scores() -> None:
         grad.double()
     )
     assert (q.grad.double() - q64.grad).abs().max() <= 0.1 * q64.grad.abs().max()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_sink_near_a_large_log_sum_exp_keeps_its_share_in_the_gradients(masked: bool) -> None:
+    """A sink logit 2 below rows' log-sum-exps of 1e4 (float32): logaddexp(lse, s) rounded the sink's 4.5e-4 share
+    away, so the kernel's backward saw rows without a sink: the query's gradient, whose size is that share times
+    the values' 200 and the keys' 200, came out 0.07 for 17 (the fused sinks route; the blocks with a mask too)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 300, 16, generator=gen) * 0.25
+    x[..., 0] = 200.0
+    sinks = torch.full((2,), 200.0 * 200.0 / 4 - 2)
+    grad = torch.randn(1, 2, 300, 16, generator=gen)
+    mask = None
+    if masked:
+        mask = torch.ones(1, 1, 300, 300, dtype=torch.bool)
+        mask[..., 5] = False
+    q = x.clone().requires_grad_(True)
+    attention(q, x, x, sinks=sinks, scale=0.25, mask=mask).backward(grad)
+    q64, x64 = x.double().requires_grad_(True), x.double()
+    scores = q64 @ x64.transpose(-2, -1) * 0.25  # (1, 2, 300, 300)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    with_sink = torch.cat((scores, sinks.double().view(1, 2, 1, 1).expand(1, 2, 300, 1)), dim=-1)
+    (torch.softmax(with_sink, dim=-1)[..., :-1] @ x64).backward(grad.double())  # the formula in float64
+    assert (q.grad.double() - q64.grad).abs().max() <= 0.01 * q64.grad.abs().max()
+
+
+def test_the_sparse_selection_keeps_a_row_normalised_at_large_scores() -> None:
+    """Its weights were exp(scores - lse) from a float32 lse at 5e3 (rounded by 5e-4): rows summing to 1 - 5e-4,
+    an output 0.049 off 200, the query's gradient 148% off float64 (the dense masked routes: 0.13%)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=gen, dtype=torch.float64) for n in (64, 1024, 1024))
+    for x in (q, k, v):
+        x[..., 0] = 200.0  # scores near 5e3; every value's first feature is 200
+    picks = torch.stack([torch.randperm(1024, generator=gen)[:64] for _ in range(64)])[None]  # (1, lq, t)
+    grad = torch.randn(1, 2, 64, 64, generator=gen, dtype=torch.float64)
+    q32 = q.float().requires_grad_(True)
+    out = sparse_attention(q32, k.float(), v.float(), picks)
+    out.backward(grad.float())
+    assert (out[..., 0] - 200.0).abs().max() <= 1e-3
+    seen = torch.zeros(1, 1, 64, 1024, dtype=torch.bool).scatter_(-1, picks[:, None], True)
+    q64 = q.clone().requires_grad_(True)
+    scores = (q64 @ k.transpose(-2, -1) / 8.0).masked_fill(~seen, -math.inf)
+    (torch.softmax(scores, dim=-1) @ v).backward(grad)  # the formula in float64
+    assert (q32.grad.double() - q64.grad).abs().max() <= 0.01 * q64.grad.abs().max()

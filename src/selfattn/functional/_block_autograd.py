@@ -222,15 +222,18 @@ class _Backward:
             mask: torch.Tensor | None = plan.key_mask(end - start, keys)
         else:
             mask = _float_mask(self.block_bias(qb.to(self.compute), start, end, keys), visible, self.compute)
-        ob = self.out[..., start:end, :].to(q.dtype)
+        ob, lse = self.out[..., start:end, :].to(q.dtype), self.lse[..., start:end]
+        scaled = gb
+        if self.sink_logits is not None:  # the kernel's backward of its own lse, the gradient times the keys' share
+            scaled = gb * torch.sigmoid(lse - self.sink_logits[:, None]).unsqueeze(-1).to(gb.dtype)
         gq, gk, gv = _flash_backward(
-            gb.contiguous(), qb, kb, vb, ob, self.lse[..., start:end], 0.0, False, attn_mask=mask, scale=plan.scale
+            scaled.contiguous(), qb, kb, vb, ob, lse, 0.0, False, attn_mask=mask, scale=plan.scale
         )
         self.dq[..., start:end, :] = gq
         self.dk[..., keys, :] += gk
         self.dv[..., keys, :] += gv
         if self.sink_logits is not None:
-            sink_weight = torch.exp(self.sink_logits[:, None] - self.lse[..., start:end])  # (b, h, block)
+            sink_weight = torch.sigmoid(self.sink_logits[:, None] - lse)  # (b, h, block)
             self.add_sink_grad(sink_weight, (gb.to(self.compute) * ob.to(self.compute)).sum(dim=-1))
 
     def add_sink_grad(self, sink_weight: torch.Tensor, row_dot: torch.Tensor) -> None:
@@ -384,7 +387,7 @@ def _flash_block(
     plan: _Plan, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, visible: Any, band: Any,
     sink_logits: torch.Tensor | None, start: int, end: int, keys: slice,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One block on the flash kernel: ``(b, h, block, dv)`` and its log-sum-exp ``(b, h, block)`` (sinks included)."""
+    """One block on the flash kernel: ``(b, h, block, dv)`` and the kernel's log-sum-exp ``(b, h, block)`` (no sink in it)."""
     compute = _compute_dtype(qb.dtype)
     if plan.key_bias is not None:
         mask: torch.Tensor | None = plan.key_mask(end - start, keys)
@@ -393,11 +396,11 @@ def _flash_block(
         mask = _float_mask(bias, visible, compute)
     block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
     block_lse = block_lse.to(compute)
-    if sink_logits is not None:  # the sink joins the denominator: rescale, and keep the whole lse
-        with_sink = torch.logaddexp(block_lse, sink_logits[:, None])  # (b, h, block)
-        block_out = block_out * torch.exp(block_lse - with_sink).unsqueeze(-1).to(block_out.dtype)
-        block_lse = with_sink
     if sink_logits is not None:
+        # The sink joins the denominator: the row times the keys' share sigmoid(lse - s) (as the fused sinks route,
+        # which says why; NaN where lse is +inf), the kernel's own lse kept for the backward.
+        share = torch.sigmoid(block_lse - sink_logits[:, None]) + (block_lse - block_lse)  # (b, h, block)
+        block_out = block_out * share.unsqueeze(-1).to(block_out.dtype)
         # A query whose every score is -inf (an infinity against opposed keys) gets zeros, as the formula does: the
         # sink takes the whole row. Any NaN or +inf score the kernel spreads (below one vector: the formula).
         return block_out, block_lse

@@ -76,7 +76,11 @@ def _weights(
         # one +inf), and the formula's NaN must stay, not become a zero row
         lse = torch.where(seen.any(dim=-1), lse, 0.0)
     weights = torch.where(seen, torch.exp(scores - lse[..., None]), 0.0)
-    return weights, lse
+    # Divided by their sum (the same in both passes): lse's float32 rounding at scores of 1e4 (5e-4) left rows
+    # summing to 1 - 5e-4, an output 0.05 off and a query's gradient 150% off float64. A row that sees no key
+    # keeps its zeros, a NaN row its NaN.
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights / torch.where(total > 0, total, 1.0), lse
 
 
 def _heads(q_heads: int, kv_heads: int, seen: torch.Tensor, s: int, j: int) -> tuple[slice, torch.Tensor]:

@@ -1,10 +1,10 @@
 """Attention sinks in one call of the CPU flash kernel, by its log-sum-exp.
 
 A sink logit ``s`` joins each row's denominator and adds no value, so the output with the sink
-is the kernel's output times ``exp(lse - logaddexp(lse, s))``, and the kernel's own backward,
-handed that output and the log-sum-exp with the sink, gives the exact gradients of ``q, k, v``;
-the sink's is ``-sum(p_sink * rowsum(dO * O))``. With no other mask than the kernel's causal
-one, this is one call forward and one backward, where the blockwise route loops over blocks.
+is the kernel's output times the keys' share ``f = sigmoid(lse - s)``, and the kernel's own backward,
+handed that output, its own log-sum-exp and the incoming gradient times ``f``, gives the exact gradients
+of ``q, k, v``; the sink's is ``-sum(p_sink * rowsum(dO * O))``. With no other mask than the kernel's
+causal one, this is one call forward and one backward, where the blockwise route loops over blocks.
 
 Shape legend: b batch, h heads, lq queries, lk keys, d head size, dv value size.
 """
@@ -34,16 +34,19 @@ class _FlashWithSinks(torch.autograd.Function):
         kernel: tuple[torch.Tensor, torch.Tensor] = _flash_forward(q, k, v, 0.0, causal, scale=scale)
         out, lse = kernel  # (b, h, lq, dv), (b, h, lq)
         compute = _compute_dtype(q.dtype)
-        with_sink = torch.logaddexp(lse.to(compute), sinks.detach().to(compute)[:, None])  # (b, h, lq)
-        out = out * torch.exp(lse.to(compute) - with_sink).unsqueeze(-1).to(out.dtype)
-        ctx.save_for_backward(q, k, v, sinks, out, with_sink)
+        # The keys' share of each row, sigmoid(lse - s): the difference taken before the exponential, so a sink a few
+        # units below a log-sum-exp of 1e4 keeps its share (logaddexp(lse, s) rounds it away in float32).
+        row_lse = lse.to(compute)
+        # (lse - lse: NaN where a +inf score made lse +inf, the formula's NaN, which the half kernels' zeros drop)
+        share = torch.sigmoid(row_lse - sinks.detach().to(compute)[:, None]) + (row_lse - row_lse)  # (b, h, lq)
+        out = out * share.unsqueeze(-1).to(out.dtype)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, share)
         ctx.causal, ctx.scale = causal, scale
-        ctx.lse_dtype = lse.dtype  # the kernel's: float32 for bf16 and fp16 heads, and its backward wants it back
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, sinks, out, with_sink = ctx.saved_tensors
+        q, k, v, sinks, out, lse, share = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the formula written in plain ops
             inputs = (q, k, v, sinks)
             weights = attention_weights(q, k, causal=ctx.causal, scale=ctx.scale, sinks=sinks)
@@ -51,11 +54,13 @@ class _FlashWithSinks(torch.autograd.Function):
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(recomputed, wanted, grad_out, create_graph=True))
             return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
-        dq, dk, dv = _flash_backward(
-            grad_out.contiguous(), q, k, v, out, with_sink.to(ctx.lse_dtype), 0.0, ctx.causal, scale=ctx.scale
-        )
-        compute = with_sink.dtype
-        sink_weight = torch.exp(sinks.detach().to(compute)[:, None] - with_sink)  # (b, h, lq)
+        # The kernel's backward on its own log-sum-exp (the weights without the sink, P) with the incoming gradient
+        # times the share f: its P (f dO . v_j - f dO . out) is the sinks' f P (dO . v_j - dO . out), the gradient
+        # of the scores, and its P^T (f dO) the values'; the output it reads is this one (f O).
+        scaled = (grad_out * share.unsqueeze(-1).to(grad_out.dtype)).contiguous()
+        dq, dk, dv = _flash_backward(scaled, q, k, v, out, lse, 0.0, ctx.causal, scale=ctx.scale)
+        compute = share.dtype
+        sink_weight = torch.sigmoid(sinks.detach().to(compute)[:, None] - lse.to(compute))  # (b, h, lq)
         row_dot = (grad_out.to(compute) * out.to(compute)).sum(dim=-1)  # (b, h, lq)
         dsinks = -(sink_weight * row_dot).sum(dim=(0, 2)).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None
