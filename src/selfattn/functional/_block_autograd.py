@@ -387,7 +387,7 @@ def _flash_block(
     plan: _Plan, qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, visible: Any, band: Any,
     sink_logits: torch.Tensor | None, start: int, end: int, keys: slice,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One block on the flash kernel: ``(b, h, block, dv)`` and the kernel's log-sum-exp ``(b, h, block)`` (no sink in it)."""
+    """One block on the flash kernel: ``(b, h, block, dv)`` and the kernel's own log-sum-exp ``(b, h, block)``."""
     compute = _compute_dtype(qb.dtype)
     if plan.key_bias is not None:
         mask: torch.Tensor | None = plan.key_mask(end - start, keys)

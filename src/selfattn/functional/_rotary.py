@@ -186,7 +186,8 @@ def _check_rotary_inputs(x: torch.Tensor, positions: torch.Tensor) -> None:
             "positions[:, None] ((b, 1, l)) for one row per sequence, or (1, h, l) for one per head"
         )
     try:
-        fits = torch.broadcast_shapes(positions.shape, x.shape[:-1]) == x.shape[:-1]  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        grown = torch.broadcast_shapes(positions.shape, x.shape[:-1])  # type: ignore[no-untyped-call]  # torch: untyped
+        fits = grown == x.shape[:-1]
     except RuntimeError:
         fits = False
     if not fits:
