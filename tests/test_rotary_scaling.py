@@ -471,6 +471,7 @@ def test_from_config_reads_hugging_face_configs():
         ({"rope_type": "linear", "factor": 0.5}, r"factor must be a finite number >= 1, got 0.5"),
         ({"rope_type": "linear", "factor": float("nan")}, "factor must be a finite number"),
         ({"rope_type": "linear", "factor": 2.0, "beta_fast": 3}, "scaling 'linear' does not take beta_fast"),
+        ({"rope_type": "linear", "factr": 2.0}, "scaling 'linear' does not take factr; it takes factor"),  # not "needs"
         ({"rope_type": "yarn", "factor": 2.0}, "needs original_max_position_embeddings"),
         ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 10.5}, "must be a positive integer"),
         (

@@ -90,6 +90,14 @@ def test_summary_lines_print_intervals_and_claim_no_tie_breaks(tmp_path: Path) -
     assert "WARNING" not in text
 
 
+def test_a_summary_whose_encodings_the_seeds_do_not_tell_apart_names_no_best(tmp_path: Path) -> None:
+    """With every encoding at 0% (a quick run) the first label stood as best: "best ...: none" read as no best."""
+    runs = _synthetic_runs({"none": [0.0, 0.0], "alibi": [0.0, 0.0]}, ["abc"])
+    results = {"config": {"train_len": 2, "code_versions": ["abc"]}, "runs": runs, "summary": summarize(runs)}
+    text = "\n".join(summary_lines(results, tmp_path))
+    assert "the seeds tell no encoding apart from the others" in text and "best beyond" not in text
+
+
 def test_runs_from_two_code_versions_are_named_in_a_warning(tmp_path: Path) -> None:
     runs = _synthetic_runs({"alibi": [0.5, 0.5]}, ["abc", "def"])
     versions = code_versions(runs)

@@ -250,14 +250,14 @@ def parse_rotary_scaling(
     for key in _MODEL_KEYS:
         params.pop(key, None)
     required, optional = _REQUIRED[rope_type], _OPTIONAL.get(rope_type, ())
-    missing = [key for key in required if params.get(key) is None]
-    if missing:
-        raise ValueError(f"scaling {rope_type!r} needs {', '.join(missing)}")
     unknown = sorted(key for key in params if key not in required and key not in optional)
-    if unknown:
+    if unknown:  # first: a misspelled key would otherwise read as a missing one
         raise ValueError(
             f"scaling {rope_type!r} does not take {', '.join(unknown)}; it takes {', '.join(required + optional) or 'nothing'}"
         )
+    missing = [key for key in required if params.get(key) is None]
+    if missing:
+        raise ValueError(f"scaling {rope_type!r} needs {', '.join(missing)}")
     given = tuple(key for key in required + optional if params.get(key) is not None)
     if rope_type == "default":
         return None

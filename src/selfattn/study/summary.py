@@ -86,8 +86,11 @@ def summary_lines(results: dict[str, Any], folder: Path) -> list[str]:
         seeds = {label: s["per_seed"]["beyond"] for label, s in by.items() if (s.get("per_seed") or {}).get("beyond")}
         if len(seeds) > 1:
             best, ties = best_and_ties(seeds, higher_is_better=True)
-            tied = f"; not told apart from it by the seeds: {', '.join(ties)}" if ties else ""
-            lines.append(f"    best beyond the training lengths: {best}{tied}")
+            if len(ties) == len(seeds) - 1:  # naming a best (a first label, "none" perhaps) would claim one
+                lines.append("    beyond the training lengths the seeds tell no encoding apart from the others")
+            else:
+                tied = f"; not told apart from it by the seeds: {', '.join(ties)}" if ties else ""
+                lines.append(f"    best beyond the training lengths: {best}{tied}")
     warning = mixed_versions_warning(list(results["config"].get("code_versions", [])))
     if warning:
         lines.append(warning)
