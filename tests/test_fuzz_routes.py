@@ -51,13 +51,12 @@ from selfattn.positional import (
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Largest error allowed, relative to max(1, the reference's largest magnitude).
 TOLERANCE = {"float64": 1e-8, "float32": 2e-4, "bfloat16": 6e-2}
-# A layer parameter's gradient sums over every token or pair (b * lq * lk terms and more), so its bfloat16 rounding
-# grows with them. Measured over 150 seeds of one drawn case (T5, qk-norm, softcap 0.7, sinks, a gate): the formula
-# itself computed in bfloat16 was up to 8.3% off float64 in a parameter's gradient (selfattn up to 6.2%), up to 5.9%
-# in the inputs' gradients and the output (selfattn 4.7%).
-PARAMETER_TOLERANCE = TOLERANCE | {"bfloat16": 1e-1}
-#: Gradients of the call's inputs (functional and layer calls); any other gradient is a layer parameter's.
-_INPUT_GRADIENTS = {f"grad {name}" for name in ("q", "k", "v", "bias", "sinks", "x", "queries", "keys", "values")}
+# A gradient in bfloat16 sums rounded terms over every token, pair or path, and QK-norm of a few features amplifies
+# them. Measured against float64, the formula itself computed in bfloat16 was up to 8.3% off in a parameter's
+# gradient over 150 seeds of one drawn case (T5, QK-norm, softcap 0.7, sinks, a gate; selfattn up to 6.2%), and up
+# to 21.6% in the shared input's gradient over 100 seeds of another (prefix, QK-norm of head size 2, a gate;
+# selfattn up to 6.5%, median 0.19%). Outputs keep the tighter bound (there the formula reached 5.9%).
+GRADIENT_TOLERANCE = TOLERANCE | {"bfloat16": 1e-1}
 
 
 @dataclass
@@ -846,8 +845,8 @@ def run_module(case: Case, poison: float | None = None) -> tuple[dict, dict]:
 
 
 def assert_close(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None, dtype: str) -> None:
-    """``actual`` within the dtype's tolerance of ``expected``, relative to max(1, its largest magnitude) (a layer
-    parameter's gradient: :data:`PARAMETER_TOLERANCE`)."""
+    """``actual`` within the dtype's tolerance of ``expected``, relative to max(1, its largest magnitude) (a
+    gradient: :data:`GRADIENT_TOLERANCE`)."""
     if expected is None or (actual is None and not expected.any()):
         return  # nothing to compare, or a gradient the library never formed where the reference's is zero
     assert actual is not None, f"{name}: no value where the reference has one"
@@ -855,8 +854,7 @@ def assert_close(name: str, actual: torch.Tensor | None, expected: torch.Tensor 
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     error = (actual - expected).abs().max().item() if actual.numel() else 0.0
     size = max(1.0, expected.abs().max().item() if expected.numel() else 0.0)
-    parameter = name.startswith("grad ") and name not in _INPUT_GRADIENTS
-    tolerance = (PARAMETER_TOLERANCE if parameter else TOLERANCE)[dtype]
+    tolerance = (GRADIENT_TOLERANCE if name.startswith("grad ") else TOLERANCE)[dtype]
     assert error <= tolerance * size, f"{name}: off by {error:.3g} (largest |expected| {size:.3g})"
 
 
