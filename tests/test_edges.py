@@ -456,3 +456,20 @@ def test_a_layers_explain_takes_verbose_as_the_functional_one() -> None:
     layer, x = MultiHeadAttention(8, 2), torch.randn(1, 5, 8)
     assert "declined before it:" in str(layer.explain(x, x, x, causal=True, verbose=True))
     assert "declined before it:" not in str(layer.explain(x, x, x, causal=True))
+
+
+def test_one_cache_given_to_a_second_layer_is_refused_until_reset() -> None:
+    """Layer b read layer a's cached keys as its own, silently; its plan's steps too once a had decoded."""
+    torch.manual_seed(0)
+    a, b = MultiHeadAttention(8, 2).eval(), MultiHeadAttention(8, 2).eval()
+    x, cache = torch.randn(2, 4, 8), KVCache(max_len=8)
+    with torch.no_grad():
+        for t in range(3):  # a prompt token, then steps (the decoding plan's)
+            a(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache)
+        with pytest.raises(ValueError, match=r"cache holds another layer's keys \(3 positions seen\)"):
+            b(x[:, 3:], x[:, 3:], x[:, 3:], causal=True, cache=cache)
+        assert cache.length == 3  # refused before anything was written
+        cache.reset()
+        assert b(x, x, x, causal=True, cache=cache).shape == (2, 4, 8)  # an empty cache: b's now
+        twin = cache.copy()  # a copy is no layer's until one writes to it
+        assert a(x[:, :1], x[:, :1], x[:, :1], causal=True, cache=twin).shape == (2, 1, 8)

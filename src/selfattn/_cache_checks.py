@@ -5,11 +5,31 @@ Shape legend: b batch, hk key/value heads, l new entries, dh key size, dv value 
 
 from __future__ import annotations
 
+import weakref
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from selfattn._validation import require_tensor
 
-__all__ = ["check_entries"]
+if TYPE_CHECKING:
+    from selfattn.cache import KVCache
+
+__all__ = ["check_entries", "claim"]
+
+
+def claim(cache: KVCache, layer: Any) -> None:
+    """Note ``layer`` as the one whose keys ``cache`` holds, or refuse a call of another layer while it holds some:
+    that layer would read them as its own (one cache per layer; a sharing layer reads a ``SharedKVView``)."""
+    writer = cache._writer
+    if writer is not None and writer() is layer:
+        return
+    if writer is not None and cache.length and writer() is not None:
+        raise ValueError(
+            f"cache holds another layer's keys ({cache.length} positions seen): give each layer its own KVCache "
+            "(TransformerLM.make_caches does), or reset() it first"
+        )
+    cache._writer = weakref.ref(layer)
 
 
 def check_entries(

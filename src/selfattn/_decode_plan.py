@@ -177,6 +177,8 @@ def replay(module: Any, given: tuple[Any, ...]) -> torch.Tensor | None:
     if plan is None or dispatch.ROUTES is not plan.routes or kind_of(module, given) != plan.kind:
         return None
     queries, cache, offset = given[0], given[7], given[6]
+    if (writer := cache._writer) is not None and writer() is not module:
+        return None  # another layer's cache: the full path refuses it
     if cache.holds_marks or cache.stored == 0 or plan.few_scores != dispatch.few_scores(1, cache.stored + 1):
         return None  # a step with no earlier key is no decoding step (the routes run their blocks on it)
     term = plan.term

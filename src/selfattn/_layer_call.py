@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import selfattn._validation as _validation
 import selfattn.masks as masks
+from selfattn._cache_checks import claim
 from selfattn.cache import CachedKeys
 from selfattn.core.call import AttentionCall, ModuleInputs, causal_hides_nothing
 from selfattn.core.inputs import Request, zero_padding
@@ -135,6 +136,7 @@ def describe(module: Any, request: Request) -> AttentionCall:
         seen = _Seen(stored.positions, stored.padding, stored.documents, stored.first_index, stored.keys.shape[-2])
         make_kv = lambda: (stored.keys, stored.values)  # noqa: E731
     elif request.cache is not None:  # what the cache holds decides the visibility: gather it now
+        claim(request.cache, module)
         k, v = project_kv()
         stored = request.cache.update(
             k, v, positions=request.k_positions, padding=request.key_padding_mask,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -39,12 +40,12 @@ class CachedKeys(NamedTuple):
 class KVCache:
     """The keys and values one :class:`~selfattn.MultiHeadAttention` layer has seen so far.
 
-    Pass the same cache to every call of one layer: ``mha(x_t, x_t, x_t, cache=cache,
-    causal=True)``. Keys are stored after any query/key encoding (rotary) has been applied at
-    their own positions, so earlier entries never need recomputing; their positions, any
-    ``key_padding_mask`` and any ``document_ids`` (packed sequences) are stored beside them. Storage is allocated once, at the first call,
-    for ``max_len`` positions; the cache is meant for inference (wrap decoding in
-    ``torch.no_grad()``).
+    Pass the same cache to every call of one layer: ``mha(x_t, x_t, x_t, cache=cache, causal=True)`` (another
+    layer's call is refused while it holds keys). Keys are stored after any query/key encoding (rotary) has been
+    applied at their own positions, so earlier entries never need recomputing; their positions, any
+    ``key_padding_mask`` and any ``document_ids`` (packed sequences) are stored beside them. Storage is
+    allocated once, at the first call, for ``max_len`` positions; the cache is meant for inference (wrap
+    decoding in ``torch.no_grad()``).
 
     With ``window=w`` (for a ``MultiHeadAttention(..., window=w)`` layer) only the last
     ``w - 1`` keys are kept, the most a future query can see: memory is O(w) however long
@@ -53,9 +54,8 @@ class KVCache:
     With ``sink_tokens=k`` as well, the first ``k`` keys of the sequence are kept forever
     beside the last ``w - 1`` (StreamingLLM's attention sinks): a layer *without* a window
     then attends to those ``k + w - 1`` keys and the new ones (causally among themselves), in
-    O(k + w) memory: decoding one token at a time, token ``t`` sees keys ``j < k`` and
-    ``t - w < j <= t``. The kept
-    keys keep their own positions (rotary keys stay rotated at them); the keys dropped in
+    O(k + w) memory: decoding one token at a time, token ``t`` sees keys ``j < k`` and ``t - w < j <= t``. The
+    kept keys keep their own positions (rotary keys stay rotated at them); the keys dropped in
     between are gone, so a layer with a window, chunks, or a call with a ``mask`` rule,
     ``valid_lens`` or ``attn_mask`` (which read where keys sit in the sequence) refuses such a cache.
 
@@ -100,6 +100,7 @@ class KVCache:
             tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None
         ) = None
         self.encoding_state: dict[str, object] = {}  # what a query/key encoding notes about the stored keys
+        self._writer: weakref.ref[object] | None = None  # the layer whose keys these are (_cache_checks.claim)
 
     @property
     def stored(self) -> int:
@@ -121,7 +122,7 @@ class KVCache:
         self._last = self._pending_last = None
         self._shared_positions = self._pending_shared = True
         self._deferred_from, self._pending_deferred = None, False
-        self._pending_window = None
+        self._pending_window = self._writer = None
         self.encoding_state = {}
 
     @property
@@ -154,7 +155,7 @@ class KVCache:
         for name in ("_keys", "_values", "_positions", "_padding", "_documents"):
             stored = getattr(self, name)
             setattr(twin, name, None if stored is None else stored.detach().clone())
-        twin.encoding_state = dict(self.encoding_state)
+        twin.encoding_state, twin._writer = dict(self.encoding_state), None  # the next layer to write claims it
         return twin
 
     def update_keys(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
