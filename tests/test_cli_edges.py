@@ -407,3 +407,12 @@ def test_a_base_of_one_or_less_is_refused_naming_the_flag(
     output = ["-o", tmp_path / "P.csv"] if command[0] == "encode" else []
     status, out, err = run_cli([*command, "--base", base, *output], capsys)
     assert_one_line_error(status, out, err, command[0], "argument --base: must be a number greater than 1")
+
+
+def test_data_parallel_outside_torchrun_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It ran as one process, the flag silently ignored."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    status, out, err = run_cli(["study", "--quick", "--data-parallel", "--out", tmp_path / "study"], capsys)
+    assert_one_line_error(status, out, err, "study", "--data-parallel trains each run on all ranks: start the study")

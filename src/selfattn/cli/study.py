@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import sys
 import time
@@ -141,8 +142,6 @@ def _until_interrupted(work: Callable[[], T], rerun: str) -> tuple[bool, T | Non
 def _say_if_nothing_to_resume(args: argparse.Namespace, folder: Path) -> None:
     """``--resume`` on a folder without an earlier call's settings: say that it starts fresh, or, where run files
     are there all the same, that they are kept unchecked (once, from rank 0)."""
-    import os
-
     if args.resume and not (folder / "config.json").is_file() and os.environ.get("RANK", "0") == "0":
         kept = sum(1 for _ in folder.rglob("*.json")) if folder.is_dir() else 0
         what = (
@@ -207,8 +206,6 @@ def _run_text(args: argparse.Namespace) -> int:
     if repeated:
         raise ValueError(f"--train-len lists {', '.join(map(str, repeated))} more than once")
     root = args.out or Path("selfattn-text-study")
-    import os
-
     import torch
 
     if "OMP_NUM_THREADS" not in os.environ:
@@ -275,6 +272,8 @@ def _print_text_results(results: dict[str, Any], seeds: int, out: Path, seconds:
 def run(args: argparse.Namespace) -> int:
     if args.text and args.exercises:
         raise ValueError("--text and --exercises are separate runs: give one of them")
+    if args.data_parallel and "WORLD_SIZE" not in os.environ:  # torchrun sets it
+        raise ValueError("--data-parallel trains each run on all ranks: start the study with torchrun")
     if args.text:
         return _run_text(args)
     if args.out is None:
@@ -304,8 +303,6 @@ def run(args: argparse.Namespace) -> int:
         randomized_positions=args.randomized_positions,
         quick=args.quick,
     )
-    import os
-
     import torch
 
     if "OMP_NUM_THREADS" not in os.environ:
