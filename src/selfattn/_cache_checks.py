@@ -21,10 +21,10 @@ __all__ = ["check_entries", "claim"]
 def claim(cache: KVCache, layer: Any) -> None:
     """Note ``layer`` as the one whose keys ``cache`` holds, or refuse a call of another layer while it holds some:
     that layer would read them as its own (one cache per layer; a sharing layer reads a ``SharedKVView``)."""
-    writer = cache._writer
-    if writer is not None and writer() is layer:
+    owner = None if cache._writer is None else cache._writer()  # None too where that layer is gone
+    if owner is layer:
         return
-    if writer is not None and cache.length and writer() is not None:
+    if owner is not None and cache.length:
         raise ValueError(
             f"cache holds another layer's keys ({cache.length} positions seen): give each layer its own KVCache "
             "(TransformerLM.make_caches does), or reset() it first"

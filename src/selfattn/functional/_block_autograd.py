@@ -17,6 +17,7 @@ from selfattn.functional._block_common import (
     _flash_backward,
     _flash_forward,
     _float_mask,
+    _keys_share,
     _modified_block_probs,
     _settle_empty_rows,
     _softmax_backward,
@@ -397,10 +398,8 @@ def _flash_block(
     block_out, block_lse = _flash_forward(qb, kb, vb, attn_mask=mask, scale=plan.scale)
     block_lse = block_lse.to(compute)
     if sink_logits is not None:
-        # The sink joins the denominator: the row times the keys' share sigmoid(lse - s) (as the fused sinks route,
-        # which says why; NaN where lse is +inf), the kernel's own lse kept for the backward.
-        share = torch.sigmoid(block_lse - sink_logits[:, None]) + (block_lse - block_lse)  # (b, h, block)
-        block_out = block_out * share.unsqueeze(-1).to(block_out.dtype)
+        # The sink joins the denominator: the row times the keys' share, the kernel's own lse kept for the backward.
+        block_out = block_out * _keys_share(block_lse, sink_logits).unsqueeze(-1).to(block_out.dtype)
         # A query whose every score is -inf (an infinity against opposed keys) gets zeros, as the formula does: the
         # sink takes the whole row. Any NaN or +inf score the kernel spreads (below one vector: the formula).
         return block_out, block_lse

@@ -164,6 +164,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _keys_share(lse: torch.Tensor, sink_logits: torch.Tensor) -> torch.Tensor:
+    """The keys' share ``sigmoid(lse - s)`` of each row ``(b, h, lq)`` beside ``(h,)`` sink logits, the difference
+    taken before the exponential: a sink a few units below a log-sum-exp of 1e4 keeps its share, which
+    ``exp(lse - logaddexp(lse, s))`` rounds away in float32. NaN where ``lse`` is +inf (a +inf score: the formula's
+    NaN, which the half-precision kernels' zeros drop)."""
+    return torch.sigmoid(lse - sink_logits[:, None]) + (lse - lse)
+
+
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     while t.dim() < 4:
         t = t.unsqueeze(0)

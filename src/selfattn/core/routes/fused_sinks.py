@@ -20,7 +20,7 @@ from selfattn.core.route import Output, Route
 from selfattn.core.routes._blocks import blocks_decline, heads
 from selfattn.core.routes._decode import decode_step, decode_step_for, takes_decode_step
 from selfattn.core.routes._reasons import holding
-from selfattn.functional._block_common import _compute_dtype, _flash_backward, _flash_forward
+from selfattn.functional._block_common import _compute_dtype, _flash_backward, _flash_forward, _keys_share
 from selfattn.functional._kernels import attention_weights
 
 __all__ = ["FUSED_SINKS"]
@@ -34,11 +34,7 @@ class _FlashWithSinks(torch.autograd.Function):
         kernel: tuple[torch.Tensor, torch.Tensor] = _flash_forward(q, k, v, 0.0, causal, scale=scale)
         out, lse = kernel  # (b, h, lq, dv), (b, h, lq)
         compute = _compute_dtype(q.dtype)
-        # The keys' share of each row, sigmoid(lse - s): the difference taken before the exponential, so a sink a few
-        # units below a log-sum-exp of 1e4 keeps its share (logaddexp(lse, s) rounds it away in float32).
-        row_lse = lse.to(compute)
-        # (lse - lse: NaN where a +inf score made lse +inf, the formula's NaN, which the half kernels' zeros drop)
-        share = torch.sigmoid(row_lse - sinks.detach().to(compute)[:, None]) + (row_lse - row_lse)  # (b, h, lq)
+        share = _keys_share(lse.to(compute), sinks.detach().to(compute))  # (b, h, lq)
         out = out * share.unsqueeze(-1).to(out.dtype)
         ctx.save_for_backward(q, k, v, sinks, out, lse, share)
         ctx.causal, ctx.scale = causal, scale
