@@ -139,6 +139,50 @@ def test_unmasked_grouped_heads_as_rows_of_their_kv_head_equal_the_loop(monkeypa
     assert not rows[1, :4].isnan().any() and not rows[0].isnan().any() and not rows[1, 5].isnan().any()
 
 
+@pytest.mark.parametrize("num_queries", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["GQA", "MQA"])
+def test_a_direct_grouped_call_goes_as_rows_from_its_threshold(monkeypatch, num_queries, dtype, kv_heads):
+    """A call with no gradient wanted lays grouped heads out as rows of their kv head, one query from b * h * lk *
+    d = _ROWS_MIN_WORK (here 342 keys: b 2, h 6, d 16), several from _ROWS_MIN_KEYS, and not one key before,
+    through fused_unmasked and through a step made for the kind at 40 keys alike: both give the same answer bit
+    for bit, the float64 loop's within rounding, NaN in the row of a query holding NaN or an infinity and in no
+    other row, and read a cache's narrowed keys and a transposed projection's (non-viewable) queries right."""
+    import selfattn.functional._unmasked as unmasked
+
+    rows_calls = []
+    real_rows = unmasked._grouped_rows
+    monkeypatch.setattr(unmasked, "_grouped_rows", lambda q, *a: rows_calls.append(q.shape) or real_rows(q, *a))
+    gen = torch.Generator().manual_seed(kv_heads)
+
+    def heads_of(lk):
+        q = torch.randn(2, num_queries, 6, 16, generator=gen, dtype=dtype).transpose(1, 2)  # (b, h, lq, d) view
+        storage = torch.randn(2, kv_heads, lk + 5, 16, generator=gen, dtype=dtype)
+        return q, storage[:, :, :lk], torch.randn(2, kv_heads, lk, 7, generator=gen, dtype=dtype)
+
+    threshold = 342 if num_queries == 1 else unmasked._ROWS_MIN_KEYS
+    assert unmasked._rows_from_keys(heads_of(1)[0]) == threshold
+    with torch.no_grad():
+        step = unmasked.unmasked_step(*heads_of(40), 0.3)
+        for lk in (16, threshold - 1, threshold, threshold + 58):
+            q, k, v = heads_of(lk)
+            q[1, 0, -1, 2], q[1, 3, 0, 3], q[0, 5, -1, 4] = float("inf"), float("-inf"), float("nan")
+            rows_calls.clear()
+            out = step(q, k, v)
+            torch.testing.assert_close(out, unmasked.fused_unmasked(q, k, v, scale=0.3), rtol=0, atol=0, equal_nan=True)
+            assert rows_calls == ([(2, 6, num_queries, 16)] * 2 if lk >= threshold else []), lk
+            poisoned = torch.zeros(2, 6, num_queries, dtype=torch.bool)
+            poisoned[1, 0, -1] = poisoned[1, 3, 0] = poisoned[0, 5, -1] = True
+            assert out[poisoned].isnan().all() and not out[~poisoned].isnan().any()
+            clean = q.masked_fill(poisoned[..., None], 0.0)
+            repeat = lambda t: t.double().repeat_interleave(6 // kv_heads, 1).numpy()  # noqa: E731
+            visible = np.ones((2, 6, num_queries, lk), dtype=bool)
+            expected, _ = naive_attention(clean.double().numpy(), repeat(k), repeat(v), visible, scale=0.3)
+            tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+            got = step(clean, k, v).double().numpy()
+            np.testing.assert_allclose(got, expected, atol=tolerance, rtol=tolerance)
+
+
 def test_num_kv_heads_errors():
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by num_kv_heads=3"):
         MultiHeadAttention(16, 4, num_kv_heads=3)
