@@ -468,6 +468,9 @@ def test_one_cache_given_to_a_second_layer_is_refused_until_reset() -> None:
             a(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], causal=True, cache=cache)
         with pytest.raises(ValueError, match=r"cache holds another layer's keys \(3 positions seen\)"):
             b(x[:, 3:], x[:, 3:], x[:, 3:], causal=True, cache=cache)
+        with pytest.raises(ValueError, match=r"cache holds another layer's keys \(3 positions seen\)"):
+            b.explain(x[:, 3:], x[:, 3:], x[:, 3:], causal=True, cache=cache)  # explain refuses what the call does
+        assert a.explain(x[:, 3:], x[:, 3:], x[:, 3:], causal=True, cache=cache).route  # the writer's own: explained
         assert cache.length == 3  # refused before anything was written
         cache.reset()
         assert b(x, x, x, causal=True, cache=cache).shape == (2, 4, 8)  # an empty cache: b's now

@@ -15,7 +15,7 @@ from selfattn._validation import require_tensor
 if TYPE_CHECKING:
     from selfattn.cache import KVCache
 
-__all__ = ["check_entries", "claim"]
+__all__ = ["check_entries", "claim", "copy_for_dry_run"]
 
 
 def claim(cache: KVCache, layer: Any) -> None:
@@ -30,6 +30,14 @@ def claim(cache: KVCache, layer: Any) -> None:
             "(TransformerLM.make_caches does), or reset() it first"
         )
     cache._writer = weakref.ref(layer)
+
+
+def copy_for_dry_run(cache: Any) -> Any:
+    """``cache.copy()`` that still names the layer whose keys it holds: a dry run (``explain``) refuses another
+    layer's cache where the call does (a plain copy is no layer's until one writes to it)."""
+    twin = cache.copy()
+    twin._writer = getattr(cache, "_writer", None)
+    return twin
 
 
 def check_entries(

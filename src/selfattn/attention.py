@@ -25,6 +25,7 @@ from torch import nn
 import selfattn._decode_plan as decode_plan
 import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
+from selfattn._cache_checks import copy_for_dry_run
 from selfattn._layer_call import describe, for_heads
 from selfattn._layer_options import OPTION_NAMES, build_projections, layer_options, shorthand_parts
 from selfattn._scripting import NotScriptable
@@ -224,12 +225,11 @@ class MultiHeadAttention(NotScriptable, nn.Module):
     ) -> MultiHeadAttention:
         """The same attention as ``module`` (an ``nn.MultiheadAttention``), with its weights copied.
 
-        Projections (``in_proj`` or the separate ``q/k/v_proj`` of ``kdim``/``vdim``), the
-        output projection, their biases and the dropout are copied, on ``module``'s device
-        and dtype. Call the result with batch-first tensors ``(b, l, d)`` whatever
-        ``module.batch_first`` was, and note that a bool ``attn_mask`` here means True =
-        attend (``nn.MultiheadAttention``: True = masked out); ``key_padding_mask`` means
-        the same in both.
+        Projections (``in_proj`` or the separate ``q/k/v_proj`` of ``kdim``/``vdim``), the output projection,
+        their biases and the dropout are copied, on ``module``'s device and dtype. Call the result with
+        batch-first tensors ``(b, l, d)`` whatever ``module.batch_first`` was, and note that a bool ``attn_mask``
+        here means True = attend (``nn.MultiheadAttention``: True = masked out); ``key_padding_mask`` means the
+        same in both.
 
         Raises:
             ValueError: for ``add_bias_kv`` or ``add_zero_attn``, which have no equivalent here.
@@ -362,7 +362,7 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         forward_arguments.apply_defaults()
         given = dict(forward_arguments.arguments)
         if given["cache"] is not None:
-            given["cache"] = given["cache"].copy()
+            given["cache"] = copy_for_dry_run(given["cache"])
         explanation = dispatch.explain(describe(self, check_request(self, **given)), verbose=verbose)
         return explanation.with_parts(self.describe_parts())
 
