@@ -84,7 +84,8 @@ from selfattn.functional import attention as functional_attention
 from selfattn.attention import MultiHeadAttention as home
 assert attention is functional_attention and selfattn.attention is functional_attention
 assert MultiHeadAttention is home and SinusoidalPositionalEncoding.__module__ == "selfattn.positional.sinusoidal"
-assert set(selfattn.__all__) <= set(dir(selfattn))
+assert set(selfattn.__all__) <= set(dir(selfattn)) and "__version__" in dir(selfattn)
+assert not {"sys", "types", "importlib", "Any", "TYPE_CHECKING", "annotations"} & set(dir(selfattn)), dir(selfattn)
 namespace = {}
 exec("from selfattn import *", namespace)
 assert set(selfattn.__all__) <= set(namespace)

@@ -79,7 +79,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_SUBPACKAGES})
+    """The public names, the subpackages and the module's dunders (not the helpers imported here: sys, types ...)."""
+    return sorted({*__all__, *_SUBPACKAGES, *(name for name in globals() if name.startswith("__"))})
 
 
 class _Package(types.ModuleType):
