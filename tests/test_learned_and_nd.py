@@ -133,7 +133,7 @@ def test_nd_tables_are_non_persistent_buffers():
             "offset must be a non-negative integer, got True",
         ),
         (lambda: SinusoidalPositionalEncoding2D(4).table((2,)), r"grid must have 2 sizes, got \(2,\)"),
-        (lambda: SinusoidalPositionalEncoding3D(4, base=1.0), "base must be a number greater than 1"),
+        (lambda: SinusoidalPositionalEncoding3D(4, base=1.0), "base must be a finite number greater than 1"),
     ],
 )
 def test_nd_bad_inputs(call, match):

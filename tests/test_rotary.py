@@ -196,7 +196,7 @@ def test_gradients_flow_through_the_rotation():
         ({"rotary_dim": 3}, "rotary_dim must be even"),
         ({"rotary_dim": 10}, "rotary_dim must be at most"),
         ({"rotary_dim": 0}, "rotary_dim must be a positive integer"),
-        ({"base": 1.0}, "base must be a number greater than 1"),
+        ({"base": 1.0}, "base must be a finite number greater than 1"),
         ({"scaling": "rope"}, "scaling must be None, one of default, linear, ntk, dynamic, yarn"),
         ({"scaling": "yarn"}, "scaling 'yarn' needs original_max_position_embeddings"),
         ({"scaling": "linear", "scaling_factor": 0.5}, "scaling_factor must be a number >= 1"),
@@ -232,7 +232,7 @@ def test_module_errors():
         RotaryPositionalEncoding(8, rotary_dim=10)
     with pytest.raises(ValueError, match="rotary_dim must be even"):
         RotaryPositionalEncoding(8, rotary_dim=5)
-    with pytest.raises(ValueError, match="base must be a number greater than 1"):
+    with pytest.raises(ValueError, match="base must be a finite number greater than 1"):
         RotaryPositionalEncoding(8, base=0.5)
     with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., length, 8\)"):
         RotaryPositionalEncoding(8)(torch.randn(1, 1, 3, 6), torch.arange(3))

@@ -53,7 +53,7 @@ def test_frequencies():
         (dict(num_positions=0, num_hiddens=4), "num_positions must be a positive integer, got 0"),
         (dict(num_positions=3, num_hiddens=-2), "num_hiddens must be a positive integer, got -2"),
         (dict(num_positions=3, num_hiddens=4, offset=-1), "offset must be a non-negative integer, got -1"),
-        (dict(num_positions=3, num_hiddens=4, base=1.0), "base must be a number greater than 1, got 1.0"),
+        (dict(num_positions=3, num_hiddens=4, base=1.0), "base must be a finite number greater than 1, got 1.0"),
         (dict(num_positions=3, num_hiddens=4, dtype=torch.int64), "dtype must be a floating-point dtype"),
         (dict(num_positions=2.5, num_hiddens=4), "num_positions must be a positive integer, got 2.5"),
     ],
@@ -122,7 +122,7 @@ def test_module_dropout_in_training_only():
         (lambda: SinusoidalPositionalEncoding(0), "num_hiddens must be a positive integer, got 0"),
         (lambda: SinusoidalPositionalEncoding(8, dropout=1.0), "dropout must be a probability"),
         (lambda: SinusoidalPositionalEncoding(8, max_len=-5), "max_len must be a positive integer, got -5"),
-        (lambda: SinusoidalPositionalEncoding(8, base=0.5), "base must be a number greater than 1"),
+        (lambda: SinusoidalPositionalEncoding(8, base=0.5), "base must be a finite number greater than 1"),
         (
             lambda: SinusoidalPositionalEncoding(8)(torch.zeros(1, 4, 8), offset=-3),
             "offset must be a non-negative integer, got -3",

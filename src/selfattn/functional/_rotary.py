@@ -14,6 +14,7 @@ Shape legend: ``...`` any leading dimensions, l positions, d features, r rotated
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ import torch
 from selfattn._validation import require_positive_int
 from selfattn.functional._rotary_scaling import (
     RotaryParameters,
+    check_partial_rotary_factor,
     parse_rotary_scaling,
     scaled_rotary_parameters,
 )
@@ -277,6 +279,7 @@ def apply_rotary(
     rotary_dim = features if rotary_dim is None else require_positive_int("rotary_dim", rotary_dim)
     if rotary_dim > features:
         raise ValueError(f"rotary_dim must be at most the number of features {features}, got {rotary_dim}")
+    check_partial_rotary_factor(scaling, features, rotary_dim)
     if frequencies is None:
         if seq_len is None and isinstance(scaling, (str, Mapping)) and positions.numel():
             seq_len = max(int(positions.max()) + 1, 1)
@@ -290,9 +293,11 @@ def apply_rotary(
     if attention_factor is None:
         attention_factor = 1.0
     elif (
-        isinstance(attention_factor, bool) or not isinstance(attention_factor, (int, float)) or not attention_factor > 0
+        isinstance(attention_factor, bool)
+        or not isinstance(attention_factor, (int, float))
+        or not 0 < attention_factor < math.inf
     ):
-        raise ValueError(f"attention_factor must be a positive number, got {attention_factor!r}")
+        raise ValueError(f"attention_factor must be a finite positive number, got {attention_factor!r}")
     return _rotate_by_positions(
         x, positions, frequencies, interleaved=interleaved, rotary_dim=rotary_dim, magnitude=float(attention_factor)
     )

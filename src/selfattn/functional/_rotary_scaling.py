@@ -49,7 +49,14 @@ import torch
 
 from selfattn.functional._sinusoidal import sinusoidal_frequencies
 
-__all__ = ["ROPE_TYPES", "RotaryParameters", "RotaryScalingConfig", "parse_rotary_scaling", "scaled_rotary_parameters"]
+__all__ = [
+    "ROPE_TYPES",
+    "RotaryParameters",
+    "RotaryScalingConfig",
+    "check_partial_rotary_factor",
+    "parse_rotary_scaling",
+    "scaled_rotary_parameters",
+]
 
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope")
 
@@ -126,7 +133,7 @@ def _number(rope_type: str, key: str, value: object, *, minimum: float | None = 
 
 
 def _length(rope_type: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 1 <= float(value) < math.inf:
         raise ValueError(
             f"scaling {rope_type!r}: original_max_position_embeddings must be a positive integer, got {value!r}"
         )
@@ -266,6 +273,23 @@ def parse_rotary_scaling(
     return RotaryScalingConfig(rope_type=rope_type, given=given, **values)
 
 
+def check_partial_rotary_factor(scaling: object, head_dim: int, rotary_dim: int) -> None:
+    """A scaling dict's ``partial_rotary_factor`` names how many of ``head_dim`` features rotate, ``int(head_dim *
+    factor)`` as transformers computes it: raise unless that is ``rotary_dim`` (the entry describes the model, and
+    a rotary given the dict as it is would otherwise rotate features the model does not)."""
+    factor = scaling.get("partial_rotary_factor") if isinstance(scaling, Mapping) else None
+    if factor is None:
+        return
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < float(factor) <= 1:
+        raise ValueError(f"scaling['partial_rotary_factor'] must be in (0, 1], got {factor!r}")
+    rotated = int(head_dim * float(factor))
+    if rotated != rotary_dim:
+        raise ValueError(
+            f"scaling['partial_rotary_factor']={factor!r} rotates {rotated} of head_dim={head_dim} features, but "
+            f"rotary_dim={rotary_dim}: pass rotary_dim={rotated} (RotaryPositionalEncoding.from_config reads it)"
+        )
+
+
 def _mscale(scale: float, multiplier: float = 1.0) -> float:
     return 1.0 if scale <= 1.0 else 0.1 * multiplier * math.log(scale) + 1.0
 
@@ -331,7 +355,12 @@ def scaled_rotary_parameters(
             assert trained is not None
             length = trained if seq_len is None else max(int(seq_len), trained)
             growth = factor * length / trained - (factor - 1)
-        if rotary_dim > 2 and growth != 1.0:
+        if rotary_dim == 2:  # base * factor^(r / (r - 2)) has no value at r = 2, and one pair turns at base^0 = 1
+            raise ValueError(
+                f"scaling {kind!r} multiplies the base, which rotary_dim=2 does not read (its one pair turns at "
+                "base^0 = 1 whatever the base): it needs rotary_dim >= 4"
+            )
+        if growth != 1.0:
             freqs = sinusoidal_frequencies(rotary_dim, base=base * growth ** (rotary_dim / (rotary_dim - 2)))
         return RotaryParameters(freqs, 1.0)
     if kind == "yarn":

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from selfattn._validation import require_dtype, require_position, require_positive_int
@@ -13,8 +15,8 @@ __all__ = ["sinusoidal_frequencies", "sinusoidal_rows", "sinusoidal_table"]
 
 
 def _require_base(base: float) -> float:
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1.0:
-        raise ValueError(f"base must be a number greater than 1, got {base!r}")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1.0 < base < math.inf:
+        raise ValueError(f"base must be a finite number greater than 1, got {base!r}")
     return float(base)
 
 

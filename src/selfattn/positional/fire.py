@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -61,8 +62,8 @@ class FIREPositionalBias(ScoreEncoding):
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.hidden_size = require_positive_int("hidden_size", hidden_size)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-            raise ValueError(f"threshold must be a positive number, got {threshold!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
+            raise ValueError(f"threshold must be a finite positive number, got {threshold!r}")
         self.initial_threshold = float(threshold)
         self.mlp = nn.Sequential(
             nn.Linear(1, self.hidden_size, **factory), nn.ReLU(), nn.Linear(self.hidden_size, self.num_heads, **factory)

@@ -21,7 +21,12 @@ from selfattn.functional._rotary import (
     rotation_dtype,
     signed_angle_rows,
 )
-from selfattn.functional._rotary_scaling import RotaryScalingConfig, parse_rotary_scaling, scaled_rotary_parameters
+from selfattn.functional._rotary_scaling import (
+    RotaryScalingConfig,
+    check_partial_rotary_factor,
+    parse_rotary_scaling,
+    scaled_rotary_parameters,
+)
 from selfattn.functional._sinusoidal import _require_base
 from selfattn.positional._tables import KeepsTablePrecision
 from selfattn.positional.base import QueryKeyEncoding
@@ -146,6 +151,7 @@ class RotaryPositionalEncoding(KeepsTablePrecision, QueryKeyEncoding):
         self.base = _require_base(base)
         self.interleaved = bool(interleaved)
         self.scaling_config = parse_rotary_scaling(scaling, scaling_factor)
+        check_partial_rotary_factor(scaling, self.head_dim, self.rotary_dim)
         self.scaling = scaling
         self.scaling_factor = float(scaling_factor)
         rotary_parameters(self.rotary_dim, self.base, scaling=scaling, scaling_factor=scaling_factor)  # validates

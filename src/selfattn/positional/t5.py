@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from selfattn._validation import require_positive_int
+from selfattn._validation import require_bool, require_positive_int
 from selfattn.functional import relative_distances, t5_relative_bucket
 from selfattn.positional.base import ScoreEncoding
 
@@ -51,7 +51,7 @@ class T5RelativePositionBias(ScoreEncoding):
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.num_buckets = require_positive_int("num_buckets", num_buckets)
         self.max_distance = require_positive_int("max_distance", max_distance)
-        self.bidirectional = bool(bidirectional)
+        self.bidirectional = require_bool("bidirectional", bidirectional)
         # Fails here, not at the first call, if the bucket settings are impossible.
         t5_relative_bucket(torch.zeros(1, dtype=torch.long), **self._bucket_options())
         self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads, device=device, dtype=dtype)

@@ -30,8 +30,8 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
     keys ahead of it, so use it with ``causal=True`` as the paper does. The scales are
     ``exp(+-|position| ln(zeta_0) / scale_base)``: they leave a dtype's range at large
     positions, so positions are limited to where the scales stay within the square root of the
-    dtype's largest value (|position| <= 18,152 in float32/bf16, 2,267 in float16, 145,000 in
-    float64 at the defaults); past that a ``ValueError`` says so.
+    dtype's largest value (|position| <= 18,130 in float32, 18,129 in bf16, 2,266 in float16, 145,042 in
+    float64 at the defaults: :meth:`max_position`); past that a ``ValueError`` says so.
 
     Args:
         head_dim: size of each query/key ``dh`` (even).
@@ -63,8 +63,8 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
     ) -> None:
         super().__init__()
         self.head_dim = _require_rotary_dim(head_dim, "head_dim")
-        if isinstance(scale_base, bool) or not isinstance(scale_base, (int, float)) or not scale_base > 0:
-            raise ValueError(f"scale_base must be a positive number, got {scale_base!r}")
+        if isinstance(scale_base, bool) or not isinstance(scale_base, (int, float)) or not 0 < scale_base < math.inf:
+            raise ValueError(f"scale_base must be a finite positive number, got {scale_base!r}")
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma < math.inf:
             raise ValueError(f"gamma must be a positive number, got {gamma!r}")
         self.base = float(base)
