@@ -10,6 +10,7 @@ Shape legend: b batch, n tokens, T keys, H index heads, D index head size, k pic
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -215,3 +216,32 @@ def test_bad_sizes_and_inputs_are_refused() -> None:
         ours(hidden, latent, positions=torch.arange(4), rotary=ours.rotary(torch.arange(4), torch.float32))
     with pytest.raises(ValueError, match=r"IndexerKeyCache: max_len|max_len must be a positive integer"):
         IndexerKeyCache(0)
+
+
+def test_positions_rotary_padding_cache_and_theta_are_checked() -> None:
+    """Bool positions were read as 0 and 1 (15 of 24 rows picked other keys), a theta of -1 gave NaN scores; the other
+    misfits raised RuntimeError or AttributeError. Each is a ValueError naming the argument now."""
+    from selfattn.latent import LatentCache
+    from selfattn.sparse import select_top_k
+
+    ours = LightningIndexer(32, 24, 4, 16, 8, 5)
+    hidden, latent = _inputs(2, 4)
+    cos, sin = ours.rotary(torch.arange(4), torch.float32)
+    misfits = [
+        (dict(positions=torch.ones(4, dtype=torch.bool)), r"positions must be integer .* got torch.bool \(4,\)"),
+        (dict(positions=torch.zeros(3, 4, dtype=torch.long)), r"\(b, n\) = \(2, 4\), got torch.int64 \(3, 4\)"),
+        (dict(rotary=cos), r"rotary must be \(cos, sin\) .* with b=2, got torch.float32 \(1, 4, 8\)$"),
+        (dict(rotary=(cos.expand(3, 4, 8), sin.expand(3, 4, 8))), r"with b=2, got torch.float32 \(3, 4, 8\)"),
+        (dict(key_padding=[[False] * 4] * 2), r"key_padding must be a bool \(b, n\) = \(2, 4\) tensor, got list"),
+        (dict(cache=LatentCache(max_len=8)), "cache must be an IndexerKeyCache, got LatentCache"),
+    ]
+    for options, message in misfits:
+        with pytest.raises(ValueError, match=message):
+            ours(hidden, latent, **options)
+    assert ours(hidden, latent, positions=torch.arange(4)[None]).shape == (2, 4, 4)  # (1, n) broadcasts
+    for theta in (-1.0, 1.0, math.inf):
+        with pytest.raises(ValueError, match=rf"rope_theta must be a finite number greater than 1, got {theta!r}"):
+            LightningIndexer(32, 24, 4, 16, 8, 5, rope_theta=theta)
+    for top_k in (0, -1):
+        with pytest.raises(ValueError, match=rf"top_k must be a positive integer, got {top_k}"):
+            select_top_k(torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2), torch.randn(1, 3, 4), None, 0, top_k)

@@ -155,11 +155,29 @@ def test_a_failed_call_leaves_the_cache_as_it_was() -> None:
         full = layer(x)
         cache = LatentCache(max_len=7)
         first = layer(x[:, :4], cache=cache)
-        with pytest.raises(ValueError, match="dense"):
+        with pytest.raises(ValueError, match=r"must have one column per key seen \(5\)"):
             layer(x[:, 4:5], cache=cache, mask=torch.ones(1, 2, 2, dtype=torch.bool))  # a mask of the wrong size
         assert cache.length == 4
         rest = [layer(x[:, t : t + 1], cache=cache) for t in range(4, 7)]
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, atol=1e-12, rtol=0)
+
+
+def test_a_mask_has_a_column_per_key_seen_or_one() -> None:
+    """A mask wider than the keys seen was cut to its first columns, silently (0.37 off its right-aligned columns);
+    a mask of one column broadcasts, also once a windowed cache has dropped keys."""
+    x, _, _ = _inputs(pads=(0, 0, 0), length=6)
+    wide = torch.rand(6, 9, generator=torch.Generator().manual_seed(0)) > 0.5
+    with pytest.raises(ValueError, match=r"mask of shape \(6, 9\) must have one column per key seen \(6\)"):
+        _layer("deepseek")(x, mask=wide)
+    layer = _layer("deepseek", window=3)
+    with torch.no_grad():
+        plain, broadcast = LatentCache(window=3), LatentCache(window=3)
+        for t in range(6):
+            step = x[:, t : t + 1]
+            expected = layer(step, cache=plain)
+            torch.testing.assert_close(layer(step, cache=broadcast, mask=torch.ones(1, 1, dtype=torch.bool)), expected)
+        with pytest.raises(ValueError, match=r"mask of shape \(1, 2\) must have one column per key seen \(7\)"):
+            layer(x[:, :1], cache=broadcast, mask=torch.ones(1, 2, dtype=torch.bool))
 
 
 def test_explain_names_the_computation_and_the_route() -> None:

@@ -359,3 +359,24 @@ def test_dropout_in_training_only() -> None:
     assert not torch.allclose(out, evaluated)
     assert weights is not None
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 6, dtype=F64))  # the weights before dropout
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_a_batch_of_none_gives_torch_s_empty_outputs(need_weights: bool, batch_first: bool) -> None:
+    """It raised RuntimeError (view's -1 had no elements to infer from)."""
+    theirs, ours = _pair(0, embed_dim=8, num_heads=2, batch_first=batch_first)
+    shape = (0, 3, 8) if batch_first else (3, 0, 8)
+    x = torch.randn(*shape, dtype=torch.float64)
+    expected, expected_weights = theirs(x, x, x, need_weights=need_weights)
+    got, weights = ours(x, x, x, need_weights=need_weights)
+    assert got.shape == expected.shape == shape
+    assert (weights is None) == (expected_weights is None) and (weights is None or weights.shape == (0, 3, 3))
+
+
+def test_need_weights_is_named_when_it_is_not_a_flag() -> None:
+    """The error named return_weights, an argument of selfattn.functional.attention the caller never passed."""
+    _, ours = _pair(0, embed_dim=8, num_heads=2, batch_first=True)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="need_weights must be True or False, got str 'no'"):
+        ours(x, x, x, need_weights="no")  # type: ignore[arg-type]

@@ -59,8 +59,8 @@ def attention(
     A query that may attend to no key (every key masked by ``mask``, ``causal`` or a ``-inf`` bias) gets zeros, output
     and weights (not the textbook's even spread, nor NaN). NaN in a query or a key or value it sees, a +inf score or an
     infinite query make its row NaN (as the formula: a softcap keeps an infinite query's row finite, sinks zeros if
-    every score is -inf), as does NaN in a value (0 * NaN) or, fused, a key that a ``mask`` hides; a -inf score from an
-    infinite key weighs it zero (NaN on CUDA's float32 kernel; a row of only such scores: zeros fused, NaN explicit).
+    every score is -inf), as does NaN in a value (0 * NaN) or, fused (CPU: from 16 keys), a key a ``mask`` hides; a -inf
+    score of an infinite key weighs it 0 (NaN in CUDA's float32 kernel; a row of only such: zeros fused, NaN explicit).
 
     Second-order gradients (``create_graph=True``) work: such a backward pass goes through
     PyTorch's math kernel, whose ops are all differentiable (without dropout).

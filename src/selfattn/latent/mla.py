@@ -382,7 +382,13 @@ class MultiHeadLatentAttention(NotScriptable, nn.Module):
         if isinstance(mask, torch.Tensor):
             if mask.dim() == 3:
                 mask = mask[:, None]  # (b, l, n) -> (b, 1, l, n): one selection per sequence, every head
-            mask = masks.dense(mask[..., seen.first_index : seen.first_index + seen.latent_key.shape[-2]])
+            if mask.dim() >= 2 and mask.shape[-1] not in (1, total):  # cut to the kept keys below: check it first
+                raise ValueError(
+                    f"mask of shape {tuple(mask.shape)} must have one column per key seen ({total}), or 1 to broadcast"
+                )
+            if mask.dim() >= 2 and mask.shape[-1] != 1:
+                mask = mask[..., seen.first_index : seen.first_index + seen.latent_key.shape[-2]]
+            mask = masks.dense(mask)
         visibility = Visibility(length, seen.latent_key.shape[-2], total - length, seen.first_index).with_rules(
             masks.causal() if causal else None,
             None if self.window is None else masks.window(self.window),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfattn._scripting import NotScriptable
-from selfattn._validation import require_positive_int, require_probability
+from selfattn._validation import require_bool, require_positive_int, require_probability
 from selfattn.attention import MultiHeadAttention as _CoreAttention
 from selfattn.cache import KVCache
 from selfattn.functional import attention
@@ -281,6 +281,7 @@ class MultiheadAttention(NotScriptable, nn.Module):
             ValueError: inputs or masks of the wrong rank, shape or dtype, ``is_causal`` without
                 ``attn_mask``, selfattn options with ``add_bias_kv``/``add_zero_attn``.
         """
+        need_weights = require_bool("need_weights", need_weights)
         if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
             return self._nested_self_attention(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         batched = check_torch_inputs(self, query, key, value)
@@ -426,7 +427,8 @@ class MultiheadAttention(NotScriptable, nn.Module):
             if mask is not None and mask.shape[-1] < k.shape[1]:
                 mask = F.pad(mask, (0, 1), value=True)
             bias = None if bias is None else F.pad(bias, (0, 1), value=0.0)
-        q, k, v = (t.view(batch, -1, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (b, h, ., dh)
+        # (b, h, l or s, dh); each length given: a batch of 0 leaves view's -1 nothing to infer from
+        q, k, v = (t.view(batch, t.shape[1], self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         dropout_p = self.dropout if self.training else 0.0
         result = attention(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, return_weights=need_weights)
         out, weights = result if isinstance(result, tuple) else (result, None)

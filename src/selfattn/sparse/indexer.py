@@ -17,6 +17,7 @@ size, k picks per query, d model size, r query latent size.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -91,6 +92,8 @@ class LightningIndexer(nn.Module):
             raise ValueError(f"rope_dim must be an even non-negative integer, got {rope_dim!r}")
         if rope_dim > head_dim:
             raise ValueError(f"rope_dim={rope_dim} is larger than head_dim={head_dim}")
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not 1 < rope_theta < math.inf:
+            raise ValueError(f"rope_theta must be a finite number greater than 1, got {rope_theta!r}")
         self.hidden_size, self.q_lora_rank = hidden_size, q_lora_rank
         self.num_heads, self.head_dim, self.rope_dim, self.top_k = num_heads, head_dim, rope_dim, top_k
         self.rope_theta, self.interleaved = float(rope_theta), bool(interleaved)
@@ -247,21 +250,39 @@ class LightningIndexer(nn.Module):
         b, n = hidden_states.shape[:2]
         if tuple(q_latent.shape[:2]) != (b, n):
             raise ValueError(f"q_latent has shape {tuple(q_latent.shape)}; hidden_states has (b, n) = ({b}, {n})")
-        if key_padding is not None and (key_padding.dtype != torch.bool or tuple(key_padding.shape) != (b, n)):
-            raise ValueError(
-                f"key_padding must be a bool (b, n) = ({b}, {n}) tensor, got {key_padding.dtype} {tuple(key_padding.shape)}"
-            )
+        if key_padding is not None and (
+            not isinstance(key_padding, torch.Tensor) or key_padding.dtype != torch.bool or key_padding.shape != (b, n)
+        ):
+            shown = _shown(key_padding)
+            raise ValueError(f"key_padding must be a bool (b, n) = ({b}, {n}) tensor, got {shown}")
+        if cache is not None and not isinstance(cache, IndexerKeyCache):
+            raise ValueError(f"cache must be an IndexerKeyCache, got {type(cache).__name__}")
         if positions is None:
             first = 0 if cache is None else cache.length
             positions = torch.arange(first, first + n, device=hidden_states.device)
-        elif positions.is_floating_point() or positions.shape[-1] != n or positions.dim() not in (1, 2):
-            raise ValueError(
-                f"positions must be integer (n,) or (b, n) with n={n}, got {positions.dtype} {tuple(positions.shape)}"
-            )
+        elif (
+            not isinstance(positions, torch.Tensor)
+            or positions.is_floating_point()
+            or positions.is_complex()
+            or positions.dtype == torch.bool
+            or positions.shape[-1:] != (n,)
+            or positions.dim() not in (1, 2)
+            or (positions.dim() == 2 and positions.shape[0] not in (1, b))
+        ):
+            raise ValueError(f"positions must be integer (n,) or (b, n) = ({b}, {n}), got {_shown(positions)}")
         elif rotary is not None and self.softmax_scaling is None:
             raise ValueError("positions and rotary both given: the rotary (cos, sin) already holds the positions")
         if rotary is None:
             return (*self.rotary(positions, hidden_states.dtype), positions)
+        if not (
+            isinstance(rotary, (tuple, list))
+            and len(rotary) == 2
+            and all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] in (1, b) for t in rotary)
+        ):
+            shown = ", ".join(map(_shown, rotary)) if isinstance(rotary, (tuple, list)) else _shown(rotary)
+            raise ValueError(
+                f"rotary must be (cos, sin) of shape (b or 1, {n}, {self.rope_dim}) with b={b}, got {shown}"
+            )
         cos, sin = rotary
         if cos.shape[-2:] != (n, self.rope_dim) or sin.shape != cos.shape:
             raise ValueError(
@@ -287,6 +308,7 @@ def select_top_k(
     (a fresh tensor of up to 64 MiB per block is page-faulted in each time: 1.6x slower
     measured, n=2048, 64 heads of 128, one thread).
     """
+    require_positive_int("top_k", top_k)
     with torch.no_grad():  # integer picks: no gradient flows through them
         return _select_top_k(queries, weights, keys, key_padding, first, top_k)
 
@@ -338,3 +360,8 @@ def _one_query_index(queries: torch.Tensor, weights: torch.Tensor, keys: torch.T
     """
     scores = torch.bmm(keys, queries.transpose(1, 2)).relu_()  # (b, T, H)
     return torch.bmm(scores, weights[..., None]).transpose(1, 2)  # (b, 1, T)
+
+
+def _shown(value: object) -> str:
+    """A value for an error message: a tensor's dtype and shape, else its type."""
+    return f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
