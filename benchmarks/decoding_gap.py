@@ -7,20 +7,24 @@ Run from the repository root::
 
 Issue 31 asks Llama's ``generate()`` with ``attn_implementation="selfattn"`` for at least ``sdpa``'s tokens/s
 (benchmarks/decoding.py, section decoding-cpu). This script times the attention function itself, call by call,
-inside the same ``generate()`` (the tiny Llama of that section, 64 new tokens after 8, one thread), for four
+inside the same ``generate()`` (the tiny Llama of that section, 64 new tokens after 8, one thread), for five
 functions registered with transformers:
 
 * ``sdpa``: transformers' own function;
 * ``selfattn``: the backend, its decoding steps replayed by their plans;
+* ``step, no checks``: the backend, but a one-query unmasked call of a layer that has a decoding plan runs the
+  plan's step form with none of the checks of the call's kind: what selfattn computes (the guard, and the formula
+  written out below 16 keys) at no checking cost, the most a plan's replay could gain (not a usable backend);
 * ``kernel + guard``: ``F.scaled_dot_product_attention`` on one unmasked query after its infinities are made
   NaN (``q + 0 * q``), what selfattn's step computes, with none of a plan's checks;
 * ``kernel``: the same call without that guard, what ``sdpa``'s function computes, with none of its own checks.
 
-The two references run their prefill and masked calls through ``sdpa``'s function; only one-query calls with no
-mask are timed, for all four. Each function is wrapped in the same timer (two ``perf_counter`` reads and a
+The two references run their prefill and masked calls through ``sdpa``'s function (``step, no checks``:
+through selfattn's, and selfattn's mask function); only one-query calls with no
+mask are timed, for all five. Each function is wrapped in the same timer (two ``perf_counter`` reads and a
 frame), rounds alternate the order, and a figure is the median over rounds of the mean time per timed call.
-The differences read the parts: ``selfattn`` minus ``kernel + guard`` is the plans' checks (and the step form's
-call), ``kernel + guard`` minus ``kernel`` the guard, ``sdpa`` minus ``kernel`` ``sdpa``'s own wrapper. The rest of
+The differences read the parts: ``selfattn`` minus ``step, no checks`` is the plans' checks, ``step, no checks``
+minus ``kernel + guard`` the step form's call and its formula below 16 keys, ``kernel + guard`` minus ``kernel`` the guard, ``sdpa`` minus ``kernel`` ``sdpa``'s own wrapper. The rest of
 a ``generate()``'s difference is read beside them: the time per ``generate()`` in the prompt's attention calls and
 in the mask function (once per token), each under a timer of its own.
 """
@@ -38,7 +42,8 @@ import torch.nn.functional as F
 from _common import emit, load_average, log, machine_lines, paired_ratio, table
 from decoding import _hf_model
 
-NAMES = ("sdpa", "selfattn", "kernel + guard", "kernel")
+NAMES = ("sdpa", "selfattn", "step, no checks", "kernel + guard", "kernel")
+SELFATTN_MASKS = ("selfattn", "step, no checks")  # the functions whose model gets selfattn's mask function
 HEADER = ["batch", "function", "us per call", "minus sdpa's", "prefill us", "masks us", "tokens/s", "ratio to sdpa",
           "same tokens"]  # fmt: skip
 
@@ -46,7 +51,14 @@ HEADER = ["batch", "function", "us per call", "minus sdpa's", "prefill us", "mas
 def _functions() -> dict[str, Callable[..., Any]]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from selfattn.integrations import _hf_plan
     from selfattn.integrations.transformers import attention_forward
+
+    def unchecked_step(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, **kw: Any) -> Any:
+        plans = _hf_plan.plans_of(module) if q.shape[2] == 1 and mask is None else None
+        if plans is not None and plans[0] is not None and plans[0].step is not None:
+            return plans[0].step(q, k, v).transpose(1, 2).contiguous(), None  # (b, 1, h, dv)
+        return attention_forward(module, q, k, v, mask, **kw)  # the first step of a layer makes its plan
 
     def reference(guarded: bool) -> Callable[..., Any]:
         def forward(module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, **kw: Any) -> Any:
@@ -60,7 +72,7 @@ def _functions() -> dict[str, Callable[..., Any]]:
 
         return forward
 
-    return {"sdpa": sdpa_attention_forward, "selfattn": attention_forward,
+    return {"sdpa": sdpa_attention_forward, "selfattn": attention_forward, "step, no checks": unchecked_step,
             "kernel + guard": reference(True), "kernel": reference(False)}  # fmt: skip
 
 
@@ -100,7 +112,7 @@ def rows(batch: int, rounds: int) -> tuple[list[list[str]], str]:
         registered = f"gap {name}"
         AttentionInterface.register(registered, _timed(function, clock))
         AttentionMaskInterface.register(
-            registered, _timed_masks(model_masks if name == "selfattn" else sdpa_mask, clock)
+            registered, _timed_masks(model_masks if name in SELFATTN_MASKS else sdpa_mask, clock)
         )
     model = _hf_model("llama", "sdpa")
     prompt = torch.randint(2, 128, (batch, 8), generator=torch.Generator().manual_seed(batch))
@@ -161,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         "the whole `generate()`, and the paired ratio of `sdpa`'s time over the function's (the median over "
         "rounds, its 95% interval). Per `generate()` (medians over rounds), microseconds in its other attention "
         "calls (`prefill us`: the prompt's, one per layer) and in the mask function (`masks us`: one call per "
-        "token; selfattn's is `model_masks`, the references' `sdpa_mask`). `kernel + guard` and `kernel` are "
-        "references, not usable backends: they skip every check (see the script's docstring); their prompts go "
-        "through `sdpa`'s function. " + "; ".join(counts) + ".",
+        "token; selfattn's is `model_masks`, the references' `sdpa_mask`). `step, no checks`, `kernel + guard` and "
+        "`kernel` are references, not usable backends: they skip every check of the call (see the script's "
+        "docstring); `step, no checks` computes what selfattn computes (its prompt and masks are selfattn's), the "
+        "other two run their prompts through `sdpa`'s function. " + "; ".join(counts) + ".",
         "",
         table(HEADER, all_rows),
     ]

@@ -1,4 +1,4 @@
-"""benchmarks/decoding_gap.py: its four attention functions generate the same tokens, and only decoding steps are timed."""
+"""benchmarks/decoding_gap.py: its five attention functions generate the same tokens, and only decoding steps are timed."""
 
 import importlib.util
 import sys
