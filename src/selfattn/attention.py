@@ -228,8 +228,8 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         Projections (``in_proj`` or the separate ``q/k/v_proj`` of ``kdim``/``vdim``), the output projection,
         their biases and the dropout are copied, on ``module``'s device and dtype. Call the result with
         batch-first tensors ``(b, l, d)`` whatever ``module.batch_first`` was, and note that a bool ``attn_mask``
-        here means True = attend (``nn.MultiheadAttention``: True = masked out); ``key_padding_mask`` means the
-        same in both.
+        here means True = attend (``nn.MultiheadAttention``: True = masked out); a bool ``key_padding_mask`` means
+        the same in both (a float one, which torch adds to the scores, is refused).
 
         Raises:
             ValueError: for ``add_bias_kv`` or ``add_zero_attn``, which have no equivalent here.

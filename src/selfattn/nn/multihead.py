@@ -56,7 +56,9 @@ class MultiheadAttention(NotScriptable, nn.Module):
       weights) instead of NaN;
     * the weights returned in training with ``dropout > 0`` are those before dropout;
     * the output is always contiguous (torch's is a transposed view with ``batch_first`` in
-      training).
+      training);
+    * flags and probabilities are checked: ``need_weights`` must be True or False, ``dropout``
+      in ``[0, 1)`` (torch takes any truthy value, and a dropout of 1, which drops every weight).
 
     Inside torch's ``nn.TransformerEncoderLayer`` and ``nn.TransformerEncoder`` this module
     always runs, in training and in eval: it carries a no-op forward pre-hook, and torch's
