@@ -217,6 +217,39 @@ def test_config_round_trip(family: str, layer_idx: int) -> None:
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("scaling", ["dynamic", "phi3 longrope"])
+def test_a_length_dependent_scaling_keeps_its_trained_length_through_the_config(scaling: str) -> None:
+    """to_transformers_config wrote no max_position_embeddings (dynamic's trained length in transformers) and no
+    top-level original_max_position_embeddings (Phi-3's, default 4,096, which wins over the dict's): the rebuilt
+    model's cos and sin were 2.0 and 2.3 off the original's past the trained length of 16."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.phi3 import modeling_phi3
+
+    sizes = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)  # fmt: skip
+    if scaling == "dynamic":
+        rope = dict(rope_type="dynamic", factor=2.0, rope_theta=100.0)
+        config, modeling, names = transformers.LlamaConfig(**sizes, max_position_embeddings=16, rope_parameters=rope), \
+            modeling_llama, ("LlamaAttention", "LlamaRotaryEmbedding")  # fmt: skip
+    else:
+        rope = dict(rope_type="longrope", rope_theta=100.0, short_factor=[1.0] * 4, long_factor=[2.0, 3.0, 4.0, 5.0])
+        config = transformers.Phi3Config(
+            **sizes, max_position_embeddings=64, original_max_position_embeddings=16, rope_parameters=rope
+        )
+        modeling, names = modeling_phi3, ("Phi3Attention", "Phi3RotaryEmbedding")
+    config._attn_implementation = "eager"
+    mha = MultiHeadAttention.from_transformers(getattr(modeling, names[0])(config, 0))
+    rebuilt = transformers.AutoConfig.for_model(**mha.to_transformers_config())
+    x, positions = torch.zeros(1, 40, 32), torch.arange(40)[None]  # past the trained length
+    for original, again in zip(getattr(modeling, names[1])(config)(x, positions),
+                               getattr(modeling, names[1])(rebuilt)(x, positions), strict=True):  # fmt: skip
+        torch.testing.assert_close(again, original, atol=0, rtol=0)
+    frequencies, factor = mha.position.frequencies_at(40)
+    reloaded = MultiHeadAttention.from_transformers(getattr(modeling, names[0])(rebuilt, 0)).position
+    torch.testing.assert_close(reloaded.frequencies_at(40)[0], frequencies, atol=0, rtol=0)
+    assert reloaded.frequencies_at(40)[1] == factor
+
+
 def _float64_llama(layer: Any, x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Llama attention written out in float64: exact angles p * base^(-2j/dh), half-split pairs, causal softmax."""
     weights = {name: t.detach().double() for name, t in layer.state_dict().items()}

@@ -299,6 +299,19 @@ def rope_parameters_of(rotary: RotaryPositionalEncoding) -> dict[str, Any]:
     return {"rope_type": "default", **scaling, "rope_theta": rotary.base}
 
 
+def _trained_length_fields(rotary: RotaryPositionalEncoding) -> dict[str, int]:
+    """The top-level fields from which transformers reads a length-dependent scaling's trained length: ``dynamic``
+    from ``max_position_embeddings``, Phi-3's ``longrope`` from ``original_max_position_embeddings`` (its default,
+    4,096, wins over the dict's): without them a rebuilt model scales otherwise past that length."""
+    config = rotary.scaling_config
+    trained = None if config is None else config.original_max_position_embeddings
+    if trained is None or config is None:
+        return {}
+    if config.rope_type == "dynamic":
+        return {"max_position_embeddings": trained}
+    return {"original_max_position_embeddings": trained} if config.rope_type == "longrope" else {}
+
+
 def to_transformers_config(module: nn.Module) -> dict[str, Any]:
     """Config fields that rebuild ``module`` (a MultiHeadAttention) as one transformers attention layer.
 
@@ -334,6 +347,7 @@ def to_transformers_config(module: nn.Module) -> dict[str, Any]:
         fields["rope_parameters"] = rope_parameters_of(rotary)
         if rotary.rotary_dim != rotary.head_dim:
             fields["partial_rotary_factor"] = rotary.rotary_dim / rotary.head_dim
+        fields.update(_trained_length_fields(rotary))
     if mha.q_norm is not None:
         fields["rms_norm_eps"] = mha.q_norm.eps
     if family.model_type != "llama":
