@@ -113,6 +113,11 @@ def _ids(*shape):
         (masks.dense(torch.ones(4, L, dtype=torch.bool)), r"masks.dense: .* has 4 queries .* has 5 queries"),
         (masks.dense(torch.ones(3, 1, L, L, dtype=torch.bool)), r"masks.dense: .* has 3 sequences .* 2 sequences"),
         (masks.dense(torch.ones(1, 3, L, L, dtype=torch.bool)), r"masks.dense: .* has 3 heads .* has 2 heads"),
+        (  # a fifth dimension: it broadcast the call's heads and failed in W_o with a RuntimeError
+            masks.dense(torch.ones(2, 1, 1, L, L, dtype=torch.bool)),
+            r"masks.dense: mask of shape \(2, 1, 1, 5, 5\) has more dimensions than the call's \(b, h, lq, lk\)",
+        ),
+        (masks.dense(torch.ones(1, 3, 1, L, L, dtype=torch.bool)), r"masks.dense: .* has 3 sequences .* 2 sequences"),
         (masks.prefix(torch.tensor([1, 2, 3])), r"masks.prefix: lengths of shape \(3,\) has 3 sequences"),
         (masks.spans(_ids(3, L)), r"masks.spans: ids of shape \(3, 5\) has 3 sequences"),
         (
@@ -297,3 +302,11 @@ def test_layer_recipe_keeps_temperature_tuning_as_a_tuple():
     recipe = LayerRecipe(position=False, temperature_tuning=[0.1, 4])
     assert recipe.temperature_tuning == (0.1, 4.0)
     assert hash(recipe) == hash(LayerRecipe(position=False, temperature_tuning=(0.1, 4.0)))
+
+
+def test_a_dense_mask_with_leading_ones_equals_its_four_dimensions():
+    x, mha = _x(), _mha()
+    allowed = torch.rand(B, 1, L, L, generator=torch.Generator().manual_seed(0)) > 0.3
+    with torch.no_grad():
+        expected = mha(x, x, x, mask=masks.dense(allowed))
+        torch.testing.assert_close(mha(x, x, x, mask=masks.dense(allowed[None, None])), expected, atol=0, rtol=0)

@@ -337,8 +337,13 @@ class Dense(Rule):
             (-1, call.num_keys, "keys"),
             (-2, call.num_queries, "queries"),
         )
-        if self.mask.dim() == 4:  # leading dimensions of other calls are checked by the functional API
-            sizes += ((0, call.batch, "sequences"), (1, call.heads, "heads"))
+        if self.mask.dim() >= 4:  # leading dimensions of other calls are checked by the functional API
+            sizes += ((-4, call.batch, "sequences"), (-3, call.heads, "heads"))
+        if call.batch is not None and any(n != 1 for n in self.mask.shape[:-4]):
+            raise ValueError(
+                f"masks.dense: mask of shape {tuple(self.mask.shape)} has more dimensions than the call's (b, h, lq, "
+                f"lk) = ({call.batch}, {call.heads}, {call.num_queries}, {call.num_keys}); those before them must be 1"
+            )
         for dim, size, what in sizes:
             require_fits("dense", "mask", self.mask, dim, size, what, broadcast=True)
 
