@@ -476,3 +476,27 @@ def test_one_cache_given_to_a_second_layer_is_refused_until_reset() -> None:
         assert b(x, x, x, causal=True, cache=cache).shape == (2, 4, 8)  # an empty cache: b's now
         twin = cache.copy()  # a copy is no layer's until one writes to it
         assert a(x[:, :1], x[:, :1], x[:, :1], causal=True, cache=twin).shape == (2, 1, 8)
+
+
+def test_a_cache_mid_decoding_pickles_and_deep_copies_with_its_model() -> None:
+    """KVCache kept a weak reference to its writer: pickling raised TypeError, and a deep copy of (model, caches)
+    still named the original layer, so the copy's next step was refused. A copy is no layer's until one writes."""
+    import copy
+    import pickle
+
+    from selfattn.models import TransformerLM
+
+    torch.manual_seed(0)
+    lm = TransformerLM(20, 16, 2, 2, position="rotary").eval()
+    tokens = torch.randint(0, 20, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        caches = lm.make_caches(16)
+        lm(tokens[:, :4], caches=caches)
+        twins = [copy.deepcopy((lm, caches)), pickle.loads(pickle.dumps((lm, caches)))]
+        expected = [lm(tokens[:, t : t + 1], caches=caches) for t in range(4, 7)]
+        for twin_lm, twin_caches in twins:
+            steps = [twin_lm(tokens[:, t : t + 1], caches=twin_caches) for t in range(4, 7)]
+            for got, want in zip(steps, expected, strict=True):
+                torch.testing.assert_close(got, want, atol=0, rtol=0)
+        with pytest.raises(ValueError, match="cache holds another layer's keys"):
+            lm(tokens[:, :1], caches=twins[0][1])  # the copy is its writer's now: the original model is refused

@@ -155,3 +155,20 @@ def test_lm_positions_per_sequence_equal_each_sequence_alone(position: str) -> N
         model(tokens, positions=torch.tensor([[0, 1, 2, 3, 4], [0, 1, 1, 3, 4], [0, 1, 2, 3, 4]]))
     with pytest.raises(ValueError, match="positions must be non-negative, got -1"):
         model(tokens, positions=torch.tensor([[0, 1, 2, 3, 4], [-1, 1, 2, 3, 4], [0, 1, 2, 3, 4]]))
+
+
+@pytest.mark.parametrize("position", ["sinusoidal", "learned"])
+def test_given_positions_drop_out_the_sum_of_input_and_encoding_in_training(position: str) -> None:
+    """With positions the model added dropout(P)[positions] to the embeddings (the embeddings never dropped, P
+    dropped and scaled alone); the encoding's docstring and the offset path give dropout(X + P[positions])."""
+    torch.manual_seed(0)
+    lm = TransformerLM(30, 16, 2, 1, position=position, max_len=12, position_options={"dropout": 0.5}).train()
+    tokens = torch.randint(0, 30, (2, 6), generator=torch.Generator().manual_seed(1))
+    seen = []
+    lm.blocks[0].register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True)
+    torch.manual_seed(3)
+    by_offset = lm(tokens)
+    torch.manual_seed(3)
+    by_positions = lm(tokens, positions=torch.arange(6))
+    torch.testing.assert_close(by_positions, by_offset, atol=0, rtol=0)
+    assert (seen[1] == 0).float().mean() > 0.3  # the block's input itself is dropped, not only P

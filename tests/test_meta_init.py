@@ -62,3 +62,25 @@ def test_alibi_meta_context_tables_are_exact_after_reset():
         assert getattr(module, table).dtype == torch.float64
     assert alibi.slopes.tolist() == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]
     assert rotary.inv_freq.tolist() == [10000.0 ** (-2 * j / 6) for j in range(3)]
+
+
+def test_meta_then_reset_repeats_a_layer_built_with_its_own_and_given_parts():
+    """Parts given in parts= are built before the layer (as its position): reset_parameters drew them after the
+    projections, so every weight differed (0.35) from a normal construction; the keywords' parts come after."""
+    from selfattn.parts import OutputGate
+
+    def layer(device=None):
+        position = build("t5", num_hiddens=D, num_heads=H, device=device)
+        given = {"gate": OutputGate(D, H, D // H, device=device)}
+        return MultiHeadAttention(D, H, position=position, parts=given, qk_norm=True, device=device)
+
+    torch.manual_seed(5)
+    normal = layer()
+    meta = layer("meta")
+    meta.to_empty(device="cpu")
+    torch.manual_seed(5)
+    meta.reset_parameters()
+    expected, got = _state(normal), _state(meta)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0, msg=key)

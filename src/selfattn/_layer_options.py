@@ -24,7 +24,7 @@ from selfattn._validation import (
 from selfattn.parts import SLOTS, HeadNorm, OutputGate, Part, TemperatureTuning
 from selfattn.positional.base import PositionalEncoding, QueryKeyEncoding, ScoreEncoding
 
-__all__ = ["OPTION_NAMES", "LayerOptions", "build_projections", "layer_options", "shorthand_parts"]
+__all__ = ["KEYWORD_PARTS", "OPTION_NAMES", "LayerOptions", "build_projections", "layer_options", "shorthand_parts"]
 
 # The slots a layer reading another layer's keys and values (shared_kv) never runs.
 _KEY_VALUE_SLOTS = ("key_features", "keys", "rotated_keys", "values")
@@ -158,6 +158,10 @@ def build_projections(options: LayerOptions) -> dict[str, nn.Module | nn.Paramet
         "W_o": nn.Linear(h * dv, options.output_size, bias=output_bias, **factory),
         "sinks": nn.Parameter(torch.zeros(h, **factory)) if raw["sinks"] else None,
     }
+
+
+#: The names of the parts the keywords stand for (:func:`shorthand_parts`), built by the layer after its projections.
+KEYWORD_PARTS = ("q_norm", "k_norm", "query_scaling", "W_g")
 
 
 def shorthand_parts(options: LayerOptions) -> dict[str, Part]:

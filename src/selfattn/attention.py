@@ -27,7 +27,7 @@ import selfattn.core.dispatch as dispatch
 import selfattn.masks as masks
 from selfattn._cache_checks import copy_for_dry_run
 from selfattn._layer_call import describe, for_heads
-from selfattn._layer_options import OPTION_NAMES, build_projections, layer_options, shorthand_parts
+from selfattn._layer_options import KEYWORD_PARTS, OPTION_NAMES, build_projections, layer_options, shorthand_parts
 from selfattn._scripting import NotScriptable
 from selfattn.cache import KVCache
 from selfattn.core.dispatch import Explanation
@@ -202,16 +202,15 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call, no-any-return]
 
     def reset_parameters(self) -> None:
-        """Reset ``position`` (built before this module), then re-draw the projections as ``nn.Linear`` does.
+        """Reset ``position`` and the parts of ``parts=`` (built before this module, in that order), re-draw the
+        projections as ``nn.Linear`` does, then reset the keywords' parts (built after them, as ``gated_output``'s).
 
         With the same seed this repeats a normal construction, so meta-device modules can be
         materialized with ``to_empty()`` and this method.
         """
-        reset = getattr(self.position, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        parts = [part for slot in SLOTS for part in self.parts(slot)]
-        for layer in (self.W_q, self.W_k, self.W_v, self.W_o, *parts):
+        names = [name for name in self._modules if any(name in self.part_names[slot] for slot in SLOTS)]
+        given, own = ([self._modules[n] for n in names if (n in KEYWORD_PARTS) == keyword] for keyword in (False, True))
+        for layer in (self.position, *given, self.W_q, self.W_k, self.W_v, self.W_o, *own):
             reset_layer = getattr(layer, "reset_parameters", None)
             if callable(reset_layer):
                 reset_layer()

@@ -21,11 +21,10 @@ class CachedKeys(NamedTuple):
     Attributes:
         keys: ``(b, hk, n, dh)``.
         values: ``(b, hk, n, dv)``.
-        positions: int64 positions of those keys, ``(n,)`` when every sequence shares them,
-            else ``(b, n)``.
+        positions: int64 positions of those keys, ``(n,)`` when every sequence shares them, else ``(b, n)``.
         padding: bool ``(b, n)``, True for keys marked as padding; None when none ever was.
-        first_index: index of ``keys[..., 0, :]`` in the whole sequence seen so far (0 unless
-            a windowed cache has dropped older keys).
+        first_index: index of ``keys[..., 0, :]`` in the whole sequence seen so far (0 unless a windowed cache
+            has dropped older keys).
         documents: int64 document ids ``(b, n)`` of packed sequences; None when none were given.
     """
 
@@ -40,28 +39,24 @@ class CachedKeys(NamedTuple):
 class KVCache:
     """The keys and values one :class:`~selfattn.MultiHeadAttention` layer has seen so far.
 
-    Pass the same cache to every call of one layer: ``mha(x_t, x_t, x_t, cache=cache, causal=True)`` (another
-    layer's call is refused while it holds keys). Keys are stored after any query/key encoding (rotary) has been
-    applied at their own positions, so earlier entries never need recomputing; their positions, any
-    ``key_padding_mask`` and any ``document_ids`` (packed sequences) are stored beside them. Storage is
-    allocated once, at the first call, for ``max_len`` positions; the cache is meant for inference (wrap
-    decoding in ``torch.no_grad()``).
+    Pass the same cache to every call of one layer: ``mha(x_t, x_t, x_t, cache=cache, causal=True)`` (another layer's
+    call is refused while it holds keys). Keys are stored after any query/key encoding (rotary) has been applied at
+    their own positions, so earlier entries never need recomputing; their positions, any ``key_padding_mask`` and any
+    ``document_ids`` (packed sequences) are stored beside them. Storage is allocated once, at the first call, for
+    ``max_len`` positions; the cache is meant for inference (wrap decoding in ``torch.no_grad()``).
 
-    With ``window=w`` (for a ``MultiHeadAttention(..., window=w)`` layer) only the last
-    ``w - 1`` keys are kept, the most a future query can see: memory is O(w) however long
-    the decoding runs, and ``max_len`` may be left out.
+    With ``window=w`` (for a ``MultiHeadAttention(..., window=w)`` layer) only the last ``w - 1`` keys are kept, the
+    most a future query can see: memory is O(w) however long the decoding runs, and ``max_len`` may be left out.
 
-    With ``sink_tokens=k`` as well, the first ``k`` keys of the sequence are kept forever
-    beside the last ``w - 1`` (StreamingLLM's attention sinks): a layer *without* a window
-    then attends to those ``k + w - 1`` keys and the new ones (causally among themselves), in
-    O(k + w) memory: decoding one token at a time, token ``t`` sees keys ``j < k`` and ``t - w < j <= t``. The
-    kept keys keep their own positions (rotary keys stay rotated at them); the keys dropped in
-    between are gone, so a layer with a window, chunks, or a call with a ``mask`` rule,
-    ``valid_lens`` or ``attn_mask`` (which read where keys sit in the sequence) refuses such a cache.
+    With ``sink_tokens=k`` as well, the first ``k`` keys of the sequence are kept forever beside the last ``w - 1``
+    (StreamingLLM's attention sinks): a layer *without* a window then attends to those ``k + w - 1`` keys and the new
+    ones (causally among themselves), in O(k + w) memory: decoding one token at a time, token ``t`` sees keys ``j < k``
+    and ``t - w < j <= t``. The kept keys keep their own positions (rotary keys stay rotated at them); the keys dropped
+    in between are gone, so a layer with a window, chunks, or a call with a ``mask`` rule, ``valid_lens`` or
+    ``attn_mask`` (which read where keys sit in the sequence) refuses such a cache.
 
-    A call that fails leaves the cache as it was: :meth:`update` checks everything before it
-    writes, and :class:`~selfattn.MultiHeadAttention` updates with ``commit=False`` and commits
-    only once attention has succeeded.
+    A call that fails leaves the cache as it was: :meth:`update` checks everything before it writes, and
+    :class:`~selfattn.MultiHeadAttention` updates with ``commit=False`` and commits only once attention has succeeded.
 
     Args:
         max_len: the most positions the cache will hold (without a window).
@@ -90,8 +85,7 @@ class KVCache:
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._shared_positions = True  # every append so far gave the same positions to every sequence
-        self._pending = 0
-        self._pending_shared = True
+        self._pending, self._pending_shared = 0, True
         # Stored entries from this index on hold their own index as position, not yet written (decoding
         # steps at consecutive positions write none: see write_step); None when every position is written.
         self._deferred_from: int | None = None
@@ -101,6 +95,11 @@ class KVCache:
         ) = None
         self.encoding_state: dict[str, object] = {}  # what a query/key encoding notes about the stored keys
         self._writer: weakref.ref[object] | None = None  # the layer whose keys these are (_cache_checks.claim)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled or deep-copied: no layer's until one writes to it, as :meth:`copy` (a weak reference won't
+        pickle)."""
+        return {**self.__dict__, "_writer": None}
 
     @property
     def stored(self) -> int:
@@ -143,8 +142,8 @@ class KVCache:
     def last_documents(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Document id and position of each sequence's newest stored key, ``(b,)`` each.
 
-        None unless the stored keys carry document ids. Kept even when a windowed cache has
-        dropped the key itself, so a new token knows whether it continues that document.
+        None unless the stored keys carry document ids. Kept even when a windowed cache has dropped the key itself,
+        so a new token knows whether it continues that document.
         """
         return self._last if self.has_documents else None
 
@@ -161,8 +160,8 @@ class KVCache:
     def update_keys(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace the stored keys ``(b, h, stored, dh)`` by ``transform(keys)``, in place (re-rotation).
 
-        A query/key encoding that does this notes how the keys are now encoded in
-        :attr:`encoding_state`, so a later call stays consistent even if the current one fails.
+        A query/key encoding that does this notes how the keys are now encoded in :attr:`encoding_state`, so a
+        later call stays consistent even if the current one fails.
         """
         if self._keys is not None and self.stored:
             self._keys[..., : self.stored, :] = transform(self._keys[..., : self.stored, :])
@@ -175,16 +174,16 @@ class KVCache:
         Args:
             keys: ``(b, h, l, dh)``, of the dtype and device of the keys already stored.
             values: ``(b, h, l, dv)``, the same ``l`` as ``keys``.
-            commit: with False, the new entries are returned with the stored ones, but
-                ``length`` advances only at :meth:`commit`; a caller whose later work fails
-                leaves the cache as it was (the next append overwrites them).
+            commit: with False, the new entries are returned with the stored ones, but ``length`` advances only
+                at :meth:`commit`; a caller whose later work fails leaves the cache as it was (the next append
+                overwrites them).
 
         Returns:
             ``(b, h, n, dh)`` keys and ``(b, h, n, dv)`` values.
 
         Raises:
-            ValueError: past ``max_len``, or keys/values that do not fit each other or what is
-                stored (shape, dtype, device); nothing is written then.
+            ValueError: past ``max_len``, or keys/values that do not fit each other or what is stored (shape,
+                dtype, device); nothing is written then.
         """
         seen = self.update(keys, values, commit=commit)
         return seen.keys, seen.values
@@ -201,8 +200,8 @@ class KVCache:
     ) -> CachedKeys:
         """:meth:`append` that also stores positions ``(l,)``/``(b, l)``, padding ``(b, l)`` and documents ``(b, l)``.
 
-        Positions default to ``length .. length + l - 1``. Document ids must be given on every
-        call of a cache that holds them, and on none of one that does not.
+        Positions default to ``length .. length + l - 1``. Document ids must be given on every call of a cache
+        that holds them, and on none of one that does not.
         """
         check_entries(keys, values, self._keys if self.length else None, self._values if self.length else None)
         self._write_deferred()

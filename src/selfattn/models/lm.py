@@ -255,10 +255,8 @@ class TransformerLM(NotScriptable, nn.Module):
         if self.input_encoding is not None:
             if positions is None:
                 x = self.input_encoding(x, offset=offset)
-            else:
-                # Rows 0..max of the table, gathered at the given positions: (l, d) or (b, l, d).
-                table = self.input_encoding(x.new_zeros(1, int(positions[..., -1].max()) + 1, self.num_hiddens))[0]
-                x = x + table[positions]
+            else:  # dropout(x + P[positions]), as the offset path: not x + dropout(P)[positions]
+                x = self.input_encoding(x, positions=positions)
         # Token i sits at positions[i]; the attention's encoding transforms queries and keys there itself.
         block_offset = offset if positions is None else None
         hidden = [x]
