@@ -168,3 +168,14 @@ def test_lm_errors() -> None:
         TransformerBlock(8, 2, 16)(torch.zeros(1, 3, 4))
     with pytest.raises(ValueError, match="ffn_hiddens"):
         TransformerBlock(8, 2, 0)
+
+
+@pytest.mark.parametrize("new_tokens", [0, 1, 3])
+def test_generate_keeps_the_prompt_s_id_dtype(new_tokens: int) -> None:
+    """An int32 prompt came back int32 with no new token and int64 with some."""
+    torch.manual_seed(0)
+    lm = TransformerLM(20, 16, 2, 1).eval()
+    prompt = torch.randint(0, 20, (2, 3), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    out = lm.generate(prompt, new_tokens)
+    assert out.dtype == torch.int32 and out.shape == (2, 3 + new_tokens)
+    assert torch.equal(out.long(), lm.generate(prompt.long(), new_tokens))

@@ -280,7 +280,7 @@ class TransformerLM(NotScriptable, nn.Module):
             max_new_tokens: tokens to append.
 
         Returns:
-            ``(b, l + max_new_tokens)``: the prompt followed by the argmax tokens.
+            ``(b, l + max_new_tokens)``: the prompt followed by the argmax tokens, in the prompt's dtype.
 
         The prompt goes through :meth:`forward` (and its hooks); each decoded token, an argmax id and
         so valid by construction, goes straight to the blocks without ``forward``'s range check, a
@@ -299,7 +299,7 @@ class TransformerLM(NotScriptable, nn.Module):
         out = [prompt]
         for step in range(max_new_tokens):
             next_token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (b, 1)
-            out.append(next_token)
+            out.append(next_token.to(prompt.dtype))  # the prompt's id dtype, as with no new token
             if step + 1 < max_new_tokens:
                 decoded = self._logits(next_token, None, caches[0].length, caches, None, False)  # an argmax: a valid id
                 assert isinstance(decoded, torch.Tensor)
