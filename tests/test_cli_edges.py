@@ -46,7 +46,17 @@ def assert_one_line_error(status: object, out: str, err: str, command: str, word
         (["encode", "--kind", "alibi", "--heads", "100000000", "-d", "100000000", "-o", "{tmp}/P.npy"], "would need"),
         (["encode", "--kind", "rotary", "-n", "100000000000", "-o", "{tmp}/P.npy"], "would need about"),
         (["encode", "--offset", "9223372036854775807", "-o", "{tmp}/P.npy"], "--offset must be at most 2**53"),
-        (["encode", "--offset", "99999999999999999999", "-o", "{tmp}/P.npy"], "--offset must be at most 2**53"),
+        (
+            ["encode", "--offset", "99999999999999999999", "-o", "{tmp}/P.npy"],
+            "argument --offset: must be at most 2**63",
+        ),
+        # past int64 they failed later, naming no flag; -n past 2**53 blamed --offset with a negative bound
+        (
+            ["rotary", "--head-dim", "8", "--context", "9223372036854775808"],
+            "argument --context: must be at most 2**63",
+        ),
+        (["study", "--quick", "--train-len", "99999999999999999999999", "--out", "{tmp}/s"], "argument --train-len"),
+        (["encode", "-n", "9007199254740994", "-d", "4", "-o", "{tmp}/P.npy"], "shape (9007199254740994, 4)"),
         (["encode", "--kind", "alibi", "--offset", "99999999999999999999", "-o", "{tmp}/P.npy"], "--offset"),
         (["plot", "-n", "1000000", "-o", "{tmp}/p.png"], "would need about"),
         (["plot", "-n", "1000000000000", "--figure", "table", "-o", "{tmp}/p.png"], "would need about"),

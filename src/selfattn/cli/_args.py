@@ -44,6 +44,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+#: The largest integer a flag takes: torch's int64 (a larger one failed later in a message naming no flag).
+_MAX_INT = 2**63 - 1
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -51,7 +55,7 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    return _at_most_int64(value, text)
 
 
 def non_negative_int(text: str) -> int:
@@ -61,6 +65,12 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return _at_most_int64(value, text)
+
+
+def _at_most_int64(value: int, text: str) -> int:
+    if value > _MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be at most 2**63 - 1 (torch's int64), got {text!r}")
     return value
 
 

@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     from selfattn.tour.family import encoding_table
 
     suffix = require_output("--output", args.output, _FORMATS).suffix.lower()
-    require_position("--offset", args.offset, args.num_steps)
     check_heads(args.kind, args.num_hiddens, args.heads)
-    check_size(args.kind, args.num_steps, args.num_hiddens, args.heads)
+    check_size(args.kind, args.num_steps, args.num_hiddens, args.heads)  # first: an -n this large is its size
+    require_position("--offset", args.offset, args.num_steps)
     options = {} if args.base is None else {"base": args.base}
     table = encoding_table(
         args.kind,
