@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import decimal
 import json
 import math
 from pathlib import Path
@@ -29,7 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "rotated pair: its wavelength in tokens before and after scaling, how much the scaling stretched it, how "
             "many turns it makes within the context, and whether it completes a turn at all. A second table measures, "
             "over the last positions of the context, the angle error when the angle is formed in each dtype (as most "
-            "implementations do) against selfattn's float64 angles rounded once to that dtype. --plot draws the "
+            "implementations do) and of selfattn's float64 angles rounded once to that dtype, both against the exact "
+            "angle of the float64 frequency (60-digit decimals). --plot draws the "
             "wavelengths."
         ),
         epilog="examples:\n  selfattn rotary --config config.json\n"
@@ -159,13 +161,30 @@ def _wrapped(diff: torch.Tensor) -> torch.Tensor:
     return torch.remainder(diff + math.pi, 2 * math.pi) - math.pi
 
 
+#: pi to 80 digits: angles are reduced modulo 2 pi exactly enough at any position a float64 holds (2**63 rad and more).
+_PI = "3.1415926535897932384626433832795028841971693993751058209749445923078164062862089986"
+
+
+def _reduced(angles: list[list[decimal.Decimal]]) -> torch.Tensor:
+    """float64 ``(l, r/2)``: each angle reduced to ``[-pi, pi]`` in 60-digit decimals, then rounded once. A float64
+    product or remainder of an angle near 2**53 rad is off by up to a radian itself: no reference for a float32."""
+    import torch
+
+    context = decimal.Context(prec=60, traps=[])  # an infinite angle (float16 past 65,504) becomes NaN
+    two_pi = context.multiply(2, decimal.Decimal(_PI))
+    return torch.tensor(
+        [[float(context.remainder_near(a, two_pi)) for a in row] for row in angles], dtype=torch.float64
+    )
+
+
 def angle_errors(encoding: Any, context: int) -> list[dict[str, Any]]:
     """Measured largest angle error over the last positions of the context, per dtype.
 
     ``in_dtype``: the angle ``position * frequency`` formed in that dtype (positions and
     frequencies cast to it first); ``selfattn``: each pair of a unit vector rotated by
     :meth:`RotaryPositionalEncoding.forward` in that dtype, its angle read back with atan2.
-    Both against the float64 angle; NaN where the dtype cannot hold the positions.
+    Both against the exact angle of the float64 frequency (:func:`_reduced`); NaN where the dtype cannot hold the
+    positions.
     """
     import torch
 
@@ -173,7 +192,10 @@ def angle_errors(encoding: Any, context: int) -> list[dict[str, Any]]:
 
     frequencies, _ = encoding.frequencies_at(context)
     positions = torch.arange(max(context - _MEASURED_POSITIONS, 0), context)  # (l,)
-    exact = positions.double()[:, None] * frequencies[None, :]  # (l, r/2)
+    # The exact angle of the float64 frequency at each integer position (Decimal of a float is exact): (l, r/2)
+    exact_frequencies = [decimal.Decimal(f) for f in frequencies.tolist()]
+    product = decimal.Context(prec=60).multiply
+    exact = _reduced([[product(decimal.Decimal(p), f) for f in exact_frequencies] for p in positions.tolist()])
     pairs = frequencies.shape[0]
     unit = torch.zeros(positions.shape[0], encoding.rotary_dim, dtype=torch.float64)
     unit[:, :pairs] = 1.0  # half-split: first feature of every pair
@@ -181,6 +203,7 @@ def angle_errors(encoding: Any, context: int) -> list[dict[str, Any]]:
     for name in _ERROR_DTYPES:
         dtype = getattr(torch, name)
         formed = (positions.to(dtype)[:, None] * frequencies.to(dtype)[None, :]).double()
+        formed = _reduced([[decimal.Decimal(a) for a in row] for row in formed.tolist()])  # inf stays inf: NaN below
         in_dtype = float(_wrapped(formed - exact).abs().max())
         rotated = _rotate_by_positions(
             unit.to(dtype), positions, frequencies, interleaved=False, rotary_dim=encoding.rotary_dim
@@ -218,7 +241,7 @@ def _print_tables(encoding: Any, context: int, rows: list[dict[str, Any]], error
     ]
     note = (
         f"angle errors: largest over positions {max(context - _MEASURED_POSITIONS, 0)}..{context - 1}, "
-        "measured against float64"
+        "measured against the exact angle of each float64 frequency"
     )
     try:
         from rich import box
