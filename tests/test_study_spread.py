@@ -140,3 +140,16 @@ def test_text_table_names_encodings_with_more_seeds_than_the_grid() -> None:
     assert "Seeds: 3 per encoding, except alibi 5." in text_table(uneven)
     even = {**uneven, "config": {**config, "seeds_by_encoding": {"rotary": 3, "alibi": 3}}}
     assert not any(line.startswith("Seeds:") for line in text_table(even))
+
+
+def test_the_report_names_no_best_where_the_summary_names_none(tmp_path: Path) -> None:
+    """study.html said "Best beyond the training lengths: none; not told apart from it by the seeds: alibi" (the
+    first label) where the terminal's summary, from the same results, names no best."""
+    from selfattn.study.report import _cell_texts
+
+    tied = _synthetic_runs({"none": [0.0, 0.0], "alibi": [0.0, 0.0]}, ["abc"])
+    _, ties = _cell_texts(summarize(tied))
+    assert set(ties.values()) == {"Beyond the training lengths the seeds tell no encoding apart from the others."}
+    apart = _synthetic_runs({"alibi": [0.50, 0.52, 0.48], "rotary": [0.0, 0.01, 0.02]}, ["abc"])
+    _, ties = _cell_texts(summarize(apart))
+    assert set(ties.values()) == {"Best beyond the training lengths: alibi; every other differs."}

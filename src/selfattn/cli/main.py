@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f": {error.filename!r}" if error.filename else ""
         stderr_line(f"selfattn {args.command}: error: {error.strerror or error}{where}")
     except (MemoryError, OverflowError) as error:
-        stderr_line(f"selfattn {args.command}: error: {type(error).__name__}: {error or 'out of memory'}")
+        stderr_line(f"selfattn {args.command}: error: {type(error).__name__}: {str(error) or 'out of memory'}")
     except RuntimeError as error:
         if _caused_by_interrupt(error):  # Ctrl-C in a class body of a lazy import: Python wraps it in a RuntimeError
             stderr_line(f"selfattn {args.command}: interrupted")

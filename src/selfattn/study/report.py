@@ -77,9 +77,12 @@ def _cell_texts(summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[dict[str
         seeds = {label: s["per_seed"]["beyond"] for label, s in by.items() if (s.get("per_seed") or {}).get("beyond")}
         if len(seeds) > 1:
             best, tied = best_and_ties(seeds, higher_is_better=True)
-            ties[task] = f"Best beyond the training lengths: {best}" + (
-                f"; not told apart from it by the seeds: {', '.join(tied)}." if tied else "; every other differs."
-            )
+            if len(tied) == len(seeds) - 1:  # as the terminal's summary: naming a best (a first label) claims one
+                ties[task] = "Beyond the training lengths the seeds tell no encoding apart from the others."
+            else:
+                ties[task] = f"Best beyond the training lengths: {best}" + (
+                    f"; not told apart from it by the seeds: {', '.join(tied)}." if tied else "; every other differs."
+                )
     return cells, ties
 
 

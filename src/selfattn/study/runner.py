@@ -184,7 +184,10 @@ def _deep_stack(out: Path, quick: bool, reuse: bool) -> dict[str, Any]:
 
     cached = out / "deep_stack.json"
     if reuse and cached.exists():
-        return dict(json.loads(cached.read_text()))
+        try:
+            return dict(json.loads(cached.read_text()))
+        except (TypeError, ValueError):  # a JSONDecodeError or UnicodeDecodeError is a ValueError
+            pass  # a damaged cache (written whole, so damaged outside the study): measured again below
     options: dict[str, Any] = {"depth": 4, "seeds": 1, "train_steps": 0} if quick else {}
     result = dict(measure_deep_stack(**options))
     write_json(cached, result)
@@ -231,7 +234,7 @@ def run_study(
     try:
         runs_dir, checkpoints, claims = prepare_runs_folder(out, {"study": config.as_dict()}, env, resume=resume)
         specs = grid.specs()
-        pending = [spec for spec in specs if not (runs_dir / f"{spec.key}.json").exists()]
+        pending = pending_runs(specs, runs_dir)
         env.barrier()  # every rank has listed the pending runs before any new one is written
         # Longest first: the runs left at the end are short, so the ranks finish close together.
         pending.sort(key=lambda spec: -_estimated_cost(spec, config))
@@ -278,7 +281,10 @@ def refuse_other_settings(config_file: Path, saved: dict[str, Any], folder: Path
     """Raise when ``config_file`` (an earlier call's) holds other settings than ``saved``, naming those that differ."""
     if not config_file.exists():
         return
-    before = json.loads(config_file.read_text())
+    try:
+        before = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"--resume: {config_file} cannot be read ({error}); remove it to start over") from None
     if before == saved:
         return
     changed = _differing(before, saved)
@@ -300,12 +306,33 @@ def _differing(before: Any, now: dict[str, Any]) -> list[str]:
     return sorted(changed)
 
 
+def pending_runs(specs: Sequence[RunSpec], runs_dir: Path) -> list[RunSpec]:
+    """The runs of ``specs`` with no record in ``runs_dir``. A record is written whole (atomically), so one that does
+    not read as its run's (damaged, or another file put there) is refused, naming it, rather than merged."""
+    pending = []
+    for spec in specs:
+        path = runs_dir / f"{spec.key}.json"
+        if not path.exists():
+            pending.append(spec)
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            record = error
+        expected = spec.as_dict()
+        if not isinstance(record, dict) or {key: record.get(key) for key in expected} != expected:
+            shown = f"({record})" if isinstance(record, Exception) else f"(not the record of run {spec.key})"
+            raise ValueError(f"{path} is not a finished run's record {shown}; remove it to run that run again")
+    return pending
+
+
 def prepare_runs_folder(
     out: Path, saved: dict[str, Any], env: _Distributed, *, resume: bool
 ) -> tuple[Path, Path, Path]:
     """``out/runs``, ``out/checkpoints`` and a fresh ``out/claims``, made by rank 0 with ``saved`` in ``out/config.json``.
 
-    Without ``resume`` earlier runs and checkpoints are cleared; with it, other settings than
+    Without ``resume`` earlier runs and checkpoints are cleared, and the results and report made from them (an
+    interrupted call would leave an earlier study's beside its own settings); with it, other settings than
     ``saved`` are refused (:func:`refuse_other_settings`). Every rank waits for rank 0.
     """
     runs_dir, checkpoints, claims = out / "runs", out / "checkpoints", out / "claims"
@@ -315,8 +342,10 @@ def prepare_runs_folder(
         if resume:
             refuse_other_settings(config_file, saved, out)
         else:
-            for folder in (runs_dir, checkpoints):
+            for folder in (runs_dir, checkpoints, out / "figures"):
                 shutil.rmtree(folder, ignore_errors=True)
+            for made in ("results.json", "study.html", "text.md"):
+                (out / made).unlink(missing_ok=True)
         runs_dir.mkdir(exist_ok=True)
         checkpoints.mkdir(exist_ok=True)
         shutil.rmtree(claims, ignore_errors=True)  # an earlier call's claims: no rank of it runs now

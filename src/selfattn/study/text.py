@@ -59,7 +59,14 @@ from selfattn.study.context_use import (
 from selfattn.study.corpus import VOCAB_SIZE, Corpus, load_corpus, split_corpus, stretch_name
 from selfattn.study.encodings import encoding_setting
 from selfattn.study.provenance import code_versions
-from selfattn.study.runner import ProgressFactory, _claim, _Distributed, prepare_runs_folder, train_pending
+from selfattn.study.runner import (
+    ProgressFactory,
+    _claim,
+    _Distributed,
+    pending_runs,
+    prepare_runs_folder,
+    train_pending,
+)
 from selfattn.study.text_tables import summarize_text_runs, text_figures, text_table
 from selfattn.study.training import (
     ENCODINGS,
@@ -580,7 +587,7 @@ def run_text_study(
     try:
         runs_dir, checkpoints, claims = prepare_runs_folder(out, {"text": config.as_dict()}, env, resume=resume)
         specs = [RunSpec("text", encoding, seed) for encoding in encodings for seed in range(seeds)]
-        pending = [spec for spec in specs if not (runs_dir / f"{spec.key}.json").exists()]
+        pending = pending_runs(specs, runs_dir)
         env.barrier()
         shared = data_parallel or env.world == 1
         mine = iter(pending) if shared else (spec for spec in pending if _claim(claims, spec))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -500,7 +501,10 @@ def _save_checkpoint(
 def _load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, average: AveragedModel | None
 ) -> _State:
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as error:  # a file damaged outside the study
+        raise ValueError(f"checkpoint {path} cannot be read ({error}); remove it to start that run over") from None
     if (average is None) != (payload.get("average") is None):
         raise ValueError(f"checkpoint {path} was written with another ema_decay setting; remove it to start over")
     model.load_state_dict(payload["model"])
