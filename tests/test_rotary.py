@@ -201,7 +201,7 @@ def test_gradients_flow_through_the_rotation():
         ({"scaling": "yarn"}, "scaling 'yarn' needs original_max_position_embeddings"),
         ({"scaling": "linear", "scaling_factor": 0.5}, "scaling_factor must be a number >= 1"),
         ({"scaling_factor": 2.0}, "needs scaling="),
-        ({"frequencies": torch.ones(3)}, r"frequencies must have shape \(4,\)"),
+        ({"frequencies": torch.ones(3)}, r"frequencies must be a tensor of shape \(4,\)"),
     ],
 )
 def test_bad_options(kwargs, match):

@@ -74,7 +74,7 @@ from selfattn._validation import require_bool, require_positive_int, require_pro
 from selfattn.core.call import AttentionCall
 from selfattn.functional._block_common import ScoreTerm, choose_block_size
 from selfattn.functional._dropout_masks import dropout_keep_probability
-from selfattn.functional._kernels import _check_valid_lens
+from selfattn.functional._kernels import _check_groups, _check_shapes, _check_valid_lens, _scale
 from selfattn.masks import ValidLengths, Visibility, dense
 from selfattn.masks import causal as causal_rule
 
@@ -135,13 +135,15 @@ def blockwise_attention(
         block_size = require_positive_int("block_size", block_size)
     if valid_lens is not None:
         _check_valid_lens(valid_lens)  # whole numbers, not negative; the call checks the batch and queries
-        valid_lens = valid_lens.long()
     num_queries, num_keys = q.shape[-2], k.shape[-2]
+    if valid_lens is not None:
+        valid_lens = valid_lens.clamp(max=num_keys).long()  # a whole float past int64's range sees every key
     rules = [
         causal_rule() if causal else None,
         None if valid_lens is None else ValidLengths(valid_lens.to(q.device)),
         None if mask is None else dense(mask.reshape(1, -1) if mask.dim() < 2 else mask),
     ]
+    scale = None if scale is None else _scale(scale, q.shape[-1])  # positive and finite, as attention's
     call = AttentionCall.of_heads(
         q, k, v, Visibility.lower_right(num_queries, num_keys, *rules), q_positions=q_positions,
         k_positions=k_positions, term=term, dropout_p=dropout_p, scale=scale, block_size=block_size,
@@ -163,8 +165,8 @@ def _check_inputs(
         raise ValueError(
             f"q, k and v must have shape (batch, heads, length, features), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"q, k, v do not fit together: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    _check_shapes(q, k, v)  # as attention: sizes, the batch, one dtype and device
+    _check_groups(q, k, v)
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool):
         raise ValueError(
             f"mask must be a bool tensor (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"

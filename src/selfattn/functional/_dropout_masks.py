@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from selfattn._validation import require_probability
 from selfattn.functional._block_common import _Workspace
 
 __all__ = ["dropout_keep_probability"]
@@ -20,7 +21,7 @@ __all__ = ["dropout_keep_probability"]
 
 def dropout_keep_probability(p: float) -> float:
     """The keep probability blockwise dropout really uses: ``1 - p`` with ``p`` on a ``2**-16`` grid."""
-    return (65536 - _drop_units(p)) / 65536
+    return (65536 - _drop_units(require_probability("p", p))) / 65536
 
 
 def _drop_units(p: float) -> int:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import selfattn._validation as _validation
 from selfattn._validation import (
     ArgumentTypeError,
+    require_bool,
     require_floating,
     require_non_negative_int,
     require_positive_finite,
@@ -47,10 +48,9 @@ _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 def causal_mask(num_queries: int, num_keys: int, *, device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean ``(lq, lk)`` mask, True where query ``i`` may attend key ``j``.
 
-    The queries are taken to be the *last* ``lq`` positions of the ``lk`` keys (lower-right
-    alignment), so query ``i`` sees keys ``j <= i + lk - lq``. With ``lq == lk`` this is the
-    usual lower-triangular mask; with fewer queries than keys (decoding against cached keys)
-    the newest query sees every key.
+    The queries are taken to be the *last* ``lq`` positions of the ``lk`` keys (lower-right alignment), so query ``i``
+    sees keys ``j <= i + lk - lq``. With ``lq == lk`` this is the usual lower-triangular mask; with fewer queries than
+    keys (decoding against cached keys) the newest query sees every key.
     """
     num_queries = require_non_negative_int("num_queries", num_queries)
     num_keys = require_non_negative_int("num_keys", num_keys)
@@ -77,7 +77,8 @@ def valid_lens_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
         ValueError: lengths that are negative, fractional, not integers or not 1-D/2-D.
     """
     _check_valid_lens(valid_lens)
-    return _valid_lens_mask(valid_lens.long(), require_non_negative_int("num_keys", num_keys))  # whole floats too
+    num_keys = require_non_negative_int("num_keys", num_keys)
+    return _valid_lens_mask(valid_lens.clamp(max=num_keys).long(), num_keys)  # whole floats, past int64's range too
 
 
 def _check_valid_lens(valid_lens: torch.Tensor) -> None:
@@ -88,8 +89,8 @@ def _check_valid_lens(valid_lens: torch.Tensor) -> None:
         raise ArgumentTypeError(f"valid_lens must hold integer lengths, got dtype {valid_lens.dtype}")
     if _validation.is_compiling():
         return  # values are not read in a graph (a host read each), as the layer's own lengths
-    if valid_lens.is_floating_point() and not bool((valid_lens == valid_lens.round()).all()):
-        raise ValueError(f"valid_lens must hold whole numbers, got {valid_lens.tolist()}")
+    if valid_lens.is_floating_point() and not bool(((valid_lens == valid_lens.round()) & valid_lens.isfinite()).all()):
+        raise ValueError(f"valid_lens must hold whole finite numbers, got {valid_lens.tolist()}")
     if bool((valid_lens < 0).any()):
         raise ValueError(f"valid_lens must not be negative, got {valid_lens.tolist()}")
 
@@ -278,10 +279,9 @@ def _prepare(
 class _TwiceDifferentiable(torch.autograd.Function):
     """The fused kernel forward and backward, and a math-kernel backward when a graph of the grads is wanted.
 
-    PyTorch's fused attention backward has no derivative of its own, so ``create_graph=True``
-    (gradient penalties, meta-learning, Hessian-vector products) would fail. Here the fused
-    kernel's own graph serves ordinary backward passes; a backward run with grad mode on
-    recomputes through the math kernel, whose every op is differentiable.
+    PyTorch's fused attention backward has no derivative of its own, so ``create_graph=True`` (gradient penalties,
+    meta-learning, Hessian-vector products) would fail. Here the fused kernel's own graph serves ordinary backward
+    passes; a backward run with grad mode on recomputes through the math kernel, whose every op is differentiable.
     """
 
     @staticmethod
@@ -383,9 +383,8 @@ def _fused_kernel(
 ) -> torch.Tensor:
     """PyTorch's fused kernel on checked inputs, ``(b, h, lq, dv)``; a NaN or inf query gives a NaN row.
 
-    ``attn_mask`` is passed as it is (bool, True = attend, or float added to the scores), so a
-    broadcast float mask reaches the kernel without being converted or copied. No row may be
-    empty: :func:`attention` frees them first.
+    ``attn_mask`` is passed as it is (bool, True = attend, or float added to the scores), so a broadcast float mask
+    reaches the kernel without being converted or copied. No row may be empty: :func:`attention` frees them first.
     """
     grouped = _check_groups(q, k, v)
     if grouped and not _SDPA_HAS_GQA:
@@ -431,12 +430,13 @@ def attention_weights(
 ) -> torch.Tensor:
     """The weights ``softmax(q k^T * scale + bias)``, ``(b, h, lq, lk)``; see :func:`attention`.
 
-    Rows whose keys are all masked are zeros. The scores and the softmax are computed in at
-    least float32 (as the fused kernels do), and the weights returned in the dtype of ``q``.
-    With ``softcap`` each logit becomes ``softcap * tanh(logit / softcap)`` before the mask;
-    with ``sinks`` (``(h,)``) each head's sink logit joins the softmax's denominator, so a
-    row sums to less than 1.
+    Rows whose keys are all masked are zeros. The scores and the softmax are computed in at least float32 (as the fused
+    kernels do), and the weights returned in the dtype of ``q``. With ``softcap`` each logit becomes ``softcap *
+    tanh(logit / softcap)`` before the mask; with ``sinks`` (``(h,)``) each head's sink logit joins the softmax's
+    denominator, so a row sums to less than 1.
     """
+    causal = require_bool("causal", causal)  # as attention checks them: a softcap of 0 gave even weights
+    softcap, sinks = check_softcap_and_sinks(softcap, sinks, q)
     mask, bias, empty_rows, _, scale = _prepare(q, k, k, mask, bias, causal, scale, fused=False)
     k = _repeat_kv(q, k)
     compute_dtype = torch.promote_types(q.dtype, torch.float32)

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from selfattn._validation import require_positive_int
+from selfattn._validation import require_bool, require_positive_int
 
 __all__ = ["alibi_slopes", "relative_distances", "relative_shift", "t5_relative_bucket"]
 
@@ -22,7 +22,12 @@ def relative_distances(q_positions: torch.Tensor, k_positions: torch.Tensor) -> 
     mix); the result is int64 ``(lq, lk)``, or ``(b, lq, lk)`` when either is per sequence.
     """
     for name, positions in (("q_positions", q_positions), ("k_positions", k_positions)):
-        if not isinstance(positions, torch.Tensor) or positions.dim() not in (1, 2) or positions.is_floating_point():
+        if (
+            not isinstance(positions, torch.Tensor)
+            or positions.dim() not in (1, 2)
+            or positions.is_floating_point()
+            or positions.dtype == torch.bool  # a mask passed where positions go
+        ):
             got = getattr(positions, "dtype", positions)
             raise ValueError(f"{name} must be a (length,) or (batch, length) integer tensor, got {got!r}")
     return k_positions.long()[..., None, :] - q_positions.long()[..., :, None]  # (lq, lk) or (b, lq, lk)
@@ -61,6 +66,7 @@ def t5_relative_bucket(
         raise ValueError(f"relative_position must be an integer tensor, got {got!r}")
     num_buckets = require_positive_int("num_buckets", num_buckets)
     max_distance = require_positive_int("max_distance", max_distance)
+    bidirectional = require_bool("bidirectional", bidirectional)
     half = num_buckets // 2 if bidirectional else num_buckets
     max_exact = half // 2
     if max_exact < 1:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from selfattn._validation import require_positive_int
+from selfattn._validation import require_bool, require_positive_int
 from selfattn.functional._rotary_scaling import (
     RotaryParameters,
     check_partial_rotary_factor,
@@ -275,6 +275,7 @@ def apply_rotary(
         ``(..., l, d)`` in ``x``'s dtype.
     """
     _check_rotary_inputs(x, positions)
+    interleaved = require_bool("interleaved", interleaved)  # a string read as True paired the wrong features
     features = x.shape[-1]
     rotary_dim = features if rotary_dim is None else require_positive_int("rotary_dim", rotary_dim)
     if rotary_dim > features:
@@ -287,9 +288,13 @@ def apply_rotary(
         frequencies = params.frequencies
         if attention_factor is None:
             attention_factor = params.attention_factor
-    elif frequencies.shape != (rotary_dim // 2,) or rotary_dim % 2:
-        got = tuple(frequencies.shape)
-        raise ValueError(f"frequencies must have shape ({rotary_dim // 2},) for rotary_dim={rotary_dim}, got {got}")
+    elif rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even (features are rotated in pairs), got {rotary_dim}")
+    elif not isinstance(frequencies, torch.Tensor) or frequencies.shape != (rotary_dim // 2,):
+        got = tuple(frequencies.shape) if isinstance(frequencies, torch.Tensor) else type(frequencies).__name__
+        raise ValueError(
+            f"frequencies must be a tensor of shape ({rotary_dim // 2},) for rotary_dim={rotary_dim}, got {got}"
+        )
     if attention_factor is None:
         attention_factor = 1.0
     elif (
@@ -331,6 +336,8 @@ def apply_axial_rotary(
             f"coordinates must be an integer tensor of shape (length, axes), got {getattr(coordinates, 'shape', coordinates)!r}"
         )
     axes = coordinates.shape[-1]
+    if axes == 0:
+        raise ValueError(f"coordinates must have at least one axis, got shape {tuple(coordinates.shape)}")
     features = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else 0
     block = 2 * (features // (2 * axes))
     if block == 0:
