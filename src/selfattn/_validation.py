@@ -56,7 +56,9 @@ def require_position(name: str, value: object, count: int = 1) -> int:
     """A first position ``value`` such that ``value .. value + count - 1`` are exact in float64."""
     value = require_non_negative_int(name, value)
     if count - 1 > MAX_EXACT_POSITION:  # the count alone passes it: no first position would do
-        raise ValueError(f"{count} positions from {name} {value} pass 2**53 (positions past it are not exact in float64)")
+        raise ValueError(
+            f"{count} positions from {name} {value} pass 2**53 (positions past it are not exact in float64)"
+        )
     if value + count - 1 > MAX_EXACT_POSITION:
         raise ValueError(
             f"{name} must be at most 2**53 - {count - 1} (positions past 2**53 are not exact in float64), got {value}"
