@@ -23,14 +23,14 @@ from selfattn.functional._dropout_masks import dropout_keep_probability
 
 def test_valid_lengths_past_int64_see_every_key_and_an_infinite_one_is_refused() -> None:
     """inf, 1e20 and 2.0**63 became int64's lowest through .long(): every key hidden, blockwise's output zeros."""
-    with pytest.raises(ValueError, match=r"valid_lens must hold whole finite numbers, got \[inf\]"):
+    with pytest.raises(ValueError, match=r"valid_lens must hold whole numbers, got \[inf\]"):
         valid_lens_mask(torch.tensor([math.inf]), 4)
     assert valid_lens_mask(torch.tensor([1e20, 2.0**63]), 4).all()
     q = torch.randn(2, 2, 3, 4, dtype=torch.float64)
     torch.testing.assert_close(
         blockwise_attention(q, q, q, valid_lens=torch.tensor([1e20, 2.0**63])), attention(q, q, q)
     )
-    with pytest.raises(ValueError, match="whole finite numbers"):
+    with pytest.raises(ValueError, match="whole numbers"):
         blockwise_attention(q, q, q, valid_lens=torch.tensor([math.inf, 3.0]))
 
 

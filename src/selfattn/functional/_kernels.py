@@ -90,7 +90,7 @@ def _check_valid_lens(valid_lens: torch.Tensor) -> None:
     if _validation.is_compiling():
         return  # values are not read in a graph (a host read each), as the layer's own lengths
     if valid_lens.is_floating_point() and not bool(((valid_lens == valid_lens.round()) & valid_lens.isfinite()).all()):
-        raise ValueError(f"valid_lens must hold whole finite numbers, got {valid_lens.tolist()}")
+        raise ValueError(f"valid_lens must hold whole numbers, got {valid_lens.tolist()}")
     if bool((valid_lens < 0).any()):
         raise ValueError(f"valid_lens must not be negative, got {valid_lens.tolist()}")
 
