@@ -14,19 +14,24 @@ def _state(module):
     return {name: t.detach().clone() for name, t in [*module.named_parameters(), *module.named_buffers()]}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_meta_then_reset_equals_normal_construction(name):
-    torch.manual_seed(0)
-    normal = build(name, num_hiddens=D, num_heads=H)
-    meta = build(name, num_hiddens=D, num_heads=H, device="meta")
+def _assert_meta_then_reset_repeats(make, seed=0):
+    """``make(device=None)`` built normally equals it built on meta, materialized and reset with the same seed."""
+    torch.manual_seed(seed)
+    normal = make()
+    meta = make("meta")
     assert all(t.is_meta for t in _state(meta).values())
     meta.to_empty(device="cpu")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     meta.reset_parameters()
     expected, got = _state(normal), _state(meta)
     assert got.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_meta_then_reset_equals_normal_construction(name):
+    _assert_meta_then_reset_repeats(lambda device=None: build(name, num_hiddens=D, num_heads=H, device=device))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -74,13 +79,4 @@ def test_meta_then_reset_repeats_a_layer_built_with_its_own_and_given_parts():
         given = {"gate": OutputGate(D, H, D // H, device=device)}
         return MultiHeadAttention(D, H, position=position, parts=given, qk_norm=True, device=device)
 
-    torch.manual_seed(5)
-    normal = layer()
-    meta = layer("meta")
-    meta.to_empty(device="cpu")
-    torch.manual_seed(5)
-    meta.reset_parameters()
-    expected, got = _state(normal), _state(meta)
-    assert got.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], atol=0, rtol=0, msg=key)
+    _assert_meta_then_reset_repeats(layer, seed=5)

@@ -208,8 +208,9 @@ class MultiHeadAttention(NotScriptable, nn.Module):
         With the same seed this repeats a normal construction, so meta-device modules can be
         materialized with ``to_empty()`` and this method.
         """
-        names = [name for name in self._modules if any(name in self.part_names[slot] for slot in SLOTS)]
-        given, own = ([self._modules[n] for n in names if (n in KEYWORD_PARTS) == keyword] for keyword in (False, True))
+        names = [name for name in self._modules if any(name in self.part_names[slot] for slot in SLOTS)]  # in order
+        given = [self._modules[name] for name in names if name not in KEYWORD_PARTS]
+        own = [self._modules[name] for name in names if name in KEYWORD_PARTS]
         for layer in (self.position, *given, self.W_q, self.W_k, self.W_v, self.W_o, *own):
             reset_layer = getattr(layer, "reset_parameters", None)
             if callable(reset_layer):

@@ -304,12 +304,10 @@ def _trained_length_fields(rotary: RotaryPositionalEncoding) -> dict[str, int]:
     from ``max_position_embeddings``, Phi-3's ``longrope`` from ``original_max_position_embeddings`` (its default,
     4,096, wins over the dict's): without them a rebuilt model scales otherwise past that length."""
     config = rotary.scaling_config
-    trained = None if config is None else config.original_max_position_embeddings
-    if trained is None or config is None:
+    if config is None or config.original_max_position_embeddings is None:
         return {}
-    if config.rope_type == "dynamic":
-        return {"max_position_embeddings": trained}
-    return {"original_max_position_embeddings": trained} if config.rope_type == "longrope" else {}
+    name = {"dynamic": "max_position_embeddings", "longrope": "original_max_position_embeddings"}.get(config.rope_type)
+    return {} if name is None else {name: config.original_max_position_embeddings}
 
 
 def to_transformers_config(module: nn.Module) -> dict[str, Any]:

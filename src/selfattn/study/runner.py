@@ -318,11 +318,15 @@ def pending_runs(specs: Sequence[RunSpec], runs_dir: Path) -> list[RunSpec]:
         try:
             record = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            record = error
+            raise ValueError(
+                f"{path} is not a finished run's record ({error}); remove it to run that run again"
+            ) from None
         expected = spec.as_dict()
         if not isinstance(record, dict) or {key: record.get(key) for key in expected} != expected:
-            shown = f"({record})" if isinstance(record, Exception) else f"(not the record of run {spec.key})"
-            raise ValueError(f"{path} is not a finished run's record {shown}; remove it to run that run again")
+            raise ValueError(
+                f"{path} is not a finished run's record (not the record of run {spec.key}); remove it to run that "
+                "run again"
+            )
     return pending
 
 
