@@ -81,11 +81,11 @@ def test_a_base_scaling_of_one_rotated_pair_is_refused(
 def test_flags_and_finite_numbers_of_the_score_and_key_encodings() -> None:
     with pytest.raises(ValueError, match="bidirectional must be True or False, got str 'no'"):
         T5RelativePositionBias(2, bidirectional="no")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="threshold must be a finite positive number, got inf"):
+    with pytest.raises(ValueError, match="threshold must be a positive finite number, got inf"):
         FIREPositionalBias(2, hidden_size=4, threshold=math.inf)  # every distance normalised to 0: a constant bias
-    with pytest.raises(ValueError, match="scale_base must be a finite positive number, got inf"):
+    with pytest.raises(ValueError, match="scale_base must be a positive finite number, got inf"):
         XPosEncoding(8, scale_base=math.inf)  # accepted, then every call raised OverflowError
-    with pytest.raises(ValueError, match="attention_factor must be a finite positive number, got inf"):
+    with pytest.raises(ValueError, match="attention_factor must be a positive finite number, got inf"):
         apply_rotary(torch.ones(2, 4), torch.arange(2), attention_factor=math.inf)  # gave inf and NaN
 
 

@@ -556,7 +556,7 @@ def test_other_bad_options():
         rotary_frequencies(8, scaling={"rope_type": "linear", "factor": 2.0}, scaling_factor=2.0)
     with pytest.raises(ValueError, match="seq_len must be a positive integer"):
         rotary_frequencies(8, scaling={"rope_type": "linear", "factor": 2.0}, seq_len=0)
-    with pytest.raises(ValueError, match="attention_factor must be a finite positive number"):
+    with pytest.raises(ValueError, match="attention_factor must be a positive finite number"):
         apply_rotary(torch.randn(2, 8), torch.arange(2), attention_factor=0.0)
     with pytest.raises(ValueError, match="cached_keys must be 'rerotate' or 'keep'"):
         RotaryPositionalEncoding(8, cached_keys="drop")

@@ -122,7 +122,7 @@ def test_xpos_refuses_positions_whose_scales_leave_the_dtype():
         xpos(torch.randn(1, 8).half(), torch.tensor([3000]), keys=True)
     with pytest.raises(ValueError, match="head_dim must be even"):
         XPosEncoding(7)
-    with pytest.raises(ValueError, match="scale_base must be a finite positive number"):
+    with pytest.raises(ValueError, match="scale_base must be a positive finite number"):
         XPosEncoding(8, scale_base=0)
 
 

@@ -14,13 +14,12 @@ Shape legend: ``...`` any leading dimensions, l positions, d features, r rotated
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 
-from selfattn._validation import require_bool, require_positive_int
+from selfattn._validation import require_bool, require_positive_finite, require_positive_int
 from selfattn.functional._rotary_scaling import (
     RotaryParameters,
     check_partial_rotary_factor,
@@ -297,12 +296,8 @@ def apply_rotary(
         )
     if attention_factor is None:
         attention_factor = 1.0
-    elif (
-        isinstance(attention_factor, bool)
-        or not isinstance(attention_factor, (int, float))
-        or not 0 < attention_factor < math.inf
-    ):
-        raise ValueError(f"attention_factor must be a finite positive number, got {attention_factor!r}")
+    else:
+        attention_factor = require_positive_finite("attention_factor", attention_factor)
     return _rotate_by_positions(
         x, positions, frequencies, interleaved=interleaved, rotary_dim=rotary_dim, magnitude=float(attention_factor)
     )

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn._validation import require_positive_int
+from selfattn._validation import require_positive_finite, require_positive_int
 from selfattn.positional.base import ScoreEncoding
 
 __all__ = ["FIREPositionalBias"]
@@ -62,9 +61,7 @@ class FIREPositionalBias(ScoreEncoding):
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.num_heads = require_positive_int("num_heads", num_heads)
         self.hidden_size = require_positive_int("hidden_size", hidden_size)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
-            raise ValueError(f"threshold must be a finite positive number, got {threshold!r}")
-        self.initial_threshold = float(threshold)
+        self.initial_threshold = require_positive_finite("threshold", threshold)
         self.mlp = nn.Sequential(
             nn.Linear(1, self.hidden_size, **factory), nn.ReLU(), nn.Linear(self.hidden_size, self.num_heads, **factory)
         )

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from selfattn._validation import require_positive_finite
 from selfattn.functional._rotary import (
     _check_rotary_inputs,
     _require_rotary_dim,
@@ -63,8 +64,7 @@ class XPosEncoding(KeepsTablePrecision, QueryKeyEncoding):
     ) -> None:
         super().__init__()
         self.head_dim = _require_rotary_dim(head_dim, "head_dim")
-        if isinstance(scale_base, bool) or not isinstance(scale_base, (int, float)) or not 0 < scale_base < math.inf:
-            raise ValueError(f"scale_base must be a finite positive number, got {scale_base!r}")
+        require_positive_finite("scale_base", scale_base)
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma < math.inf:
             raise ValueError(f"gamma must be a positive number, got {gamma!r}")
         self.base = float(base)

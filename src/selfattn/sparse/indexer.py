@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfattn._mask_checks import _shown
 from selfattn._validation import require_positive_int
 from selfattn.latent.scaling import HeadLogScaling
 from selfattn.sparse.cache import IndexerKeyCache
@@ -360,8 +361,3 @@ def _one_query_index(queries: torch.Tensor, weights: torch.Tensor, keys: torch.T
     """
     scores = torch.bmm(keys, queries.transpose(1, 2)).relu_()  # (b, T, H)
     return torch.bmm(scores, weights[..., None]).transpose(1, 2)  # (b, 1, T)
-
-
-def _shown(value: object) -> str:
-    """A value for an error message: a tensor's dtype and shape, else its type."""
-    return f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
